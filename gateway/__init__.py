@@ -1,0 +1,1 @@
+"""The service: transport, admission, scheduling, model repository, CLI."""

@@ -1,0 +1,230 @@
+"""ModelInferRequest -> numpy arrays, and numpy arrays -> ModelInferResponse, checked against the
+model's config.
+
+Raw inputs become numpy views of the request's bytes (no copy). Every refusal names the input
+and what was expected, so a client can fix its request from the message alone.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from gateway import dtypes
+from gateway.errors import GatewayError, Kind, invalid
+from gateway.repository import ModelSpec, TensorSpec
+from proto.inference.v2 import grpc_service_pb2 as pb
+
+_LEN = struct.Struct("<I")
+
+
+def deserialize_bytes(buf: bytes, count: int, name: str) -> np.ndarray:
+    """Triton's raw BYTES layout: per element a 4-byte little-endian length, then the bytes."""
+    out = np.empty(count, dtype=object)
+    view = memoryview(buf)
+    pos = 0
+    for i in range(count):
+        if pos + 4 > len(buf):
+            raise invalid(
+                f"input '{name}': raw BYTES contents end after {i} of {count} elements "
+                "(each element is a 4-byte little-endian length followed by its bytes)"
+            )
+        (n,) = _LEN.unpack_from(buf, pos)
+        pos += 4
+        if pos + n > len(buf):
+            raise invalid(f"input '{name}': raw BYTES element {i} claims {n} bytes but only {len(buf) - pos} remain")
+        out[i] = bytes(view[pos : pos + n])
+        pos += n
+    if pos != len(buf):
+        raise invalid(f"input '{name}': raw BYTES contents hold {len(buf) - pos} bytes beyond {count} elements")
+    return out
+
+
+def serialize_bytes(arr: np.ndarray) -> bytes:
+    parts = []
+    for item in arr.reshape(-1):
+        b = item if isinstance(item, bytes) else str(item).encode()
+        parts.append(_LEN.pack(len(b)))
+        parts.append(b)
+    return b"".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class _Range:
+    low: float
+    high: float  # exclusive
+
+
+class Codec:
+    """Per-model decoder/encoder; built once at load so the per-call path only looks things up."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.version = spec.version
+        self.batched = spec.batched
+        self.max_batch_size = spec.max_batch_size
+        self.inputs = {t.name: t for t in spec.inputs}
+        self.outputs = {t.name: t for t in spec.outputs}
+        self.expected = ", ".join(f"{t.name} ({t.datatype} {t.shape_text(self.batched)})" for t in spec.inputs)
+        # batchgate's own per-input limits from config.pbtxt `parameters`:
+        #   input_range.<input> = "low:high"  values must lie in [low, high)
+        #   max_dim.<input>     = "N"         every variable (-1) dim at most N
+        self.ranges: dict[str, _Range] = {}
+        self.max_dim: dict[str, int] = {}
+        for t in spec.inputs:
+            text = spec.parameter(f"input_range.{t.name}")
+            if text:
+                low, _, high = text.partition(":")
+                self.ranges[t.name] = _Range(float(low), float(high))
+            text = spec.parameter(f"max_dim.{t.name}")
+            if text:
+                self.max_dim[t.name] = int(text)
+
+    # -- decode -------------------------------------------------------------------------------
+
+    def decode(self, req: pb.ModelInferRequest) -> tuple[dict[str, np.ndarray], int]:
+        """Return the input arrays by name and the number of rows (1 for an unbatched model)."""
+        tensors = req.inputs
+        raw = req.raw_input_contents
+        if raw and len(raw) != len(tensors):
+            raise invalid(
+                f"model '{self.name}': raw_input_contents has {len(raw)} entries for {len(tensors)} inputs; "
+                "send one entry per input, in the order of `inputs`"
+            )
+        arrays: dict[str, np.ndarray] = {}
+        rows = -1
+        for i, t in enumerate(tensors):
+            spec = self.inputs.get(t.name)
+            if spec is None:
+                raise invalid(
+                    f"model '{self.name}' has no input named '{t.name}'; expected inputs: {self.expected}"
+                )
+            if t.name in arrays:
+                raise invalid(f"input '{t.name}' is given more than once")
+            shape = self._check_shape(t, spec)
+            if self.batched:
+                if rows == -1:
+                    rows = shape[0]
+                elif shape[0] != rows:
+                    raise invalid(
+                        f"input '{t.name}' has batch size {shape[0]} but an earlier input has {rows}; "
+                        "all inputs must have the same first dim"
+                    )
+            arrays[t.name] = self._array(t, spec, shape, raw[i] if raw else None)
+        if len(arrays) != len(self.inputs):
+            missing = [n for n in self.inputs if n not in arrays]
+            raise invalid(
+                f"model '{self.name}': missing input(s) "
+                + ", ".join(f"'{n}' ({self.inputs[n].datatype} {self.inputs[n].shape_text(self.batched)})" for n in missing)
+            )
+        for name, rng in self.ranges.items():
+            a = arrays[name]
+            if a.size and (a.min() < rng.low or a.max() >= rng.high):
+                raise invalid(
+                    f"input '{name}' has values outside [{rng.low:g}, {rng.high:g}) "
+                    f"(min {a.min()}, max {a.max()})"
+                )
+        return arrays, (rows if self.batched else 1)
+
+    def _check_shape(self, t: pb.ModelInferRequest.InferInputTensor, spec: TensorSpec) -> tuple[int, ...]:
+        shape = tuple(t.shape)
+        if t.datatype != spec.datatype:
+            raise invalid(f"input '{t.name}' has datatype {t.datatype or '(empty)'}; model '{self.name}' expects {spec.datatype}")
+        want = ((-1,) + spec.dims) if self.batched else spec.dims
+        ok = len(shape) == len(want) and all(d >= 0 and (w == -1 or d == w) for d, w in zip(shape, want))
+        if not ok or (self.batched and shape[0] < 1) or any(d == 0 for d in shape[1:]):
+            raise invalid(f"input '{t.name}' has shape {list(shape)}; model '{self.name}' expects {list(want)}")
+        limit = self.max_dim.get(t.name)
+        if limit is not None:
+            dims = shape[1:] if self.batched else shape
+            if any(d > limit and w == -1 for d, w in zip(dims, spec.dims)):
+                raise invalid(f"input '{t.name}' has shape {list(shape)}; its variable dims may be at most {limit}")
+        if self.batched and shape[0] > self.max_batch_size:
+            raise invalid(
+                f"input '{t.name}' has {shape[0]} rows; model '{self.name}' takes at most "
+                f"max_batch_size={self.max_batch_size} per request"
+            )
+        return shape
+
+    def _array(self, t, spec: TensorSpec, shape: tuple[int, ...], raw: bytes | None) -> np.ndarray:
+        count = math.prod(shape)
+        dtype = spec.dtype
+        if raw is not None:
+            if t.HasField("contents"):
+                raise invalid(f"input '{t.name}' has both typed contents and raw_input_contents; send one")
+            if spec.datatype == "BYTES":
+                return deserialize_bytes(raw, count, t.name).reshape(shape)
+            need = count * dtype.itemsize
+            if len(raw) != need:
+                raise invalid(
+                    f"input '{t.name}': raw_input_contents holds {len(raw)} bytes; shape {list(shape)} of "
+                    f"{spec.datatype} needs {need}"
+                )
+            return np.frombuffer(raw, dtype=dtype).reshape(shape)
+        field = dtypes.CONTENTS_FIELD.get(spec.datatype)
+        if field is None:
+            raise invalid(f"input '{t.name}': {spec.datatype} can only be sent as raw_input_contents")
+        values = getattr(t.contents, field)
+        if len(values) != count:
+            raise invalid(
+                f"input '{t.name}': contents.{field} holds {len(values)} values; shape {list(shape)} needs {count}"
+            )
+        if spec.datatype == "BYTES":
+            arr = np.empty(count, dtype=object)
+            arr[:] = list(values)
+            return arr.reshape(shape)
+        return np.array(values, dtype=dtype).reshape(shape)
+
+    # -- encode -------------------------------------------------------------------------------
+
+    def requested(self, req: pb.ModelInferRequest) -> list[tuple[str, bool]]:
+        """(output name, as raw bytes) for each output to return; all outputs, raw, by default."""
+        if not req.outputs:
+            return [(name, True) for name in self.outputs]
+        out = []
+        for o in req.outputs:
+            if o.name not in self.outputs:
+                raise invalid(
+                    f"model '{self.name}' has no output named '{o.name}'; outputs: {sorted(self.outputs)}"
+                )
+            params = o.parameters
+            if "classification" in params:
+                raise GatewayError(Kind.UNSUPPORTED, f"output '{o.name}': the classification extension is not supported")
+            binary = params["binary_data"].bool_param if "binary_data" in params else True
+            out.append((o.name, binary))
+        return out
+
+    def encode(
+        self, req: pb.ModelInferRequest, outputs: dict[str, np.ndarray], wanted: list[tuple[str, bool]]
+    ) -> pb.ModelInferResponse:
+        resp = pb.ModelInferResponse(model_name=self.name, model_version=self.version, id=req.id)
+        all_raw = all(binary for _, binary in wanted)
+        for name, binary in wanted:
+            arr = outputs[name]
+            spec = self.outputs[name]
+            tensor = resp.outputs.add(name=name, datatype=spec.datatype, shape=arr.shape)
+            if binary:
+                resp.raw_output_contents.append(
+                    serialize_bytes(arr) if spec.datatype == "BYTES" else np.ascontiguousarray(arr).tobytes()
+                )
+            else:
+                field = dtypes.CONTENTS_FIELD.get(spec.datatype)
+                if field is None:
+                    raise invalid(f"output '{name}': {spec.datatype} can only be returned raw (binary_data true)")
+                getattr(tensor.contents, field).extend(arr.reshape(-1).tolist())
+        if not all_raw and resp.raw_output_contents:
+            # The protocol pairs raw_output_contents with outputs by position, so mixing forms
+            # is ambiguous; when any output is asked for typed, all come typed.
+            del resp.raw_output_contents[:]
+            for tensor, (name, _) in zip(resp.outputs, wanted):
+                spec = self.outputs[name]
+                field = dtypes.CONTENTS_FIELD.get(spec.datatype)
+                if field is None:
+                    raise invalid(f"output '{name}': {spec.datatype} can only be returned raw (binary_data true)")
+                if not tensor.HasField("contents"):
+                    getattr(tensor.contents, field).extend(outputs[name].reshape(-1).tolist())
+        return resp

@@ -1,0 +1,38 @@
+"""A small domain error vocabulary; the transports map it to status codes in one table each."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Kind(enum.Enum):
+    INVALID = "invalid"  # the client's request is malformed
+    NOT_FOUND = "not_found"  # unknown model or version
+    UNAVAILABLE = "unavailable"  # queue full, draining, model not ready
+    EXHAUSTED = "exhausted"  # rate limited
+    DEADLINE = "deadline"  # budget cannot be met
+    UNAUTHENTICATED = "unauthenticated"
+    PERMISSION = "permission"
+    UNSUPPORTED = "unsupported"  # a feature batchgate does not offer
+    FAILED = "failed"  # the model failed to execute (not the client's fault)
+
+
+class GatewayError(Exception):
+    """An error that reaches the client with a status code and this message."""
+
+    def __init__(self, kind: Kind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+def invalid(message: str) -> GatewayError:
+    return GatewayError(Kind.INVALID, message)
+
+
+def not_found(message: str) -> GatewayError:
+    return GatewayError(Kind.NOT_FOUND, message)
+
+
+def unavailable(message: str) -> GatewayError:
+    return GatewayError(Kind.UNAVAILABLE, message)

@@ -1,0 +1,348 @@
+"""The model repository: Triton's layout, ``<model>/config.pbtxt`` and ``<model>/<version>/model.onnx``.
+
+Loading a repository never fails as a whole: each model either becomes a ``ModelSpec`` or a
+``LoadFailure`` with the reason, so the rest still serve and RepositoryIndex can say why.
+Config fields batchgate does not implement are reported by name: fields that would change the
+answers fail the load, hints that only tune a peer's runtime are logged as ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from google.protobuf import text_format
+from google.protobuf.message import Message
+
+from gateway import dtypes
+from proto.inference.v2 import model_config_pb2 as mc
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.pbtxt"
+DEFAULT_MODEL_FILE = "model.onnx"
+ONNX_PLATFORMS = {"", "onnxruntime_onnx"}
+ONNX_BACKENDS = {"", "onnxruntime"}
+
+# Dotted field paths of ModelConfig that batchgate implements.
+SUPPORTED = {
+    "name", "platform", "backend", "max_batch_size", "default_model_filename", "parameters",
+    "version_policy", "version_policy.latest", "version_policy.latest.num_versions",
+    "version_policy.all", "version_policy.specific", "version_policy.specific.versions",
+    "input", "input.name", "input.data_type", "input.dims",
+    "output", "output.name", "output.data_type", "output.dims",
+    "dynamic_batching", "dynamic_batching.max_queue_delay_microseconds",
+    "dynamic_batching.preferred_batch_size", "dynamic_batching.default_queue_policy",
+    "dynamic_batching.default_queue_policy.max_queue_size",
+    "instance_group", "instance_group.name", "instance_group.count", "instance_group.kind",
+    "instance_group.gpus",
+}  # fmt: skip
+
+# Fields whose absence of support would silently change what the model computes: refuse.
+FATAL = {
+    "sequence_batching", "ensemble_scheduling", "batch_input", "batch_output",
+    "input.reshape", "output.reshape", "input.is_shape_tensor", "output.is_shape_tensor",
+    "input.allow_ragged_batch", "input.format", "input.optional", "input.is_non_linear_format_io",
+    "output.is_non_linear_format_io", "model_transaction_policy", "instance_group.passive",
+}  # fmt: skip
+
+
+class ConfigError(Exception):
+    """The model cannot be served as configured; the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    name: str
+    datatype: str  # KServe v2 spelling: FP32, INT64, BYTES ...
+    dims: tuple[int, ...]  # without the batch dim; -1 = any size
+
+    @property
+    def dtype(self) -> np.dtype:
+        return dtypes.NUMPY[self.datatype]
+
+    def shape_text(self, batched: bool) -> str:
+        return str(list((-1,) + self.dims if batched else self.dims))
+
+
+@dataclass(slots=True)
+class ModelSpec:
+    name: str
+    version: str
+    path: Path
+    config: mc.ModelConfig  # completed: what ModelConfig answers and requests are validated against
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    fingerprint: str  # sha256 of the model file, first 16 hex digits
+    ignored: list[str] = field(default_factory=list)
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.config.max_batch_size
+
+    @property
+    def batched(self) -> bool:
+        return self.config.max_batch_size > 0
+
+    @property
+    def max_queue_delay_s(self) -> float:
+        return self.config.dynamic_batching.max_queue_delay_microseconds / 1e6
+
+    @property
+    def preferred_batch_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self.config.dynamic_batching.preferred_batch_size))
+
+    @property
+    def max_queue_size(self) -> int:
+        return self.config.dynamic_batching.default_queue_policy.max_queue_size
+
+    def parameter(self, key: str, default: str = "") -> str:
+        p = self.config.parameters.get(key)
+        return p.string_value if p is not None else default
+
+
+@dataclass(slots=True)
+class LoadFailure:
+    name: str
+    version: str
+    reason: str
+
+
+@dataclass(slots=True)
+class Repository:
+    models: dict[str, dict[str, ModelSpec]]  # name -> version -> spec
+    failures: dict[str, LoadFailure]
+
+
+def _set_fields(msg: Message, prefix: str = "") -> list[str]:
+    """Dotted paths of every field set in ``msg`` (repeated messages inspected element-wise)."""
+    paths: list[str] = []
+    for fd, value in msg.ListFields():
+        path = f"{prefix}{fd.name}"
+        paths.append(path)
+        if fd.message_type is None or fd.message_type.GetOptions().map_entry:
+            continue
+        items = value if fd.label == fd.LABEL_REPEATED else [value]
+        for item in items:
+            paths.extend(p for p in _set_fields(item, path + ".") if p not in paths)
+    return paths
+
+
+def check_fields(config: mc.ModelConfig) -> list[str]:
+    """Raise ConfigError on a fatal unsupported field; return the names of ignored ones."""
+    ignored = []
+    for path in _set_fields(config):
+        if path in SUPPORTED:
+            continue
+        if path in FATAL or any(path.startswith(f + ".") for f in FATAL):
+            raise ConfigError(f"config field '{path}' is not supported by batchgate")
+        if not any(path.startswith(p + ".") for p in ignored):
+            ignored.append(path)
+    if config.HasField("model_transaction_policy") and config.model_transaction_policy.decoupled:
+        raise ConfigError("config field 'model_transaction_policy.decoupled' is not supported")
+    return ignored
+
+
+def _onnx_tensors(model: onnx.ModelProto) -> tuple[list, list]:
+    init = {i.name for i in model.graph.initializer}
+    inputs = [v for v in model.graph.input if v.name not in init]
+    return inputs, list(model.graph.output)
+
+
+def _onnx_dims(value: onnx.ValueInfoProto) -> list[int]:
+    """-1 for a symbolic or unknown dim."""
+    dims = []
+    for d in value.type.tensor_type.shape.dim:
+        dims.append(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else -1)
+    return dims
+
+
+def _onnx_datatype(value: onnx.ValueInfoProto, model_name: str) -> str:
+    elem = value.type.tensor_type.elem_type
+    if elem not in dtypes.ONNX_TO_KSERVE:
+        raise ConfigError(f"model '{model_name}': tensor '{value.name}' has unsupported ONNX type {elem}")
+    return dtypes.ONNX_TO_KSERVE[elem]
+
+
+def complete_config(config: mc.ModelConfig, model: onnx.ModelProto, default_max_batch_size: int) -> None:
+    """Fill what config.pbtxt left out from the ONNX file, and check what it says against it."""
+    name = config.name
+    onnx_in, onnx_out = _onnx_tensors(model)
+    if not config.input and not config.output and config.max_batch_size == 0:
+        # No config at all: batch along dim 0 when every tensor's first dim is dynamic.
+        first_dynamic = all(_onnx_dims(v)[:1] == [-1] for v in onnx_in + onnx_out)
+        if first_dynamic and default_max_batch_size > 0:
+            config.max_batch_size = default_max_batch_size
+    batched = config.max_batch_size > 0
+    for kind, onnx_list, cfg_list in (("input", onnx_in, config.input), ("output", onnx_out, config.output)):
+        by_name = {v.name: v for v in onnx_list}
+        if not cfg_list:
+            for v in onnx_list:
+                dims = _onnx_dims(v)
+                cfg_list.add(
+                    name=v.name,
+                    data_type=dtypes.to_config(_onnx_datatype(v, name)),
+                    dims=dims[1:] if batched else dims,
+                )
+            continue
+        for t in cfg_list:
+            v = by_name.get(t.name)
+            if v is None:
+                raise ConfigError(
+                    f"model '{name}': config {kind} '{t.name}' is not in the ONNX model "
+                    f"(its {kind}s: {sorted(by_name)})"
+                )
+            onnx_type = _onnx_datatype(v, name)
+            cfg_type = dtypes.from_config(t.data_type)
+            if cfg_type != onnx_type:
+                raise ConfigError(
+                    f"model '{name}': {kind} '{t.name}' is {cfg_type} in config.pbtxt but {onnx_type} in the ONNX model"
+                )
+            odims = _onnx_dims(v)
+            if batched:
+                if not odims or odims[0] != -1:
+                    raise ConfigError(
+                        f"model '{name}': max_batch_size > 0 but ONNX {kind} '{t.name}' has no dynamic "
+                        f"batch dim (shape {odims})"
+                    )
+                odims = odims[1:]
+            if len(odims) != len(t.dims):
+                raise ConfigError(
+                    f"model '{name}': {kind} '{t.name}' has dims {list(t.dims)} in config.pbtxt but "
+                    f"{odims} in the ONNX model (batch dim excluded)"
+                )
+            for c, o in zip(t.dims, odims):
+                if c != -1 and o != -1 and c != o:
+                    raise ConfigError(
+                        f"model '{name}': {kind} '{t.name}' has dims {list(t.dims)} in config.pbtxt but "
+                        f"{odims} in the ONNX model"
+                    )
+        if kind == "input":
+            missing = sorted(set(by_name) - {t.name for t in cfg_list})
+            if missing:
+                raise ConfigError(f"model '{name}': ONNX inputs {missing} are missing from config.pbtxt")
+
+
+def _validate(config: mc.ModelConfig) -> None:
+    name = config.name
+    if config.platform not in ONNX_PLATFORMS or config.backend not in ONNX_BACKENDS:
+        raise ConfigError(
+            f"model '{name}': platform '{config.platform}' / backend '{config.backend}' is not served; "
+            "batchgate serves ONNX models (platform onnxruntime_onnx)"
+        )
+    if config.max_batch_size < 0:
+        raise ConfigError(f"model '{name}': max_batch_size must be >= 0, got {config.max_batch_size}")
+    db = config.dynamic_batching
+    for p in db.preferred_batch_size:
+        if p < 1 or (config.max_batch_size and p > config.max_batch_size):
+            raise ConfigError(
+                f"model '{name}': dynamic_batching.preferred_batch_size {p} must be in [1, max_batch_size="
+                f"{config.max_batch_size}]"
+            )
+    for g in config.instance_group:
+        if g.count < 0:
+            raise ConfigError(f"model '{name}': instance_group.count must be >= 1")
+    for t in list(config.input) + list(config.output):
+        if any(d < -1 or d == 0 for d in t.dims):
+            raise ConfigError(f"model '{name}': tensor '{t.name}' has invalid dims {list(t.dims)}")
+        if dtypes.from_config(t.data_type) not in dtypes.NUMPY:
+            raise ConfigError(
+                f"model '{name}': tensor '{t.name}' has data_type {mc.DataType.Name(t.data_type)}, "
+                "which batchgate does not serve"
+            )
+
+
+def select_versions(model_dir: Path, config: mc.ModelConfig) -> list[str]:
+    filename = config.default_model_filename or DEFAULT_MODEL_FILE
+    found = sorted(
+        (int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit() and (p / filename).is_file()),
+    )
+    policy = config.version_policy
+    which = policy.WhichOneof("policy_choice")
+    if which == "all":
+        chosen = found
+    elif which == "specific":
+        missing = [v for v in policy.specific.versions if v not in found]
+        if missing:
+            raise ConfigError(f"model '{config.name}': version_policy.specific names missing versions {missing}")
+        chosen = sorted(policy.specific.versions)
+    else:
+        n = policy.latest.num_versions if which == "latest" else 1
+        chosen = found[-max(n, 1) :]
+    if not chosen:
+        raise ConfigError(f"model '{config.name}': no version directory holds {filename} in {model_dir}")
+    return [str(v) for v in chosen]
+
+
+def fingerprint(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def load_model(model_dir: Path, default_max_batch_size: int = 64) -> list[ModelSpec]:
+    """Parse, complete and check one model directory; one spec per served version."""
+    config = mc.ModelConfig()
+    cfg_path = model_dir / CONFIG_FILE
+    if cfg_path.exists():
+        try:
+            text_format.Parse(cfg_path.read_text(), config)
+        except text_format.ParseError as exc:
+            raise ConfigError(f"model '{model_dir.name}': {CONFIG_FILE}: {exc}") from None
+    if not config.name:
+        config.name = model_dir.name
+    elif config.name != model_dir.name:
+        raise ConfigError(f"config name '{config.name}' does not match its directory '{model_dir.name}'")
+    ignored = check_fields(config)
+    _validate(config)
+    specs = []
+    for version in select_versions(model_dir, config):
+        path = model_dir / version / (config.default_model_filename or DEFAULT_MODEL_FILE)
+        cfg = mc.ModelConfig()
+        cfg.CopyFrom(config)
+        try:
+            model = onnx.load(str(path), load_external_data=False)
+        except Exception as exc:
+            raise ConfigError(f"model '{config.name}' version {version}: cannot read {path.name}: {exc}") from None
+        complete_config(cfg, model, default_max_batch_size)
+        _validate(cfg)
+        if not cfg.platform and not cfg.backend:
+            cfg.platform = "onnxruntime_onnx"
+        if not cfg.instance_group:
+            cfg.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)
+        specs.append(
+            ModelSpec(
+                name=cfg.name,
+                version=version,
+                path=path,
+                config=cfg,
+                inputs=[TensorSpec(t.name, dtypes.from_config(t.data_type), tuple(t.dims)) for t in cfg.input],
+                outputs=[TensorSpec(t.name, dtypes.from_config(t.data_type), tuple(t.dims)) for t in cfg.output],
+                fingerprint=fingerprint(path),
+                ignored=ignored,
+            )
+        )
+    return specs
+
+
+def load_repository(root: Path, default_max_batch_size: int = 64) -> Repository:
+    if not root.is_dir():
+        raise FileNotFoundError(f"model repository {root} does not exist")
+    repo = Repository(models={}, failures={})
+    for model_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
+        try:
+            specs = load_model(model_dir, default_max_batch_size)
+        except ConfigError as exc:
+            repo.failures[model_dir.name] = LoadFailure(model_dir.name, "", str(exc))
+            log.error("model %s failed to load: %s", model_dir.name, exc)
+            continue
+        for path in specs[0].ignored:
+            log.warning("model %s: config field '%s' is not implemented by batchgate and is ignored", specs[0].name, path)
+        repo.models[model_dir.name] = {s.version: s for s in specs}
+    return repo

@@ -1,0 +1,343 @@
+"""The gRPC servicer (KServe v2 / Triton ``inference.GRPCInferenceService``), health, reflection,
+the HTTP side, and the process lifecycle (start, ready, drain on SIGTERM, exit 0).
+
+The servicer is thin: look the model up, decode with its codec, call the data plane, encode.
+Domain errors become status codes in one table (``STATUS``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from importlib.metadata import PackageNotFoundError, version
+
+import grpc
+from aiohttp import web
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import proto
+from gateway.config import Settings
+from gateway.dataplane import DataPlane, ModelRuntime
+from gateway.errors import GatewayError, Kind
+from proto.inference.v2 import grpc_service_pb2 as pb
+from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+STATUS = {
+    Kind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    Kind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Kind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Kind.EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Kind.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Kind.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    Kind.PERMISSION: grpc.StatusCode.PERMISSION_DENIED,
+    Kind.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
+    Kind.FAILED: grpc.StatusCode.INTERNAL,
+}
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+
+try:
+    VERSION = version("batchgate")
+except PackageNotFoundError:  # running from a source tree without an install
+    VERSION = "0.0.0+source"
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, plane: DataPlane) -> None:
+        self.plane = plane
+
+    # -- health and metadata --------------------------------------------------------------------
+
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=self.plane.ready)
+
+    async def ModelReady(self, request, context):
+        try:
+            self.plane.get(request.name, request.version)
+        except GatewayError:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=True)
+
+    async def ServerMetadata(self, request, context):
+        return pb.ServerMetadataResponse(
+            name="batchgate", version=VERSION, extensions=["model_configuration", "statistics", "binary_tensor_data"]
+        )
+
+    async def ModelMetadata(self, request, context):
+        rt = await self._model(request.name, request.version, context, for_metadata=True)
+        spec = rt.spec
+        versions = sorted(self.plane.models[spec.name], key=int)
+
+        def meta(t):
+            return pb.ModelMetadataResponse.TensorMetadata(
+                name=t.name, datatype=t.datatype, shape=((-1,) + t.dims) if spec.batched else t.dims
+            )
+
+        return pb.ModelMetadataResponse(
+            name=spec.name,
+            versions=versions,
+            platform=spec.config.platform or "onnxruntime_onnx",
+            inputs=[meta(t) for t in spec.inputs],
+            outputs=[meta(t) for t in spec.outputs],
+        )
+
+    async def ModelConfig(self, request, context):
+        rt = await self._model(request.name, request.version, context, for_metadata=True)
+        return pb.ModelConfigResponse(config=rt.spec.config)
+
+    async def ModelStatistics(self, request, context):
+        try:
+            runtimes = self.plane.runtimes(request.name, request.version)
+        except GatewayError as exc:
+            await context.abort(STATUS[exc.kind], exc.message)
+        resp = pb.ModelStatisticsResponse()
+        for rt in runtimes:
+            st = rt.scheduler.stats
+            m = resp.model_stats.add(
+                name=rt.spec.name,
+                version=rt.spec.version,
+                last_inference=st.last_inference_ms,
+                inference_count=st.inference_count,
+                execution_count=st.execution_count,
+            )
+            s = m.inference_stats
+            s.success.count, s.success.ns = st.success_count, st.success_ns
+            s.fail.count, s.fail.ns = st.fail_count, st.fail_ns
+            s.queue.count, s.queue.ns = st.queue_count, st.queue_ns
+            s.compute_input.count, s.compute_input.ns = st.input_count, st.input_ns
+            s.compute_infer.count, s.compute_infer.ns = st.infer_count, st.infer_ns
+            s.compute_output.count, s.compute_output.ns = st.output_count, st.output_ns
+            for size in sorted(st.by_batch_size):
+                b = st.by_batch_size[size]
+                bs = m.batch_stats.add(batch_size=size)
+                bs.compute_input.count, bs.compute_input.ns = b.count, b.input_ns
+                bs.compute_infer.count, bs.compute_infer.ns = b.count, b.infer_ns
+                bs.compute_output.count, bs.compute_output.ns = b.count, b.output_ns
+        return resp
+
+    async def RepositoryIndex(self, request, context):
+        resp = pb.RepositoryIndexResponse()
+        for name in sorted(set(self.plane.models) | set(self.plane.failures)):
+            for ver in sorted(self.plane.models.get(name, {}), key=int):
+                resp.models.add(name=name, version=ver, state="READY")
+            failure = self.plane.failures.get(name)
+            if failure is not None and not request.ready:
+                resp.models.add(name=name, version=failure.version, state="UNAVAILABLE", reason=failure.reason)
+        return resp
+
+    async def _model(self, name: str, version: str, context, for_metadata: bool = False) -> ModelRuntime:
+        try:
+            if for_metadata and not self.plane.draining:
+                return self.plane.get(name, version)
+            if for_metadata:  # metadata stays readable while draining
+                return self.plane.runtimes(name, version)[-1]
+            return self.plane.get(name, version)
+        except GatewayError as exc:
+            await context.abort(STATUS[exc.kind], exc.message)
+
+    # -- inference ------------------------------------------------------------------------------
+
+    async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        rt = self.plane.get(request.model_name, request.model_version)
+        codec = rt.codec
+        wanted = codec.requested(request)
+        arrays, rows = codec.decode(request)
+        outputs = await rt.infer(arrays, rows)
+        return codec.encode(request, outputs, wanted)
+
+    async def ModelInfer(self, request, context):
+        try:
+            return await self._infer(request)
+        except GatewayError as exc:
+            await context.abort(STATUS[exc.kind], exc.message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug, not the client's fault: say so, keep serving
+            log.exception("ModelInfer for model '%s' failed", request.model_name)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        """Each request is answered on the stream as soon as it completes (not in order), with its
+        ``id`` echoed; an error answers that request with ``error_message`` and the stream goes on."""
+        out: asyncio.Queue = asyncio.Queue()
+        tasks: set[asyncio.Task] = set()
+
+        async def one(request: pb.ModelInferRequest) -> None:
+            try:
+                resp = await self._infer(request)
+                await out.put(pb.ModelStreamInferResponse(infer_response=resp))
+            except GatewayError as exc:
+                await out.put(self._stream_error(request, exc.message))
+            except Exception as exc:
+                log.exception("ModelStreamInfer request for '%s' failed", request.model_name)
+                await out.put(self._stream_error(request, f"internal error: {type(exc).__name__}: {exc}"))
+
+        async def reader() -> None:
+            async for request in request_iterator:
+                t = asyncio.create_task(one(request))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+            while tasks:
+                await asyncio.gather(*list(tasks), return_exceptions=True)
+            await out.put(None)
+
+        read_task = asyncio.create_task(reader())
+        try:
+            while True:
+                item = await out.get()
+                if item is None:
+                    break
+                await context.write(item)
+            await read_task
+        finally:
+            read_task.cancel()
+            for t in list(tasks):
+                t.cancel()
+
+    @staticmethod
+    def _stream_error(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferResponse:
+        return pb.ModelStreamInferResponse(
+            error_message=message,
+            infer_response=pb.ModelInferResponse(
+                model_name=request.model_name, model_version=request.model_version, id=request.id
+            ),
+        )
+
+
+def _register_for_reflection() -> None:
+    """Reflection answers from ``proto.POOL``; put the health and reflection protos there too."""
+    for fd in (health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR):
+        try:
+            proto.POOL.FindFileByName(fd.name)
+        except KeyError:
+            proto.POOL.AddSerializedFile(fd.serialized_pb)
+
+
+class Server:
+    """One gateway process: gRPC + HTTP in front of a DataPlane."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.plane = DataPlane(settings)
+        self.health = health_aio.HealthServicer()
+        self.grpc_port = 0
+        self.http_port = 0
+        self._grpc: grpc.aio.Server | None = None
+        self._http: web.AppRunner | None = None
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> None:
+        s = self.settings
+        options = [
+            ("grpc.max_receive_message_length", s.max_message_bytes),
+            ("grpc.max_send_message_length", s.max_message_bytes),
+            ("grpc.so_reuseport", 1 if s.reuse_port else 0),
+        ]
+        server = grpc.aio.server(options=options)
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.plane), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        _register_for_reflection()
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            server,
+            pool=proto.POOL,
+        )
+        self.grpc_port = server.add_insecure_port(f"{s.host}:{s.grpc_port}")
+        if self.grpc_port == 0:
+            raise OSError(f"cannot listen on {s.host}:{s.grpc_port} for gRPC")
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.start()
+        self._grpc = server
+        await self._start_http()
+        log.info("listening: gRPC %s:%d, HTTP %s:%d", s.host, self.grpc_port, s.host, self.http_port)
+        t0 = time.perf_counter()
+        await self.plane.load()
+        await self._set_health()
+        log.info(
+            "ready: %d model(s) serving %s, %d failed%s, in %.1fs",
+            len(self.plane.models), sorted(self.plane.models), len(self.plane.failures),
+            f" {sorted(self.plane.failures)}" if self.plane.failures else "", time.perf_counter() - t0,
+        )  # fmt: skip
+
+    async def _set_health(self) -> None:
+        serving = health_pb2.HealthCheckResponse.SERVING
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        ready = self.plane.ready
+        await self.health.set("", serving if ready else not_serving)
+        await self.health.set(SERVICE_NAME, serving if ready else not_serving)
+        for name in self.plane.models:
+            await self.health.set(name, serving if ready else not_serving)
+        for name in self.plane.failures:
+            if name not in self.plane.models:
+                await self.health.set(name, not_serving)
+
+    async def _start_http(self) -> None:
+        app = web.Application()
+
+        async def live(_req: web.Request) -> web.Response:
+            return web.json_response({"live": True})
+
+        async def ready(_req: web.Request) -> web.Response:
+            ok = self.plane.ready
+            return web.json_response({"ready": ok}, status=200 if ok else 503)
+
+        async def metrics(_req: web.Request) -> web.Response:
+            return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app.router.add_get("/v2/health/live", live)
+        app.router.add_get("/v2/health/ready", ready)
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.settings.host, self.settings.http_port, reuse_port=self.settings.reuse_port)
+        await site.start()
+        self._http = runner
+        self.http_port = site._server.sockets[0].getsockname()[1]  # the real port when 0 was asked
+
+    async def drain_and_stop(self) -> None:
+        """Readiness false first, then let accepted work finish, then stop listening."""
+        if self.plane.draining:
+            return
+        log.info("draining: readiness false; new requests get UNAVAILABLE")
+        self.plane.draining = True
+        await self._set_health()
+        ok = await self.plane.drain(self.settings.drain_timeout_s)
+        if not ok:
+            log.warning("drain timed out after %.1fs; answering what is left UNAVAILABLE", self.settings.drain_timeout_s)
+        if self._grpc is not None:
+            await self._grpc.stop(grace=2.0)
+        await self.plane.close()
+        if self._http is not None:
+            await self._http.cleanup()
+        log.info("stopped")
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+
+async def serve(settings: Settings) -> None:
+    server = Server(settings)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    start = asyncio.create_task(server.start())
+    waiter = asyncio.create_task(stop.wait())
+    await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if start.done():
+        start.result()  # startup errors surface here
+        await stop.wait()
+    else:
+        start.cancel()
+    log.info("signal received")
+    await server.drain_and_stop()

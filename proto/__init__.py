@@ -1,0 +1,9 @@
+"""Generated protocol modules (KServe v2 / Triton ``inference`` package).
+
+``POOL`` is the descriptor pool they register in; see ``proto/generate.py`` for why it is not
+protobuf's default pool.
+"""
+
+from google.protobuf import descriptor_pool
+
+POOL = descriptor_pool.DescriptorPool()
