@@ -73,6 +73,7 @@ class Codec:
         # batchgate's own per-input limits from config.pbtxt `parameters`:
         #   input_range.<input> = "low:high"  values must lie in [low, high)
         #   max_dim.<input>     = "N"         every variable (-1) dim at most N
+        self.tied = list(spec.tied_dims.items())
         self.ranges: dict[str, _Range] = {}
         self.max_dim: dict[str, int] = {}
         for t in spec.inputs:
@@ -92,7 +93,7 @@ class Codec:
         raw = req.raw_input_contents
         if raw and len(raw) != len(tensors):
             raise invalid(
-                f"model '{self.name}': raw_input_contents has {len(raw)} entries for {len(tensors)} inputs; "
+                f"model '{self.name}': raw_input_contents has {len(raw)} entry(ies) for {len(tensors)} inputs; "
                 "send one entry per input, in the order of `inputs`"
             )
         arrays: dict[str, np.ndarray] = {}
@@ -121,6 +122,11 @@ class Codec:
                 f"model '{self.name}': missing input(s) "
                 + ", ".join(f"'{n}' ({self.inputs[n].datatype} {self.inputs[n].shape_text(self.batched)})" for n in missing)
             )
+        for dim, members in self.tied:
+            sizes = {arrays[n].shape[a] for n, a in members}
+            if len(sizes) > 1:
+                shapes = ", ".join(f"'{n}' {list(arrays[n].shape)}" for n, _ in members)
+                raise invalid(f"inputs {shapes} must agree on dim '{dim}' (the model uses one length for all)")
         for name, rng in self.ranges.items():
             a = arrays[name]
             if a.size and (a.min() < rng.low or a.max() >= rng.high):
@@ -137,7 +143,10 @@ class Codec:
         want = ((-1,) + spec.dims) if self.batched else spec.dims
         ok = len(shape) == len(want) and all(d >= 0 and (w == -1 or d == w) for d, w in zip(shape, want))
         if not ok or (self.batched and shape[0] < 1) or any(d == 0 for d in shape[1:]):
-            raise invalid(f"input '{t.name}' has shape {list(shape)}; model '{self.name}' expects {list(want)}")
+            raise invalid(
+                f"input '{t.name}' has shape {list(shape)}; model '{self.name}' expects {list(want)} "
+                "(-1 there means any size; every dim sent must be >= 1)"
+            )
         limit = self.max_dim.get(t.name)
         if limit is not None:
             dims = shape[1:] if self.batched else shape
@@ -171,7 +180,8 @@ class Codec:
         values = getattr(t.contents, field)
         if len(values) != count:
             raise invalid(
-                f"input '{t.name}': contents.{field} holds {len(values)} values; shape {list(shape)} needs {count}"
+                f"input '{t.name}': contents.{field} holds {len(values)} values; shape {list(shape)} needs {count} "
+                f"({spec.datatype} values travel in contents.{field})"
             )
         if spec.datatype == "BYTES":
             arr = np.empty(count, dtype=object)
@@ -186,7 +196,11 @@ class Codec:
         if not req.outputs:
             return [(name, True) for name in self.outputs]
         out = []
+        seen = set()
         for o in req.outputs:
+            if o.name in seen:
+                raise invalid(f"output '{o.name}' is requested more than once")
+            seen.add(o.name)
             if o.name not in self.outputs:
                 raise invalid(
                     f"model '{self.name}' has no output named '{o.name}'; outputs: {sorted(self.outputs)}"

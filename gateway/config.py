@@ -38,6 +38,9 @@ class Settings(BaseSettings):
         False, description="ServerReady only when every model loaded (Triton's default); else when loading ended"
     )
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long queued work may take to finish")
+    drain_linger_s: float = Field(
+        2.0, ge=0, description="after the drain, keep answering UNAVAILABLE until callers go quiet, this long at most"
+    )
     reuse_port: bool = Field(True, description="SO_REUSEPORT, so several gateway processes can share the port")
     log_level: str = Field("INFO", description="logging level")
 

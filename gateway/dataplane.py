@@ -48,6 +48,7 @@ class DataPlane:
     failures: dict[str, LoadFailure] = field(default_factory=dict)
     loaded: bool = False
     draining: bool = False
+    last_refused: float = 0.0  # monotonic time of the last request refused while draining
     started_at: float = field(default_factory=time.time)
 
     @property

@@ -79,6 +79,9 @@ class ModelSpec:
     outputs: list[TensorSpec]
     fingerprint: str  # sha256 of the model file, first 16 hex digits
     ignored: list[str] = field(default_factory=list)
+    # Variable dims that the ONNX graph names alike (dim_param) on several inputs, e.g. "seq" on
+    # input_ids and attention_mask: requests must agree on them. name -> [(input, axis)].
+    tied_dims: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
 
     @property
     def max_batch_size(self) -> int:
@@ -166,6 +169,17 @@ def _onnx_datatype(value: onnx.ValueInfoProto, model_name: str) -> str:
     if elem not in dtypes.ONNX_TO_KSERVE:
         raise ConfigError(f"model '{model_name}': tensor '{value.name}' has unsupported ONNX type {elem}")
     return dtypes.ONNX_TO_KSERVE[elem]
+
+
+def tied_dims(model: onnx.ModelProto, batched: bool) -> dict[str, list[tuple[str, int]]]:
+    seen: dict[str, list[tuple[str, int]]] = {}
+    for v in _onnx_tensors(model)[0]:
+        for axis, d in enumerate(v.type.tensor_type.shape.dim):
+            if batched and axis == 0:
+                continue
+            if d.HasField("dim_param") and d.dim_param:
+                seen.setdefault(d.dim_param, []).append((v.name, axis))
+    return {k: v for k, v in seen.items() if len(v) > 1}
 
 
 def complete_config(config: mc.ModelConfig, model: onnx.ModelProto, default_max_batch_size: int) -> None:
@@ -326,6 +340,7 @@ def load_model(model_dir: Path, default_max_batch_size: int = 64) -> list[ModelS
                 outputs=[TensorSpec(t.name, dtypes.from_config(t.data_type), tuple(t.dims)) for t in cfg.output],
                 fingerprint=fingerprint(path),
                 ignored=ignored,
+                tied_dims=tied_dims(model, cfg.max_batch_size > 0),
             )
         )
     return specs

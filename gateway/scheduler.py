@@ -86,17 +86,19 @@ class BatchQueue:
         self.size += 1
         return True
 
-    def _oldest_group(self) -> _Group | None:
-        best = None
+    def _live_groups(self) -> list[_Group]:
+        """Groups with a live request, oldest head first (cancelled heads are dropped here)."""
+        groups = []
         for key in list(self._groups):
             g = self._groups[key]
             self._drop_cancelled_head(g)
             if not g.requests:
                 del self._groups[key]
-                continue
-            if best is None or g.requests[0].arrival < best.requests[0].arrival:
-                best = g
-        return best
+            else:
+                groups.append(g)
+        if len(groups) > 1:
+            groups.sort(key=lambda g: g.requests[0].arrival)
+        return groups
 
     def _drop_cancelled_head(self, g: _Group) -> None:
         while g.requests and g.requests[0].future.done():
@@ -107,13 +109,19 @@ class BatchQueue:
 
     def next_deadline(self) -> float | None:
         """When the oldest request's max-wait timer fires; None when nothing is queued."""
-        g = self._oldest_group()
-        return None if g is None else g.requests[0].arrival + self.max_delay_s
+        groups = self._live_groups()
+        return None if not groups else groups[0].requests[0].arrival + self.max_delay_s
 
     def pop_batch(self, now: float) -> list[Request] | None:
-        g = self._oldest_group()
-        if g is None:
-            return None
+        """The batch that should leave at ``now``: the oldest group's when its timer expired, else
+        the first group (oldest first) that is full or at a preferred size."""
+        for g in self._live_groups():
+            batch = self._ready(g, now)
+            if batch is not None:
+                return batch
+        return None
+
+    def _ready(self, g: _Group, now: float) -> list[Request] | None:
         if self.max_batch_size == 0:  # the model does not batch: one request per execution
             return self._take(g, 1)
         expired = now >= g.requests[0].arrival + self.max_delay_s
@@ -129,6 +137,8 @@ class BatchQueue:
                 continue
             if taken_rows + req.rows > self.max_batch_size:
                 full = True
+                if taken_rows == 0:  # one request larger than a batch: it goes alone, never stuck
+                    n += 1
                 break
             taken_rows += req.rows
             n += 1
@@ -242,7 +252,7 @@ class Scheduler:
             self._task.cancel()
             try:
                 await self._task
-            except asyncio.CancelledError:
+            except BaseException:  # cancelled, or the batcher had died (already logged)
                 pass
         self._fail_queued(unavailable(f"model '{self.name}' is shutting down"))
 
@@ -292,6 +302,7 @@ class Scheduler:
             raise
         except BaseException as exc:  # a bug here must not leave callers hanging
             log.exception("batcher for %s died", self.name)
+            self._closing = True  # later callers get UNAVAILABLE instead of waiting forever
             self._fail_queued(GatewayError(Kind.FAILED, f"model '{self.name}' scheduler failed: {exc}"))
             raise
 
@@ -325,8 +336,16 @@ class Scheduler:
         fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._on_done, batch, start, f))
 
     def _on_done(self, batch: list[Request], start: float, fut: Future) -> None:
-        exc = fut.exception()
-        self._complete(batch, start, None if exc else fut.result(), exc)
+        if fut.cancelled():
+            exc: BaseException | None = GatewayError(Kind.FAILED, f"model '{self.name}': the batch was cancelled")
+        else:
+            exc = fut.exception()
+        result = None if exc else fut.result()
+        if result is not None and len(result[0]) != len(batch):
+            exc = GatewayError(
+                Kind.FAILED, f"model '{self.name}': engine returned {len(result[0])} outputs for {len(batch)} requests"
+            )
+        self._complete(batch, start, None if exc else result, exc)
 
     def _complete(self, batch: list[Request], start: float, result, exc: BaseException | None) -> None:
         self._free += 1

@@ -147,6 +147,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     # -- inference ------------------------------------------------------------------------------
 
     async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        if self.plane.draining:
+            self.plane.last_refused = time.monotonic()
         rt = self.plane.get(request.model_name, request.model_version)
         codec = rt.codec
         wanted = codec.requested(request)
@@ -313,6 +315,7 @@ class Server:
         ok = await self.plane.drain(self.settings.drain_timeout_s)
         if not ok:
             log.warning("drain timed out after %.1fs; answering what is left UNAVAILABLE", self.settings.drain_timeout_s)
+        await self._linger()
         if self._grpc is not None:
             await self._grpc.stop(grace=2.0)
         await self.plane.close()
@@ -320,6 +323,20 @@ class Server:
             await self._http.cleanup()
         log.info("stopped")
         self._stopped.set()
+
+    async def _linger(self) -> None:
+        """Keep answering UNAVAILABLE until callers stop arriving (or drain_linger_s passes).
+
+        Closing the transport while calls are arriving makes gRPC cancel the ones it had not yet
+        handed to us (CANCELLED, which clients do not retry elsewhere); a clean UNAVAILABLE tells
+        them to go to another replica, and Kubernetes needs a moment to take us off its endpoints.
+        """
+        quiet_s = 0.2
+        end = time.monotonic() + self.settings.drain_linger_s
+        while (now := time.monotonic()) < end:
+            if now - self.plane.last_refused >= quiet_s:
+                return
+            await asyncio.sleep(quiet_s / 4)
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
