@@ -331,7 +331,7 @@ class Server:
         handed to us (CANCELLED, which clients do not retry elsewhere); a clean UNAVAILABLE tells
         them to go to another replica, and Kubernetes needs a moment to take us off its endpoints.
         """
-        quiet_s = 0.2
+        quiet_s = 0.5  # calls queued in gRPC core behind a busy loop need time to reach us
         end = time.monotonic() + self.settings.drain_linger_s
         while (now := time.monotonic()) < end:
             if now - self.plane.last_refused >= quiet_s:
