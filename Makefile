@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # (onnxruntime and onnxruntime-gpu must never share an environment).
 EXTRAS ?= cpu,dev
 
-.PHONY: serve test proto bench clean
+.PHONY: serve test proto bench clean redis-server
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,12 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/batchgate serve $(ARGS)
 
-test: $(STAMP)
+# The tests start their own redis-server processes (so they can kill them): install the
+# binary when the machine lacks it.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
+
+test: $(STAMP) redis-server
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 proto: $(STAMP)

@@ -44,6 +44,16 @@ class Settings(BaseSettings):
     reuse_port: bool = Field(True, description="SO_REUSEPORT, so several gateway processes can share the port")
     log_level: str = Field("INFO", description="logging level")
 
+    # -- shared state (result cache tier 2, global rate limits) --------------------------------
+    redis_url: str | None = Field(
+        None, description="Redis URL (redis:// or rediss://, with user:password@ when needed); turns on the "
+        "shared result cache and global rate limits"
+    )
+    # -- tenants ---------------------------------------------------------------------------------
+    api_keys_file: Path | None = Field(
+        None, description="tenant file (API-key hashes, allowed models, limits); none = open server"
+    )
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if self.grpc_port and self.grpc_port == self.http_port:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -113,3 +114,60 @@ def stub(server):
 
     with grpc.insecure_channel(server.grpc_url) as ch:
         yield pb_grpc.GRPCInferenceServiceStub(ch)
+
+
+class RedisServer:
+    """A real redis-server on a free loopback port, owned by the test: it can be killed and restarted
+    on the same port to exercise the fault paths."""
+
+    def __init__(self, workdir: Path, port: int | None = None, password: str | None = None) -> None:
+        self.workdir = workdir
+        self.port = port or free_ports(1)[0]
+        self.password = password
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        import redis
+
+        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", str(self.workdir), "--loglevel", "warning"]  # fmt: skip
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=0.5)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if client.ping():
+                    break
+            except redis.RedisError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"redis-server on port {self.port} did not start")
+            time.sleep(0.05)
+        client.close()
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+
+@pytest.fixture
+def redis_server(tmp_path) -> Iterator[RedisServer]:
+    """A fresh redis-server per test (tests may kill it); requires the redis-server binary."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    srv = RedisServer(tmp_path).start()
+    yield srv
+    srv.kill()
