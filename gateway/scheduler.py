@@ -19,158 +19,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+import math
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from gateway.budgets import Budget
 from gateway.errors import GatewayError, Kind, unavailable
+from gateway.latency import LatencyModel
+from gateway.queues import DeadlineQueue, FifoQueue, Request
+
+__all__ = ["BatchQueue", "DeadlineQueue", "FifoQueue", "Request", "Scheduler", "Stats"]
 
 log = logging.getLogger(__name__)
 
 Execute = Callable[[list[dict[str, np.ndarray]], list[int], bool], Future]
 
-
-class Request:
-    __slots__ = ("inputs", "rows", "key", "arrival", "future")
-
-    def __init__(self, inputs: dict[str, np.ndarray], rows: int, key: Hashable, arrival: float, future) -> None:
-        self.inputs = inputs
-        self.rows = rows
-        self.key = key
-        self.arrival = arrival
-        self.future = future  # asyncio.Future; done() early means the caller went away
-
-
-class _Group:
-    __slots__ = ("requests", "rows")
-
-    def __init__(self) -> None:
-        self.requests: deque[Request] = deque()
-        self.rows = 0
-
-
-class BatchQueue:
-    """Pending requests of one model, grouped by shape key, oldest first."""
-
-    def __init__(
-        self,
-        max_batch_size: int,
-        preferred: tuple[int, ...] = (),
-        max_delay_s: float = 0.0,
-        max_queue_size: int = 0,
-    ) -> None:
-        self.max_batch_size = max_batch_size
-        self.preferred = frozenset(p for p in preferred if p <= max(max_batch_size, 1))
-        self.min_preferred = min(self.preferred) if self.preferred else None
-        self.max_delay_s = max_delay_s
-        self.max_queue_size = max_queue_size
-        self._groups: dict[Hashable, _Group] = {}
-        self.size = 0  # requests queued (including ones whose caller left, until popped)
-        self.dropped = 0  # callers that left before their request was batched
-
-    def __len__(self) -> int:
-        return self.size
-
-    def push(self, req: Request) -> bool:
-        """Queue ``req``; False when max_queue_size is reached (the caller answers UNAVAILABLE)."""
-        if self.max_queue_size and self.size >= self.max_queue_size:
-            return False
-        group = self._groups.get(req.key)
-        if group is None:
-            group = self._groups[req.key] = _Group()
-        group.requests.append(req)
-        group.rows += req.rows
-        self.size += 1
-        return True
-
-    def _live_groups(self) -> list[_Group]:
-        """Groups with a live request, oldest head first (cancelled heads are dropped here)."""
-        groups = []
-        for key in list(self._groups):
-            g = self._groups[key]
-            self._drop_cancelled_head(g)
-            if not g.requests:
-                del self._groups[key]
-            else:
-                groups.append(g)
-        if len(groups) > 1:
-            groups.sort(key=lambda g: g.requests[0].arrival)
-        return groups
-
-    def _drop_cancelled_head(self, g: _Group) -> None:
-        while g.requests and g.requests[0].future.done():
-            r = g.requests.popleft()
-            g.rows -= r.rows
-            self.size -= 1
-            self.dropped += 1
-
-    def next_deadline(self) -> float | None:
-        """When the oldest request's max-wait timer fires; None when nothing is queued."""
-        groups = self._live_groups()
-        return None if not groups else groups[0].requests[0].arrival + self.max_delay_s
-
-    def pop_batch(self, now: float) -> list[Request] | None:
-        """The batch that should leave at ``now``: the oldest group's when its timer expired, else
-        the first group (oldest first) that is full or at a preferred size."""
-        for g in self._live_groups():
-            batch = self._ready(g, now)
-            if batch is not None:
-                return batch
-        return None
-
-    def _ready(self, g: _Group, now: float) -> list[Request] | None:
-        if self.max_batch_size == 0:  # the model does not batch: one request per execution
-            return self._take(g, 1)
-        expired = now >= g.requests[0].arrival + self.max_delay_s
-        if not expired and g.rows < self.max_batch_size and (self.min_preferred is None or g.rows < self.min_preferred):
-            return None  # fast path: nothing can close this batch yet
-        taken_rows = 0
-        n = 0
-        best_preferred = 0
-        full = False
-        for req in g.requests:
-            if req.future.done():  # left while queued: skipped now, removed by _take
-                n += 1
-                continue
-            if taken_rows + req.rows > self.max_batch_size:
-                full = True
-                if taken_rows == 0:  # one request larger than a batch: it goes alone, never stuck
-                    n += 1
-                break
-            taken_rows += req.rows
-            n += 1
-            if taken_rows in self.preferred:
-                best_preferred = n
-        if taken_rows == self.max_batch_size:
-            full = True
-        if full or expired:
-            return self._take(g, n)
-        if best_preferred:
-            return self._take(g, best_preferred)
-        return None
-
-    def _take(self, g: _Group, n: int) -> list[Request] | None:
-        batch = []
-        for _ in range(n):
-            r = g.requests.popleft()
-            g.rows -= r.rows
-            self.size -= 1
-            if r.future.done():
-                self.dropped += 1
-            else:
-                batch.append(r)
-        return batch or None
-
-    def drain_all(self) -> list[Request]:
-        out = []
-        for g in self._groups.values():
-            out.extend(g.requests)
-        self._groups.clear()
-        self.size = 0
-        return out
+# The FIFO queue was born here; tests and callers still import it by its first name.
+BatchQueue = FifoQueue
+Queue = FifoQueue | DeadlineQueue
 
 
 @dataclass(slots=True)
@@ -202,21 +71,40 @@ class Stats:
     output_ns: int = 0
     dropped: int = 0  # callers that cancelled before compute
     rejected_full: int = 0
+    shed: int = 0  # refused at admission: the deadline was out of reach
+    expired: int = 0  # dropped from the queue before compute: the deadline passed
     by_batch_size: dict[int, BatchStats] = field(default_factory=dict)
+    # latency class -> outcome -> count (success, shed, expired, rejected, failed)
+    by_class: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Called once per executed batch as observer(batch, start, rows, timing): the metrics'
+    # histograms (gateway/metrics.py BatchObserver); None costs one test per batch.
+    observer: Callable | None = None
+
+    def count_class(self, cls: str, outcome: str, n: int = 1) -> None:
+        d = self.by_class.get(cls)
+        if d is None:
+            d = self.by_class[cls] = {}
+        d[outcome] = d.get(outcome, 0) + n
 
 
 class Scheduler:
     def __init__(
         self,
         name: str,
-        queue: BatchQueue,
+        queue: Queue,
         execute: Execute,
         slots: int,
         batched: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        latency: LatencyModel | None = None,
+        shed: bool | None = None,
     ) -> None:
         self.name = name
         self.queue = queue
+        self.latency = latency or getattr(queue, "latency", None) or LatencyModel()
+        # Shedding at admission belongs to the deadline policy; FIFO (Triton-like) never sheds.
+        self.shed = isinstance(queue, DeadlineQueue) if shed is None else shed
+        self._inflight_est = 0.0  # estimated seconds of the batches running now
         self.execute = execute
         self.batched = batched
         self.clock = clock
@@ -258,16 +146,34 @@ class Scheduler:
 
     # -- request side ---------------------------------------------------------------------------
 
-    async def infer(self, inputs: dict[str, np.ndarray], rows: int, key: Hashable) -> dict[str, np.ndarray]:
+    async def infer(
+        self, inputs: dict[str, np.ndarray], rows: int, key: Hashable, budget: Budget | None = None
+    ) -> dict[str, np.ndarray]:
         if self._closing:
             raise unavailable(f"model '{self.name}' is draining; retry on another replica")
         loop = asyncio.get_running_loop()
-        req = Request(inputs, rows, key, self.clock(), loop.create_future())
+        now = self.clock()
+        if budget is None:
+            req = Request(inputs, rows, key, now, loop.create_future())
+        else:
+            req = Request(
+                inputs, rows, key, now, loop.create_future(),
+                budget.deadline, budget.cls, budget.level, budget.queue_deadline, budget.delay,
+            )  # fmt: skip
+        if self.shed and req.cls is not None:
+            self._admit_or_shed(req, now)
         if not self.queue.push(req):
             self.stats.rejected_full += 1
-            raise unavailable(
-                f"model '{self.name}' queue is full (max_queue_size={self.queue.max_queue_size}); retry later"
-            )
+            if req.cls is not None:
+                self.stats.count_class(req.class_name, "rejected")
+            if isinstance(self.queue, DeadlineQueue):
+                where = f"queue for latency class '{req.class_name}' is full ({req.cls.max_queue} requests"
+                if self.queue.level_queue_sizes.get(req.level):
+                    where += f", or priority level {req.level} reached max_queue_size"
+                where += ")"
+            else:
+                where = f"queue is full (max_queue_size={self.queue.max_queue_size})"
+            raise unavailable(f"model '{self.name}' {where}; retry later")
         self._in_flight += 1
         self._idle.clear()
         self._wake()
@@ -280,6 +186,28 @@ class Scheduler:
             if self._in_flight == 0:
                 self._idle.set()
 
+    def _admit_or_shed(self, req: Request, now: float) -> None:
+        """Refuse at once a request whose deadline is out of reach given the work ahead of it."""
+        if req.deadline == math.inf:
+            return
+        a, b = self.latency.per_row(req.key)
+        ahead = self.queue.rows_ahead(req)
+        per_batch = max(self.queue.max_batch_size, 1)
+        wait = (math.ceil(ahead / per_batch) * a + ahead * b) / self._slots
+        if self._free == 0:
+            wait += self._inflight_est / self._slots / 2  # running batches are half done on average
+        own = self.latency.estimate(req.key, req.rows)
+        if now + wait + own > req.deadline:
+            self.stats.shed += 1
+            self.stats.count_class(req.class_name, "shed")
+            budget_ms = (req.deadline - now) * 1e3
+            raise GatewayError(
+                Kind.DEADLINE,
+                f"model '{self.name}': the request's budget of {budget_ms:.1f} ms cannot be met "
+                f"(estimated {wait * 1e3:.1f} ms of queued work ahead plus {own * 1e3:.1f} ms compute); "
+                "shed before queueing",
+            )
+
     def _wake(self) -> None:
         w = self._wakeup
         if w is not None and not w.done():
@@ -289,13 +217,18 @@ class Scheduler:
 
     async def _run(self) -> None:
         try:
+            queue = self.queue
             while True:
-                while self._free == 0:
-                    await self._wait(None)
-                batch = self.queue.pop_batch(self.clock())
-                self.stats.dropped = self.queue.dropped
+                now = self.clock()
+                for r in queue.take_expired(now):
+                    self._expire(r, now)
+                if self._free == 0:
+                    await self._wait(queue.next_wakeup(now) if self.shed else None)
+                    continue
+                batch = queue.pop_batch(now, self._free == self._slots)
+                self.stats.dropped = queue.dropped
                 if batch is None:
-                    await self._wait(self.queue.next_deadline())
+                    await self._wait(queue.next_wakeup(now))
                     continue
                 self._dispatch(batch)
         except asyncio.CancelledError:
@@ -323,19 +256,42 @@ class Scheduler:
                 self._timer.cancel()
                 self._timer = None
 
+    def _expire(self, r: Request, now: float) -> None:
+        self.stats.expired += 1
+        self.stats.count_class(r.class_name, "expired")
+        if r.future.done():
+            return
+        left_ms = (r.deadline - now) * 1e3
+        if left_ms <= 0:
+            why = f"its deadline passed {-left_ms:.1f} ms ago"
+        elif now >= r.queue_deadline:
+            why = "its queue timeout (Triton 'timeout' / default_timeout_microseconds) passed"
+        else:
+            est_ms = self.latency.estimate(r.key, r.rows) * 1e3
+            why = f"{left_ms:.1f} ms were left, less than the estimated {est_ms:.1f} ms compute"
+        r.future.set_exception(
+            GatewayError(
+                Kind.DEADLINE,
+                f"model '{self.name}': dropped from the queue before compute: {why} "
+                f"(waited {(now - r.arrival) * 1e3:.1f} ms)",
+            )
+        )
+
     def _dispatch(self, batch: list[Request]) -> None:
         self._free -= 1
         start = self.clock()
         rows = [r.rows for r in batch]
+        est = self.latency.estimate(batch[0].key, sum(rows))
+        self._inflight_est += est
         try:
             fut = self.execute([r.inputs for r in batch], rows, self.batched)
         except BaseException as exc:
-            self._complete(batch, start, None, exc)
+            self._complete(batch, start, None, exc, est)
             return
         loop = self._loop
-        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._on_done, batch, start, f))
+        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._on_done, batch, start, f, est))
 
-    def _on_done(self, batch: list[Request], start: float, fut: Future) -> None:
+    def _on_done(self, batch: list[Request], start: float, fut: Future, est: float = 0.0) -> None:
         if fut.cancelled():
             exc: BaseException | None = GatewayError(Kind.FAILED, f"model '{self.name}': the batch was cancelled")
         else:
@@ -345,10 +301,11 @@ class Scheduler:
             exc = GatewayError(
                 Kind.FAILED, f"model '{self.name}': engine returned {len(result[0])} outputs for {len(batch)} requests"
             )
-        self._complete(batch, start, None if exc else result, exc)
+        self._complete(batch, start, None if exc else result, exc, est)
 
-    def _complete(self, batch: list[Request], start: float, result, exc: BaseException | None) -> None:
+    def _complete(self, batch: list[Request], start: float, result, exc: BaseException | None, est: float = 0.0) -> None:
         self._free += 1
+        self._inflight_est = max(self._inflight_est - est, 0.0)
         self._wake()
         now = self.clock()
         st = self.stats
@@ -362,12 +319,15 @@ class Scheduler:
             )
             log.warning("batch of %d rows failed on %s: %s", n_rows, self.name, exc)
             for r in batch:
+                if r.cls is not None:
+                    st.count_class(r.class_name, "failed")
                 st.fail_count += 1
                 st.fail_ns += int((now - r.arrival) * 1e9)
                 if not r.future.done():
                     r.future.set_exception(err)
             return
         outputs, timing = result
+        self.latency.observe(batch[0].key, n_rows, (timing.input_ns + timing.infer_ns + timing.output_ns) / 1e9)
         st.execution_count += 1
         st.inference_count += n_rows
         st.last_inference_ms = int(time.time() * 1000)
@@ -381,7 +341,11 @@ class Scheduler:
         bs.input_ns += timing.input_ns
         bs.infer_ns += timing.infer_ns
         bs.output_ns += timing.output_ns
+        if st.observer is not None:
+            st.observer(batch, start, n_rows, timing)
         for r, out in zip(batch, outputs):
+            if r.cls is not None:
+                st.count_class(r.class_name, "success" if now <= r.deadline else "late")
             st.success_count += 1
             st.success_ns += int((now - r.arrival) * 1e9)
             if not r.future.done():

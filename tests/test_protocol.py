@@ -67,7 +67,7 @@ def test_statistics_count_rows_and_executions(triton):
     assert after.inference_stats.compute_infer.ns > before.inference_stats.compute_infer.ns
     assert after.last_inference > 0
     all_stats = triton.get_inference_statistics()
-    assert {s.name for s in all_stats.model_stats} == {"ranker", "encoder"}
+    assert {s.name for s in all_stats.model_stats} >= {"ranker", "encoder"}
 
 
 def test_outputs_as_typed_contents_when_binary_data_is_false(stub):

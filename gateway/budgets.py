@@ -1,0 +1,161 @@
+"""Latency budgets: which class a request belongs to and the absolute deadline it must meet.
+
+Resolution, first that applies:
+  deadline  = gRPC deadline  >  parameter ``latency_budget_ms``  >  the class's budget
+  class     = parameter ``latency_class``  >  the tenant's default class  >  the server default
+Triton's schedule-policy parameters are honoured too: ``priority`` (1 = highest level) and
+``timeout`` (µs, a queue timeout; only lowers the model's default when allow_timeout_override).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gateway.errors import invalid
+from proto.inference.v2 import model_config_pb2 as mc
+
+INF = math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyClass:
+    name: str
+    budget_s: float
+    max_queue: int  # requests queued per model; 0 = unbounded
+    min_share: float  # fraction of dispatched rows guaranteed while the class has work queued
+    rank: int  # position in the configured order (0 = most urgent); orders work-ahead estimates
+
+
+DEFAULT_CLASSES = "realtime=25ms/1024/0,standard=2000ms/4096/0,bulk=10000ms/16384/0.1"
+
+
+def parse_classes(spec: str) -> dict[str, LatencyClass]:
+    """``name=<budget>ms/<max_queue>/<min_share>,...`` (budget also in ``s``)."""
+    classes: dict[str, LatencyClass] = {}
+    for rank, item in enumerate(p.strip() for p in spec.split(",") if p.strip()):
+        try:
+            name, _, rest = item.partition("=")
+            budget, max_queue, share = (rest.split("/") + ["0", "0"])[:3]
+            budget = budget.strip()
+            seconds = float(budget[:-2]) / 1000 if budget.endswith("ms") else float(budget.rstrip("s"))
+            cls = LatencyClass(name.strip(), seconds, int(max_queue), float(share), rank)
+        except ValueError as exc:
+            raise ValueError(
+                f"latency class '{item}': expected name=<budget>ms/<max_queue>/<min_share>, e.g. realtime=25ms/1024/0"
+            ) from exc
+        if not cls.name or cls.budget_s <= 0 or cls.max_queue < 0 or not 0 <= cls.min_share < 1:
+            raise ValueError(f"latency class '{item}': budget must be > 0, max_queue >= 0, 0 <= min_share < 1")
+        classes[cls.name] = cls
+    if not classes:
+        raise ValueError("at least one latency class is required")
+    if sum(c.min_share for c in classes.values()) >= 1:
+        raise ValueError("latency class min_share values must add up to less than 1")
+    return classes
+
+
+@dataclass(frozen=True, slots=True)
+class QueuePolicy:
+    """Triton's ModelQueuePolicy for one priority level."""
+
+    timeout_s: float  # 0 = none
+    delay: bool  # timeout_action DELAY (else REJECT)
+    allow_override: bool
+    max_queue_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulePolicy:
+    """Triton's dynamic_batching schedule policy of one model."""
+
+    priority_levels: int
+    default_level: int
+    policies: dict[int, QueuePolicy]  # level -> policy (level 0 used when priority_levels == 0)
+
+    @classmethod
+    def from_config(cls, config: mc.ModelConfig) -> SchedulePolicy:
+        db = config.dynamic_batching
+
+        def policy(p: mc.ModelQueuePolicy) -> QueuePolicy:
+            return QueuePolicy(
+                timeout_s=p.default_timeout_microseconds / 1e6,
+                delay=p.timeout_action == mc.ModelQueuePolicy.DELAY,
+                allow_override=p.allow_timeout_override,
+                max_queue_size=p.max_queue_size,
+            )
+
+        levels = int(db.priority_levels)
+        default = policy(db.default_queue_policy)
+        policies = {lvl: default for lvl in range(0, levels + 1)}
+        for lvl, p in db.priority_queue_policy.items():
+            policies[int(lvl)] = policy(p)
+        default_level = int(db.default_priority_level) or (levels if levels else 0)
+        if levels and not 1 <= default_level <= levels:
+            raise ValueError(f"default_priority_level {default_level} is outside [1, priority_levels={levels}]")
+        return cls(levels, default_level, policies)
+
+
+@dataclass(slots=True)
+class Budget:
+    cls: LatencyClass
+    deadline: float  # absolute, on the scheduler's clock; the answer is useless after it
+    level: int  # Triton priority level (0 when the model has none); lower runs first
+    queue_deadline: float  # Triton queue timeout (absolute); INF when none
+    delay: bool  # on queue timeout: DELAY (deprioritise) instead of REJECT
+
+
+def _param_number(p) -> float | None:
+    which = p.WhichOneof("parameter_choice")
+    if which in ("int64_param", "uint64_param", "double_param"):
+        return float(getattr(p, which))
+    if which == "string_param":
+        try:
+            return float(p.string_param)
+        except ValueError:
+            return None
+    return None
+
+
+def resolve(
+    params,
+    time_remaining: float | None,
+    now: float,
+    classes: dict[str, LatencyClass],
+    default_class: str,
+    schedule: SchedulePolicy,
+) -> Budget:
+    """Budget of one request from its parameters and gRPC deadline (``time_remaining`` seconds)."""
+    name = default_class
+    if "latency_class" in params:
+        name = params["latency_class"].string_param
+        if name not in classes:
+            raise invalid(f"parameter 'latency_class' is '{name}'; expected one of {sorted(classes)}")
+    cls = classes[name]
+    budget = cls.budget_s
+    if "latency_budget_ms" in params:
+        value = _param_number(params["latency_budget_ms"])
+        if value is None or value <= 0:
+            raise invalid("parameter 'latency_budget_ms' must be a positive number of milliseconds")
+        budget = value / 1000
+    if time_remaining is not None and time_remaining < 1e6:  # grpc.aio reports "no deadline" as huge
+        budget = max(time_remaining, 0.0)
+    level = 0
+    if schedule.priority_levels:
+        level = schedule.default_level
+        if "priority" in params:
+            value = _param_number(params["priority"])
+            if value is None or value < 0:
+                raise invalid("parameter 'priority' must be a non-negative integer")
+            # Triton: 0 means "use the default"; levels past the last clamp to the lowest priority.
+            if value:
+                level = min(int(value), schedule.priority_levels)
+    policy = schedule.policies.get(level) or schedule.policies[0]
+    timeout = policy.timeout_s
+    if "timeout" in params:
+        value = _param_number(params["timeout"])
+        if value is None or value < 0:
+            raise invalid("parameter 'timeout' must be a non-negative number of microseconds")
+        if value and (timeout == 0 or (policy.allow_override and value / 1e6 < timeout)):
+            timeout = value / 1e6
+    queue_deadline = now + timeout if timeout else INF
+    return Budget(cls, now + budget, level, queue_deadline, policy.delay)

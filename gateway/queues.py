@@ -1,0 +1,495 @@
+"""Request queues behind one contract, used by the scheduler's single batcher task.
+
+* ``FifoQueue`` — Triton's dynamic batcher: FIFO per shape key; a batch closes when full, at a
+  preferred size, or when its oldest request has waited max_queue_delay. Deadlines play no part.
+  Kept as ``scheduling_policy=fifo`` for comparison.
+* ``DeadlineQueue`` — batchgate's default: latency classes, earliest deadline first (strict
+  Triton priority levels above that), guaranteed shares, expiry before compute, and batches that
+  close as soon as waiting longer would make their most urgent request late.
+
+Contract (all called on the event loop, never concurrently):
+  push(req)                 -> False when the request's queue is full
+  pop_batch(now, idle)      -> the batch that should leave now, or None
+  take_expired(now)         -> requests that can no longer make their deadline (answered by the
+                               caller with DEADLINE_EXCEEDED, never computed)
+  next_wakeup(now)          -> when to call pop_batch/take_expired again (None: only on push)
+  drain_all()               -> everything queued, for shutdown
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Hashable
+
+from gateway.budgets import INF, LatencyClass
+from gateway.latency import LatencyModel
+
+
+class Request:
+    __slots__ = ("inputs", "rows", "key", "arrival", "future", "deadline", "cls", "level", "queue_deadline", "delay")
+
+    def __init__(
+        self,
+        inputs,
+        rows: int,
+        key: Hashable,
+        arrival: float,
+        future,
+        deadline: float = INF,
+        cls: LatencyClass | None = None,
+        level: int = 0,
+        queue_deadline: float = INF,
+        delay: bool = False,
+    ) -> None:
+        self.inputs = inputs
+        self.rows = rows
+        self.key = key
+        self.arrival = arrival
+        self.future = future  # asyncio.Future; done() early means the caller went away
+        self.deadline = deadline
+        self.cls = cls
+        self.level = level
+        self.queue_deadline = queue_deadline
+        self.delay = delay
+
+    @property
+    def class_name(self) -> str:
+        return self.cls.name if self.cls is not None else ""
+
+
+# ---------------------------------------------------------------------------------------------
+# FIFO + timer (Triton-like)
+# ---------------------------------------------------------------------------------------------
+
+
+class _Group:
+    __slots__ = ("requests", "rows")
+
+    def __init__(self) -> None:
+        self.requests: deque[Request] = deque()
+        self.rows = 0
+
+
+class FifoQueue:
+    """Pending requests of one model, grouped by shape key, oldest first."""
+
+    def __init__(
+        self,
+        max_batch_size: int,
+        preferred: tuple[int, ...] = (),
+        max_delay_s: float = 0.0,
+        max_queue_size: int = 0,
+    ) -> None:
+        self.max_batch_size = max_batch_size
+        self.preferred = frozenset(p for p in preferred if p <= max(max_batch_size, 1))
+        self.min_preferred = min(self.preferred) if self.preferred else None
+        self.max_delay_s = max_delay_s
+        self.max_queue_size = max_queue_size
+        self._groups: dict[Hashable, _Group] = {}
+        self.size = 0  # requests queued (including ones whose caller left, until popped)
+        self.dropped = 0  # callers that left before their request was batched
+
+    def __len__(self) -> int:
+        return self.size
+
+    def push(self, req: Request) -> bool:
+        """Queue ``req``; False when max_queue_size is reached (the caller answers UNAVAILABLE)."""
+        if self.max_queue_size and self.size >= self.max_queue_size:
+            return False
+        group = self._groups.get(req.key)
+        if group is None:
+            group = self._groups[req.key] = _Group()
+        group.requests.append(req)
+        group.rows += req.rows
+        self.size += 1
+        return True
+
+    def _live_groups(self) -> list[_Group]:
+        """Groups with a live request, oldest head first (cancelled heads are dropped here)."""
+        groups = []
+        for key in list(self._groups):
+            g = self._groups[key]
+            self._drop_cancelled_head(g)
+            if not g.requests:
+                del self._groups[key]
+            else:
+                groups.append(g)
+        if len(groups) > 1:
+            groups.sort(key=lambda g: g.requests[0].arrival)
+        return groups
+
+    def _drop_cancelled_head(self, g: _Group) -> None:
+        while g.requests and g.requests[0].future.done():
+            r = g.requests.popleft()
+            g.rows -= r.rows
+            self.size -= 1
+            self.dropped += 1
+
+    def next_deadline(self) -> float | None:
+        """When the oldest request's max-wait timer fires; None when nothing is queued."""
+        groups = self._live_groups()
+        return None if not groups else groups[0].requests[0].arrival + self.max_delay_s
+
+    def next_wakeup(self, now: float) -> float | None:
+        return self.next_deadline()
+
+    def take_expired(self, now: float) -> list[Request]:
+        return []
+
+    def pop_batch(self, now: float, idle: bool = False) -> list[Request] | None:
+        """The batch that should leave at ``now``: the oldest group's when its timer expired, else
+        the first group (oldest first) that is full or at a preferred size."""
+        for g in self._live_groups():
+            batch = self._ready(g, now)
+            if batch is not None:
+                return batch
+        return None
+
+    def _ready(self, g: _Group, now: float) -> list[Request] | None:
+        if self.max_batch_size == 0:  # the model does not batch: one request per execution
+            return self._take(g, 1)
+        expired = now >= g.requests[0].arrival + self.max_delay_s
+        if not expired and g.rows < self.max_batch_size and (self.min_preferred is None or g.rows < self.min_preferred):
+            return None  # fast path: nothing can close this batch yet
+        taken_rows = 0
+        n = 0
+        best_preferred = 0
+        full = False
+        for req in g.requests:
+            if req.future.done():  # left while queued: skipped now, removed by _take
+                n += 1
+                continue
+            if taken_rows + req.rows > self.max_batch_size:
+                full = True
+                if taken_rows == 0:  # one request larger than a batch: it goes alone, never stuck
+                    n += 1
+                break
+            taken_rows += req.rows
+            n += 1
+            if taken_rows in self.preferred:
+                best_preferred = n
+        if taken_rows == self.max_batch_size:
+            full = True
+        if full or expired:
+            return self._take(g, n)
+        if best_preferred:
+            return self._take(g, best_preferred)
+        return None
+
+    def _take(self, g: _Group, n: int) -> list[Request] | None:
+        batch = []
+        for _ in range(n):
+            r = g.requests.popleft()
+            g.rows -= r.rows
+            self.size -= 1
+            if r.future.done():
+                self.dropped += 1
+            else:
+                batch.append(r)
+        return batch or None
+
+    def rows_ahead(self, req: Request) -> int:
+        return sum(g.rows for g in self._groups.values())
+
+    def drain_all(self) -> list[Request]:
+        out = []
+        for g in self._groups.values():
+            out.extend(g.requests)
+        self._groups.clear()
+        self.size = 0
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Deadline-aware (batchgate's default)
+# ---------------------------------------------------------------------------------------------
+
+_DELAYED_LEVEL = 1 << 30  # Triton DELAY: after every live request of every level
+
+
+class _Lane:
+    """One (shape key, class) heap, ordered by (priority level, deadline, arrival)."""
+
+    __slots__ = ("heap", "rows", "cls")
+
+    def __init__(self, cls: str) -> None:
+        self.heap: list[tuple[int, float, int, Request]] = []
+        self.rows = 0
+        self.cls = cls
+
+
+class DeadlineQueue:
+    """Latency classes, EDF within priority levels, guaranteed shares, deadline-aware closing."""
+
+    def __init__(
+        self,
+        max_batch_size: int,
+        preferred: tuple[int, ...],
+        max_delay_s: float,
+        classes: dict[str, LatencyClass],
+        latency: LatencyModel,
+        level_queue_sizes: dict[int, int] | None = None,
+        margin_s: float = 0.0005,
+    ) -> None:
+        self.max_batch_size = max_batch_size
+        self.preferred = frozenset(p for p in preferred if p <= max(max_batch_size, 1))
+        self.max_delay_s = max_delay_s
+        self.classes = classes
+        self.latency = latency
+        self.level_queue_sizes = {k: v for k, v in (level_queue_sizes or {}).items() if v}
+        self.margin_s = margin_s
+        self._lanes: dict[Hashable, dict[str, _Lane]] = {}
+        self._seq = itertools.count()
+        self.size = 0
+        self.dropped = 0
+        self.class_size: dict[str, int] = {c: 0 for c in classes}
+        self.class_rows: dict[str, int] = {c: 0 for c in classes}
+        self.level_size: dict[int, int] = {}
+        # Guaranteed shares as credit: while a class has work queued, every batch dispatched earns
+        # it min_share x the batch's rows; its own rows spend the credit. A class whose credit
+        # covers a row goes first, so `bulk` progresses under sustained `realtime` load.
+        self._credit: dict[str, float] = {c: 0.0 for c, lc in classes.items() if lc.min_share > 0}
+        self._arrivals_per_s = 0.0
+        self._last_arrival: float | None = None
+
+    def __len__(self) -> int:
+        return self.size
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def push(self, req: Request) -> bool:
+        cls = req.cls.name
+        bound = req.cls.max_queue
+        if bound and self.class_size[cls] >= bound:
+            return False
+        level_bound = self.level_queue_sizes.get(req.level)
+        if level_bound and self.level_size.get(req.level, 0) >= level_bound:
+            return False
+        lanes = self._lanes.get(req.key)
+        if lanes is None:
+            lanes = self._lanes[req.key] = {}
+        lane = lanes.get(cls)
+        if lane is None:
+            lane = lanes[cls] = _Lane(cls)
+        heapq.heappush(lane.heap, (req.level, req.deadline, next(self._seq), req))
+        lane.rows += req.rows
+        self.size += 1
+        self.class_size[cls] += 1
+        self.class_rows[cls] += req.rows
+        self.level_size[req.level] = self.level_size.get(req.level, 0) + 1
+        self._note_arrival(req.arrival)
+        return True
+
+    def _note_arrival(self, now: float) -> None:
+        if self._last_arrival is not None:
+            gap = max(now - self._last_arrival, 1e-6)
+            # EWMA of the arrival rate, so "will anyone join this batch soon?" has an answer.
+            self._arrivals_per_s = 0.9 * self._arrivals_per_s + 0.1 * (1.0 / gap)
+        self._last_arrival = now
+
+    def rows_ahead(self, req: Request) -> int:
+        """Rows queued that run before ``req`` in EDF order (approximated by class rank)."""
+        rank = req.cls.rank
+        return sum(self.class_rows[c] for c, lc in self.classes.items() if lc.rank <= rank)
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+
+    def _remove(self, lane: _Lane, req: Request) -> None:
+        lane.rows -= req.rows
+        self.size -= 1
+        self.class_size[lane.cls] -= 1
+        self.class_rows[lane.cls] -= req.rows
+        self.level_size[req.level] -= 1
+
+    def _clean_head(self, lane: _Lane) -> None:
+        while lane.heap and lane.heap[0][3].future.done():
+            _, _, _, r = heapq.heappop(lane.heap)
+            self._remove(lane, r)
+            self.dropped += 1
+
+    def take_expired(self, now: float) -> list[Request]:
+        """Requests that cannot finish in time even if they ran alone right now; Triton DELAY
+        requests past their queue timeout are moved behind everything instead."""
+        out: list[Request] = []
+        for key, lanes in self._lanes.items():
+            for lane in lanes.values():
+                self._clean_head(lane)
+                if not lane.heap:
+                    continue
+                # Deadlines are only ordered within a level, so scan the (few) heads per level
+                # lazily: pop from the top while the top is hopeless.
+                while lane.heap:
+                    level, deadline, _, r = lane.heap[0]
+                    late = now + self.latency.estimate(key, r.rows) + self.margin_s > deadline
+                    timed_out = now >= r.queue_deadline
+                    if not (late or timed_out):
+                        break
+                    heapq.heappop(lane.heap)
+                    if timed_out and r.delay and not late and level != _DELAYED_LEVEL:
+                        heapq.heappush(lane.heap, (_DELAYED_LEVEL, deadline, next(self._seq), r))
+                        continue
+                    self._remove(lane, r)
+                    if r.future.done():
+                        self.dropped += 1
+                    else:
+                        out.append(r)
+        return out
+
+    # -- batch formation ------------------------------------------------------------------------
+
+    def _starving(self) -> str | None:
+        """The class owed the most rows by its guaranteed share (credit >= its head's rows)."""
+        best = None
+        for name, credit in self._credit.items():
+            if credit >= 1.0 and self.class_size[name] and (best is None or credit > self._credit[best]):
+                best = name
+        return best
+
+    def _heads(self) -> list[tuple[tuple, Hashable, _Lane]]:
+        heads = []
+        for key in list(self._lanes):
+            lanes = self._lanes[key]
+            for cls in list(lanes):
+                lane = lanes[cls]
+                self._clean_head(lane)
+                if lane.heap:
+                    level, deadline, seq, _ = lane.heap[0]
+                    heads.append(((level, deadline, seq), key, lane))
+                else:
+                    del lanes[cls]
+            if not lanes:
+                del self._lanes[key]
+        heads.sort(key=lambda h: h[0])
+        return heads
+
+    def _pop_plan(self, key: Hashable, first: _Lane | None) -> tuple[list[tuple[_Lane, tuple]], int, int]:
+        """Pop, in (level, deadline) order across the bucket's lanes, the requests a batch of bucket
+        ``key`` would take now. Returns (lane, heap entry) pairs, their rows, and the count at the
+        largest preferred size reached (0 if none). ``_restore`` puts them back if it doesn't go."""
+        lanes = [l for l in self._lanes[key].values() if l.heap]
+        plan: list[tuple[_Lane, tuple]] = []
+        rows = 0
+        best_pref = 0
+        limit = self.max_batch_size or 1
+        cand = [(l.heap[0][:3], i) for i, l in enumerate(lanes) if l is not first]
+        heapq.heapify(cand)
+        if first is not None:  # a starving class's head goes first
+            cand.insert(0, ((-1, -math.inf, -1), lanes.index(first)))
+        while rows < limit and cand:
+            _, i = heapq.heappop(cand)
+            lane = lanes[i]
+            entry = heapq.heappop(lane.heap)
+            r = entry[3]
+            if r.future.done():  # the caller left: forget the request
+                self._remove(lane, r)
+                self.dropped += 1
+            elif rows + r.rows > limit and plan:
+                heapq.heappush(lane.heap, entry)
+                break
+            else:
+                plan.append((lane, entry))
+                rows += r.rows
+                if rows in self.preferred:
+                    best_pref = len(plan)
+                if self.max_batch_size == 0:
+                    break
+            if lane.heap:
+                heapq.heappush(cand, (lane.heap[0][:3], i))
+        return plan, rows, best_pref
+
+    @staticmethod
+    def _restore(plan: list[tuple[_Lane, tuple]]) -> None:
+        for lane, entry in plan:
+            heapq.heappush(lane.heap, entry)
+
+    def _close_at(self, key: Hashable, plan: list[tuple[_Lane, tuple]], rows: int, best_pref: int, now: float,
+                  idle: bool) -> float:
+        """When this batch should leave: now (returns ``now``) or a later time to re-check."""
+        if self.max_batch_size == 0 or rows >= self.max_batch_size or best_pref == len(plan):
+            return now
+        urgent = min(e[3].deadline for _, e in plan)
+        compute = self.latency.estimate(key, rows)
+        latest = urgent - compute - self.margin_s  # waiting past this makes the most urgent late
+        timer = min(e[3].arrival for _, e in plan) + self.max_delay_s
+        close = min(latest, timer)
+        if close <= now:
+            return now
+        if idle:
+            # A worker is free: hold only if someone is likely to join before we must go, and
+            # if a bigger batch is cheaper per row at all (a fixed cost per batch to amortise).
+            expected = self._arrivals_per_s * (close - now)
+            a, b = self.latency.per_row(key)
+            if expected < 1.0 or a < 0.1 * (a + b * rows):
+                return now
+        return close
+
+    def pop_batch(self, now: float, idle: bool = False) -> list[Request] | None:
+        heads = self._heads()
+        if not heads:
+            return None
+        starving = self._starving()
+        order = heads
+        if starving is not None:
+            order = sorted(heads, key=lambda h: (h[2].cls != starving, h[0]))
+        self._wakeup = math.inf
+        seen = set()
+        for _, key, lane in order:
+            if key in seen and starving != lane.cls:
+                continue  # one plan per bucket is enough: it already merged every lane
+            seen.add(key)
+            if key not in self._lanes:
+                continue
+            plan, rows, best_pref = self._pop_plan(key, lane if starving == lane.cls else None)
+            if not plan:
+                continue
+            at = self._close_at(key, plan, rows, best_pref, now, idle)
+            if at <= now:
+                return self._take(plan)
+            self._restore(plan)
+            self._wakeup = min(self._wakeup, at)
+        return None
+
+    def next_wakeup(self, now: float) -> float | None:
+        heads = self._heads()
+        if not heads:
+            return None
+        wake = getattr(self, "_wakeup", math.inf)
+        # Also wake when the most urgent queued request would become hopeless.
+        for (level, deadline, _), key, lane in heads:
+            r = lane.heap[0][3]
+            wake = min(wake, deadline - self.latency.estimate(key, r.rows), r.queue_deadline)
+        return None if wake == math.inf else wake
+
+    def _take(self, plan: list[tuple[_Lane, tuple]]) -> list[Request]:
+        batch = []
+        for lane, entry in plan:
+            r = entry[3]
+            self._remove(lane, r)
+            batch.append(r)
+        if self._credit:
+            rows = sum(r.rows for r in batch)
+            cap = max(self.max_batch_size, 1)
+            for name in self._credit:
+                if self.class_size[name] or any(r.cls.name == name for r in batch):
+                    own = sum(r.rows for r in batch if r.cls.name == name)
+                    credit = self._credit[name] + self.classes[name].min_share * rows - own
+                    self._credit[name] = min(max(credit, 0.0), cap)
+                else:
+                    self._credit[name] = 0.0  # nothing waiting: no debt builds up
+        return batch
+
+    def drain_all(self) -> list[Request]:
+        out = []
+        for lanes in self._lanes.values():
+            for lane in lanes.values():
+                out.extend(e[3] for e in lane.heap)
+        self._lanes.clear()
+        self.size = 0
+        for c in self.class_size:
+            self.class_size[c] = 0
+            self.class_rows[c] = 0
+        self.level_size.clear()
+        return out

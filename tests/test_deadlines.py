@@ -1,0 +1,370 @@
+"""Deadline-aware scheduling, driven as a state machine (fake engine, controlled clock): EDF order,
+class shares, shedding at admission, expiry in the queue, the closing rule, Triton priorities."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+
+from gateway.budgets import INF, SchedulePolicy, parse_classes, resolve
+from gateway.errors import GatewayError, Kind
+from gateway.latency import LatencyModel
+from gateway.queues import DeadlineQueue, Request
+from gateway.scheduler import Scheduler
+from proto.inference.v2 import grpc_service_pb2 as pb
+from proto.inference.v2 import model_config_pb2 as mc
+from workers.engine import BatchTiming
+
+CLASSES = parse_classes("realtime=25ms/100/0,standard=250ms/100/0,bulk=5000ms/100/0.2")
+
+
+class Done:
+    """A stand-in future for pure queue tests: done() only when cancelled."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def done(self) -> bool:
+        return self.cancelled
+
+
+def make_req(name: str, cls: str, now: float, rows: int = 1, key=None, budget_s: float | None = None, level: int = 0,
+             queue_deadline: float = INF, delay: bool = False) -> Request:  # fmt: skip
+    c = CLASSES[cls]
+    r = Request({"name": name}, rows, key, now, Done(), now + (budget_s or c.budget_s), c, level, queue_deadline, delay)
+    return r
+
+
+def names(batch) -> list[str]:
+    return [r.inputs["name"] for r in batch or []]
+
+
+def trained(a: float = 0.002, b: float = 0.0001, key=None) -> LatencyModel:
+    m = LatencyModel()
+    for rows in (1, 4, 8, 16, 32, 1, 4, 8):
+        m.observe(key, rows, a + b * rows)
+    return m
+
+
+def queue(max_bs: int = 8, delay: float = 0.010, latency: LatencyModel | None = None, **kw) -> DeadlineQueue:
+    return DeadlineQueue(max_bs, (), delay, CLASSES, latency or trained(), **kw)
+
+
+def test_latency_model_fits_intercept_and_slope():
+    m = trained(0.003, 0.0002)
+    a, b = m.per_row(None)
+    assert a == pytest.approx(0.003, rel=1e-3) and b == pytest.approx(0.0002, rel=1e-3)
+    assert m.estimate(None, 10) == pytest.approx(0.005, rel=1e-3)
+    assert m.snapshot()["None"]["batches"] == 8
+
+
+def test_latency_model_clips_a_one_off_spike():
+    m = trained(0.002, 0.0001)
+    m.observe(None, 8, 5.0)  # a GC pause or a cold shape
+    assert m.estimate(None, 8) < 0.2
+
+
+def test_edf_across_classes_earliest_deadline_first():
+    q = queue(max_bs=1)
+    q.push(make_req("bulk", "bulk", 0.0))
+    q.push(make_req("std", "standard", 0.0))
+    q.push(make_req("rt", "realtime", 0.001))
+    assert [names(q.pop_batch(1.0)) for _ in range(3)] == [["rt"], ["std"], ["bulk"]]
+
+
+def test_edf_within_a_class_by_budget_parameter():
+    q = queue(max_bs=1)
+    q.push(make_req("late", "standard", 0.0, budget_s=0.200))
+    q.push(make_req("soon", "standard", 0.0, budget_s=0.050))
+    assert names(q.pop_batch(1.0)) == ["soon"]
+
+
+def test_bulk_keeps_its_guaranteed_share_under_sustained_realtime_load():
+    q = queue(max_bs=1)
+    for i in range(5):
+        q.push(make_req(f"b{i}", "bulk", 0.0))
+    served = []
+    now = 0.0
+    for i in range(100):
+        q.push(make_req(f"r{i}", "realtime", now))  # one new realtime request per step, forever
+        served.extend(names(q.pop_batch(now)))
+        now += 0.0001
+    bulk = [n for n in served if n.startswith("b")]
+    assert len(bulk) == 5  # without the share, realtime (earlier deadlines) would starve bulk
+    assert served.index(bulk[0]) < 10
+
+
+def test_expired_requests_never_reach_a_batch():
+    q = queue(max_bs=8)
+    q.push(make_req("hopeless", "realtime", 0.0))
+    q.push(make_req("fine", "standard", 0.0))
+    expired = q.take_expired(0.030)  # realtime's 25 ms has passed
+    assert names(expired) == ["hopeless"]
+    assert names(q.pop_batch(1.0)) == ["fine"]
+
+
+def test_expiry_uses_the_compute_estimate_not_just_the_clock():
+    q = queue(max_bs=8, latency=trained(a=0.020, b=0.0))  # every batch takes 20 ms
+    q.push(make_req("rt", "realtime", 0.0))  # deadline 25 ms
+    assert q.take_expired(0.001) == []
+    assert names(q.take_expired(0.006)) == ["rt"]  # 19 ms left < 20 ms of compute
+
+
+def test_batch_closes_when_waiting_longer_would_miss_the_most_urgent_deadline():
+    q = queue(max_bs=8, delay=1.0, latency=trained(a=0.010, b=0.0))  # a long max-wait timer
+    q.push(make_req("rt", "realtime", 0.0))
+    q._arrivals_per_s = 1e6  # busy model: holding would normally pay
+    assert q.pop_batch(0.001, idle=True) is None
+    wake = q.next_wakeup(0.001)
+    assert wake == pytest.approx(0.025 - 0.010 - q.margin_s, abs=1e-6)
+    assert names(q.pop_batch(wake, idle=True)) == ["rt"]
+
+
+def test_idle_worker_does_not_hold_a_lone_request_when_nobody_is_coming():
+    q = queue(max_bs=8, delay=1.0)
+    q.push(make_req("lone", "standard", 0.0))
+    q._arrivals_per_s = 0.1  # one request every 10 s
+    assert names(q.pop_batch(0.0, idle=True)) == ["lone"]
+
+
+def test_idle_worker_does_not_hold_when_batching_buys_nothing():
+    q = queue(max_bs=8, delay=1.0, latency=trained(a=0.0, b=0.001))  # pure per-row cost
+    q.push(make_req("x", "standard", 0.0))
+    q._arrivals_per_s = 1e4
+    assert names(q.pop_batch(0.0, idle=True)) == ["x"]
+
+
+def test_busy_model_holds_for_the_timer_when_batching_pays():
+    q = queue(max_bs=8, delay=0.005, latency=trained(a=0.010, b=0.0001))
+    q.push(make_req("x", "bulk", 0.0))
+    q._arrivals_per_s = 1e4
+    assert q.pop_batch(0.001, idle=True) is None
+    assert names(q.pop_batch(0.005, idle=True)) == ["x"]
+
+
+def test_full_batch_leaves_at_once_and_merges_classes_in_edf_order():
+    q = queue(max_bs=4, delay=1.0)
+    for i, cls in enumerate(["bulk", "standard", "realtime", "standard"]):
+        q.push(make_req(f"{cls}{i}", cls, 0.0))
+    assert names(q.pop_batch(0.0)) == ["realtime2", "standard1", "standard3", "bulk0"]
+
+
+def test_class_queue_bound():
+    small = parse_classes("realtime=25ms/2/0")
+    q = DeadlineQueue(8, (), 0.0, small, trained())
+
+    def r(name: str) -> Request:
+        return Request({"name": name}, 1, None, 0.0, Done(), 0.025, small["realtime"])
+
+    assert q.push(r("a")) and q.push(r("b"))
+    assert not q.push(r("c"))
+
+
+def test_triton_priority_levels_are_strict_before_deadlines():
+    q = queue(max_bs=1)
+    q.push(make_req("low-urgent", "realtime", 0.0, level=2))
+    q.push(make_req("high-relaxed", "bulk", 0.0, level=1))
+    assert names(q.pop_batch(0.0)) == ["high-relaxed"]
+
+
+def test_triton_delay_action_moves_timed_out_request_behind_the_rest():
+    q = queue(max_bs=1)
+    q.push(make_req("delayed", "bulk", 0.0, queue_deadline=0.001, delay=True))
+    q.push(make_req("other", "bulk", 0.0005))
+    assert q.take_expired(0.002) == []  # DELAY: not rejected...
+    assert names(q.pop_batch(0.002)) == ["other"]  # ...but served after everyone else
+    assert names(q.pop_batch(0.002)) == ["delayed"]
+
+
+def test_triton_reject_action_expires_at_the_queue_timeout():
+    q = queue(max_bs=1)
+    q.push(make_req("rejected", "bulk", 0.0, queue_deadline=0.001))
+    assert names(q.take_expired(0.002)) == ["rejected"]
+
+
+# -- budget resolution -----------------------------------------------------------------------
+
+
+def _params(**kw) -> pb.ModelInferRequest:
+    req = pb.ModelInferRequest()
+    for k, v in kw.items():
+        if isinstance(v, str):
+            req.parameters[k].string_param = v
+        else:
+            req.parameters[k].int64_param = v
+    return req.parameters
+
+
+def _schedule(text: str = "") -> SchedulePolicy:
+    from google.protobuf import text_format
+
+    return SchedulePolicy.from_config(text_format.Parse(text, mc.ModelConfig()))
+
+
+def test_budget_resolution_order():
+    s = _schedule()
+    assert resolve(_params(), None, 10.0, CLASSES, "standard", s).deadline == pytest.approx(10.25)
+    b = resolve(_params(latency_class="realtime"), None, 10.0, CLASSES, "standard", s)
+    assert b.cls.name == "realtime" and b.deadline == pytest.approx(10.025)
+    assert resolve(_params(latency_budget_ms=40), None, 10.0, CLASSES, "standard", s).deadline == pytest.approx(10.04)
+    # The gRPC deadline wins over both.
+    assert resolve(_params(latency_budget_ms=40), 0.5, 10.0, CLASSES, "standard", s).deadline == pytest.approx(10.5)
+    with pytest.raises(GatewayError) as err:
+        resolve(_params(latency_class="nope"), None, 0.0, CLASSES, "standard", s)
+    assert err.value.kind is Kind.INVALID and "latency_class" in err.value.message
+
+
+def test_triton_priority_and_timeout_parameters():
+    s = _schedule(
+        "dynamic_batching { priority_levels: 3 default_priority_level: 2 "
+        "default_queue_policy { default_timeout_microseconds: 100000 allow_timeout_override: true "
+        "timeout_action: DELAY } }"
+    )
+    b = resolve(_params(), None, 0.0, CLASSES, "standard", s)
+    assert b.level == 2 and b.queue_deadline == pytest.approx(0.1) and b.delay
+    b = resolve(_params(priority=1, timeout=5000), None, 0.0, CLASSES, "standard", s)
+    assert b.level == 1 and b.queue_deadline == pytest.approx(0.005)
+    b = resolve(_params(timeout=500000), None, 0.0, CLASSES, "standard", s)  # may only lower it
+    assert b.queue_deadline == pytest.approx(0.1)
+    no_override = _schedule("dynamic_batching { default_queue_policy { default_timeout_microseconds: 100000 } }")
+    assert resolve(_params(timeout=5000), None, 0.0, CLASSES, "standard", no_override).queue_deadline == pytest.approx(0.1)
+
+
+# -- the scheduler: shedding at admission, expiry, every waiter answered once ---------------------
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.calls: list[tuple[list, list[int], Future]] = []
+
+    def execute(self, parts, rows, batched) -> Future:
+        f: Future = Future()
+        self.calls.append((parts, rows, f))
+        return f
+
+    def finish(self, i: int) -> None:
+        parts, rows, f = self.calls[i]
+        f.set_result(([{"y": np.zeros((r, 1))} for r in rows], BatchTiming(infer_ns=2_000_000)))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def budget(cls: str, now: float, budget_s: float | None = None):
+    from gateway.budgets import Budget
+
+    c = CLASSES[cls]
+    return Budget(c, now + (budget_s or c.budget_s), 0, INF, False)
+
+
+async def _settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def test_shed_at_admission_when_work_ahead_exceeds_the_budget():
+    clock = Clock()
+    engine = FakeEngine()
+    q = DeadlineQueue(4, (), 0.0, CLASSES, trained(a=0.010, b=0.0, key=None))
+    s = Scheduler("m", q, engine.execute, slots=1, clock=clock)
+    s.start()
+    try:
+        first = asyncio.create_task(s.infer({"x": 1}, 1, None, budget("standard", clock.now)))
+        await _settle()
+        assert len(engine.calls) == 1  # running: the slot is busy
+        queued = [asyncio.create_task(s.infer({"x": 1}, 4, None, budget("bulk", clock.now))) for _ in range(3)]
+        await _settle()
+        # A realtime request runs before the bulk ones (EDF), so it is admitted...
+        rt = asyncio.create_task(s.infer({"x": 1}, 1, None, budget("realtime", clock.now)))
+        await _settle()
+        assert not rt.done()
+        # ...but a bulk request with a 20 ms budget has 3 batches of 10 ms (same class, queued
+        # earlier) plus half a running one ahead of it: shed at once, not queued.
+        with pytest.raises(GatewayError) as err:
+            await s.infer({"x": 1}, 1, None, budget("bulk", clock.now, 0.020))
+        assert err.value.kind is Kind.DEADLINE and "cannot be met" in err.value.message
+        assert s.stats.shed == 1 and s.stats.by_class["bulk"]["shed"] == 1
+        for i in range(5):
+            await asyncio.wait_for(_until(lambda: len(engine.calls) > i), 2)
+            engine.finish(i)
+        await asyncio.wait_for(asyncio.gather(first, rt, *queued), 2)
+        assert engine.calls[1][1] == [1]  # realtime went first once the slot freed
+        # The shed request never reached the engine.
+        assert sum(sum(rows) for _, rows, _ in engine.calls) == 1 + 1 + 12
+    finally:
+        await s.close()
+
+
+async def _until(cond) -> None:
+    while not cond():
+        await asyncio.sleep(0.001)
+
+
+async def test_expired_in_queue_is_answered_deadline_exceeded_and_never_computed():
+    clock = Clock()
+    engine = FakeEngine()
+    q = DeadlineQueue(4, (), 0.0, CLASSES, trained(a=0.001, b=0.0))
+    s = Scheduler("m", q, engine.execute, slots=1, clock=clock)
+    s.start()
+    try:
+        running = asyncio.create_task(s.infer({"x": 1}, 4, None, budget("bulk", clock.now)))
+        await _settle()
+        doomed = asyncio.create_task(s.infer({"x": 2}, 1, None, budget("realtime", clock.now)))
+        await _settle()
+        clock.now += 0.050  # the running batch is slow; realtime's 25 ms pass while queued
+        s._wake()
+        err = await asyncio.wait_for(asyncio.gather(doomed, return_exceptions=True), 2)
+        assert isinstance(err[0], GatewayError) and err[0].kind is Kind.DEADLINE
+        assert "before compute" in err[0].message
+        engine.finish(0)
+        await asyncio.wait_for(running, 2)
+        assert len(engine.calls) == 1 and s.stats.expired == 1
+        assert s.stats.by_class["realtime"] == {"expired": 1}
+    finally:
+        await s.close()
+
+
+async def test_every_waiter_answered_once_under_mixed_classes():
+    import random
+
+    rnd = random.Random(5)
+    clock = Clock()
+    engine = FakeEngine()
+    q = DeadlineQueue(16, (), 0.002, CLASSES, trained())
+    s = Scheduler("m", q, engine.execute, slots=2, clock=clock)
+    s.start()
+    try:
+        tasks = []
+        for i in range(200):
+            cls = rnd.choice(list(CLASSES))
+            tasks.append(asyncio.create_task(s.infer({"i": i}, rnd.randint(1, 4), None, budget(cls, clock.now))))
+            if i % 7 == 0:
+                clock.now += rnd.random() * 0.01
+                s._wake()
+            await asyncio.sleep(0)
+            for j, (_, _, f) in enumerate(engine.calls):
+                if not f.done() and rnd.random() < 0.5:
+                    engine.finish(j)
+        while not all(t.done() for t in tasks):
+            for j, (_, _, f) in enumerate(engine.calls):
+                if not f.done():
+                    engine.finish(j)
+            clock.now += 0.001
+            s._wake()
+            await asyncio.sleep(0.001)
+        results = [t.exception() if t.exception() else "ok" for t in tasks]
+        assert all(r == "ok" or (isinstance(r, GatewayError) and r.kind is Kind.DEADLINE) for r in results)
+        computed = sum(len(rows) for _, rows, _ in engine.calls)
+        assert computed == results.count("ok")  # each answered request computed exactly once
+        st = s.stats
+        assert st.success_count + st.shed + st.expired == 200
+    finally:
+        await s.close()
