@@ -198,6 +198,7 @@ class Scheduler:
             wait += self._inflight_est / self._slots / 2  # running batches are half done on average
         own = self.latency.estimate(req.key, req.rows)
         if now + wait + own > req.deadline:
+            self.stats.fail_count += 1  # Triton counts refused requests as failed
             self.stats.shed += 1
             self.stats.count_class(req.class_name, "shed")
             budget_ms = (req.deadline - now) * 1e3
@@ -257,6 +258,8 @@ class Scheduler:
                 self._timer = None
 
     def _expire(self, r: Request, now: float) -> None:
+        self.stats.fail_count += 1
+        self.stats.fail_ns += int((now - r.arrival) * 1e9)
         self.stats.expired += 1
         self.stats.count_class(r.class_name, "expired")
         if r.future.done():

@@ -1,0 +1,229 @@
+"""Goodput under overload: deadline-aware scheduling against a Triton-like FIFO/timer policy.
+
+Open loop: Poisson arrivals at a fixed offered rate on the compute-bound `encoder`, a mix of
+latency classes (each request carries `latency_class` and, for `standard`, `latency_budget_ms`;
+no gRPC deadline, so the FIFO policy cannot use it). First the capacity is measured closed-loop,
+then each policy is offered 0.5x, 1x, 2x and 4x that rate. Goodput = answers that arrived within
+their budget, per second. Everything is measured in this one run; compare ratios, not absolutes.
+
+    .venv/bin/python -m bench.goodput [--seconds 5] [--loads 0.5,1,2,4] [--seq 32] [--rows 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from proto.inference.v2 import grpc_service_pb2 as pb
+from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+# class -> (share of requests, budget seconds the client judges by, parameters sent)
+MIX = {
+    "realtime": (0.5, 0.025, {"latency_class": "realtime"}),
+    "standard": (0.3, 0.250, {"latency_class": "standard", "latency_budget_ms": 250}),
+    "bulk": (0.2, 5.0, {"latency_class": "bulk", "latency_budget_ms": 5000}),
+}
+
+
+def _ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    out = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return out
+
+
+def _request(rng: np.random.Generator, rows: int, seq: int, params: dict) -> pb.ModelInferRequest:
+    req = pb.ModelInferRequest(model_name="encoder")
+    req.inputs.add(name="input_ids", datatype="INT64", shape=[rows, seq])
+    req.inputs.add(name="attention_mask", datatype="INT64", shape=[rows, seq])
+    req.raw_input_contents.append(rng.integers(0, 1000, (rows, seq), dtype=np.int64).tobytes())
+    req.raw_input_contents.append(np.ones((rows, seq), np.int64).tobytes())
+    for k, v in params.items():
+        if isinstance(v, str):
+            req.parameters[k].string_param = v
+        else:
+            req.parameters[k].int64_param = v
+    return req
+
+
+@dataclass
+class Point:
+    offered: float
+    seconds: float
+    by_class: dict[str, list[float]] = field(default_factory=dict)  # latencies of OK answers
+    status: Counter = field(default_factory=Counter)
+    good: Counter = field(default_factory=Counter)
+
+    def summary(self) -> dict:
+        out = {"offered_rps": self.offered, "goodput_rps": sum(self.good.values()) / self.seconds,
+               "status": dict(self.status)}  # fmt: skip
+        for cls, lat in self.by_class.items():
+            a = np.array(lat) * 1e3 if lat else np.array([np.nan])
+            out[cls] = {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)),
+                        "ok": len(lat), "good": self.good[cls]}  # fmt: skip
+        return out
+
+
+async def _capacity(url: str, seq: int, rows: int, seconds: float, concurrency: int = 32) -> float:
+    rng = np.random.default_rng(0)
+    reqs = [_request(rng, rows, seq, {"latency_class": "bulk"}) for _ in range(32)]
+    done = 0
+    async with grpc.aio.insecure_channel(url) as ch:
+        stub = pb_grpc.GRPCInferenceServiceStub(ch)
+        stop = time.perf_counter() + seconds
+
+        async def worker(i: int) -> None:
+            nonlocal done
+            k = i
+            while time.perf_counter() < stop:
+                await stub.ModelInfer(reqs[k % len(reqs)])
+                done += 1
+                k += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        return done / (time.perf_counter() - t0)
+
+
+async def _open_loop(url: str, rate: float, seconds: float, seq: int, rows: int, seed: int) -> Point:
+    rng = np.random.default_rng(seed)
+    classes = list(MIX)
+    probs = [MIX[c][0] for c in classes]
+    pools = {c: [_request(rng, rows, seq, MIX[c][2]) for _ in range(16)] for c in classes}
+    point = Point(rate, seconds, {c: [] for c in classes})
+    tasks: set[asyncio.Task] = set()
+    channels = [grpc.aio.insecure_channel(url) for _ in range(4)]
+    stubs = [pb_grpc.GRPCInferenceServiceStub(ch) for ch in channels]
+
+    async def one(i: int, cls: str) -> None:
+        t0 = time.perf_counter()
+        try:
+            await stubs[i % len(stubs)].ModelInfer(pools[cls][i % 16])
+        except grpc.aio.AioRpcError as err:
+            point.status[err.code().name] += 1
+            return
+        lat = time.perf_counter() - t0
+        point.status["OK"] += 1
+        point.by_class[cls].append(lat)
+        if lat <= MIX[cls][1]:
+            point.good[cls] += 1
+
+    start = time.perf_counter()
+    t = start
+    i = 0
+    while True:
+        t += rng.exponential(1.0 / rate)
+        if t - start >= seconds:
+            break
+        delay = t - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        cls = classes[int(rng.choice(len(classes), p=probs))]
+        task = asyncio.create_task(one(i, cls))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        i += 1
+    # Answers still owed after the window: give them the longest budget, then hang up (counted).
+    if tasks:
+        done, pending = await asyncio.wait(set(tasks), timeout=max(b for _, b, _ in MIX.values()))
+        for task in pending:
+            task.cancel()
+        point.status["NO_ANSWER"] += len(pending)
+    for ch in channels:
+        await ch.close()
+    return point
+
+
+def _serve(policy: str, port: int, http_port: int) -> subprocess.Popen:
+    env = {**os.environ, "BATCHGATE_SCHEDULING_POLICY": policy, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--grpc-port", str(port),
+         "--http-port", str(http_port), "--log-level", "WARNING", "--no-build-models"],
+        cwd=ROOT, env=env,
+    )  # fmt: skip
+
+
+async def _ready(url: str) -> None:
+    async with grpc.aio.insecure_channel(url) as ch:
+        stub = pb_grpc.GRPCInferenceServiceStub(ch)
+        for _ in range(600):
+            try:
+                if (await stub.ModelReady(pb.ModelReadyRequest(name="encoder"), timeout=1)).ready:
+                    return
+            except grpc.RpcError:
+                pass
+            await asyncio.sleep(0.1)
+    raise RuntimeError("server not ready")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=5.0, help="length of each open-loop point")
+    ap.add_argument("--loads", default="0.5,1,2,4", help="offered load as multiples of the measured capacity")
+    ap.add_argument("--seq", type=int, default=32, help="tokens per row")
+    ap.add_argument("--rows", type=int, default=2, help="rows per request")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    loads = [float(x) for x in args.loads.split(",")]
+    results: dict[str, list[dict]] = {}
+    capacity = None
+    for policy in ("deadline", "fifo"):
+        port, http_port = _ports(2)
+        proc = _serve(policy, port, http_port)
+        url = f"127.0.0.1:{port}"
+        try:
+            asyncio.run(_ready(url))
+            if capacity is None:  # measured once, on the first server, and used for both
+                asyncio.run(_capacity(url, args.seq, args.rows, 1.0))  # warm-up
+                capacity = asyncio.run(_capacity(url, args.seq, args.rows, 3.0))
+                print(f"capacity: {capacity:.0f} requests/s ({args.rows} rows x {args.seq} tokens)", file=sys.stderr)
+            results[policy] = []
+            for load in loads:
+                rate = capacity * load
+                print(f"  {policy}: offering {load}x = {rate:.0f} req/s for {args.seconds:.0f}s ...", file=sys.stderr)
+                point = asyncio.run(_open_loop(url, rate, args.seconds, args.seq, args.rows, seed=int(load * 100)))
+                results[policy].append({"load": load, **point.summary()})
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    base = {p: next(r for r in rs if r["load"] == 1.0)["goodput_rps"] if any(r["load"] == 1.0 for r in rs) else None
+            for p, rs in results.items()}  # fmt: skip
+    print(f"\ncapacity {capacity:.0f} req/s; budgets: realtime 25 ms, standard 250 ms, bulk 5 s; mix 50/30/20")
+    print(f"{'policy':<9} {'load':>5} {'offered':>8} {'goodput':>8} {'vs 1x':>6} {'rt p50':>7} {'rt p99':>7} "
+          f"{'std p99':>8} {'bulk p99':>9}  statuses")  # fmt: skip
+    for policy, rows in results.items():
+        for r in rows:
+            ratio = r["goodput_rps"] / base[policy] if base[policy] else float("nan")
+            print(
+                f"{policy:<9} {r['load']:>4}x {r['offered_rps']:>8.0f} {r['goodput_rps']:>8.0f} {ratio:>6.2f} "
+                f"{r['realtime']['p50_ms']:>7.1f} {r['realtime']['p99_ms']:>7.1f} {r['standard']['p99_ms']:>8.1f} "
+                f"{r['bulk']['p99_ms']:>9.1f}  {r['status']}"
+            )
+    if args.json:
+        args.json.write_text(json.dumps({"capacity_rps": capacity, "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

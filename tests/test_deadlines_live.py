@@ -1,0 +1,104 @@
+"""Deadlines against a live server: a request whose budget cannot be met behind the queued work is
+refused at once with DEADLINE_EXCEEDED, and the server's compute counters show it never ran."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from proto.inference.v2 import grpc_service_pb2 as pb
+from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from tests.conftest import start_server
+
+
+def _encoder(rows: int, seq: int, **params) -> pb.ModelInferRequest:
+    rng = np.random.default_rng(rows * 1000 + seq)
+    req = pb.ModelInferRequest(model_name="encoder")
+    req.inputs.add(name="input_ids", datatype="INT64", shape=[rows, seq])
+    req.inputs.add(name="attention_mask", datatype="INT64", shape=[rows, seq])
+    req.raw_input_contents.append(rng.integers(0, 1000, (rows, seq), dtype=np.int64).tobytes())
+    req.raw_input_contents.append(np.ones((rows, seq), np.int64).tobytes())
+    for k, v in params.items():
+        if isinstance(v, str):
+            req.parameters[k].string_param = v
+        else:
+            req.parameters[k].int64_param = v
+    return req
+
+
+def _stats(stub) -> pb.ModelStatistics:
+    return stub.ModelStatistics(pb.ModelStatisticsRequest(name="encoder")).model_stats[0]
+
+
+def test_hopeless_budget_is_refused_at_once_and_never_computed(tmp_path):
+    srv = start_server(tmp_path, "--workers-per-device", "1")
+    try:
+        with grpc.insecure_channel(srv.grpc_url) as ch:
+            stub = pb_grpc.GRPCInferenceServiceStub(ch)
+            # Warm the latency model so the server knows what a heavy batch costs.
+            heavy = _encoder(16, 256, latency_class="bulk")
+            t0 = time.perf_counter()
+            for _ in range(4):
+                stub.ModelInfer(heavy)
+            one_batch_s = (time.perf_counter() - t0) / 4
+            before = _stats(stub)
+
+            # Queue a backlog of heavy bulk work from several callers.
+            answered_rows = []
+            lock = threading.Lock()
+
+            def flood() -> None:
+                for _ in range(3):
+                    stub.ModelInfer(heavy)
+                    with lock:
+                        answered_rows.append(16)
+
+            threads = [threading.Thread(target=flood) for _ in range(6)]
+            for t in threads:
+                t.start()
+            time.sleep(one_batch_s * 1.5)  # the backlog is queued now
+
+            probe = _encoder(7, 16, latency_class="bulk", latency_budget_ms=1)
+            t0 = time.perf_counter()
+            try:
+                stub.ModelInfer(probe)
+                raise AssertionError("a 1 ms budget behind seconds of queued work must be refused")
+            except grpc.RpcError as err:
+                elapsed = time.perf_counter() - t0
+                assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.details()
+                assert "cannot be met" in err.details()
+            for t in threads:
+                t.join(120)
+            after = _stats(stub)
+    finally:
+        srv.stop()
+    backlog_s = 18 * one_batch_s / 2  # what the queue held when the probe arrived, roughly
+    assert elapsed < backlog_s / 4, f"refused after {elapsed:.3f}s; backlog was ~{backlog_s:.2f}s"
+    # Rows computed = exactly the flood's rows: the probe's 7 rows never ran.
+    assert after.inference_count - before.inference_count == sum(answered_rows) == 18 * 16
+    assert after.inference_stats.fail.count - before.inference_stats.fail.count == 1
+
+
+def test_grpc_deadline_is_the_budget(tmp_path):
+    """A caller's gRPC deadline is honoured as its budget (shed, not computed late)."""
+    srv = start_server(tmp_path, "--workers-per-device", "1")
+    try:
+        with grpc.insecure_channel(srv.grpc_url) as ch:
+            stub = pb_grpc.GRPCInferenceServiceStub(ch)
+            heavy = _encoder(16, 256, latency_class="bulk")
+            for _ in range(3):
+                stub.ModelInfer(heavy)
+            futures = [stub.ModelInfer.future(heavy) for _ in range(8)]
+            time.sleep(0.05)
+            try:
+                stub.ModelInfer(_encoder(1, 16), timeout=0.002)
+                raise AssertionError("expected DEADLINE_EXCEEDED")
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            for f in futures:
+                f.result(timeout=120)
+    finally:
+        srv.stop()
