@@ -23,8 +23,16 @@ serve: $(STAMP)
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 
+# After the tests, the quick benchmark (< 1 min): batchgate/no-op request rate, printed; it fails
+# only on a collapse (ratio < 0.3). QUICK_BENCH=0 skips it.
+QUICK_BENCH ?= 1
 test: $(STAMP) redis-server
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	@if [ "$(QUICK_BENCH)" != 0 ]; then $(BIN)/python -m bench.quick; fi
+
+# The load generator (python -m bench -h for its flags), e.g. make bench ARGS="--start-server --api unary,stream"
+bench: $(STAMP)
+	$(BIN)/python -m bench $(ARGS)
 
 proto: $(STAMP)
 	$(BIN)/python -m proto.generate

@@ -1,4 +1,17 @@
-"""Result cache (per-row keys, in-memory LRU, Redis, single-flight). Arrives with the cache issue;
-the package exists now so the layout of DESIGN.md holds and gateway/ has a place to call into."""
+"""Result cache: per-row keys, an in-process LRU (L1), Redis (L2), in-flight coalescing.
 
-__all__: list[str] = []
+Nothing here knows about models or requests beyond bytes: ``gateway/caching.py`` turns a
+request's rows into keys and values and back. Event-loop only; no locks.
+"""
+
+from cache.breaker import Breaker, State
+from cache.keys import KEY_BYTES, model_prefix, row_keys, row_keys_parts
+from cache.memory import ENTRY_OVERHEAD, MemoryCache
+from cache.redis_tier import RedisTier, redact_url
+from cache.singleflight import Flight, SingleFlight
+from cache.tiered import TieredCache
+
+__all__ = [
+    "ENTRY_OVERHEAD", "KEY_BYTES", "Breaker", "Flight", "MemoryCache", "RedisTier", "SingleFlight", "State",
+    "TieredCache", "model_prefix", "redact_url", "row_keys", "row_keys_parts",
+]  # fmt: skip

@@ -363,6 +363,14 @@ MODELS: tuple[_ModelSpec, ...] = (
             ("input_range.attention_mask", "0:2"),
             ("max_dim.input_ids", str(ENCODER_MAX_POS)),
             ("max_dim.attention_mask", str(ENCODER_MAX_POS)),
+            # Engine buckets (workers/buckets.py): a batch is padded to the next length and batch
+            # size here (attention_mask 0 on padding). Steps of ~1.4x keep the padding near 1.2x
+            # (bench/buckets_bench.py: 1.4x tokens computed/sent against 2.0x with powers of two,
+            # which on a CPU is plain lost work); one run computes at most 8192 padded tokens,
+            # which bounds its activation memory.
+            ("seq_buckets", "16,24,32,48,64,96,128,192,256,384,512"),
+            ("batch_buckets", "1,2,3,4,6,8,12,16,24,32,48,64"),
+            ("max_batch_tokens", "8192"),
         ),
     ),
 )

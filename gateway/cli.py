@@ -1,4 +1,5 @@
-"""``batchgate`` command line: ``serve`` (the default) and ``build-models``."""
+"""``batchgate`` command line: ``serve`` (the default), ``build-models``, ``prepare-minilm``, ``hash-key``
+and ``bench``."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ SERVE_FLAGS = {
     "--max-message-bytes": ("max_message_bytes", int),
     "--drain-timeout-s": ("drain_timeout_s", float),
     "--log-level": ("log_level", str),
+    "--log-format": ("log_format", str),
+    "--redis-url": ("redis_url", str),
+    "--api-keys-file": ("api_keys_file", str),
 }
 
 
@@ -41,15 +45,50 @@ def _parser() -> argparse.ArgumentParser:
     build = sub.add_parser("build-models", help="(re)build the bundled ranker and encoder models")
     build.add_argument("--out", default="model_repository", help="repository folder to write into")
     build.add_argument("--force", action="store_true", help="overwrite existing model files")
+    from gateway.minilm import add_arguments as minilm_arguments
+
+    minilm_arguments(sub.add_parser("prepare-minilm", help="build model_repository/minilm (text -> embedding) "
+                                    "from the all-MiniLM-L6-v2 weights"))  # fmt: skip
+    sub.add_parser("bench", help="load generator: closed/open loop, unary/stream (see `batchgate bench -h`)", add_help=False)
+    hk = sub.add_parser("hash-key", help="print the tenant-file hash of an API key (read from stdin)")
+    hk.add_argument("--generate", action="store_true", help="make a new random key; print it, then its hash")
     return p
 
 
+def _bench(argv: list[str]) -> int:
+    try:
+        from bench.__main__ import main as bench_main
+    except ImportError:  # bench/ lives in the source tree beside gateway/, not in the wheel
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from bench.__main__ import main as bench_main
+    return bench_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # bench has its own parser: everything after the word is its
+        return _bench(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "build-models":
         from gateway.bundled_models import build_bundled_models
 
         build_bundled_models(Path(args.out), force=args.force)
+        return 0
+    if args.command == "prepare-minilm":
+        from gateway.minilm import run as prepare_minilm
+
+        return prepare_minilm(args)
+    if args.command == "hash-key":
+        from gateway.tenants import generate_key, hash_key
+
+        # The key comes on stdin, not argv, so it stays out of shell history and `ps`.
+        key = generate_key() if args.generate else sys.stdin.readline().strip()
+        if not key:
+            print("batchgate hash-key: no key on stdin", file=sys.stderr)
+            return 2
+        if args.generate:
+            print(key)
+        print(hash_key(key))
         return 0
     overrides = {}
     for flag, (field, _) in SERVE_FLAGS.items():
@@ -63,20 +102,27 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"batchgate: invalid settings:\n{exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    from gateway.logs import setup as setup_logging
+
+    setup_logging(settings.log_level, settings.log_format)
     repo = Path(settings.model_repository)
-    if settings.build_bundled_models and (not repo.exists() or not any(repo.iterdir())):
+    fresh = not repo.exists() or not any(repo.iterdir())
+    if settings.build_bundled_models and fresh:
         from gateway.bundled_models import build_bundled_models
 
         logging.getLogger("batchgate").info("building the bundled models into %s", repo)
         build_bundled_models(repo, log=logging.getLogger("batchgate").info)
+    if settings.build_bundled_models and (fresh or all((repo / m).is_dir() for m in ("ranker", "encoder"))):
+        # minilm joins the bundled repository on first use, never a user's own repository.
+        from gateway.minilm import prepare_missing
+
+        prepare_missing(repo, logging.getLogger("batchgate"))
     from gateway.server import serve
+    from gateway.tenants import TenantFileError
 
     try:
         asyncio.run(serve(settings))
-    except OSError as exc:
+    except (OSError, TenantFileError) as exc:
         logging.getLogger("batchgate").error("%s", exc)
         return 1
     return 0

@@ -15,7 +15,7 @@ import numpy as np
 
 from gateway import dtypes
 from gateway.errors import GatewayError, Kind, invalid
-from gateway.repository import ModelSpec, TensorSpec
+from gateway.repository import ModelSpec, TensorSpec, tokenized
 from proto.inference.v2 import grpc_service_pb2 as pb
 
 _LEN = struct.Struct("<I")
@@ -74,6 +74,8 @@ class Codec:
         #   input_range.<input> = "low:high"  values must lie in [low, high)
         #   max_dim.<input>     = "N"         every variable (-1) dim at most N
         self.tied = list(spec.tied_dims.items())
+        # A text model's input (dims [ 1 ]) also takes shape [N]: one string per row either way.
+        self.flat_text = spec.inputs[0].name if tokenized(spec.config) else None
         self.ranges: dict[str, _Range] = {}
         self.max_dim: dict[str, int] = {}
         for t in spec.inputs:
@@ -138,6 +140,8 @@ class Codec:
 
     def _check_shape(self, t: pb.ModelInferRequest.InferInputTensor, spec: TensorSpec) -> tuple[int, ...]:
         shape = tuple(t.shape)
+        if t.name == self.flat_text and len(shape) == 1:
+            shape = (*shape, 1)
         if t.datatype != spec.datatype:
             raise invalid(f"input '{t.name}' has datatype {t.datatype or '(empty)'}; model '{self.name}' expects {spec.datatype}")
         want = ((-1,) + spec.dims) if self.batched else spec.dims

@@ -9,6 +9,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gateway.budgets import DEFAULT_CLASSES, LatencyClass, parse_classes
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="BATCHGATE_", extra="forbid")
@@ -44,6 +46,22 @@ class Settings(BaseSettings):
     reuse_port: bool = Field(True, description="SO_REUSEPORT, so several gateway processes can share the port")
     log_level: str = Field("INFO", description="logging level")
 
+    # -- observability ---------------------------------------------------------------------------
+    log_format: Literal["text", "json"] = Field(
+        "text", description="text: one readable line per event; json: one JSON object per line (for log shippers)"
+    )
+
+    # -- latency budgets -----------------------------------------------------------------------
+    scheduling_policy: Literal["deadline", "fifo"] = Field(
+        "deadline",
+        description="deadline: latency classes, EDF, shedding, deadline-aware batch closing; "
+        "fifo: Triton-like FIFO + max-wait timer (kept for comparison)",
+    )
+    latency_classes: str = Field(
+        DEFAULT_CLASSES, description="latency classes: name=<budget>ms/<max_queue per model>/<min_share>,..."
+    )
+    default_latency_class: str = Field("standard", description="class of a request that names none")
+
     # -- shared state (result cache tier 2, global rate limits) --------------------------------
     redis_url: str | None = Field(
         None, description="Redis URL (redis:// or rediss://, with user:password@ when needed); turns on the "
@@ -53,9 +71,85 @@ class Settings(BaseSettings):
     api_keys_file: Path | None = Field(
         None, description="tenant file (API-key hashes, allowed models, limits); none = open server"
     )
+    # -- tenants and rate limits -----------------------------------------------------------------
+    ratelimit_redis_timeout_ms: float = Field(
+        5.0, gt=0, description="longest a global-limit decision waits for Redis before deciding locally"
+    )
+    ratelimit_fail_mode: Literal["open", "closed"] = Field(
+        "open", description="while Redis cannot answer: open = enforce this replica's local share of each "
+        "global limit; closed = refuse requests under a global limit"
+    )
+    ratelimit_expected_replicas: int = Field(
+        1, ge=1, description="replicas sharing the global limits; the local share is 1/this"
+    )
+    ratelimit_local_share: float | None = Field(
+        None, gt=0, le=1, description="fraction of a global limit one replica enforces alone (default "
+        "1/ratelimit_expected_replicas)"
+    )
+    ratelimit_probe_initial_ms: float = Field(
+        50.0, gt=0, description="first wait before probing Redis after it failed; doubles per failed probe"
+    )
+    ratelimit_probe_max_ms: float = Field(2000.0, gt=0, description="longest wait between Redis probes")
+    ratelimit_redis_prefix: str = Field(
+        "batchgate:rl", min_length=1, description="prefix of the rate-limit keys in Redis"
+    )
+    # -- result cache (per model: config.pbtxt `response_cache { enable: true }`; see docs/cache.md) --
+    cache_tiers: Literal["auto", "memory", "redis", "memory+redis", "off"] = Field(
+        "auto", description="result cache tiers; auto: memory, plus Redis when redis_url is set"
+    )
+    cache_memory_bytes: int = Field(
+        256 * 2**20, ge=0, description="byte budget of the in-process LRU (keys, values and bookkeeping)"
+    )
+    cache_ttl_s: float = Field(3600.0, gt=0, description="lifetime of a result in Redis")
+    cache_lookup_timeout_ms: float = Field(
+        5.0, gt=0, le=1000, description="longest a request waits for Redis before treating its rows as misses"
+    )
+    cache_breaker_failures: int = Field(
+        5, ge=1, description="Redis failures or timeouts in a row that open the breaker (Redis is then skipped)"
+    )
+    cache_breaker_open_s: float = Field(2.0, gt=0, description="how long the breaker stays open before one probe")
+    cache_redis_max_connections: int = Field(
+        32, ge=2, description="Redis connections for the cache; lookups beyond them are skipped, not queued"
+    )
+    cache_write_queue_rows: int = Field(
+        100_000, ge=0, description="rows waiting to be written to Redis at most; more are dropped (counted)"
+    )
+    cache_redis_prefix: str = Field("batchgate:rc:", min_length=1, description="prefix of result keys in Redis")
+    # -- engines (shape buckets, static sessions, buffer pools; see docs/engines.md) -------------
+    engine_mode: Literal["auto", "shared", "static"] = Field(
+        "auto", description="shared: one ONNX Runtime session per worker, a bound run configuration per "
+        "bucket; static: one session per bucket with its dims fixed (more memory); auto: static on a GPU "
+        "with CUDA graphs, else shared"
+    )
+    engine_warmup: Literal["auto", "all", "lengths", "none"] = Field(
+        "auto", description="runs before a model is ready: all buckets, each length bucket once, or none; "
+        "auto: all on GPU and static engines, lengths on the shared CPU session"
+    )
+    engine_cache: bool = Field(True, description="cache optimised models on disk (keyed by model, ORT, provider, shapes)")
+    engine_cache_dir: Path | None = Field(
+        None, description="optimised-model cache; default ~/.cache/batchgate/engines, else under the temp dir"
+    )
+    cuda_graphs: bool = Field(False, description="GPU: capture a CUDA graph per bucket (static shapes, fixed buffers)")
+
+    @model_validator(mode="after")
+    def _check_cache(self) -> Settings:
+        if self.cache_tiers in ("redis", "memory+redis") and not self.redis_url:
+            raise ValueError(
+                f"cache_tiers '{self.cache_tiers}' needs a Redis: set redis_url (--redis-url / BATCHGATE_REDIS_URL)"
+            )
+        return self
+
+    @property
+    def classes(self) -> dict[str, LatencyClass]:
+        return parse_classes(self.latency_classes)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
+        classes = parse_classes(self.latency_classes)  # raises with a message naming the bad class
+        if self.default_latency_class not in classes:
+            raise ValueError(
+                f"default_latency_class '{self.default_latency_class}' is not one of the latency classes {sorted(classes)}"
+            )
         if self.grpc_port and self.grpc_port == self.http_port:
             raise ValueError(f"grpc_port and http_port are both {self.grpc_port}; give them different ports")
         return self

@@ -14,13 +14,19 @@ from pathlib import Path
 
 import numpy as np
 
+from cache import TieredCache
+from gateway.budgets import Budget, LatencyClass, SchedulePolicy
+from gateway.caching import ModelCache, build_cache, model_cache
 from gateway.codec import Codec
 from gateway.config import Settings
 from gateway.errors import GatewayError, Kind, not_found, unavailable
-from gateway.repository import LoadFailure, ModelSpec, load_repository
-from gateway.scheduler import BatchQueue, Scheduler
+from gateway.preprocess import TextStage
+from gateway.repository import LoadFailure, ModelSpec, load_repository, tokenized
+from gateway.latency import LatencyModel
+from gateway.queues import DeadlineQueue, FifoQueue
+from gateway.scheduler import Scheduler
 from proto.inference.v2 import model_config_pb2 as mc
-from workers import EngineOptions, WorkerPool, discover
+from workers import BucketConfig, EngineOptions, WorkerPool, default_cache_dir, discover
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +40,28 @@ class ModelRuntime:
     pool: WorkerPool
     scheduler: Scheduler
     variable_inputs: tuple[str, ...]  # inputs with a -1 non-batch dim: part of the batching key
+    schedule: SchedulePolicy  # Triton's priority levels and queue policies from config.pbtxt
+    cache: ModelCache | None = None  # config.pbtxt response_cache on and the server's cache on
+    text: TextStage | None = None  # parameter `tokenizer`: texts in, token inputs made in the workers
 
-    async def infer(self, arrays: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
-        key = tuple(arrays[n].shape[1:] for n in self.variable_inputs) if self.variable_inputs else None
-        return await self.scheduler.infer(arrays, rows, key)
+    async def infer(
+        self, arrays: dict[str, np.ndarray], rows: int, budget: Budget | None = None, *,
+        wanted: list[tuple[str, bool]] | None = None, namespace: str | None = None,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
+        """``wanted`` (Codec.requested) and ``namespace`` (the tenant's) only shape cache keys."""
+        if self.text is not None:  # checks the texts; the key is their estimated length bucket
+            key = batch_key = await self.text.admit(arrays)
+        else:
+            key = tuple(arrays[n].shape[1:] for n in self.variable_inputs) if self.variable_inputs else None
+            # The batcher groups by length bucket (lengths 20 and 30 share a batch padded to 32);
+            # the cache keeps the exact shapes, which its keys describe.
+            batch_key = self.pool.shape_key(arrays) if key is not None else None
+        if self.cache is None:
+            return await self.scheduler.infer(arrays, rows, batch_key, budget)
+        sched = self.scheduler
+        return await self.cache.infer(
+            arrays, rows, lambda a, n: sched.infer(a, n, batch_key, budget), key, wanted, namespace
+        )
 
 
 @dataclass(slots=True)
@@ -50,6 +74,11 @@ class DataPlane:
     draining: bool = False
     last_refused: float = 0.0  # monotonic time of the last request refused while draining
     started_at: float = field(default_factory=time.time)
+    classes: dict[str, LatencyClass] = field(default_factory=dict)
+    cache: TieredCache | None = None  # result cache tiers shared by every model that enables it
+
+    def __post_init__(self) -> None:
+        self.classes = self.settings.classes
 
     @property
     def ready(self) -> bool:
@@ -90,19 +119,44 @@ class DataPlane:
             count = max(count, group.count or 1)
         if s.workers_per_device:
             count = s.workers_per_device
-        options = EngineOptions(intra_op_threads=s.intra_op_threads, inter_op_threads=s.inter_op_threads)
-        pool = WorkerPool(f"{spec.name}-v{spec.version}", spec.path, devices, count, options)
+        text = await asyncio.to_thread(TextStage, spec) if tokenized(spec.config) else None
+        options = EngineOptions(intra_op_threads=s.intra_op_threads, inter_op_threads=s.inter_op_threads,
+                                preprocess=text, mode=s.engine_mode, warmup=s.engine_warmup,
+                                cache_dir=(s.engine_cache_dir or default_cache_dir()) if s.engine_cache else None,
+                                cuda_graphs=s.cuda_graphs)  # fmt: skip
+        params = {k: v.string_value for k, v in spec.config.parameters.items()}
+        buckets = BucketConfig.from_parameters(params, spec.max_batch_size, spec.preferred_batch_sizes)
+        pool = WorkerPool(f"{spec.name}-v{spec.version}", spec.path, devices, count, options, buckets, spec.fingerprint)
         await asyncio.to_thread(pool.start)
-        queue = BatchQueue(
-            max_batch_size=spec.max_batch_size,
-            preferred=spec.preferred_batch_sizes,
-            max_delay_s=spec.max_queue_delay_s,
-            max_queue_size=spec.max_queue_size,
+        # A text batch over its token budget leaves as several, spread over the workers.
+        execute = text.budgeted(pool.submit) if text is not None else pool.submit
+        schedule = SchedulePolicy.from_config(spec.config)
+        latency = LatencyModel()
+        queue: DeadlineQueue | FifoQueue
+        if s.scheduling_policy == "deadline":
+            queue = DeadlineQueue(
+                max_batch_size=spec.max_batch_size,
+                preferred=spec.preferred_batch_sizes,
+                max_delay_s=spec.max_queue_delay_s,
+                classes=self.classes,
+                latency=latency,
+                level_queue_sizes={lvl: p.max_queue_size for lvl, p in schedule.policies.items()},
+            )
+        else:
+            queue = FifoQueue(
+                max_batch_size=spec.max_batch_size,
+                preferred=spec.preferred_batch_sizes,
+                max_delay_s=spec.max_queue_delay_s,
+                max_queue_size=spec.max_queue_size,
+            )
+        scheduler = Scheduler(
+            f"{spec.name}:{spec.version}", queue, execute, slots=len(pool), batched=spec.batched, latency=latency
         )
-        scheduler = Scheduler(f"{spec.name}:{spec.version}", queue, pool.submit, slots=len(pool), batched=spec.batched)
         scheduler.start()
         variable = tuple(t.name for t in spec.inputs if -1 in t.dims)
-        return ModelRuntime(spec, Codec(spec), pool, scheduler, variable)
+        if spec.config.response_cache.enable and self.cache is None:
+            self.cache = await build_cache(s)  # built when the first model asks for it
+        return ModelRuntime(spec, Codec(spec), pool, scheduler, variable, schedule, model_cache(spec, self.cache), text)
 
     def get(self, name: str, version: str = "") -> ModelRuntime:
         versions = self.models.get(name)
@@ -141,6 +195,8 @@ class DataPlane:
         for rt in self.runtimes():
             await rt.scheduler.close()
             await asyncio.to_thread(rt.pool.close)
+        if self.cache is not None:
+            await self.cache.close()  # sends what is queued for Redis, briefly
 
 
 def status_kind(exc: BaseException) -> Kind:

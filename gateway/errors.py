@@ -20,10 +20,11 @@ class Kind(enum.Enum):
 class GatewayError(Exception):
     """An error that reaches the client with a status code and this message."""
 
-    def __init__(self, kind: Kind, message: str) -> None:
+    def __init__(self, kind: Kind, message: str, outcome: str | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
+        self.outcome = outcome  # finer label for metrics than the kind (e.g. "shed" vs "expired")
 
 
 def invalid(message: str) -> GatewayError:

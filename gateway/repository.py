@@ -27,6 +27,8 @@ CONFIG_FILE = "config.pbtxt"
 DEFAULT_MODEL_FILE = "model.onnx"
 ONNX_PLATFORMS = {"", "onnxruntime_onnx"}
 ONNX_BACKENDS = {"", "onnxruntime"}
+TOKENIZER_PARAMETER = "tokenizer"
+TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 # Dotted field paths of ModelConfig that batchgate implements.
 SUPPORTED = {
@@ -38,8 +40,14 @@ SUPPORTED = {
     "dynamic_batching", "dynamic_batching.max_queue_delay_microseconds",
     "dynamic_batching.preferred_batch_size", "dynamic_batching.default_queue_policy",
     "dynamic_batching.default_queue_policy.max_queue_size",
+    "dynamic_batching.default_queue_policy.timeout_action",
+    "dynamic_batching.default_queue_policy.default_timeout_microseconds",
+    "dynamic_batching.default_queue_policy.allow_timeout_override",
+    "dynamic_batching.priority_levels", "dynamic_batching.default_priority_level",
+    "dynamic_batching.priority_queue_policy",
     "instance_group", "instance_group.name", "instance_group.count", "instance_group.kind",
     "instance_group.gpus",
+    "response_cache", "response_cache.enable",
 }  # fmt: skip
 
 # Fields whose absence of support would silently change what the model computes: refuse.
@@ -82,6 +90,8 @@ class ModelSpec:
     # Variable dims that the ONNX graph names alike (dim_param) on several inputs, e.g. "seq" on
     # input_ids and attention_mask: requests must agree on them. name -> [(input, axis)].
     tied_dims: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+    # The ONNX graph's input names; they differ from `inputs` when a tokenizer stage feeds it.
+    model_inputs: tuple[str, ...] = ()
 
     @property
     def max_batch_size(self) -> int:
@@ -182,6 +192,38 @@ def tied_dims(model: onnx.ModelProto, batched: bool) -> dict[str, list[tuple[str
     return {k: v for k, v in seen.items() if len(v) > 1}
 
 
+def tokenized(config: mc.ModelConfig) -> bool:
+    """A text model: parameter `tokenizer` names a tokenizer.json that turns the config's one
+    TYPE_STRING input into the ONNX model's token inputs (gateway/preprocess.py)."""
+    p = config.parameters.get(TOKENIZER_PARAMETER)
+    return p is not None and bool(p.string_value)
+
+
+def _complete_text_input(config: mc.ModelConfig, onnx_in: list) -> None:
+    name = config.name
+    if config.max_batch_size < 1:
+        raise ConfigError(f"model '{name}': parameter 'tokenizer' needs a batching model (max_batch_size >= 1)")
+    if not config.input:
+        config.input.add(name="text", data_type=mc.TYPE_STRING, dims=[1])
+    if len(config.input) != 1 or config.input[0].data_type != mc.TYPE_STRING or list(config.input[0].dims) != [1]:
+        raise ConfigError(
+            f"model '{name}': with parameter 'tokenizer', config.pbtxt must declare exactly one input, "
+            "TYPE_STRING with dims [ 1 ] (one text per row)"
+        )
+    names = [v.name for v in onnx_in]
+    if "input_ids" not in names or any(n not in TOKEN_INPUTS for n in names):
+        raise ConfigError(
+            f"model '{name}': a tokenized model's ONNX inputs must be input_ids plus any of attention_mask, "
+            f"token_type_ids; this one has {names}"
+        )
+    for v in onnx_in:
+        if _onnx_datatype(v, name) != "INT64" or len(_onnx_dims(v)) != 2 or _onnx_dims(v)[0] != -1:
+            raise ConfigError(
+                f"model '{name}': ONNX input '{v.name}' must be INT64 [batch, seq] to take tokens, "
+                f"not {_onnx_datatype(v, name)} {_onnx_dims(v)}"
+            )
+
+
 def complete_config(config: mc.ModelConfig, model: onnx.ModelProto, default_max_batch_size: int) -> None:
     """Fill what config.pbtxt left out from the ONNX file, and check what it says against it."""
     name = config.name
@@ -192,7 +234,11 @@ def complete_config(config: mc.ModelConfig, model: onnx.ModelProto, default_max_
         if first_dynamic and default_max_batch_size > 0:
             config.max_batch_size = default_max_batch_size
     batched = config.max_batch_size > 0
-    for kind, onnx_list, cfg_list in (("input", onnx_in, config.input), ("output", onnx_out, config.output)):
+    pairs = [("input", onnx_in, config.input), ("output", onnx_out, config.output)]
+    if tokenized(config):  # config inputs are text; the ONNX inputs are checked against the stage
+        _complete_text_input(config, onnx_in)
+        pairs = pairs[1:]
+    for kind, onnx_list, cfg_list in pairs:
         by_name = {v.name: v for v in onnx_list}
         if not cfg_list:
             for v in onnx_list:
@@ -256,6 +302,17 @@ def _validate(config: mc.ModelConfig) -> None:
             raise ConfigError(
                 f"model '{name}': dynamic_batching.preferred_batch_size {p} must be in [1, max_batch_size="
                 f"{config.max_batch_size}]"
+            )
+    levels = db.priority_levels
+    if levels and db.default_priority_level and not 1 <= db.default_priority_level <= levels:
+        raise ConfigError(
+            f"model '{name}': dynamic_batching.default_priority_level {db.default_priority_level} must be in "
+            f"[1, priority_levels={levels}]"
+        )
+    for lvl in db.priority_queue_policy:
+        if not 1 <= lvl <= max(levels, 0):
+            raise ConfigError(
+                f"model '{name}': dynamic_batching.priority_queue_policy has level {lvl} outside [1, priority_levels={levels}]"
             )
     for g in config.instance_group:
         if g.count < 0:
@@ -340,7 +397,8 @@ def load_model(model_dir: Path, default_max_batch_size: int = 64) -> list[ModelS
                 outputs=[TensorSpec(t.name, dtypes.from_config(t.data_type), tuple(t.dims)) for t in cfg.output],
                 fingerprint=fingerprint(path),
                 ignored=ignored,
-                tied_dims=tied_dims(model, cfg.max_batch_size > 0),
+                tied_dims={} if tokenized(cfg) else tied_dims(model, cfg.max_batch_size > 0),
+                model_inputs=tuple(v.name for v in _onnx_tensors(model)[0]),
             )
         )
     return specs

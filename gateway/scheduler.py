@@ -207,6 +207,7 @@ class Scheduler:
                 f"model '{self.name}': the request's budget of {budget_ms:.1f} ms cannot be met "
                 f"(estimated {wait * 1e3:.1f} ms of queued work ahead plus {own * 1e3:.1f} ms compute); "
                 "shed before queueing",
+                outcome="shed",
             )
 
     def _wake(self) -> None:
@@ -277,6 +278,7 @@ class Scheduler:
                 Kind.DEADLINE,
                 f"model '{self.name}': dropped from the queue before compute: {why} "
                 f"(waited {(now - r.arrival) * 1e3:.1f} ms)",
+                outcome="expired",
             )
         )
 

@@ -1,5 +1,5 @@
 """The gRPC servicer (KServe v2 / Triton ``inference.GRPCInferenceService``), health, reflection,
-the HTTP side, and the process lifecycle (start, ready, drain on SIGTERM, exit 0).
+and the process lifecycle (start, ready, drain on SIGTERM, exit 0); the HTTP side is gateway/http.py.
 
 The servicer is thin: look the model up, decode with its codec, call the data plane, encode.
 Domain errors become status codes in one table (``STATUS``).
@@ -18,12 +18,16 @@ from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import proto
+from gateway import http as http_side
+from gateway.admission import Account, Admission
+from gateway.budgets import resolve as resolve_budget
 from gateway.config import Settings
 from gateway.dataplane import DataPlane, ModelRuntime
 from gateway.errors import GatewayError, Kind
+from gateway.logs import REQUEST_ID, REQUEST_ID_KEY, clean_request_id
+from gateway.metrics import Metrics, Transport
 from proto.inference.v2 import grpc_service_pb2 as pb
 from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 
@@ -48,9 +52,31 @@ except PackageNotFoundError:  # running from a source tree without an install
     VERSION = "0.0.0+source"
 
 
+_clock = time.perf_counter
+
+
+def _request_id(context) -> str:
+    """Adopt the caller's ``x-request-id`` for this call's log lines and echo it back (trailing
+    metadata). Each RPC runs in its own task, but a stale id must never outlive its call."""
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_KEY:
+            rid = clean_request_id(value)
+            REQUEST_ID.set(rid)
+            if rid:
+                context.set_trailing_metadata(((REQUEST_ID_KEY, rid),))
+            return rid
+    if REQUEST_ID.get():
+        REQUEST_ID.set("")
+    return ""
+
+
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, plane: DataPlane) -> None:
+    def __init__(self, plane: DataPlane, admission: Admission | None = None, metrics: Metrics | None = None) -> None:
         self.plane = plane
+        self.admission = admission or Admission()  # no tenants: open
+        self.metrics = metrics or Metrics(plane, VERSION)
+        self._unary_edge = self.metrics.transport("grpc")
+        self._stream_edge = self.metrics.transport("grpc_stream")
 
     # -- health and metadata --------------------------------------------------------------------
 
@@ -116,6 +142,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             s.compute_input.count, s.compute_input.ns = st.input_count, st.input_ns
             s.compute_infer.count, s.compute_infer.ns = st.infer_count, st.infer_ns
             s.compute_output.count, s.compute_output.ns = st.output_count, st.output_ns
+            # Triton: cache hits are in success but in none of queue/compute (gateway/caching.py).
+            if rt.cache is not None:
+                rt.cache.fill_statistics(s)
             for size in sorted(st.by_batch_size):
                 b = st.by_batch_size[size]
                 bs = m.batch_stats.add(batch_size=size)
@@ -146,42 +175,106 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # -- inference ------------------------------------------------------------------------------
 
-    async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        if self.plane.draining:
-            self.plane.last_refused = time.monotonic()
-        rt = self.plane.get(request.model_name, request.model_version)
+    async def _infer(
+        self, request: pb.ModelInferRequest, time_remaining: float | None = None, default_class: str | None = None
+    ) -> pb.ModelInferResponse:
+        plane = self.plane
+        if plane.draining:
+            plane.last_refused = time.monotonic()
+        rt = plane.get(request.model_name, request.model_version)
+        budget = resolve_budget(
+            request.parameters, time_remaining, rt.scheduler.clock(), plane.classes,
+            default_class or plane.settings.default_latency_class, rt.schedule,
+        )  # fmt: skip
         codec = rt.codec
         wanted = codec.requested(request)
         arrays, rows = codec.decode(request)
-        outputs = await rt.infer(arrays, rows)
+        outputs = await rt.infer(arrays, rows, budget, wanted=wanted)
         return codec.encode(request, outputs, wanted)
 
-    async def ModelInfer(self, request, context):
+    async def _admitted(
+        self, account: Account, request: pb.ModelInferRequest, time_remaining: float | None = None
+    ) -> pb.ModelInferResponse:
+        """Admission (auth already done), then ``_infer``; the ticket is released however the request ends.
+        Runs before any decoding: the row count is read off the first input's shape."""
         try:
-            return await self._infer(request)
+            batched = self.plane.get(request.model_name, request.model_version).spec.batched
+        except GatewayError:  # unknown model or draining: nothing to admit, _infer answers it
+            return await self._infer(request, time_remaining)
+        inputs = request.inputs
+        rows = (max(inputs[0].shape[0], 0) if inputs and inputs[0].shape else 0) if batched else 1
+        ticket = await self.admission.admit(account, request.model_name, rows)
+        try:
+            return await self._infer(request, time_remaining)
+        finally:
+            ticket.release()
+
+    async def ModelInfer(self, request, context, edge: Transport | None = None):
+        """``edge``: whose counters this call goes to; the HTTP side passes its own."""
+        edge = edge or self._unary_edge
+        rid = _request_id(context)
+        t0 = _clock()
+        edge.inflight += 1
+        try:
+            if self.admission.open:
+                resp = await self._infer(request, context.time_remaining())
+            else:
+                account = self.admission.identify(context.invocation_metadata())
+                resp = await self._admitted(account, request, context.time_remaining())
         except GatewayError as exc:
-            await context.abort(STATUS[exc.kind], exc.message)
-        except asyncio.CancelledError:
+            edge.failed(request.model_name, request.model_version, exc)
+            trailing = getattr(exc, "trailing_metadata", ())
+            if trailing and rid:  # abort's own metadata replaces what was set: keep the id
+                trailing = (*trailing, (REQUEST_ID_KEY, rid))
+            await context.abort(STATUS[exc.kind], exc.message, trailing)
+        except asyncio.CancelledError as exc:
+            edge.failed(request.model_name, request.model_version, exc)
             raise
         except Exception as exc:  # a bug, not the client's fault: say so, keep serving
+            edge.failed(request.model_name, request.model_version, exc)
             log.exception("ModelInfer for model '%s' failed", request.model_name)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+        finally:
+            edge.inflight -= 1
+        edge.ok(resp.model_name, resp.model_version, _clock() - t0)
+        return resp
 
     async def ModelStreamInfer(self, request_iterator, context):
         """Each request is answered on the stream as soon as it completes (not in order), with its
-        ``id`` echoed; an error answers that request with ``error_message`` and the stream goes on."""
+        ``id`` echoed; an error answers that request with ``error_message`` and the stream goes on.
+        The API key is checked once, when the stream opens."""
+        account = None
+        if not self.admission.open:
+            try:
+                account = self.admission.identify(context.invocation_metadata())
+            except GatewayError as exc:
+                await context.abort(STATUS[exc.kind], exc.message)
+        _request_id(context)  # one id for the stream; the messages' own ids travel in `id`
+        edge = self._stream_edge
         out: asyncio.Queue = asyncio.Queue()
         tasks: set[asyncio.Task] = set()
 
         async def one(request: pb.ModelInferRequest) -> None:
+            t0 = _clock()
+            edge.inflight += 1
             try:
-                resp = await self._infer(request)
-                await out.put(pb.ModelStreamInferResponse(infer_response=resp))
+                resp = await (self._infer(request) if account is None else self._admitted(account, request))
             except GatewayError as exc:
+                edge.failed(request.model_name, request.model_version, exc)
                 await out.put(self._stream_error(request, exc.message))
+                return
+            except asyncio.CancelledError as exc:
+                edge.failed(request.model_name, request.model_version, exc)
+                raise
             except Exception as exc:
+                edge.failed(request.model_name, request.model_version, exc)
                 log.exception("ModelStreamInfer request for '%s' failed", request.model_name)
                 await out.put(self._stream_error(request, f"internal error: {type(exc).__name__}: {exc}"))
+                return
+            finally:
+                edge.inflight -= 1
+            edge.ok(resp.model_name, resp.model_version, _clock() - t0)
+            await out.put(pb.ModelStreamInferResponse(infer_response=resp))
 
         async def reader() -> None:
             async for request in request_iterator:
@@ -230,6 +323,9 @@ class Server:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.plane = DataPlane(settings)
+        self.admission = Admission.from_settings(settings)  # reads the tenant file; errors stop the start
+        self.metrics = Metrics(self.plane, VERSION)  # this process's own registry, read at scrape time
+        self.servicer = InferenceServicer(self.plane, self.admission, self.metrics)
         self.health = health_aio.HealthServicer()
         self.grpc_port = 0
         self.http_port = 0
@@ -245,7 +341,8 @@ class Server:
             ("grpc.so_reuseport", 1 if s.reuse_port else 0),
         ]
         server = grpc.aio.server(options=options)
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.plane), server)
+        await self.admission.start()  # Redis for global limits, if any; being down is not fatal
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         _register_for_reflection()
         reflection.enable_server_reflection(
@@ -259,15 +356,22 @@ class Server:
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         self._grpc = server
-        await self._start_http()
+        self._http, self.http_port = await http_side.start(self)
         log.info("listening: gRPC %s:%d, HTTP %s:%d", s.host, self.grpc_port, s.host, self.http_port)
         t0 = time.perf_counter()
         await self.plane.load()
+        self.metrics.attach()
         await self._set_health()
+        for rt in self.plane.runtimes():
+            log.info(
+                "model %s version %s ready", rt.spec.name, rt.spec.version,
+                extra={"event": "model_ready", "model": rt.spec.name, "version": rt.spec.version},
+            )  # fmt: skip
         log.info(
             "ready: %d model(s) serving %s, %d failed%s, in %.1fs",
             len(self.plane.models), sorted(self.plane.models), len(self.plane.failures),
             f" {sorted(self.plane.failures)}" if self.plane.failures else "", time.perf_counter() - t0,
+            extra={"event": "ready", "ready": self.plane.ready},
         )  # fmt: skip
 
     async def _set_health(self) -> None:
@@ -282,34 +386,11 @@ class Server:
             if name not in self.plane.models:
                 await self.health.set(name, not_serving)
 
-    async def _start_http(self) -> None:
-        app = web.Application()
-
-        async def live(_req: web.Request) -> web.Response:
-            return web.json_response({"live": True})
-
-        async def ready(_req: web.Request) -> web.Response:
-            ok = self.plane.ready
-            return web.json_response({"ready": ok}, status=200 if ok else 503)
-
-        async def metrics(_req: web.Request) -> web.Response:
-            return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-        app.router.add_get("/v2/health/live", live)
-        app.router.add_get("/v2/health/ready", ready)
-        app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, self.settings.host, self.settings.http_port, reuse_port=self.settings.reuse_port)
-        await site.start()
-        self._http = runner
-        self.http_port = site._server.sockets[0].getsockname()[1]  # the real port when 0 was asked
-
     async def drain_and_stop(self) -> None:
         """Readiness false first, then let accepted work finish, then stop listening."""
         if self.plane.draining:
             return
-        log.info("draining: readiness false; new requests get UNAVAILABLE")
+        log.info("draining: readiness false; new requests get UNAVAILABLE", extra={"event": "drain"})
         self.plane.draining = True
         await self._set_health()
         ok = await self.plane.drain(self.settings.drain_timeout_s)
@@ -319,9 +400,15 @@ class Server:
         if self._grpc is not None:
             await self._grpc.stop(grace=2.0)
         await self.plane.close()
+        for rt in self.plane.runtimes():
+            log.info(
+                "model %s version %s unloaded", rt.spec.name, rt.spec.version,
+                extra={"event": "unload", "model": rt.spec.name, "version": rt.spec.version},
+            )  # fmt: skip
+        await self.admission.close()
         if self._http is not None:
             await self._http.cleanup()
-        log.info("stopped")
+        log.info("stopped", extra={"event": "stopped"})
         self._stopped.set()
 
     async def _linger(self) -> None:

@@ -1,20 +1,52 @@
-"""One ONNX Runtime session and the work of running one batch on it.
+"""A worker's engines and the work of running one batch on them.
 
-A worker thread owns its engine; nothing here is shared between threads. The batch is
-concatenated, run and split back *in the worker thread*, so the gateway's event loop only
-hands over references and never touches tensor data.
+A worker thread owns its engine; nothing here is shared between threads. The batch is padded,
+run and split back *in the worker thread*, so the gateway's event loop only hands over
+references and never touches tensor data.
+
+Two paths:
+
+* **pooled** (batched models whose inputs are numeric and whose output dims are known): the
+  batch is copied into the pooled buffers of its bucket (rows padded up to the batch bucket,
+  lengths up to the length bucket), the bucket's bound run configuration runs, and each
+  request's rows are copied out of the pooled outputs (trimmed back to its own lengths). A batch
+  with more tokens than ``max_batch_tokens`` runs as several bucket runs.
+* **dynamic** (everything else: unbatched models, string tensors, lengths past the last bucket,
+  dims that keep exact lengths): the old way, concatenate and run at the batch's own shape; rows
+  of different lengths are padded to the longest only where the plan says padding is safe.
+
+Engine modes (``EngineOptions.mode``):
+
+* ``shared`` — one session per worker, dims left dynamic; every bucket is a bound run
+  configuration (buffers + IOBinding) on it. Weights and the activation arena exist once per
+  worker; the arena peaks at the largest bucket.
+* ``static`` — one session per bucket with every symbolic dim fixed by a free-dimension
+  override, so ORT plans memory and folds shape arithmetic ahead of time (which CUDA graphs
+  need: no shape nodes left to run on the CPU). Costs a weight copy and a session per bucket;
+  on CPU the sessions share one arena (see sessions.py).
+* ``auto`` — static on a GPU with CUDA graphs on, shared otherwise. Measured on CPU (bundled
+  encoder, ORT 1.32, 1 thread): a static session is 0.9-1.0x the speed of the dynamic one at the
+  same shape, so there the sessions per bucket only cost memory.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
+from workers.buckets import ShapePlan
+from workers.buffers import CudaBuffers, HostBuffers, Slot
 from workers.devices import Device
+from workers.sessions import SessionFactory
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,37 +54,227 @@ class EngineOptions:
     intra_op_threads: int = 1
     inter_op_threads: int = 1
     graph_optimization: bool = True
+    mode: str = "auto"  # auto | shared | static
+    cache_dir: Path | None = None  # optimised-model cache; None: no cache
+    cuda_graphs: bool = False  # GPU only: capture a CUDA graph per bucket
+    # What start() runs before the model is ready. Every bucket's buffers and bindings are made
+    # either way. "all": run every bucket; "lengths": run each length bucket once, at its smallest
+    # batch; "none"; "auto": "all" for static engines and GPUs (a bucket's first run there pays
+    # for graph capture, kernel selection and its arena), "lengths" for the shared CPU session
+    # (measured: a shape's first run costs what later ones do, so running every batch bucket of
+    # every length would only add minutes of start-up for a large model).
+    warmup: str = "auto"
+    # Runs in the worker on the merged batch before the model (e.g. texts -> token inputs); its
+    # output goes through the buckets and pools like any batch.
+    preprocess: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
+
+    def resolved_mode(self, device: Device) -> str:
+        if self.mode in ("shared", "static"):
+            return self.mode
+        return "static" if device.kind == "gpu" and self.cuda_graphs else "shared"
 
 
 @dataclass(slots=True)
 class BatchTiming:
-    """Nanoseconds spent in each phase, as Triton's statistics report them."""
+    """Nanoseconds spent in each phase, as Triton's statistics report them, and the batch's padding.
+
+    ``rows``/``tokens`` are what the requests sent (tokens: rows x their lengths on the variable
+    dims, 1 per row for a model without any); ``padded_*`` what the engine computed. Their ratios
+    are the padding waste of the batch.
+    """
 
     input_ns: int = 0
     infer_ns: int = 0
     output_ns: int = 0
+    rows: int = 0
+    padded_rows: int = 0
+    tokens: int = 0
+    padded_tokens: int = 0
+    bucket: tuple[int, ...] | None = None  # (rows, *lengths) of the (last) bucket run; None: dynamic shapes
+    runs: int = 0  # engine runs for this batch (several when max_batch_tokens splits it)
+
+    @property
+    def row_waste(self) -> float:
+        """padded rows / real rows (1.0 = no padding)."""
+        return self.padded_rows / self.rows if self.rows else 1.0
+
+    @property
+    def token_waste(self) -> float:
+        """padded tokens / real tokens (1.0 = no padding)."""
+        return self.padded_tokens / self.tokens if self.tokens else 1.0
 
 
 class Engine:
-    def __init__(self, model_path: Path, device: Device, options: EngineOptions) -> None:
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = options.intra_op_threads
-        so.inter_op_num_threads = options.inter_op_threads
-        so.graph_optimization_level = (
-            ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            if options.graph_optimization
-            else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        )
-        # Worker threads are the unit of parallelism; ORT's own spinning threads would fight them.
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        if device.kind == "gpu":
-            providers = [("CUDAExecutionProvider", {"device_id": device.id}), "CPUExecutionProvider"]
-        else:
-            providers = ["CPUExecutionProvider"]
+    def __init__(
+        self,
+        model_path: Path,
+        device: Device,
+        options: EngineOptions,
+        plan: ShapePlan | None = None,
+        fingerprint: str = "",
+    ) -> None:
         self.device = device
-        self.session = ort.InferenceSession(str(model_path), sess_options=so, providers=providers)
-        self.input_names = [i.name for i in self.session.get_inputs()]
-        self.output_names = [o.name for o in self.session.get_outputs()]
+        self.options = options
+        self.plan = plan
+        self.mode = options.resolved_mode(device)
+        if device.kind == "gpu":
+            import cupy
+
+            cupy.cuda.Device(device.id).use()  # this worker thread's current device, for CuPy
+            self._cupy_pool = cupy.cuda.MemoryPool()
+            self._stream = cupy.cuda.Stream(non_blocking=True)
+        self.factory = SessionFactory(
+            model_path,
+            fingerprint,
+            device,
+            intra_op_threads=options.intra_op_threads,
+            inter_op_threads=options.inter_op_threads,
+            graph_optimization=options.graph_optimization,
+            cache_dir=options.cache_dir,
+            cuda_graphs=options.cuda_graphs and device.kind == "gpu",
+        )
+        self.cuda_graphs = self.factory.cuda_graphs
+        self.pooled = plan is not None and plan.pooled
+        if self.mode == "static" and self.pooled and not plan.static_ok:
+            log.warning("static engines need named dims (dim_param) on every variable axis; using one shared session")
+            self.mode = "shared"
+        self._no_graph: ort.RunOptions | None = None  # run options of the dynamic path
+        self._dynamic: ort.InferenceSession | None = None
+        if self.mode == "shared" or not self.pooled:
+            self._dynamic = self._create(None)
+        self.session = self._dynamic  # the session of the dynamic path (None until needed in static mode)
+        if self.cuda_graphs and self.mode == "shared":
+            # The shared session captures a graph per bucket under its gpu_graph_id; a run at any
+            # other shape must not replay one of them.
+            self._no_graph = ort.RunOptions()
+            self._no_graph.add_run_config_entry("gpu_graph_id", "-1")
+        self._sessions: dict[tuple[int, ...], ort.InferenceSession] = {}
+        self._buffers: dict[tuple[int, ...], HostBuffers | CudaBuffers] = {}
+        self._slots: dict[tuple[int, ...], Slot] = {}
+        self.slot_allocations = 0  # slots (buffer views + bindings) created; flat after warm-up
+        self.graph_slots: set[tuple[int, ...]] = set()  # buckets running as a CUDA graph
+        ref = self._dynamic
+        if ref is None:  # static: read names from the plan (the sessions come per bucket)
+            self.input_names = [t.name for t in plan.inputs]
+            self.output_names = [t.name for t in plan.outputs]
+        else:
+            self.input_names = [i.name for i in ref.get_inputs()]
+            self.output_names = [o.name for o in ref.get_outputs()]
+
+    # -- sessions and slots -------------------------------------------------------------------
+
+    def _create(self, overrides: dict[str, int] | None) -> ort.InferenceSession:
+        # Graphs on the static buckets' sessions, or on the shared one (a graph per bucket there);
+        # never on static mode's fallback session, which runs shapes outside the buckets.
+        graphs = self.cuda_graphs and (overrides is not None or self.mode == "shared")
+        try:
+            return self.factory.create(overrides, shared_arena=self.mode == "static", cuda_graphs=graphs)
+        except Exception as exc:
+            if not graphs:
+                raise
+            # CUDA graphs need every compute node on the GPU and no control flow: say why not, run without.
+            log.warning("CUDA graphs unavailable for this model (%s); running without them", exc)
+            self.cuda_graphs = False
+            return self.factory.create(overrides, shared_arena=self.mode == "static", cuda_graphs=False)
+
+    def _dynamic_session(self) -> ort.InferenceSession:
+        if self._dynamic is None:
+            log.info("%s: creating a dynamic-shape session for shapes outside the buckets", self.device)
+            self._dynamic = self._create(None)
+            self.session = self._dynamic
+        return self._dynamic
+
+    def _slot(self, rows: int, seqs: tuple[int, ...]) -> Slot:
+        bucket = (rows, *seqs)
+        slot = self._slots.get(bucket)
+        if slot is not None:
+            return slot
+        plan = self.plan
+        buffers = self._buffers.get(seqs)
+        if buffers is None:
+            cap = plan.max_rows(seqs)
+            ins = {t.name: (plan.input_shape(t.name, cap, seqs), t.dtype) for t in plan.inputs}
+            outs = {t.name: (plan.output_shape(t.name, cap, seqs), t.dtype) for t in plan.outputs}
+            if self.device.kind == "gpu":
+                buffers = CudaBuffers(ins, outs, self.device.id, self._cupy_pool, self._stream)
+            else:
+                buffers = HostBuffers(ins, outs)
+            for name, a in _host_inputs(buffers).items():
+                a.fill(plan.pad_values[name])
+            self._buffers[seqs] = buffers
+        if self.mode == "static":
+            session = self._sessions.get(bucket)
+            if session is None:
+                session = self._sessions[bucket] = self._create(plan.overrides(rows, seqs))
+            run_options = None
+        else:
+            session = self._dynamic
+            run_options = None
+            if self.cuda_graphs:
+                # One session, one captured graph per bucket (ORT keys graphs by gpu_graph_id).
+                run_options = ort.RunOptions()
+                run_options.add_run_config_entry("gpu_graph_id", str(len(self._slots)))
+        slot = buffers.slot(bucket, rows, seqs, session, run_options)
+        self._slots[bucket] = slot
+        self.slot_allocations += 1
+        if self.cuda_graphs:
+            self.graph_slots.add(bucket)
+        return slot
+
+    def warm_up(self) -> int:
+        """Create every bucket (buffers, bindings, sessions) and run them as ``options.warmup``
+        says; with CUDA graphs each run bucket runs three times, since ORT captures a graph only
+        after regular runs. Returns the number of buckets run."""
+        if not self.pooled:
+            return 0
+        policy = self.options.warmup
+        if policy == "auto":
+            policy = "all" if self.mode == "static" or self.device.kind == "gpu" else "lengths"
+        if policy not in ("all", "lengths", "none"):
+            raise ValueError(f"engine warm-up '{policy}' is not one of auto, all, lengths, none")
+        runs = 3 if self.cuda_graphs else 1
+        slots = [self._slot(rows, seqs) for rows, seqs in self.plan.slots()]
+        if policy == "lengths":
+            first: dict[tuple[int, ...], Slot] = {}
+            for slot in slots:
+                first.setdefault(slot.seqs, slot)  # slots() lists batch buckets smallest first
+            to_run = list(first.values())
+        else:
+            to_run = slots if policy == "all" else []
+        t0 = time.perf_counter()
+        for slot in to_run:
+            for name, a in slot.inputs.items():
+                a.fill(self.plan.pad_values[name])
+            for _ in range(runs):
+                slot.run()
+        log.info(
+            "%s: %d bucket(s) bound, %d run in %.2fs (%s mode, warm-up %s, cache %d hit / %d built, "
+            "%.1f MiB host buffers%s)",
+            self.device, len(slots), len(to_run), time.perf_counter() - t0, self.mode, policy,
+            self.factory.hits, self.factory.misses, self.buffer_bytes()[0] / 2**20,
+            f", {self.buffer_bytes()[1] / 2**20:.1f} MiB device buffers, CUDA graphs {'on' if self.cuda_graphs else 'off'}"
+            if self.device.kind == "gpu" else "",
+        )  # fmt: skip
+        return len(to_run)
+
+    def buffer_bytes(self) -> tuple[int, int]:
+        """(host, device) bytes held by the pooled buffers."""
+        host = sum(b.host_bytes for b in self._buffers.values())
+        dev = sum(b.device_bytes for b in self._buffers.values())
+        return host, dev
+
+    def device_memory(self) -> int:
+        """Bytes in use on this engine's device: for a GPU what the driver reports as used (ORT's
+        arenas, the CuPy pool, the CUDA context); for the CPU the pooled buffers."""
+        if self.device.kind != "gpu":
+            return self.buffer_bytes()[0]
+        import cupy
+
+        with cupy.cuda.Device(self.device.id):
+            free, total = cupy.cuda.runtime.memGetInfo()
+        return int(total - free)
+
+    # -- running a batch ----------------------------------------------------------------------
 
     def run_batch(
         self, parts: list[dict[str, np.ndarray]], rows: list[int], batched: bool
@@ -61,22 +283,142 @@ class Engine:
 
         With ``batched`` false (max_batch_size 0) there is exactly one part and no batch dim.
         """
+        if self.options.preprocess is not None:
+            return self._run_preprocessed(parts, rows, batched)
+        return self._run(parts, rows, batched)
+
+    def _run(self, parts, rows, batched) -> tuple[list[dict[str, np.ndarray]], BatchTiming]:
+        if self.pooled and batched:
+            plan = self.plan
+            lengths = [plan.lengths(p) for p in parts]
+            longest = tuple(max(col) for col in zip(*lengths)) if plan.groups else ()
+            # None past the last bucket, and always for exact dims (they have no buckets), so only
+            # dims where padding is safe are ever padded here.
+            seqs = plan.seq_buckets_for(longest)
+            if seqs is not None:
+                return self._run_pooled(parts, rows, lengths, seqs)
+        return self._run_dynamic(parts, rows, batched)
+
+    def _run_preprocessed(self, parts, rows, batched) -> tuple[list[dict[str, np.ndarray]], BatchTiming]:
+        t0 = time.perf_counter_ns()
+        merged = parts[0] if len(parts) == 1 else {n: np.concatenate([p[n] for p in parts]) for n in parts[0]}
+        feeds = self.options.preprocess(merged)
+        pre_ns = time.perf_counter_ns() - t0
+        total = sum(rows) if batched else 1
+        outputs, timing = self._run([feeds], [total], batched)
+        timing.input_ns += pre_ns
+        if not batched or len(parts) == 1:
+            return outputs, timing
+        split = []
+        start = 0
+        for n in rows:  # views: the arrays are this batch's own (never a pooled buffer)
+            split.append({name: arr[start : start + n] for name, arr in outputs[0].items()})
+            start += n
+        return split, timing
+
+    def _run_pooled(self, parts, rows, lengths, seqs) -> tuple[list[dict[str, np.ndarray]], BatchTiming]:
+        plan = self.plan
         timing = BatchTiming()
         t0 = time.perf_counter_ns()
+        total = sum(rows)
+        per_row = math.prod(seqs)
+        cap = plan.max_rows(seqs)
+        results = []
+        for n, ls in zip(rows, lengths):
+            # The answers' own memory (the pooled outputs are reused by the next batch).
+            results.append({t.name: np.empty(_trimmed(plan, t.name, n, ls), t.dtype) for t in plan.outputs})
+            timing.tokens += n * math.prod(ls)
+        timing.rows = total
+        input_ns = time.perf_counter_ns() - t0
+        infer_ns = output_ns = 0
+        part_i, part_off, done = 0, 0, 0
+        while done < total:
+            n = min(cap, total - done)
+            b = plan.batch_bucket(n)
+            slot = self._slot(b, seqs)
+            t1 = time.perf_counter_ns()
+            # Which rows of which request land where: (part, first row in it, first row in slot, count).
+            pieces = []
+            d = 0
+            while d < n:
+                k = min(rows[part_i] - part_off, n - d)
+                pieces.append((part_i, part_off, d, k))
+                d += k
+                part_off += k
+                if part_off == rows[part_i]:
+                    part_i, part_off = part_i + 1, 0
+            for name, buf in slot.inputs.items():
+                pad = plan.pad_values[name]
+                axes = plan.input_axes(name)
+                for pi, s0, d0, k in pieces:
+                    src = parts[pi][name]
+                    if s0 or k != src.shape[0]:
+                        src = src[s0 : s0 + k]
+                    region = buf[d0 : d0 + k]
+                    if src.shape == region.shape:
+                        np.copyto(region, src, casting="same_kind")
+                        continue
+                    # Shorter than the bucket: pad what lies past each of its lengths, then copy.
+                    for axis, _ in axes:
+                        if src.shape[axis] < region.shape[axis]:
+                            region[(slice(None),) * axis + (slice(src.shape[axis], None),)] = pad
+                    np.copyto(region[tuple(slice(0, s) for s in src.shape)], src, casting="same_kind")
+                if n < b:
+                    buf[n:] = pad  # padding rows: masked (pad 0) and dropped below
+            t2 = time.perf_counter_ns()
+            slot.run()
+            t3 = time.perf_counter_ns()
+            for name, buf in slot.outputs.items():
+                axes = plan.output_axes(name)
+                for pi, s0, d0, k in pieces:
+                    src = buf[d0 : d0 + k]
+                    if axes:  # a dim of the request's own length: drop the padded positions
+                        src = src[_trim(src.ndim, axes, lengths[pi])]
+                    results[pi][name][s0 : s0 + k] = src
+            t4 = time.perf_counter_ns()
+            input_ns += t2 - t1
+            infer_ns += t3 - t2
+            output_ns += t4 - t3
+            timing.padded_rows += b
+            timing.padded_tokens += b * per_row
+            timing.runs += 1
+            timing.bucket = slot.bucket
+            done += n
+        timing.input_ns = input_ns
+        timing.infer_ns = infer_ns
+        timing.output_ns = output_ns
+        return results, timing
+
+    def _run_dynamic(self, parts, rows, batched) -> tuple[list[dict[str, np.ndarray]], BatchTiming]:
+        session = self._dynamic_session()
+        plan = self.plan
+        timing = BatchTiming()
+        t0 = time.perf_counter_ns()
+        lengths = None
         if len(parts) == 1:
             feeds = parts[0]
         else:
-            feeds = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+            shapes = {name: {p[name].shape[1:] for p in parts} for name in parts[0]}
+            if all(len(s) == 1 for s in shapes.values()):
+                feeds = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+            else:
+                feeds, lengths = self._pad_to_longest(parts, rows)
         t1 = time.perf_counter_ns()
-        outputs = self.session.run(self.output_names, feeds)
+        outputs = session.run(self.output_names, feeds, self._no_graph)
         t2 = time.perf_counter_ns()
         if not batched or len(parts) == 1:
             split = [dict(zip(self.output_names, outputs))]
         else:
             split = []
             start = 0
-            for n in rows:
-                split.append({name: out[start : start + n] for name, out in zip(self.output_names, outputs)})
+            for i, n in enumerate(rows):
+                out = {}
+                for name, arr in zip(self.output_names, outputs):
+                    piece = arr[start : start + n]
+                    if lengths is not None and plan.output_axes(name):
+                        piece = piece[_trim(piece.ndim, plan.output_axes(name), lengths[i])]
+                    out[name] = piece
+                split.append(out)
                 start += n
             total = start
             for name, out in zip(self.output_names, outputs):
@@ -88,4 +430,64 @@ class Engine:
         timing.input_ns = t1 - t0
         timing.infer_ns = t2 - t1
         timing.output_ns = time.perf_counter_ns() - t2
+        n_rows = sum(rows) if batched else 1
+        timing.rows = timing.padded_rows = n_rows
+        first = next(iter(feeds.values()), None)
+        if plan is not None and plan.groups and batched:
+            real = [plan.lengths(p) for p in parts]
+            timing.tokens = sum(n * math.prod(ls) for n, ls in zip(rows, real))
+            padded = plan.lengths(feeds) if first is not None else ()
+            timing.padded_tokens = n_rows * math.prod(padded)
+        else:
+            timing.tokens = timing.padded_tokens = n_rows
+        timing.runs = 1
         return split, timing
+
+    def _pad_to_longest(self, parts, rows):
+        """Rows of different lengths in one batch (only where padding is safe): pad to the longest."""
+        plan = self.plan
+        if plan is None or not plan.groups:
+            raise ValueError("requests of different shapes cannot run as one batch of this model")
+        lengths = [plan.lengths(p) for p in parts]
+        for i, g in enumerate(plan.groups):
+            if not g.paddable and len({ls[i] for ls in lengths}) > 1:
+                raise ValueError(
+                    f"rows of lengths {sorted({ls[i] for ls in lengths})} on dim '{g.name}' cannot share a batch: "
+                    "nothing masks padding on that dim (set seq_buckets or mask_input if padding is safe)"
+                )
+        longest = tuple(max(col) for col in zip(*lengths))
+        total = sum(rows)
+        feeds = {}
+        for name in parts[0]:
+            proto = parts[0][name]
+            shape = list((total, *proto.shape[1:]))
+            for axis, g in plan.input_axes(name):
+                shape[axis] = longest[g]
+            buf = np.full(shape, plan.pad_values.get(name, 0), dtype=proto.dtype)
+            start = 0
+            for p in parts:
+                a = p[name]
+                buf[(slice(start, start + a.shape[0]),) + tuple(slice(0, s) for s in a.shape[1:])] = a
+                start += a.shape[0]
+            feeds[name] = buf
+        return feeds, lengths
+
+
+def _trim(ndim: int, axes: list[tuple[int, int]], lengths: tuple[int, ...]) -> tuple[slice, ...]:
+    """Index that cuts each (axis, group) back to the request's own length in that group."""
+    idx = [slice(None)] * ndim
+    for axis, g in axes:
+        idx[axis] = slice(0, lengths[g])
+    return tuple(idx)
+
+
+def _trimmed(plan: ShapePlan, name: str, rows: int, lengths: tuple[int, ...]) -> tuple[int, ...]:
+    shape = list(next(t.dims for t in plan.outputs if t.name == name))
+    shape[0] = rows
+    for axis, g in plan.output_axes(name):
+        shape[axis] = lengths[g]
+    return tuple(int(d) for d in shape)
+
+
+def _host_inputs(buffers) -> dict[str, np.ndarray]:
+    return buffers.inputs if isinstance(buffers, HostBuffers) else buffers.host_in

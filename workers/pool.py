@@ -4,6 +4,11 @@ ONNX Runtime releases the GIL while a session runs, so threads give real paralle
 compute; each thread owns its session outright (no locks on the hot path). A batch goes to the
 least-loaded worker. An exception in a batch fails that batch's future only; the thread keeps
 serving.
+
+With a ``BucketConfig`` the pool reads the model's inputs and outputs at start, plans its shape
+buckets (``workers.buckets``) and has every worker build and warm all of them before ``start``
+returns, so a model is never ready with a cold bucket. ``shape_key`` gives the batcher the key
+that groups rows by bucket. A GPU gets one worker (its engines, its CUDA stream, its buffers).
 """
 
 from __future__ import annotations
@@ -11,12 +16,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from workers.buckets import BucketConfig, ShapePlan, read_model_io
 from workers.devices import Device
 from workers.engine import BatchTiming, Engine, EngineOptions
 
@@ -39,11 +46,16 @@ class _Worker:
         self.device = device
         self.outstanding = 0  # batches queued or running; only changed under the pool's lock
         self.busy_ns = 0
+        # Padding totals over this worker's batches (plain counters; only this thread writes them).
+        self.rows = self.padded_rows = self.tokens = self.padded_tokens = 0
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._engine: Engine | None = None
-        self._args = (model_path, device, options)
+        self._model_path = model_path
+        self._options = options
+        self.plan: ShapePlan | None = None
+        self.fingerprint = ""
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
 
     def start(self) -> None:
@@ -57,9 +69,14 @@ class _Worker:
     def put(self, job: _Job | None) -> None:
         self._jobs.put(job)
 
+    @property
+    def engine(self) -> Engine | None:
+        return self._engine
+
     def _main(self) -> None:
         try:
-            self._engine = Engine(*self._args)
+            self._engine = Engine(self._model_path, self.device, self._options, self.plan, self.fingerprint)
+            self._engine.warm_up()
         except BaseException as exc:  # reported to whoever waits for readiness
             self._error = exc
             self._ready.set()
@@ -77,31 +94,65 @@ class _Worker:
             except BaseException as exc:  # one bad batch must not take the worker down
                 job.future.set_exception(exc)
             else:
-                self.busy_ns += result[1].input_ns + result[1].infer_ns + result[1].output_ns
+                t = result[1]
+                self.busy_ns += t.input_ns + t.infer_ns + t.output_ns
+                self.rows += t.rows
+                self.padded_rows += t.padded_rows
+                self.tokens += t.tokens
+                self.padded_tokens += t.padded_tokens
                 job.future.set_result(result)
 
 
 class WorkerPool:
-    """``count`` workers per device, all serving the same model file."""
+    """``count`` workers per CPU device and one per GPU, all serving the same model file.
+
+    ``buckets`` None keeps the plain dynamic-shape engines (no padding, no pools).
+    """
 
     def __init__(
-        self, name: str, model_path: Path, devices: list[Device], count: int, options: EngineOptions
+        self,
+        name: str,
+        model_path: Path,
+        devices: list[Device],
+        count: int,
+        options: EngineOptions,
+        buckets: BucketConfig | None = None,
+        fingerprint: str = "",
     ) -> None:
         if count < 1:
             raise ValueError(f"worker count must be >= 1, got {count}")
         self.name = name
+        self.model_path = Path(model_path)
+        self.buckets = buckets
+        self.fingerprint = fingerprint
+        self.plan: ShapePlan | None = None
         self._lock = threading.Lock()
-        self.workers = [
-            _Worker(f"{name}-{dev}-{i}", model_path, dev, options) for dev in devices for i in range(count)
-        ]
+        self.workers = []
+        for dev in devices:
+            # One worker owns a GPU: its stream, its buffers and (with CUDA graphs) its captured
+            # graphs; a second worker would only interleave on the same device.
+            n = 1 if dev.kind == "gpu" else count
+            if dev.kind == "gpu" and count > 1:
+                log.info("%s: one worker per GPU; instance count %d applies to CPU instances only", name, count)
+            self.workers.extend(_Worker(f"{name}-{dev}-{i}", model_path, dev, options) for i in range(n))
         self._closed = False
 
     def __len__(self) -> int:
         return len(self.workers)
 
     def start(self) -> None:
-        """Create every worker's engine (blocking; call it off the event loop)."""
+        """Plan the buckets, then create and warm every worker's engines (blocking; call it off
+        the event loop). Returns when every bucket of every worker has run once."""
+        if self.buckets is not None and self.plan is None:
+            inputs, outputs = read_model_io(self.model_path)
+            self.plan = ShapePlan(inputs, outputs, self.buckets)
+            if self.plan.pooled:
+                log.info("%s: buckets %s", self.name, self.plan.describe())
+            else:
+                log.info("%s: dynamic shapes, no buffer pools (%s)", self.name, self.plan.why_not_pooled)
         for w in self.workers:
+            w.plan = self.plan
+            w.fingerprint = self.fingerprint
             w.start()
         try:
             for w in self.workers:
@@ -126,8 +177,51 @@ class WorkerPool:
         with self._lock:
             worker.outstanding -= 1
 
+    def shape_key(self, arrays: dict[str, np.ndarray]) -> Hashable:
+        """The batcher's key for a request: the bucket of each variable dim (exact lengths where
+        a dim is not bucketed), so rows that can share a padded batch share a key."""
+        plan = self.plan
+        if plan is None or not plan.groups:
+            return tuple(a.shape[1:] for a in arrays.values()) if plan is None else None
+        return plan.key(arrays)
+
     def busy_ns(self) -> int:
         return sum(w.busy_ns for w in self.workers)
+
+    def padding(self) -> dict[str, int]:
+        """Totals since start: rows and tokens sent vs computed (padded); their ratios are the waste."""
+        out = {"rows": 0, "padded_rows": 0, "tokens": 0, "padded_tokens": 0}
+        for w in self.workers:
+            out["rows"] += w.rows
+            out["padded_rows"] += w.padded_rows
+            out["tokens"] += w.tokens
+            out["padded_tokens"] += w.padded_tokens
+        return out
+
+    def device_memory(self) -> dict[str, int]:
+        """Bytes in use per device: on a GPU what the driver reports used (ORT arenas, buffers, the
+        CUDA context); on the CPU the pooled buffers of the workers on it."""
+        out: dict[str, int] = {}
+        for w in self.workers:
+            e = w.engine
+            if e is None:
+                continue
+            key = str(w.device)
+            if w.device.kind == "gpu":
+                out[key] = e.device_memory()  # the whole device: the same for every engine on it
+            else:
+                out[key] = out.get(key, 0) + e.device_memory()
+        return out
+
+    def buffer_memory(self) -> dict[str, dict[str, int]]:
+        """Per worker: host and device bytes held by its pooled buffers, and its bucket count."""
+        out = {}
+        for w in self.workers:
+            e = w.engine
+            if e is not None:
+                host, dev = e.buffer_bytes()
+                out[w.name] = {"host_bytes": host, "device_bytes": dev, "buckets": len(e._slots)}
+        return out
 
     def close(self, timeout_s: float = 5.0) -> None:
         with self._lock:

@@ -1,0 +1,477 @@
+"""The load generator: KServe v2 gRPC requests in closed or open loop, unary or streamed.
+
+* Closed loop: ``concurrency`` callers, each sending its next request when the last one is
+  answered. Measures capacity at a fixed number of outstanding requests.
+* Open loop: requests leave at Poisson arrival times of a fixed ``rate``, whether or not earlier
+  ones were answered. Latency is measured from the *scheduled* send time, so a client that falls
+  behind does not hide the queueing it caused (no coordinated omission).
+* Unary sends ``ModelInfer`` calls; stream sends every request on a few long-lived
+  ``ModelStreamInfer`` streams and matches answers to requests by ``id``.
+
+Each measured point runs ``warmup_s`` unrecorded, then ``duration_s`` recorded. Requests are
+built once, before the clock starts (a pool per caller), so the client spends its time on gRPC.
+The client is Python on the same machine as the server: on a small machine it competes with the
+server for CPU, and the figures say more about ratios measured in one run than about absolutes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from proto.inference.v2 import grpc_service_pb2 as pb
+from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+PERCENTILES = (50, 90, 99, 99.9)
+
+# -- workloads ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What each request carries: the bundled ``ranker`` (dense FP32 [rows, 64], sparse_ids INT64
+    [rows, 8] in [0, 10000)) or ``encoder`` (input_ids / attention_mask INT64 [rows, seq], ids in
+    [0, 1000))."""
+
+    model: str = "ranker"
+    rows: int = 1
+    seq: int = 32
+    variants: int = 64  # distinct requests cycled through (distinct inputs, so a cache cannot hide work)
+
+    def requests(self, seed: int = 0) -> list[pb.ModelInferRequest]:
+        rng = np.random.default_rng(seed)
+        out = []
+        for _ in range(self.variants):
+            req = pb.ModelInferRequest(model_name=self.model)
+            if self.model == "ranker":
+                arrays = {
+                    "dense": ("FP32", rng.standard_normal((self.rows, 64), dtype=np.float32)),
+                    "sparse_ids": ("INT64", rng.integers(0, 10_000, (self.rows, 8), dtype=np.int64)),
+                }
+            elif self.model == "encoder":
+                mask = np.ones((self.rows, self.seq), dtype=np.int64)
+                mask[:, self.seq - self.seq // 4 :] = 0
+                arrays = {
+                    "input_ids": ("INT64", rng.integers(0, 1000, (self.rows, self.seq), dtype=np.int64)),
+                    "attention_mask": ("INT64", mask),
+                }
+            else:
+                raise ValueError(f"unknown workload model '{self.model}' (ranker or encoder)")
+            for name, (datatype, arr) in arrays.items():
+                req.inputs.add(name=name, datatype=datatype, shape=list(arr.shape))
+                req.raw_input_contents.append(arr.tobytes())
+            out.append(req)
+        return out
+
+
+# -- results --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Point:
+    """One measured point of a sweep."""
+
+    mode: str  # closed | open
+    api: str  # unary | stream
+    level: float  # concurrency (closed) or offered requests/s (open)
+    duration_s: float
+    rows: int
+    latencies_s: np.ndarray = field(default_factory=lambda: np.empty(0))  # of successful requests
+    errors: dict[str, int] = field(default_factory=dict)  # by status code name
+    completed: int = 0  # successful answers that arrived inside the measured window
+    behind: int = 0  # open loop: requests not sent because max_outstanding was reached
+    server: dict = field(default_factory=dict)  # batching figures from ModelStatistics, if offered
+
+    def summary(self, budget_ms: float) -> dict:
+        lat_ms = self.latencies_s * 1e3
+        pct = {
+            f"p{str(p).replace('.', '_')}_ms": float(np.percentile(lat_ms, p)) if lat_ms.size else math.nan
+            for p in PERCENTILES
+        }
+        within = int(np.count_nonzero(lat_ms <= budget_ms))
+        answered = max(lat_ms.size, 1)
+        return {
+            "mode": self.mode,
+            "api": self.api,
+            "concurrency": int(self.level) if self.mode == "closed" else None,
+            "offered_rps": self.level if self.mode == "open" else None,
+            "duration_s": round(self.duration_s, 3),
+            "rows_per_request": self.rows,
+            "throughput_rps": self.completed / self.duration_s,
+            "rows_per_s": self.completed * self.rows / self.duration_s,
+            # goodput: answers within the budget, per second (the share of the window's answers
+            # that made it, times the throughput)
+            "goodput_rps": self.completed / self.duration_s * within / answered,
+            "budget_ms": budget_ms,
+            "mean_ms": float(lat_ms.mean()) if lat_ms.size else math.nan,
+            **pct,
+            "max_ms": float(lat_ms.max()) if lat_ms.size else math.nan,
+            "ok": int(lat_ms.size),
+            "errors": sum(self.errors.values()),
+            "error_codes": ";".join(f"{k}={v}" for k, v in sorted(self.errors.items())),
+            "not_sent": self.behind,
+            **{f"server_{k}": v for k, v in self.server.items()},
+        }
+
+
+class Progress:
+    """One stderr line rewritten in place (a terminal) or one line per point (a log)."""
+
+    def __init__(self, enabled: bool = True, stream=None) -> None:
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.tty = enabled and self.stream.isatty()
+
+    def update(self, label: str, elapsed: float, total: float, done: int) -> None:
+        if not self.tty:
+            return
+        width = 24
+        filled = int(width * min(elapsed / total, 1.0)) if total > 0 else width
+        rate = done / elapsed if elapsed > 0 else 0.0
+        bar = "#" * filled + "." * (width - filled)
+        self.stream.write(f"\r[{bar}] {label}  {elapsed:5.1f}/{total:.1f}s  {done} ok  {rate:8.0f}/s ")
+        self.stream.flush()
+
+    def finish(self, label: str, line: str) -> None:
+        if not self.enabled:
+            return
+        if self.tty:
+            self.stream.write("\r\033[K")
+        self.stream.write(f"{label}: {line}\n")
+        self.stream.flush()
+
+
+# -- the runner -----------------------------------------------------------------------------------
+
+
+class _Recorder:
+    """Where senders report. Throughput counts answers that arrive inside the measured window;
+    latency is recorded for requests sent inside it (answered in it or after)."""
+
+    def __init__(self) -> None:
+        self.start = math.inf
+        self.end = math.inf
+        self.latencies: list[float] = []
+        self.errors: dict[str, int] = {}
+        self.completed = 0
+        self.behind = 0
+
+    def ok(self, t_sent: float, t_done: float) -> None:
+        if self.start <= t_done <= self.end:
+            self.completed += 1
+        if self.start <= t_sent <= self.end:
+            self.latencies.append(t_done - t_sent)
+
+    def error(self, t_sent: float, code: str) -> None:
+        if self.start <= t_sent <= self.end:
+            self.errors[code] = self.errors.get(code, 0) + 1
+
+
+_STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
+
+
+class _Stream:
+    """One ModelStreamInfer call shared by many senders; answers matched by request id.
+
+    Requests are serialised here, with their id set just before (no await in between), so one
+    request object can serve every sender; gRPC then passes the bytes through."""
+
+    def __init__(self, channel: grpc.aio.Channel, timeout_s: float) -> None:
+        method = channel.stream_stream(
+            _STREAM_METHOD,
+            request_serializer=lambda b: b,
+            response_deserializer=pb.ModelStreamInferResponse.FromString,
+        )
+        self.call = method()
+        self.pending: dict[str, asyncio.Future] = {}
+        self.lock = asyncio.Lock()  # grpc.aio allows one write at a time per call
+        self.reader = asyncio.create_task(self._read())
+        self.timeout_s = timeout_s
+
+    async def _read(self) -> None:
+        err: BaseException | None = None
+        try:
+            async for resp in self.call:
+                fut = self.pending.pop(resp.infer_response.id, None)
+                if fut is not None and not fut.done():
+                    if resp.error_message:
+                        fut.set_exception(_StreamError(resp.error_message))
+                    else:
+                        fut.set_result(None)
+        except grpc.RpcError as exc:
+            err = exc
+        except asyncio.CancelledError:
+            pass
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(err or _StreamError("stream closed"))
+        self.pending.clear()
+
+    async def infer(self, req: pb.ModelInferRequest, rid: str) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[rid] = fut
+        req.id = rid
+        data = req.SerializeToString()
+        try:
+            async with self.lock:
+                await self.call.write(data)
+            await asyncio.wait_for(fut, self.timeout_s)
+        finally:
+            self.pending.pop(rid, None)
+
+    async def close(self) -> None:
+        try:
+            await self.call.done_writing()
+        except Exception:
+            pass
+        self.call.cancel()
+        self.reader.cancel()
+        try:
+            await self.reader
+        except BaseException:
+            pass
+
+
+class _StreamError(Exception):
+    code_name = "STREAM_ERROR"
+
+
+def _code(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code().name
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return "CLIENT_TIMEOUT"
+    if isinstance(exc, _StreamError):
+        return exc.code_name
+    return type(exc).__name__
+
+
+async def run_point(
+    url: str,
+    workload: Workload,
+    mode: str,
+    api: str,
+    level: float,
+    duration_s: float = 5.0,
+    warmup_s: float = 1.0,
+    channels: int = 4,
+    timeout_s: float = 10.0,
+    max_outstanding: int = 4096,
+    progress: Progress | None = None,
+    seed: int = 0,
+) -> Point:
+    """Measure one point: ``level`` is the concurrency (closed) or the rate in requests/s (open)."""
+    if mode not in ("closed", "open") or api not in ("unary", "stream"):
+        raise ValueError(f"mode must be closed|open and api unary|stream, not {mode}/{api}")
+    if level <= 0:
+        raise ValueError("concurrency and rate must be > 0")
+    # Separate subchannel pools: `channels` real HTTP/2 connections, as a fleet of clients has.
+    chans = [
+        grpc.aio.insecure_channel(url, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(channels)
+    ]
+    stubs = [pb_grpc.GRPCInferenceServiceStub(ch) for ch in chans]
+    streams = [_Stream(ch, timeout_s) for ch in chans] if api == "stream" else []
+    rec = _Recorder()
+    ids = itertools.count()
+    clock = time.perf_counter
+    pool = workload.requests(seed)
+    n_pool = len(pool)
+
+    async def send(slot: int, k: int, t_sent: float) -> None:
+        req = pool[k % n_pool]
+        try:
+            if api == "unary":
+                await stubs[slot % channels].ModelInfer(req, timeout=timeout_s)
+            else:
+                await streams[slot % channels].infer(req, str(next(ids)))
+        except Exception as exc:
+            rec.error(t_sent, _code(exc))
+            return
+        rec.ok(t_sent, clock())
+
+    total = warmup_s + duration_s
+    t0 = clock()
+    rec.start = t0 + warmup_s
+    rec.end = rec.start + duration_s
+    stop_at = rec.end
+
+    async def ticker() -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            if progress is not None:
+                progress.update(
+                    f"{mode} {api} {_level_text(mode, level)}", clock() - t0, total, rec.completed
+                )
+
+    tick = asyncio.create_task(ticker())
+    try:
+        if mode == "closed":
+
+            async def caller(slot: int) -> None:
+                k = slot  # callers start at different requests
+                while (t := clock()) < stop_at:
+                    await send(slot, k, t)
+                    k += 1
+
+            await asyncio.gather(*(caller(i) for i in range(int(level))))
+        else:
+            rng = np.random.default_rng(seed + 1)
+            outstanding: set[asyncio.Task] = set()
+            t_next = clock()
+            k = 0
+            while t_next < stop_at:
+                now = clock()
+                if t_next > now:
+                    await asyncio.sleep(t_next - now)
+                # Everything due by now leaves now: a loop that fell behind sends a burst, and the
+                # latency of each request still starts at its scheduled time.
+                now = clock()
+                while t_next <= now and t_next < stop_at:
+                    if len(outstanding) >= max_outstanding:
+                        if rec.start <= t_next <= rec.end:
+                            rec.behind += 1
+                    else:
+                        t = asyncio.create_task(send(k, k, t_next))
+                        outstanding.add(t)
+                        t.add_done_callback(outstanding.discard)
+                    k += 1
+                    t_next += rng.exponential(1.0 / level)
+            if outstanding:
+                await asyncio.wait(list(outstanding), timeout=timeout_s + 1)
+    finally:
+        tick.cancel()
+        for s in streams:
+            await s.close()
+        for ch in chans:
+            await ch.close()
+    return Point(
+        mode=mode,
+        api=api,
+        level=level,
+        duration_s=duration_s,
+        rows=workload.rows,
+        latencies_s=np.asarray(rec.latencies),
+        errors=rec.errors,
+        completed=rec.completed,
+        behind=rec.behind,
+    )
+
+
+def _level_text(mode: str, level: float) -> str:
+    return f"c={int(level)}" if mode == "closed" else f"rate={level:g}/s"
+
+
+async def model_statistics(url: str, model: str) -> dict | None:
+    """(executions, rows, requests) of ``model`` so far; None when the server has no statistics."""
+    try:
+        async with grpc.aio.insecure_channel(url) as ch:
+            stub = pb_grpc.GRPCInferenceServiceStub(ch)
+            resp = await stub.ModelStatistics(pb.ModelStatisticsRequest(name=model), timeout=5)
+    except grpc.RpcError:
+        return None
+    if not resp.model_stats:
+        return None
+    st = resp.model_stats[-1]
+    return {
+        "executions": st.execution_count,
+        "rows": st.inference_count,
+        "requests": st.inference_stats.success.count,
+    }
+
+
+def batching(before: dict | None, after: dict | None) -> dict:
+    if not before or not after:
+        return {}
+    ex = after["executions"] - before["executions"]
+    if ex <= 0:
+        return {}
+    return {
+        "requests_per_batch": round((after["requests"] - before["requests"]) / ex, 2),
+        "rows_per_batch": round((after["rows"] - before["rows"]) / ex, 2),
+    }
+
+
+async def wait_ready(url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with grpc.aio.insecure_channel(url) as ch:
+        stub = pb_grpc.GRPCInferenceServiceStub(ch)
+        while time.monotonic() < deadline:
+            try:
+                if (await stub.ServerReady(pb.ServerReadyRequest(), timeout=1)).ready:
+                    return
+            except grpc.RpcError:
+                pass
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url} not ready within {timeout_s:.0f}s")
+
+
+# -- servers started for a run ------------------------------------------------------------------
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class Started:
+    """A server process this run started (and stops, SIGTERM then SIGKILL)."""
+
+    def __init__(self, name: str, cmd: list[str], url: str) -> None:
+        self.name = name
+        self.url = url
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.log = tempfile.TemporaryFile()  # a pipe nobody reads would block a chatty server
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def ready(self, timeout_s: float = 60.0) -> None:
+        try:
+            asyncio.run(wait_ready(self.url, timeout_s))
+        except RuntimeError:
+            self.stop()
+            self.log.seek(0)
+            err = self.log.read().decode(errors="replace")[-2000:]
+            raise RuntimeError(f"{self.name} did not become ready at {self.url}\n{err}") from None
+
+
+def start_batchgate(*extra: str) -> Started:
+    grpc_port, http_port = free_ports(2)
+    cmd = [
+        sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
+        "--http-port", str(http_port), "--log-level", "WARNING", *extra,
+    ]  # fmt: skip
+    return Started("batchgate", cmd, f"127.0.0.1:{grpc_port}")
+
+
+def start_noop() -> Started:
+    (port,) = free_ports(1)
+    return Started("noop", [sys.executable, "-m", "bench.noop_server", str(port)], f"127.0.0.1:{port}")

@@ -1,0 +1,423 @@
+"""The shared tier: Redis, through redis-py's asyncio connections (hiredis parser when installed).
+
+Reads: one MGET per request for the rows it owns, bounded by ``lookup_timeout_s``; a slow,
+down or refusing Redis turns into misses, never into an error or a stall past the timeout.
+Writes: queued and sent behind the responses by one writer task, many requests' rows per
+command (a short Lua script doing ``SET key value PX ttl`` for each); when the queue is full new
+rows are dropped (counted). Connection failures and timeouts of either feed a ``Breaker``; while
+it is open Redis is not asked at all and the writes queued meanwhile are dropped.
+
+redis-py parses the URL (``redis://``, ``rediss://`` for TLS, ``user:password@``, ``/db``, query
+options such as ``ssl_ca_certs``) and makes and handshakes the connections; this module keeps
+its own free list of them and writes the two commands it sends itself. The per-request path
+runs on the gateway's one event loop, where redis-py's general command machinery (pool lock,
+retries, per-argument encoding, observability hooks) cost several times the round trip's own
+CPU. redis-py's retries are off: the breaker and the next request are the retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError, RedisError, ResponseError
+
+from cache.breaker import Breaker
+
+log = logging.getLogger(__name__)
+
+# One round trip stores a whole batch, each row with its TTL; KEYS are the keys, ARGV the values
+# then the TTL in ms.
+SET_PX_SCRIPT = (
+    b"local ttl = ARGV[#ARGV] "
+    b"for i = 1, #KEYS do redis.call('SET', KEYS[i], ARGV[i], 'PX', ttl) end "
+    b"return #KEYS"
+)
+
+
+def redact_url(url: str) -> str:
+    """The URL with its password replaced, for logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+# -- RESP, packed with a few C-level joins ----------------------------------------------------------
+
+
+def _bulk(items: Sequence[bytes], prefix: bytes = b"") -> bytes:
+    """RESP bulk strings for ``prefix + item`` each; one join when all items are one length."""
+    if not items:
+        return b""
+    n = len(items[0])
+    if all(len(x) == n for x in items):  # the usual case: keys are digests, values one layout
+        head = b"$%d\r\n%s" % (n + len(prefix), prefix)
+        return head + (b"\r\n" + head).join(items) + b"\r\n"
+    return b"".join(b"$%d\r\n%s%s\r\n" % (len(x) + len(prefix), prefix, x) for x in items)
+
+
+def pack_mget(prefix: bytes, keys: Sequence[bytes]) -> bytes:
+    return b"*%d\r\n$4\r\nMGET\r\n" % (len(keys) + 1) + _bulk(keys, prefix)
+
+
+def pack_set_px(prefix: bytes, keys: Sequence[bytes], values: Sequence[bytes], ttl_ms: int) -> bytes:
+    n = len(keys)
+    ttl = b"%d" % ttl_ms
+    return (
+        b"*%d\r\n$4\r\nEVAL\r\n$%d\r\n%s\r\n" % (2 * n + 4, len(SET_PX_SCRIPT), SET_PX_SCRIPT)
+        + b"$%d\r\n%d\r\n" % (len(str(n)), n)
+        + _bulk(keys, prefix)
+        + _bulk(values)
+        + b"$%d\r\n%s\r\n" % (len(ttl), ttl)
+    )
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+@dataclass(slots=True)
+class RedisStats:
+    hits: int = 0  # rows
+    misses: int = 0  # rows asked for and not found
+    lookups: int = 0  # MGETs answered
+    lookup_ns: int = 0  # their total time
+    errors: int = 0  # MGETs that failed (connection, protocol)
+    timeouts: int = 0  # MGETs given up after lookup_timeout_s
+    skipped: int = 0  # rows not looked up: breaker open, or too many lookups in flight
+    invalid: int = 0  # values of the wrong size, treated as misses
+    writes: int = 0  # rows written
+    write_batches: int = 0  # write round trips
+    write_errors: int = 0  # rows whose write failed
+    write_dropped: int = 0  # rows not written: queue full, breaker open, or shutdown
+    connections: int = 0  # open now
+
+
+class RedisTier:
+    def __init__(
+        self,
+        url: str,
+        *,
+        ttl_s: float,
+        lookup_timeout_s: float,
+        breaker: Breaker,
+        key_prefix: bytes = b"bg:rc:",
+        max_connections: int = 32,
+        write_queue_rows: int = 100_000,
+        write_batch_rows: int = 512,
+        write_timeout_s: float = 1.0,
+    ) -> None:
+        if ttl_s <= 0:
+            raise ValueError("ttl_s must be > 0: entries without a TTL would live in Redis forever")
+        self.url = url
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.lookup_timeout_s = lookup_timeout_s
+        self.breaker = breaker
+        self.key_prefix = key_prefix
+        self.write_queue_rows = write_queue_rows
+        self.write_batch_rows = write_batch_rows
+        self.write_timeout_s = write_timeout_s
+        # One connection is the writer's; lookups beyond the rest are skipped, not queued.
+        self.max_lookups = max(1, max_connections - 1)
+        self.stats = RedisStats()
+        # Parses the URL (scheme, auth, db, TLS options) and makes connections; never asked to
+        # hand them out, so its own limits and lock never come into play.
+        self._factory = aioredis.ConnectionPool.from_url(
+            url,
+            socket_connect_timeout=write_timeout_s,
+            socket_timeout=write_timeout_s,  # bounds an abandoned lookup's life too
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+        self._idle: list = []  # connected lookup connections, most recently used last
+        self._open: set = set()
+        self._lookups = 0
+        self._writer_conn = None
+        self._writer_conn_fresh = False
+        self._pending: deque[tuple[list[bytes], list[bytes]]] = deque()
+        self._pending_rows = 0
+        self._wake: asyncio.Event | None = None
+        self._writer: asyncio.Task | None = None
+        self._writing = 0  # rows taken by the writer and not yet answered
+        self._closed = False
+
+    # -- connections ----------------------------------------------------------------------------
+
+    async def _connect(self):
+        conn = self._factory.make_connection()
+        self._open.add(conn)
+        self.stats.connections = len(self._open)
+        try:
+            await conn.connect()
+        except BaseException:
+            self._drop(conn)
+            raise
+        return conn
+
+    def _drop(self, conn) -> None:
+        """Forget a connection in an unknown state (error, timeout) and close its socket."""
+        self._open.discard(conn)
+        self.stats.connections = len(self._open)
+        try:
+            asyncio.get_running_loop().create_task(conn.disconnect(nowait=True))
+        except RuntimeError:  # no loop (interpreter shutting down)
+            pass
+
+    async def _command(self, conn, payload: bytes):
+        await conn.send_packed_command(payload, check_health=False)
+        return await conn.read_response()
+
+    async def warm(self, connections: int = 4, timeout_s: float = 1.0) -> bool:
+        """Open a few lookup connections before traffic, so first lookups do not pay the
+        connection setup against the lookup timeout. Never raises: False when Redis did not answer."""
+        n = max(1, min(connections, self.max_lookups))
+        conns = []
+        try:
+            async with asyncio.timeout(timeout_s):
+                for _ in range(n):
+                    conn = await self._connect()
+                    conns.append(conn)
+                    await self._command(conn, b"*1\r\n$4\r\nPING\r\n")
+        except (TimeoutError, RedisError, OSError) as exc:
+            for conn in conns:
+                self._drop(conn)
+            log.warning("redis %s did not answer at start (%s); lookups will miss until it does", redact_url(self.url), exc)
+            return False
+        self._idle.extend(conns)
+        return True
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    async def get_many(self, keys: Sequence[bytes], width: int | None = None) -> list[bytes | None] | None:
+        """Values for ``keys`` (None per miss), or None when Redis was not or could not be asked.
+
+        ``width``: the only valid value length, when known; others count as misses.
+        """
+        st = self.stats
+        if self._lookups >= self.max_lookups or not self.breaker.allow():
+            st.skipped += len(keys)
+            return None
+        self._lookups += 1
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        # The MGET runs as its own task and the request stops waiting for it at the timeout,
+        # rather than cancelling it in place: redis-py can lose a cancellation that lands
+        # during a connection's handshake and then wait for the server (seen with CLIENT PAUSE).
+        # An MGET given up on finishes or fails later by itself (socket_timeout bounds it) and
+        # holds its connection until then, so a stalled Redis fills max_lookups and further
+        # lookups are skipped instead of piling up.
+        task = loop.create_task(self._mget(pack_mget(self.key_prefix, keys)))
+        if not task.done():
+            waiter = loop.create_future()
+            timer = loop.call_later(self.lookup_timeout_s, _wake, waiter)
+            task.add_done_callback(lambda _t: _wake(waiter))
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+        if not task.done():
+            st.timeouts += 1
+            self.breaker.failure()
+            return None
+        exc = asyncio.CancelledError() if task.cancelled() else task.exception()
+        if exc is not None:
+            st.errors += 1
+            self.breaker.failure()
+            if isinstance(exc, RedisError | OSError):
+                log.debug("redis lookup failed: %s", exc)
+            else:
+                log.error("redis lookup failed: %r", exc)
+            return None
+        values = task.result()
+        self.breaker.success()
+        st.lookups += 1
+        st.lookup_ns += int((loop.time() - t0) * 1e9)
+        if len(values) != len(keys):
+            st.errors += 1
+            return None
+        n_miss = values.count(None)
+        if width is not None and n_miss < len(values):
+            for i, v in enumerate(values):
+                if v is not None and len(v) != width:
+                    values[i] = None
+                    st.invalid += 1
+                    n_miss += 1
+        st.hits += len(keys) - n_miss
+        st.misses += n_miss
+        return values
+
+    async def _mget(self, payload: bytes) -> list:
+        try:
+            return await self._on_lookup_conn(payload)
+        finally:
+            self._lookups -= 1
+
+    async def _on_lookup_conn(self, payload: bytes):
+        for attempt in (0, 1):
+            reused = bool(self._idle)
+            conn = self._idle.pop() if reused else await self._connect()
+            try:
+                values = await self._command(conn, payload)
+            except BaseException as exc:
+                self._drop(conn)
+                if not isinstance(exc, ConnectionError | OSError):
+                    raise
+                # A lost connection is what a Redis restart looks like: every kept one is as
+                # stale, so they all go; if this one was kept, try once on a fresh one.
+                self._drop_idle()
+                if not reused or attempt:
+                    raise
+                log.debug("redis connection went stale (%s); reconnecting", exc)
+                continue
+            if self._closed:
+                self._drop(conn)
+            else:
+                self._idle.append(conn)
+            return values
+        raise AssertionError("unreachable")
+
+    def _drop_idle(self) -> None:
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            self._drop(conn)
+
+    # -- writes (behind the response) ----------------------------------------------------------
+
+    def put_many(self, keys: list[bytes], values: list[bytes]) -> None:
+        """Queue rows for the writer; returns at once."""
+        n = len(keys)
+        if self._closed or self._pending_rows + n > self.write_queue_rows:
+            self.stats.write_dropped += n
+            return
+        self._pending.append((keys, values))
+        self._pending_rows += n
+        if self._writer is None:
+            self._wake = asyncio.Event()
+            self._writer = asyncio.get_running_loop().create_task(self._write_loop(), name="cache-redis-writer")
+        self._wake.set()
+
+    @property
+    def pending_rows(self) -> int:
+        return self._pending_rows
+
+    def _take(self) -> tuple[list[bytes], list[bytes]]:
+        keys: list[bytes] = []
+        values: list[bytes] = []
+        while self._pending and len(keys) < self.write_batch_rows:
+            k, v = self._pending.popleft()
+            keys.extend(k)
+            values.extend(v)
+        self._pending_rows -= len(keys)
+        return keys, values
+
+    async def _write_loop(self) -> None:
+        wake = self._wake
+        while True:
+            if not self._pending:
+                wake.clear()
+                await wake.wait()
+                continue
+            keys, values = self._take()
+            if not self.breaker.allow():
+                self.stats.write_dropped += len(keys)
+                continue
+            self._writing = len(keys)
+            try:
+                await self._write(keys, values)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let the writer die: the queue would only fill up
+                self.stats.write_errors += len(keys)
+                log.exception("redis write of %d rows failed", len(keys))
+            finally:
+                self._writing = 0
+
+    async def _write(self, keys: list[bytes], values: list[bytes]) -> None:
+        st = self.stats
+        payload = pack_set_px(self.key_prefix, keys, values, self.ttl_ms)
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                try:
+                    await self._send_write(payload)
+                except (ConnectionError, OSError):
+                    if self._writer_conn_fresh:
+                        raise
+                    await self._send_write(payload)  # a kept connection gone stale: once more, fresh
+        except ResponseError as exc:
+            # Redis is up but refuses these writes (e.g. OOM under maxmemory noeviction): counted,
+            # and the breaker stays closed. The reply was read, so the connection is fine.
+            st.write_errors += len(keys)
+            log.debug("redis refused a write of %d rows: %s", len(keys), exc)
+            self.breaker.success()
+            return
+        except (TimeoutError, RedisError, OSError) as exc:
+            st.write_errors += len(keys)
+            self.breaker.failure()
+            if self._writer_conn is not None:
+                self._drop(self._writer_conn)
+                self._writer_conn = None
+            log.debug("redis write of %d rows failed: %s", len(keys), exc)
+            return
+        self.breaker.success()
+        st.writes += len(keys)
+        st.write_batches += 1
+
+    async def _send_write(self, payload: bytes) -> None:
+        conn = self._writer_conn
+        self._writer_conn_fresh = conn is None
+        if conn is None:
+            conn = self._writer_conn = await self._connect()
+        try:
+            await self._command(conn, payload)
+        except (ConnectionError, OSError):
+            self._drop(conn)
+            self._writer_conn = None
+            raise
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait until the queued writes are sent (or ``timeout_s``); True when none are left."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._pending_rows or self._writing:
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.005)
+        return True
+
+    async def close(self, flush_timeout_s: float = 1.0) -> None:
+        if self._closed:
+            return
+        try:
+            await self.flush(flush_timeout_s)
+        finally:
+            self._closed = True
+            if self._writer is not None:
+                self._writer.cancel()
+                try:
+                    await self._writer
+                except BaseException:
+                    pass
+            self.stats.write_dropped += self._pending_rows
+            self._pending.clear()
+            self._pending_rows = 0
+            for conn in list(self._open):
+                try:
+                    await conn.disconnect(nowait=True)
+                except Exception as exc:  # closing a connection whose server is gone
+                    log.debug("closing a redis connection: %s", exc)
+            self._open.clear()
+            self._idle.clear()
+            self.stats.connections = 0

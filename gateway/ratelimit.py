@@ -1,0 +1,514 @@
+"""Rate limits: a GCRA bucket in process, the same algorithm as one atomic Lua script in Redis for
+limits shared by every replica, and what a replica does when Redis cannot answer in time.
+
+GCRA (the generic cell rate algorithm) is a token bucket kept as one number, the "theoretical
+arrival time" (TAT): the moment the bucket would be full again. Admitting a request of cost c at
+time t moves TAT to ``max(TAT, t) + c / rate``; it is allowed when that new TAT is at most
+``burst / rate`` ahead of t. One number per bucket means one Redis key, one GET and one SET.
+
+Decisions:
+    ``Bucket.take`` (local)        -> 0.0 admitted, else seconds until it would be
+    ``GlobalLimiter.decide``       -> the same, for a ``GlobalSpec``; Redis when it answers in time,
+                                      else this replica's local share (fail-open) or a refusal
+                                      (fail-closed) until a probe finds Redis again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+log = logging.getLogger(__name__)
+
+# Rounding slack: a burst of exactly `burst` unit requests at one instant sums `burst` intervals in
+# floating point and must not be refused for the last ulp.
+_EPS_S = 1e-9
+# A timer that fires this much past its time means the process was not running, not that Redis was slow.
+_LAG_S = 0.002
+
+
+class Bucket:
+    """A token bucket of ``burst`` tokens refilled at ``rate_per_s``, in GCRA form; starts full.
+
+    The clock is the caller's (``now`` in seconds, any monotonic origin), so tests drive it.
+
+    A cost larger than the whole burst can never fit; the primary buckets are protected from such
+    requests by a static check before they get here (``Admission``), and a bucket that does see
+    one (a fallback share smaller than the global burst) admits it only when full, leaving the
+    bucket in debt for the excess, so the long-run rate still holds.
+    """
+
+    __slots__ = ("burst", "interval_s", "rate_per_s", "tat", "tau_s")
+
+    def __init__(self, rate_per_s: float, burst: float) -> None:
+        if not rate_per_s > 0:
+            raise ValueError(f"rate must be > 0, got {rate_per_s}")
+        if not burst > 0:
+            raise ValueError(f"burst must be > 0, got {burst}")
+        self.rate_per_s = rate_per_s
+        self.burst = burst
+        self.interval_s = 1.0 / rate_per_s
+        self.tau_s = burst * self.interval_s  # how far TAT may run ahead of now
+        self.tat = -math.inf  # full
+
+    def take(self, cost: float, now: float) -> float:
+        """Charge ``cost`` tokens and return 0.0, or charge nothing and return the seconds to wait."""
+        tat = max(now, self.tat)
+        new_tat = tat + cost * self.interval_s
+        wait = new_tat - now - self.tau_s
+        if wait > _EPS_S:
+            if cost <= self.burst:
+                return wait
+            if tat > now:  # oversize: wait until the bucket is full
+                return tat - now
+            # oversize and the bucket is full: admit, in debt
+        self.tat = new_tat
+        return 0.0
+
+    def refund(self, cost: float) -> None:
+        """Give back what ``take`` charged (a later limit refused the request)."""
+        self.tat -= cost * self.interval_s
+
+    def charge(self, cost: float, now: float) -> None:
+        """Record use decided elsewhere (the global limiter), never leaving more than an empty bucket,
+        so a switch to this bucket continues from this replica's real recent rate."""
+        tat = (max(now, self.tat)) + cost * self.interval_s
+        limit = now + self.tau_s
+        self.tat = min(limit, tat)
+
+    def tokens(self, now: float) -> float:
+        """Tokens available at ``now`` (negative while in debt)."""
+        ahead = self.tat - now if self.tat > now else 0.0
+        return (self.tau_s - ahead) / self.interval_s
+
+
+@dataclass(frozen=True, slots=True)
+class Rate:
+    """``per_s`` tokens a second, at most ``burst`` at once."""
+
+    per_s: float
+    burst: float
+
+    def bucket(self, scale: float = 1.0) -> Bucket:
+        return Bucket(self.per_s * scale, max(self.burst * scale, 1.0))
+
+
+# -- the global limiter ---------------------------------------------------------------------------
+
+# GCRA over 1..n keys, all or nothing: either every bucket admits and all are charged, or nothing
+# is written and the reply says how long to wait. Time is Redis's own clock (TIME), so replicas
+# with skewed clocks still share one timeline; ARGV[1] overrides it for tests.
+#   KEYS[i]   a bucket's TAT, microseconds on that clock, expiring when the bucket is full again
+#   ARGV[1]   now in microseconds, or '' for TIME
+#   ARGV[3i-1], ARGV[3i], ARGV[3i+1]   emission interval (us), tolerance = burst x interval (us), cost
+# Returns {1, 0} admitted; {0, wait_us} refused.
+GCRA_LUA = """
+local now
+if ARGV[1] ~= '' then
+  now = tonumber(ARGV[1])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local new = {}
+local wait = 0
+for i = 1, #KEYS do
+  local interval = tonumber(ARGV[3 * i - 1])
+  local tau = tonumber(ARGV[3 * i])
+  local cost = tonumber(ARGV[3 * i + 1])
+  local tat = tonumber(redis.call('GET', KEYS[i]) or 0)
+  if tat < now then tat = now end
+  local nt = tat + cost * interval
+  local w = nt - now - tau
+  if w > 0.001 then
+    if cost * interval > tau then w = tat - now end
+    if w > 0.001 and w > wait then wait = w end
+  end
+  new[i] = nt
+end
+if wait > 0 then
+  return {0, math.ceil(wait)}
+end
+for i = 1, #KEYS do
+  redis.call('SET', KEYS[i], string.format('%.17g', new[i]), 'PX', math.ceil((new[i] - now) / 1000) + 1)
+end
+return {1, 0}
+"""
+GCRA_SHA = hashlib.sha1(GCRA_LUA.encode()).hexdigest()
+
+
+class GlobalSpec:
+    """One global limit (a tenant's, or a tenant's for one model): its Redis keys and rates, the
+    local share buckets this replica uses when Redis cannot answer, and Redis's last answer here."""
+
+    __slots__ = (
+        "_args", "keys", "last_admitted", "name", "requests", "retry_at", "rows", "share_requests", "share_rows",
+    )  # fmt: skip
+
+    def __init__(
+        self, name: str, keys: tuple[str, ...], requests: Rate | None, rows: Rate | None, share: float
+    ):
+        self.name = name
+        self.requests = requests
+        self.rows = rows
+        self.keys = keys
+        self.share_requests = requests.bucket(share) if requests else None
+        self.share_rows = rows.bucket(share) if rows else None
+        self.last_admitted: bool | None = None  # Redis's last answer for this limit on this replica
+        self.retry_at = 0.0  # when its last refusal said to come back (limiter clock)
+        # per-key (interval, tolerance) in microseconds, formatted once; the cost is added per call
+        self._args = tuple(
+            (repr(1e6 / r.per_s), repr(r.burst * 1e6 / r.per_s)) for r in (requests, rows) if r is not None
+        )
+
+    def argv(self, rows: int, now_us: str = "") -> list[str]:
+        args = [now_us]
+        costs = ([1] if self.requests else []) + ([rows] if self.rows else [])
+        for (interval, tau), cost in zip(self._args, costs, strict=True):
+            args += (interval, tau, str(cost))
+        return args
+
+    def take_share(self, rows: int, now: float) -> float:
+        wait = 0.0
+        r, w = self.share_requests, self.share_rows
+        if r is not None:
+            wait = r.take(1, now)
+            if wait:
+                return wait
+        if w is not None and rows:
+            wait = w.take(rows, now)
+            if wait and r is not None:
+                r.refund(1)
+        return wait
+
+    def charge_share(self, rows: int, now: float) -> None:
+        if self.share_requests is not None:
+            self.share_requests.charge(1, now)
+        if self.share_rows is not None and rows:
+            self.share_rows.charge(rows, now)
+
+
+class GlobalLimiter:
+    """Global limits without Redis: every replica enforces its local share alone (with one replica
+    and the default share of 1, that is the whole limit)."""
+
+    backend = "local"
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.fallback_decisions = 0
+
+    @property
+    def up(self) -> bool:
+        return False
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def decide(self, spec: GlobalSpec, rows: int) -> float:
+        self.fallback_decisions += 1
+        return spec.take_share(rows, self.clock())
+
+    def stats(self) -> dict:
+        return {"backend": self.backend, "up": self.up, "fallback_decisions": self.fallback_decisions}
+
+
+class RedisLimiter(GlobalLimiter):
+    """Global limits in Redis: one EVALSHA per decision; no decision waits longer than ``timeout_s``.
+
+    Decisions share round trips: at most ``max_batches`` are in flight, and decisions arriving
+    meanwhile queue for the next one, which carries all of them as a pipeline of EVALSHAs (each
+    still its own atomic script). Alone, a decision is one plain command sent at the end of the
+    loop turn; under load the batches grow by themselves, and a pipelined decision costs the
+    gateway a fraction of the CPU of a command of its own (redis-py spends ~200 us of CPU per
+    command), which is what keeps a global limit affordable at thousands of calls a second.
+
+    A decision whose answer is late is made locally: it repeats Redis's last answer for that
+    limit on this replica (before any answer, the local share; when fail-closed, a refusal). Its
+    command is dropped if not yet sent, and otherwise left to finish: cancelling a sent command
+    tears down the connection, and a late answer is most often this process's own event loop
+    running behind (a busy or CPU-throttled pod), not Redis. What opens the breaker is Redis
+    failing: an error, or no answer within ``slow_s`` (10x the timeout, 50 ms at least) unless
+    this process was itself stalled past that deadline. While open, decisions skip Redis entirely.
+    One background task probes with exponential backoff; the breaker closes when a probe answers
+    within ``slow_s``, and the backoff resets only after a real decision succeeds, so a Redis
+    that answers probes but fails decisions is not hammered.
+    """
+
+    backend = "redis"
+
+    def __init__(
+        self,
+        client,  # redis.asyncio.Redis
+        timeout_s: float = 0.005,
+        fail_mode: Literal["open", "closed"] = "open",
+        probe_initial_s: float = 0.05,
+        probe_max_s: float = 2.0,
+        connect_timeout_s: float = 1.0,
+        max_batches: int = 4,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(clock)
+        self.max_batches = max_batches
+        self.client = client
+        self.timeout_s = timeout_s
+        self.fail_mode = fail_mode
+        self.slow_s = max(10 * timeout_s, 0.05)
+        self.probe_initial_s = probe_initial_s
+        self.probe_max_s = probe_max_s
+        self.connect_timeout_s = connect_timeout_s
+        self._up = True
+        self._backoff_s = probe_initial_s
+        self._proven = True  # a decision succeeded since the last recovery: the backoff may reset
+        self._next_probe = 0.0
+        self._probe_task: asyncio.Task | None = None
+        self._closed = False
+        self._queue: list[tuple[tuple[str, ...], list[str], asyncio.Future]] = []
+        self._batches: set[asyncio.Task] = set()
+        self._flush_pending = False
+        self.errors = 0
+        self.timeouts = 0
+        self.late = 0
+        self.round_trips = 0
+        self.stalls = 0
+        self.probes = 0
+        self.last_error = ""
+
+    @classmethod
+    def from_url(
+        cls, url: str, *, timeout_s: float, connect_timeout_s: float = 1.0, **kwargs
+    ) -> RedisLimiter:
+        import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        # No client-side retries: a decision has one chance within its timeout, and the breaker,
+        # not redis-py, decides when to try again.
+        client = aioredis.Redis.from_url(
+            url,
+            socket_connect_timeout=connect_timeout_s,
+            socket_timeout=max(connect_timeout_s, timeout_s),
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+        return cls(client, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, **kwargs)
+
+    @property
+    def up(self) -> bool:
+        return self._up
+
+    async def start(self) -> None:
+        """Warm one connection and load the script; Redis being down here is not fatal."""
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                await self.client.script_load(GCRA_LUA)
+        except Exception as exc:  # noqa: BLE001 - any failure means "down", and is logged
+            self._trip(exc)
+
+    async def close(self) -> None:
+        self._closed = True
+        log.info("global rate limits at close: %s", self.stats())
+        tasks = [t for t in (self._probe_task, *self._batches) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.client.aclose()
+
+    async def decide(self, spec: GlobalSpec, rows: int) -> float:
+        if self._up:
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            answer = self._submit(spec.keys, spec.argv(rows))
+            try:
+                await asyncio.wait((answer,), timeout=self.timeout_s)
+                if not answer.done() and loop.time() - t0 > self.timeout_s + _LAG_S:
+                    # The timer fired late: this process was not running (a busy or throttled CPU),
+                    # and the answer may already sit in our socket. Two turns of our own loop pick
+                    # it up; that waits on us, not on Redis.
+                    for _ in range(2):
+                        await asyncio.sleep(0)
+                        if answer.done():
+                            break
+            finally:
+                if not answer.done():  # late, or our caller was cancelled: decided without it
+                    answer.cancel()  # unsent, it is dropped from the batch and charges nothing
+            if answer.cancelled():
+                self.late += 1
+                if spec.last_admitted is not None and self.fail_mode == "open":
+                    # Redis is up, only late for this one: repeat what it last told this replica for
+                    # this limit. Under overload that admits in the ratio Redis does, where the share
+                    # would be wrong for a replica that takes more or less than its share of traffic.
+                    now = self.clock()
+                    if spec.last_admitted:
+                        spec.charge_share(rows, now)
+                        return 0.0
+                    return max(spec.retry_at - now, 0.001)
+            elif answer.exception() is None:
+                allowed, wait_us = answer.result()
+                now = self.clock()
+                if not self._proven:
+                    self._proven, self._backoff_s = True, self.probe_initial_s
+                spec.last_admitted = bool(allowed)
+                if allowed:
+                    spec.charge_share(rows, now)
+                    return 0.0
+                spec.retry_at = now + wait_us / 1e6
+                return wait_us / 1e6
+            # else the batch failed and has opened the breaker
+        self.fallback_decisions += 1
+        now = self.clock()
+        if self.fail_mode == "closed":
+            return max(self._next_probe - now, 0.001)
+        return spec.take_share(rows, now)
+
+    def _submit(self, keys: tuple[str, ...], argv: list[str]) -> asyncio.Future:
+        """Queue one decision; it goes out at the end of this loop turn if a batch slot is free,
+        else with the next batch when one comes back."""
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        self._queue.append((keys, argv, answer))
+        if not self._flush_pending and len(self._batches) < self.max_batches:
+            self._flush_pending = True
+            loop.call_soon(self._flush)
+        return answer
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        if len(self._batches) >= self.max_batches:
+            return
+        batch = [item for item in self._queue if not item[2].done()]  # late ones are not sent
+        self._queue = []
+        if not batch:
+            return
+        task = asyncio.get_running_loop().create_task(self._run(batch))
+        self._batches.add(task)
+        task.add_done_callback(self._batch_done)
+
+    def _batch_done(self, task: asyncio.Task) -> None:
+        self._batches.discard(task)
+        if self._queue and not self._flush_pending and not self._closed:
+            self._flush_pending = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    async def _run(self, batch: list[tuple[tuple[str, ...], list[str], asyncio.Future]]) -> None:
+        """One round trip for the batch; every decision still waiting in it is answered once."""
+        from redis.exceptions import NoScriptError
+
+        self.round_trips += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.slow_s
+        try:
+            async with asyncio.timeout_at(deadline):
+                if len(batch) == 1:
+                    keys, argv, _ = batch[0]
+                    try:
+                        results = [await self.client.evalsha(GCRA_SHA, len(keys), *keys, *argv)]
+                    except NoScriptError:  # a restarted or flushed Redis: EVAL sends the body, caches it
+                        results = [await self.client.eval(GCRA_LUA, len(keys), *keys, *argv)]
+                else:
+                    pipe = self.client.pipeline(transaction=False)
+                    for keys, argv, _ in batch:
+                        pipe.evalsha(GCRA_SHA, len(keys), *keys, *argv)
+                    results = await pipe.execute(raise_on_error=False)
+                    again = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+                    if again:
+                        pipe = self.client.pipeline(transaction=False)
+                        for i in again:
+                            keys, argv, _ = batch[i]
+                            pipe.eval(GCRA_LUA, len(keys), *keys, *argv)
+                        for i, r in zip(again, await pipe.execute(raise_on_error=False), strict=True):
+                            results[i] = r
+        except asyncio.CancelledError:  # closing
+            for _, _, answer in batch:
+                answer.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001 - timeouts, connection and server errors alike
+            if isinstance(exc, TimeoutError) and loop.time() - deadline > self.slow_s / 2:
+                self.stalls += 1  # our process was not running when the timer was due: not Redis's fault
+            else:
+                self._trip(exc)
+            for _, _, answer in batch:
+                if not answer.done():
+                    answer.set_exception(exc)
+                    answer.exception()  # read: nobody may be waiting any more
+            return
+        for (_, _, answer), result in zip(batch, results, strict=True):
+            if isinstance(result, Exception):
+                self._trip(result)
+                if not answer.done():
+                    answer.set_exception(result)
+                    answer.exception()
+            elif not answer.done():
+                answer.set_result(result)
+
+    def _trip(self, exc: BaseException) -> None:
+        if self._closed:
+            return
+        if isinstance(exc, TimeoutError):
+            self.timeouts += 1
+        else:
+            self.errors += 1
+        if not self._up and self._probe_task is not None and not self._probe_task.done():
+            return  # already down and probing
+        self.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if self._up:
+            log.warning(
+                "global rate limits: Redis failed (%s); deciding %s until it answers again",
+                self.last_error,
+                "with this replica's local share" if self.fail_mode == "open" else "by refusing (fail-closed)",
+            )  # fmt: skip
+        self._up = False
+        if not self._proven:  # it failed again right after recovering: back off further
+            self._backoff_s = min(self._backoff_s * 2, self.probe_max_s)
+        self._next_probe = self.clock() + self._backoff_s
+        if self._probe_task is None or self._probe_task.done():
+            self._probe_task = asyncio.get_running_loop().create_task(self._probe())
+
+    async def _probe(self) -> None:
+        """Wait, PING (patiently, so a reconnect can happen), PING again within ``slow_s`` (the
+        bound that opens the breaker also closes it); on success close the breaker, else back off
+        and repeat."""
+        while True:
+            await asyncio.sleep(max(self._next_probe - self.clock(), 0.0))
+            self.probes += 1
+            try:
+                # connections opened before the failure are likely dead; start the next ones fresh
+                await self.client.connection_pool.disconnect(inuse_connections=False)
+                async with asyncio.timeout(self.connect_timeout_s):
+                    await self.client.ping()
+                async with asyncio.timeout(self.slow_s):
+                    await self.client.ping()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                self.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                self._backoff_s = min(self._backoff_s * 2, self.probe_max_s)
+                self._next_probe = self.clock() + self._backoff_s
+                continue
+            log.info("global rate limits: Redis answers again; deciding there")
+            self._proven = False
+            self._up = True
+            return
+
+    def stats(self) -> dict:
+        return {
+            "backend": self.backend,
+            "up": self._up,
+            "fallback_decisions": self.fallback_decisions,
+            "errors": self.errors,
+            "timeouts": self.timeouts,
+            "late": self.late,
+            "round_trips": self.round_trips,
+            "stalls": self.stalls,
+            "probes": self.probes,
+            "last_error": self.last_error,
+        }

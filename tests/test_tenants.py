@@ -1,0 +1,347 @@
+"""Tenants: the tenant file (schema, hashes, mistakes it refuses), reading the key from metadata,
+and authentication, permissions and limits against a live server with stock and raw clients."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import threading
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as tc
+from tritonclient.utils import InferenceServerException
+
+from gateway.admission import Admission
+from gateway.config import Settings
+from gateway.tenants import (
+    TenantFileError,
+    generate_key,
+    hash_key,
+    load_tenants,
+    parse_tenants,
+    presented_key,
+)
+from proto.inference.v2 import grpc_service_pb2 as pb
+from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from tests.conftest import ROOT, start_server
+
+ALPHA, BETA, TIGHT, SOLO = (
+    "alpha-0123456789abcdef",
+    "beta-0123456789abcdef",
+    "tight-0123456789ab",
+    "solo-0123456789ab",
+)
+
+TENANT_YAML = f"""
+# keys below are hashes; the clear keys live only in this test
+tenants:
+  - name: alpha
+    key_hashes: ["{hash_key(ALPHA)}"]
+    models: [ranker]
+    default_class: realtime
+    cache_namespace: alpha
+    limits: {{rows_per_s: 100000, rows_burst: 64}}
+  - name: beta
+    key_hashes: ["{hash_key(BETA)}", "{hash_key("beta-second-key-000000")}"]
+    models: "*"
+  - name: tight
+    key_hashes: ["{hash_key(TIGHT)}"]
+    limits: {{requests_per_s: 0.5, requests_burst: 2}}
+  - name: solo
+    key_hashes: ["{hash_key(SOLO)}"]
+    models: [ranker]
+    limits: {{max_in_flight: 1}}
+"""
+
+# -- the file -------------------------------------------------------------------------------------
+
+
+def test_yaml_file_loads_with_defaults(tmp_path):
+    path = tmp_path / "tenants.yaml"
+    path.write_text(TENANT_YAML)
+    tenants = {t.name: t for t in load_tenants(path)}
+    alpha = tenants["alpha"]
+    assert alpha.models == frozenset({"ranker"})
+    assert alpha.allows("ranker") and not alpha.allows("encoder")
+    assert (alpha.default_class, alpha.cache_namespace) == ("realtime", "alpha")
+    assert alpha.limits.rows.burst == 64 and alpha.limits.requests is None
+    assert tenants["beta"].models is None and tenants["beta"].allows("anything")
+    assert len(tenants["beta"].key_hashes) == 2
+    tight = tenants["tight"].limits.requests
+    assert (tight.per_s, tight.burst) == (0.5, 2)
+    assert tenants["solo"].limits.max_in_flight == 1
+    assert tenants["beta"].default_class is None and tenants["beta"].cache_namespace is None
+
+
+def test_json_file_and_burst_defaults_to_one_second(tmp_path):
+    path = tmp_path / "tenants.json"
+    doc = {
+        "tenants": [
+            {
+                "name": "j",
+                "key_hashes": [hash_key("k" * 20).removeprefix("sha256:").upper()],  # bare hex, any case
+                "global_limits": {"requests_per_s": 250, "rows_per_s": 0.5},
+                "model_limits": {"encoder": {"global_limits": {"requests_per_s": 5}}},
+            }
+        ]
+    }
+    path.write_text(json.dumps(doc))
+    (t,) = load_tenants(path)
+    assert t.global_limits.requests.burst == 250
+    assert t.global_limits.rows.burst == 1  # at least one, even for fractional rates
+    _, glob = t.limits_for("encoder")
+    assert glob.requests.per_s == 5 and glob.rows.per_s == 0.5  # merged field by field
+    assert t.limits_for("ranker")[1].requests.per_s == 250
+
+
+@pytest.mark.parametrize(
+    "tenant, expected",
+    [
+        ({"name": "x", "key_hashes": ["my-secret-key"]}, "64 hex digits"),
+        ({"name": "x", "key_hashes": []}, "key_hashes"),
+        ({"name": "x", "key_hashes": [hash_key("a")], "limit": {}}, "limit"),
+        ({"name": "x y", "key_hashes": [hash_key("a")]}, "name"),
+        ({"name": "x", "key_hashes": [hash_key("a")], "limits": {"requests_burst": 5}}, "requests_burst needs"),
+        ({"name": "x", "key_hashes": [hash_key("a")], "limits": {"requests_per_s": 0}}, "greater than 0"),
+        ({"name": "x", "key_hashes": [hash_key("a")], "global_limits": {"max_in_flight": 3}}, "per replica"),
+        ({"name": "x", "key_hashes": [hash_key("a")], "models": ["ranker"], "model_limits": {"encoder": {}}},
+         "may not call: ['encoder']"),
+    ],
+)  # fmt: skip
+def test_mistakes_are_refused_with_where_and_how(tenant, expected):
+    with pytest.raises(TenantFileError) as e:
+        parse_tenants({"tenants": [tenant]})
+    assert expected in str(e.value)
+    assert "my-secret-key" not in str(e.value)  # a key pasted in clear is never echoed
+
+
+def test_duplicates_and_empty_files_are_refused(tmp_path):
+    a = {"name": "a", "key_hashes": [hash_key("same")]}
+    with pytest.raises(TenantFileError, match="both 'a' and 'b'"):
+        parse_tenants({"tenants": [a, {"name": "b", "key_hashes": [hash_key("same")]}]})
+    with pytest.raises(TenantFileError, match="defined twice"):
+        parse_tenants({"tenants": [a, {"name": "a", "key_hashes": [hash_key("other")]}]})
+    with pytest.raises(TenantFileError, match="tenants"):
+        parse_tenants({"tenants": []})  # an empty secret must not silently open the server
+    with pytest.raises(TenantFileError, match="cannot read"):
+        load_tenants(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tenants: [unclosed")
+    with pytest.raises(TenantFileError, match="not valid YAML"):
+        load_tenants(bad)
+
+
+def test_key_from_metadata_both_styles():
+    assert presented_key([("x-api-key", " k1 ")]) == "k1"
+    assert presented_key([("authorization", "Bearer k2")]) == "k2"
+    assert presented_key([("authorization", "bearer   k3")]) == "k3"
+    assert presented_key([("user-agent", "x"), ("authorization", "Basic a2V5"), ("x-api-key", "k4")]) == "k4"
+    assert presented_key([("authorization", "Bearer ")]) is None
+    assert presented_key([]) is None and presented_key(None) is None
+
+
+def test_generated_keys_are_random_and_hash_stably():
+    a, b = generate_key(), generate_key()
+    assert a != b and len(a) > 40
+    assert hash_key(a) == hash_key(a) and hash_key(a).startswith("sha256:") and len(hash_key(a)) == 7 + 64
+
+
+def test_hash_key_cli_reads_stdin(monkeypatch, capsys):
+    from gateway.cli import main
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("secret\n"))
+    assert main(["hash-key"]) == 0
+    assert capsys.readouterr().out.strip() == hash_key("secret")
+    assert main(["hash-key", "--generate"]) == 0
+    key, digest = capsys.readouterr().out.split()
+    assert hash_key(key) == digest
+
+
+def test_no_tenant_file_is_an_open_server():
+    adm = Admission.from_settings(Settings())
+    assert adm.open and adm.limiter is None
+
+
+def test_a_bad_tenant_file_stops_the_server_with_its_reason(tmp_path):
+    path = tmp_path / "tenants.yaml"
+    path.write_text('tenants:\n  - name: x\n    key_hashes: ["clear-text-key"]\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", "--api-keys-file", str(path), "--grpc-port", "0", "--http-port",
+         "0", "--host", "127.0.0.1"],
+        capture_output=True, text=True, cwd=ROOT, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 1
+    assert "key_hashes" in out.stderr and "hash-key" in out.stderr
+    assert "clear-text-key" not in out.stderr
+
+
+# -- a live server --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("keyed")
+    path = tmp / "tenants.yaml"
+    path.write_text(TENANT_YAML)
+    srv = start_server(tmp, "--api-keys-file", str(path))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def kstub(keyed):
+    with grpc.insecure_channel(keyed.grpc_url) as ch:
+        yield pb_grpc.GRPCInferenceServiceStub(ch)
+
+
+def ranker(rows: int = 2, model: str = "ranker") -> pb.ModelInferRequest:
+    req = pb.ModelInferRequest(model_name=model, id="t")
+    req.inputs.add(name="dense", datatype="FP32", shape=[rows, 64])
+    req.inputs.add(name="sparse_ids", datatype="INT64", shape=[rows, 8])
+    req.raw_input_contents.append(np.zeros((rows, 64), np.float32).tobytes())
+    req.raw_input_contents.append(np.ones((rows, 8), np.int64).tobytes())
+    return req
+
+
+def encoder(rows: int = 2) -> pb.ModelInferRequest:
+    req = pb.ModelInferRequest(model_name="encoder")
+    req.inputs.add(name="input_ids", datatype="INT64", shape=[rows, 8])
+    req.inputs.add(name="attention_mask", datatype="INT64", shape=[rows, 8])
+    req.raw_input_contents.append(np.ones((rows, 8), np.int64).tobytes())
+    req.raw_input_contents.append(np.ones((rows, 8), np.int64).tobytes())
+    return req
+
+
+def code_of(stub, req, metadata=(), timeout=10.0, details: list | None = None) -> grpc.StatusCode:
+    try:
+        stub.ModelInfer(req, metadata=metadata, timeout=timeout)
+        return grpc.StatusCode.OK
+    except grpc.RpcError as exc:
+        if details is not None:
+            details.append(exc.details())
+        return exc.code()
+
+
+def test_no_key_is_unauthenticated(kstub):
+    with pytest.raises(grpc.RpcError) as e:
+        kstub.ModelInfer(ranker(), timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "x-api-key" in e.value.details()
+
+
+def test_wrong_key_is_unauthenticated_without_echo(kstub):
+    for md in ((("x-api-key", "wrong-key-123"),), (("authorization", "Bearer wrong-key-123"),),
+               (("authorization", f"Basic {ALPHA}"),)):  # fmt: skip
+        with pytest.raises(grpc.RpcError) as e:
+            kstub.ModelInfer(ranker(), metadata=md, timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, md
+        assert "wrong-key" not in e.value.details() and ALPHA not in e.value.details()
+
+
+def test_unknown_model_needs_a_key_first(kstub):
+    assert code_of(kstub, ranker(model="nope")) == grpc.StatusCode.UNAUTHENTICATED
+    assert code_of(kstub, ranker(model="nope"), (("x-api-key", BETA),)) == grpc.StatusCode.NOT_FOUND
+
+
+def test_key_for_another_model_is_permission_denied(kstub):
+    with pytest.raises(grpc.RpcError) as e:
+        kstub.ModelInfer(encoder(), metadata=(("x-api-key", ALPHA),), timeout=10)
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "alpha" in e.value.details() and "encoder" in e.value.details()
+
+
+def test_valid_key_both_header_styles(kstub):
+    resp = kstub.ModelInfer(ranker(), metadata=(("x-api-key", ALPHA),), timeout=10)
+    assert resp.outputs[0].name == "score" and list(resp.outputs[0].shape) == [2, 1]
+    kstub.ModelInfer(ranker(), metadata=(("authorization", f"Bearer {ALPHA}"),), timeout=10)
+    kstub.ModelInfer(encoder(), metadata=(("authorization", f"Bearer {BETA}"),), timeout=10)
+    kstub.ModelInfer(encoder(), metadata=(("x-api-key", "beta-second-key-000000"),), timeout=10)
+
+
+def test_stock_triton_client_with_headers(keyed):
+    client = tc.InferenceServerClient(keyed.grpc_url)
+    try:
+        x = tc.InferInput("dense", [3, 64], "FP32")
+        x.set_data_from_numpy(np.ones((3, 64), np.float32))
+        ids = tc.InferInput("sparse_ids", [3, 8], "INT64")
+        ids.set_data_from_numpy(np.zeros((3, 8), np.int64))
+        out = client.infer("ranker", [x, ids], headers={"authorization": f"Bearer {ALPHA}"})
+        assert out.as_numpy("score").shape == (3, 1)
+        with pytest.raises(InferenceServerException) as e:
+            client.infer("ranker", [x, ids])
+        assert "UNAUTHENTICATED" in str(e.value.status())
+        assert client.is_server_ready()  # health and metadata stay open for probes and clients
+        assert client.get_model_metadata("ranker").name == "ranker"
+    finally:
+        client.close()
+
+
+def test_rate_limited_with_retry_after(kstub):
+    md = (("x-api-key", TIGHT),)
+    codes = []
+    for _ in range(3):
+        try:
+            kstub.ModelInfer(ranker(1), metadata=md, timeout=10)
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as exc:
+            codes.append(exc.code())
+            trailing = dict(exc.trailing_metadata())
+            retry_ms = int(trailing["retry-after-ms"])
+            assert 0 < retry_ms <= 2000
+            assert f"retry after {retry_ms} ms" in exc.details()
+    assert codes == [grpc.StatusCode.OK, grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED]
+
+
+def test_more_rows_than_the_rows_burst_is_invalid(kstub):
+    md = (("x-api-key", ALPHA),)
+    kstub.ModelInfer(ranker(64), metadata=md, timeout=10)
+    with pytest.raises(grpc.RpcError) as e:
+        kstub.ModelInfer(ranker(65), metadata=md, timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "at most 64 rows" in e.value.details()
+
+
+def test_stream_checks_the_key_once_and_limits_per_request(keyed):
+    with grpc.insecure_channel(keyed.grpc_url) as ch:
+        stub = pb_grpc.GRPCInferenceServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.ModelStreamInfer(iter([ranker()]), timeout=10))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        answers = list(
+            stub.ModelStreamInfer(iter([ranker(), encoder()]), metadata=(("x-api-key", ALPHA),), timeout=10)
+        )
+        errors = sorted(a.error_message for a in answers)
+        assert errors[0] == "" and "may not call model 'encoder'" in errors[1]
+        answers = list(stub.ModelStreamInfer(iter([ranker(1) for _ in range(4)]), metadata=(("x-api-key", TIGHT),),
+                                             timeout=10))  # fmt: skip
+        limited = [a.error_message for a in answers if a.error_message]
+        assert limited and all("retry after" in m for m in limited)
+
+
+def test_in_flight_cap_and_slots_come_back_after_errors_and_cancels(keyed, kstub):
+    md = (("x-api-key", SOLO),)
+    results: list[grpc.StatusCode] = []
+
+    def call() -> None:
+        results.append(code_of(kstub, ranker(2), md))
+
+    threads = [threading.Thread(target=call) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert grpc.StatusCode.OK in results and grpc.StatusCode.RESOURCE_EXHAUSTED in results
+    # bad input (rejected after admission), and calls whose deadline passes mid-flight
+    bad = ranker(2)
+    bad.raw_input_contents[0] = b"\0" * 10
+    for _ in range(5):
+        assert code_of(kstub, bad, md) == grpc.StatusCode.INVALID_ARGUMENT
+    for _ in range(20):
+        code_of(kstub, ranker(2), md, timeout=0.0005)
+    # every slot was given back: one at a time, all admitted
+    why: list[str] = []
+    assert [code_of(kstub, ranker(2), md, details=why) for _ in range(10)] == [grpc.StatusCode.OK] * 10, why
