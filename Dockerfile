@@ -19,6 +19,7 @@ COPY proto ./proto
 COPY gateway ./gateway
 COPY workers ./workers
 COPY cache ./cache
+COPY bench ./bench
 # A regular (not editable) install, so the runtime stage needs site-packages only. The checks
 # fail the build if both onnxruntime wheels ended up here (each provides the same module) or if
 # the server cannot import.

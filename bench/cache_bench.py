@@ -118,8 +118,9 @@ async def _stats(url: str) -> dict:
         }  # fmt: skip
 
 
-async def _load(url: str, make, concurrency: int, seconds: float) -> dict:
-    """Closed loop; ``make(caller, k)`` builds caller's k-th request."""
+async def _load(url: str, make, concurrency: int, seconds: float, on_sent=None) -> dict:
+    """Closed loop; ``make(caller)`` builds the caller's next request, ``on_sent(req)`` sees
+    each answered one."""
     latencies: list[float] = []
     rows_sent = 0
     errors = 0
@@ -130,9 +131,8 @@ async def _load(url: str, make, concurrency: int, seconds: float) -> dict:
     async def caller(i: int) -> None:
         nonlocal errors, rows_sent
         stub = stubs[i % len(stubs)]
-        k = 0
         while True:
-            req = make(i, k)
+            req = make(i)
             t0 = time.perf_counter()
             if t0 >= stop_at:
                 return
@@ -140,9 +140,10 @@ async def _load(url: str, make, concurrency: int, seconds: float) -> dict:
                 await stub.ModelInfer(req, timeout=30)
                 latencies.append(time.perf_counter() - t0)
                 rows_sent += req.inputs[0].shape[0]
+                if on_sent is not None:
+                    on_sent(req)
             except grpc.RpcError:
                 errors += 1
-            k += 1
 
     t0 = time.perf_counter()
     await asyncio.gather(*(caller(i) for i in range(concurrency)))
@@ -165,17 +166,15 @@ async def _interleaved(urls: dict[str, str], make, seconds: float) -> dict[str, 
     lat: dict[str, list[float]] = {c: [] for c in urls}
     errors = dict.fromkeys(urls, 0)
     stop_at = time.perf_counter() + seconds
-    k = 0
     while time.perf_counter() < stop_at:
         for c, stub in stubs.items():
-            req = make(0, k)
+            req = make(0)
             t0 = time.perf_counter()
             try:
                 await stub.ModelInfer(req, timeout=30)
                 lat[c].append(time.perf_counter() - t0)
             except grpc.RpcError:
                 errors[c] += 1
-        k += 1
     for ch in channels.values():
         await ch.close()
     out = {}
@@ -214,17 +213,19 @@ def _start_redis(tmp: Path) -> tuple[subprocess.Popen, int]:
     raise RuntimeError("redis-server did not start")
 
 
-def _start_server(repo: Path, tiers: str, redis_url: str) -> tuple[subprocess.Popen, str]:
+def _start_server(repo: Path, tiers: str, redis_url: str) -> tuple[subprocess.Popen, str, int]:
     grpc_port, http_port = _ports(2)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "BATCHGATE_CACHE_TIERS": tiers}
     if tiers in ("redis", "memory+redis"):
         env["BATCHGATE_REDIS_URL"] = redis_url
+        # Each configuration its own keys: they replay the same draws and must not hit each other's.
+        env["BATCHGATE_CACHE_REDIS_PREFIX"] = f"bench:{tiers}:"
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway", "serve", "--model-repository", str(repo), "--host", "127.0.0.1",
          "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--log-level", "WARNING"],
         cwd=ROOT, env=env,
     )  # fmt: skip
-    return proc, f"127.0.0.1:{grpc_port}"
+    return proc, f"127.0.0.1:{grpc_port}", http_port
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -237,16 +238,37 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def _ideal_hit_rate(zipf: Zipf, concurrency: int, calls_per_caller: list[int], rows: int) -> float:
-    """1 - distinct / drawn for exactly the draws the callers made (an unbounded cache)."""
-    drawn = []
-    for i, n in enumerate(calls_per_caller):
-        rng = np.random.default_rng(i)
-        drawn.extend(zipf.draw(rng, rows) for _ in range(n))
-    if not drawn:
-        return float("nan")
-    ids = np.concatenate(drawn)
-    return 1 - len(np.unique(ids)) / len(ids)
+def _row_ids(req: pb.ModelInferRequest) -> np.ndarray:
+    """The row ids of a Zipf request (``Rows`` writes them into the first two sparse slots)."""
+    sparse = np.frombuffer(req.raw_input_contents[1], np.int64).reshape(-1, 8)
+    return sparse[:, 0] + 10_000 * sparse[:, 1]
+
+
+def _redis_figures(http_port: int) -> dict[str, float]:
+    """The server's Redis-tier counters, from its /metrics (empty when it has no Redis tier)."""
+    import urllib.request
+
+    wanted = ("lookups", "timeouts", "errors", "skipped", "breaker_opens", "writes", "write_dropped")
+    out: dict[str, float] = {}
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        if line.startswith("batchgate_cache_stat{") and 'tier="redis"' in line and 'model=""' in line:
+            stat = line.split('stat="', 1)[1].split('"', 1)[0]
+            if stat in wanted:
+                out[stat] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a process (Linux /proc), worker threads included."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def main() -> int:
@@ -256,6 +278,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=32, help="rows per client batch")
     ap.add_argument("--alpha", type=float, default=1.1)
     ap.add_argument("--seconds", type=float, default=8.0, help="Zipf run per configuration")
+    ap.add_argument("--slices", type=int, default=4, help="the Zipf run of each configuration in this many turns")
     ap.add_argument("--miss-seconds", type=float, default=4.0, help="all-miss run, per configuration (0: skip)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = ap.parse_args()
@@ -268,14 +291,7 @@ def main() -> int:
     zipf = Zipf(args.alpha)
     fresh = np.random.default_rng(7)
 
-    rngs: dict[int, np.random.Generator] = {}
-
-    def zipf_request(i: int, k: int) -> pb.ModelInferRequest:
-        if k == 0:  # every configuration replays the same draws: caller i's generator seeded with i
-            rngs[i] = np.random.default_rng(i)
-        return rows.request(zipf.draw(rngs[i], args.rows))
-
-    def miss_request(i: int, k: int) -> pb.ModelInferRequest:
+    def miss_request(_caller: int) -> pb.ModelInferRequest:
         # New random dense features every time: no two rows alike, ever.
         return _request(fresh.standard_normal((args.rows, 64), dtype=np.float32),
                         fresh.integers(0, 10_000, (args.rows, 8), dtype=np.int64))  # fmt: skip
@@ -287,16 +303,16 @@ def main() -> int:
         repo = _repo(tmp)
         redis_proc, redis_port = _start_redis(tmp)
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        servers: dict[str, tuple[subprocess.Popen, str]] = {}
+        servers: dict[str, tuple[subprocess.Popen, str, int]] = {}
         try:
             import redis
 
             admin = redis.Redis(host="127.0.0.1", port=redis_port)
             for config in configs:  # all up at once; an idle one costs next to nothing
                 servers[config] = _start_server(repo, TIERS[config], redis_url)
-            for config, (_, url) in servers.items():
+            for config, (_, url, _) in servers.items():
                 asyncio.run(_wait_ready(url))
-            urls = {c: url for c, (_, url) in servers.items()}
+            urls = {c: url for c, (_, url, _) in servers.items()}
             miss_configs = [c for c in configs if c in ("off", "memory", "redis")]
             if args.miss_seconds > 0 and miss_configs:
                 print(f"  all-miss: 1 caller x {args.rows} rows, interleaved over {miss_configs}, "
@@ -310,42 +326,57 @@ def main() -> int:
                     after = asyncio.run(_stats(urls[c]))
                     n = after["miss"] - before[c]["miss"]
                     miss[c]["cache_us_per_request"] = (after["miss_ns"] - before[c]["miss_ns"]) / n / 1e3 if n else None
-            for config in configs:
-                admin.flushall()  # every configuration starts cold
-                url = urls[config]
-                print(f"  {config}: Zipf({args.alpha}) over {DISTINCT:,} rows, {args.concurrency} callers x "
-                      f"{args.rows} rows, {args.seconds:.0f}s ...", file=sys.stderr)  # fmt: skip
-                before = asyncio.run(_stats(url))
-                counts: dict[int, int] = {}
-
-                def counted(i: int, k: int) -> pb.ModelInferRequest:
-                    counts[i] = k + 1
-                    return zipf_request(i, k)
-
-                r = asyncio.run(_load(url, counted, args.concurrency, args.seconds))
-                after = asyncio.run(_stats(url))
-                computed = after["rows"] - before["rows"]
-                r["rows_computed"] = computed
-                r["row_hit_rate"] = 1 - computed / max(r["rows_sent"], 1)
-                r["ideal_hit_rate"] = _ideal_hit_rate(
-                    zipf, args.concurrency, [counts.get(i, 0) - 1 for i in range(args.concurrency)], args.rows
-                )
-                hits = after["hit"] - before["hit"]
-                misses = after["miss"] - before["miss"]
-                r["request_hit_rate"] = hits / max(hits + misses, 1)
-                results[config] = r
+            admin.flushall()  # the Zipf runs start cold
+            # Zipf: the configurations take turns in short slices, so each sees the machine's load
+            # at the same moments; each keeps its cache, its callers' draws and its counters
+            # across its slices.
+            gens = {c: {i: np.random.default_rng(i) for i in range(args.concurrency)} for c in configs}
+            sent_ids: dict[str, list[np.ndarray]] = {c: [] for c in configs}
+            runs: dict[str, list[dict]] = {c: [] for c in configs}
+            first = {c: asyncio.run(_stats(urls[c])) for c in configs}
+            cpu0 = {c: _cpu_s(servers[c][0].pid) for c in configs}
+            slice_s = args.seconds / args.slices
+            print(f"  Zipf({args.alpha}) over {DISTINCT:,} rows, {args.concurrency} callers x {args.rows} rows, "
+                  f"{args.slices} slices of {slice_s:.1f}s per configuration, in turn ...", file=sys.stderr)  # fmt: skip
+            for _ in range(args.slices):
+                for c in configs:
+                    g = gens[c]
+                    runs[c].append(asyncio.run(_load(
+                        urls[c], lambda i, g=g: rows.request(zipf.draw(g[i], args.rows)), args.concurrency, slice_s,
+                        on_sent=lambda req, c=c: sent_ids[c].append(_row_ids(req)),
+                    )))  # fmt: skip
+            for c in configs:
+                after = asyncio.run(_stats(urls[c]))
+                cpu1 = _cpu_s(servers[c][0].pid)
+                rs = runs[c]
+                calls = sum(r["calls"] for r in rs)
+                sent = sum(r["rows_sent"] for r in rs)
+                lat_p50 = float(np.median([r["p50_ms"] for r in rs]))
+                ids = np.concatenate(sent_ids[c]) if sent_ids[c] else np.zeros(0, np.int64)
+                computed = after["rows"] - first[c]["rows"]
+                hits = after["hit"] - first[c]["hit"]
+                misses = after["miss"] - first[c]["miss"]
+                results[c] = {
+                    "calls": calls, "calls_per_s": calls / args.seconds, "rows_per_s": sent / args.seconds,
+                    "p50_ms": lat_p50, "p99_ms": float(np.median([r["p99_ms"] for r in rs])),
+                    "errors": sum(r["errors"] for r in rs), "rows_sent": sent, "rows_computed": computed,
+                    "row_hit_rate": 1 - computed / max(sent, 1),
+                    "ideal_hit_rate": 1 - len(np.unique(ids)) / max(len(ids), 1),
+                    "request_hit_rate": hits / max(hits + misses, 1),
+                    "server_cpu_ms_per_call": (cpu1 - cpu0[c]) * 1e3 / max(calls, 1)
+                    if cpu1 is not None and cpu0[c] is not None else None,
+                    "redis": _redis_figures(servers[c][2]),
+                }  # fmt: skip
             admin.close()
         finally:
-            for proc, _ in servers.values():
+            for proc, _, _ in servers.values():
                 _stop(proc)
             redis_proc.kill()
             redis_proc.wait()
 
     base = results.get("off")
-    ratios = {}
-    if base:
-        for c, r in results.items():
-            ratios[c] = {k: r[k] / base[k] for k in ("calls_per_s", "p50_ms", "p99_ms") if base[k]}
+    keys = ("calls_per_s", "p50_ms", "p99_ms", "server_cpu_ms_per_call")
+    ratios = {c: {k: r[k] / base[k] for k in keys if base and base.get(k) and r.get(k)} for c, r in results.items()}
     added = {}
     if "off" in miss:
         for c in ("memory", "redis"):
@@ -355,18 +386,24 @@ def main() -> int:
         print(json.dumps({"args": vars(args), "zipf": results, "ratios_vs_off": ratios, "all_miss": miss,
                           "added_p50_ms_all_miss": added}, indent=2))  # fmt: skip
         return 0
+    nan = float("nan")
     print(f"\nZipf(alpha={args.alpha}) over {DISTINCT:,} distinct rows, {args.concurrency} callers x {args.rows} rows, "
-          f"{args.seconds:.0f}s each, cold cache")  # fmt: skip
+          f"{args.seconds:.0f}s each ({args.slices} turns), cold cache")  # fmt: skip
     print(f"{'config':<13} {'calls/s':>8} {'rows/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'row hits':>8} {'ideal':>6} "
-          f"{'req hits':>8} {'errors':>6}  vs off: calls/s  p50   p99")  # fmt: skip
+          f"{'req hits':>8} {'CPU ms/call':>11} {'errors':>6} | vs off: calls/s  p50    p99    CPU/call")  # fmt: skip
     for c, r in results.items():
         ra = ratios.get(c, {})
+        cpu = r["server_cpu_ms_per_call"]
         print(
             f"{c:<13} {r['calls_per_s']:>8.0f} {r['rows_per_s']:>8.0f} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} "
-            f"{r['row_hit_rate']:>8.1%} {r['ideal_hit_rate']:>6.1%} {r['request_hit_rate']:>8.1%} {r['errors']:>6}  "
-            f"{ra.get('calls_per_s', float('nan')):>13.2f}x {ra.get('p50_ms', float('nan')):>5.2f}x "
-            f"{ra.get('p99_ms', float('nan')):>5.2f}x"
+            f"{r['row_hit_rate']:>8.1%} {r['ideal_hit_rate']:>6.1%} {r['request_hit_rate']:>8.1%} "
+            f"{nan if cpu is None else cpu:>11.3f} {r['errors']:>6} | "
+            f"{ra.get('calls_per_s', nan):>13.2f}x {ra.get('p50_ms', nan):>5.2f}x {ra.get('p99_ms', nan):>5.2f}x "
+            f"{ra.get('server_cpu_ms_per_call', nan):>5.2f}x"
         )
+    for c, r in results.items():
+        if r.get("redis"):
+            print(f"  {c} Redis tier: " + ", ".join(f"{k} {v:.0f}" for k, v in r["redis"].items()))
     if miss:
         print(f"\nall-miss (every row new), 1 caller x {args.rows} rows, configurations interleaved request by request")
         print(f"{'config':<13} {'calls':>8} {'p50 ms':>7} {'p99 ms':>7} {'added p50':>10} {'cache us/req (server)':>22}")

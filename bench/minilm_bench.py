@@ -18,7 +18,7 @@ shared machine's load drift hits all alike). Workloads: ``mixed`` (80% texts of 
 25-60, 5% of 120-200) and ``short`` (all 4-14 words). Prints texts/s, p50/p99, mean rows per
 execution, and the ratios to (a) and (b).
 
-    .venv/bin/python -m bench.minilm_bench [--concurrency 32] [--seconds 30] [--rounds 3]
+    .venv/bin/python -m bench.minilm_bench [--concurrency 64] [--seconds 24] [--rounds 4] [--json]
 
 Needs model_repository/minilm (``batchgate prepare-minilm``), or builds it into a temporary
 repository.
@@ -80,7 +80,9 @@ def workload(name: str, n: int = 2000, seed: int = 7) -> list[str]:
     out = []
     for _ in range(n):
         u = rng.random() if name == "mixed" else 0.0
-        out.append(_text(rng, 4, 14) if u < 0.80 else _text(rng, 25, 60) if u < 0.95 else _text(rng, 120, 200))
+        out.append(
+            _text(rng, 4, 14) if u < 0.80 else _text(rng, 25, 60) if u < 0.95 else _text(rng, 120, 200)
+        )
     return out
 
 
@@ -105,11 +107,16 @@ def make_repo(src: Path, dst: Path) -> None:
                 line = f'name: "{name}"'
             if line.startswith("max_batch_size:") and "max_batch_size" in changes:
                 line = f"max_batch_size: {changes['max_batch_size']}"
+            if "max_queue_delay_microseconds" in line and "max_queue_delay_us" in changes:
+                line = f"  max_queue_delay_microseconds: {changes['max_queue_delay_us']}"
             if line.startswith("parameters") and line.split('"')[1] in changes:
                 continue
             lines.append(line)
-        lines += [f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}'
-                  for k, v in changes.items() if k != "max_batch_size" and v is not None]  # fmt: skip
+        lines += [
+            f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}'
+            for k, v in changes.items()
+            if k not in ("max_batch_size", "max_queue_delay_us") and v is not None
+        ]
         (d / "config.pbtxt").write_text("\n".join(lines) + "\n")
 
 
@@ -142,12 +149,23 @@ async def _load(url: str, model: str, texts: list[str], concurrency: int, second
     return {"latencies": latencies, "elapsed": elapsed, "errors": errors}
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds the process (all its threads) has used: utime + stime from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _summary(runs: list[dict]) -> dict:
     latencies = [x for r in runs for x in r["latencies"]]
     errors = [e for r in runs for e in r["errors"]]
     lat = np.array(latencies or [float("nan")]) * 1e3
+    cpu_ms = 1e3 * sum(r["server_cpu_s"] for r in runs) / max(len(latencies), 1)
     return {
         "texts_per_s": len(latencies) / sum(r["elapsed"] for r in runs),
+        # Server CPU per text: what the texts cost, whoever else shares the machine; on C idle
+        # cores the server could answer about C / cpu-seconds-per-text texts a second.
+        "server_cpu_ms_per_text": cpu_ms,
+        "texts_per_s_per_core": 1e3 / cpu_ms if cpu_ms else float("nan"),
         "p50_ms": float(np.percentile(lat, 50)),
         "p99_ms": float(np.percentile(lat, 99)),
         "errors": len(errors),
@@ -164,10 +182,14 @@ async def _stats(url: str, model: str) -> tuple[int, int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--seconds", type=float, default=15.0, help="per model and workload, over all rounds")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="the models take turns this many times, so drift in a shared machine's load hits all alike")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--seconds", type=float, default=24.0, help="per model and workload, over all rounds")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="the models take turns this many times, so drift in a shared machine's load hits all alike",
+    )
     ap.add_argument("--workloads", default="mixed,short")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--model-dir", type=Path, default=ROOT / "model_repository" / "minilm")
@@ -185,11 +207,26 @@ def main() -> int:
     grpc_port, http_port = _ports(2)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     server = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve", "--model-repository", str(tmp / "repo"), "--no-build-models",
-         "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
-         "--log-level", "WARNING"],
-        cwd=ROOT, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "serve",
+            "--model-repository",
+            str(tmp / "repo"),
+            "--no-build-models",
+            "--host",
+            "127.0.0.1",
+            "--grpc-port",
+            str(grpc_port),
+            "--http-port",
+            str(http_port),
+            "--log-level",
+            "WARNING",
+        ],
+        cwd=ROOT,
+        env=env,
+    )
     url = f"127.0.0.1:{grpc_port}"
     results: dict[str, dict[str, dict]] = {}
     try:
@@ -204,17 +241,31 @@ def main() -> int:
                 before[variant] = asyncio.run(_stats(url, variant))
             for k in range(args.rounds):
                 for variant in variants:
-                    print(f"  {wl} / {variant} round {k + 1}/{args.rounds}: {args.concurrency} callers for "
-                          f"{args.seconds / args.rounds:.1f}s ...", file=sys.stderr)  # fmt: skip
+                    print(
+                        f"  {wl} / {variant} round {k + 1}/{args.rounds}: {args.concurrency} callers for "
+                        f"{args.seconds / args.rounds:.1f}s ...",
+                        file=sys.stderr,
+                    )
                     offset = len(texts) * k // args.rounds  # each round its own stretch of the sequence
-                    runs[variant].append(asyncio.run(
-                        _load(url, variant, texts[offset:] + texts[:offset], args.concurrency, args.seconds / args.rounds)
-                    ))  # fmt: skip
+                    cpu0 = _cpu_s(server.pid)
+                    run = asyncio.run(
+                        _load(
+                            url,
+                            variant,
+                            texts[offset:] + texts[:offset],
+                            args.concurrency,
+                            args.seconds / args.rounds,
+                        )
+                    )
+                    run["server_cpu_s"] = _cpu_s(server.pid) - cpu0
+                    runs[variant].append(run)
             results[wl] = {}
             for variant in variants:
                 after = asyncio.run(_stats(url, variant))
                 r = _summary(runs[variant])
-                r["rows_per_execution"] = (after[1] - before[variant][1]) / max(after[0] - before[variant][0], 1)
+                r["rows_per_execution"] = (after[1] - before[variant][1]) / max(
+                    after[0] - before[variant][0], 1
+                )
                 results[wl][variant] = r
     finally:
         server.terminate()
@@ -228,19 +279,34 @@ def main() -> int:
                 if ours in rs and other in rs:
                     ratios[f"{wl}: {ours} / {other}"] = {
                         "texts_per_s": rs[ours]["texts_per_s"] / rs[other]["texts_per_s"],
+                        "texts_per_cpu_s": rs[ours]["texts_per_s_per_core"]
+                        / rs[other]["texts_per_s_per_core"],
                         "p99_ms": rs[ours]["p99_ms"] / rs[other]["p99_ms"],
                     }
     if args.json:
-        print(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results, "ratios": ratios},
-                         indent=2))  # fmt: skip
+        print(
+            json.dumps(
+                {"args": {k: str(v) for k, v in vars(args).items()}, "results": results, "ratios": ratios},
+                indent=2,
+            )
+        )
         return 0
-    print(f"{'workload':<8} {'model':<10} {'texts/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'rows/exec':>9} {'errors':>6}")
+    print(
+        f"{'workload':<8} {'model':<10} {'texts/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'rows/exec':>9} {'cpu ms/text':>11} {'texts/cpu-s':>11} {'errors':>6}"
+    )
     for wl, rs in results.items():
         for variant, r in rs.items():
-            print(f"{wl:<8} {variant:<10} {r['texts_per_s']:>8.1f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
-                  f"{r['rows_per_execution']:>9.1f} {r['errors']:>6}  {r['first_error'][:60]}")  # fmt: skip
+            print(
+                f"{wl:<8} {variant:<10} {r['texts_per_s']:>8.1f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
+                f"{r['rows_per_execution']:>9.1f} {r['server_cpu_ms_per_text']:>11.2f} "
+                f"{r['texts_per_s_per_core']:>11.1f} {r['errors']:>6}  {r['first_error'][:60]}"
+            )
     for name, ratio in ratios.items():
-        print(f"{name:<30} texts/s x{ratio['texts_per_s']:.2f}   p99 x{ratio['p99_ms']:.2f}")
+        print(
+            f"{name:<30} texts/s x{ratio['texts_per_s']:.2f}   texts per server CPU-second "
+            f"x{ratio['texts_per_cpu_s']:.2f}   p99 x{ratio['p99_ms']:.2f}"
+        )
     return 0
 
 

@@ -2,7 +2,8 @@
 a global-limit decision (a Redis round trip) adds over a local one.
 
 1. decision: ``Admission.admit`` + release in process, N times each for a tenant with a local
-   limit and one with a global limit (Redis on loopback), interleaved in blocks; p50/p99.
+   limit and one with a global limit (Redis on loopback), interleaved in blocks; p50/p99 and the
+   CPU each costs; then 32 global decisions at a time, which share round trips.
 2. call: one gateway, closed loop of C callers for D seconds per tenant (local, global, local,
    global, ...), single-row ``ranker`` calls; p50/p99 of the whole call as the client sees it.
 3. accuracy: two gateways sharing one Redis; a tenant limited to L requests/s globally is offered
@@ -75,6 +76,7 @@ async def bench_decisions(redis_url: str, n: int, block: int = 250) -> dict:
     await adm.start()
     accounts = {name: adm.identify((("x-api-key", KEYS[name]),)) for name in ("local", "global")}
     samples: dict[str, list[float]] = {"local": [], "global": []}
+    cpu = {"local": 0.0, "global": 0.0}
     clock = time.perf_counter
     try:
         for _ in range(200):  # warm the connection, the script cache and the code paths
@@ -82,15 +84,35 @@ async def bench_decisions(redis_url: str, n: int, block: int = 250) -> dict:
         for i in range(0, n, block):
             for name in ("local", "global"):
                 acct, out = accounts[name], samples[name]
+                c0 = time.process_time()
                 for _ in range(min(block, n - i)):
                     t0 = clock()
                     ticket = await adm.admit(acct, "ranker", 1)
                     ticket.release()
                     out.append(clock() - t0)
+                cpu[name] += time.process_time() - c0
+        # Many callers at once, as under load: decisions share round trips (pipelines).
+        callers, trips0, c0, t0 = 32, limiter.round_trips, time.process_time(), clock()
+
+        async def caller() -> None:
+            for _ in range(n // callers):
+                (await adm.admit(accounts["global"], "ranker", 1)).release()
+
+        await asyncio.gather(*(caller() for _ in range(callers)))
+        done = callers * (n // callers)
+        concurrent = {
+            "callers": callers,
+            "decisions_per_s": done / (clock() - t0),
+            "cpu_us_per_decision": (time.process_time() - c0) / done * 1e6,
+            "decisions_per_round_trip": done / max(limiter.round_trips - trips0, 1),
+        }
         stats = limiter.stats()
     finally:
         await adm.close()
     result = {name: _pct(s) for name, s in samples.items()}
+    for name, cpu_s in cpu.items():
+        result[name]["cpu_us"] = cpu_s / len(samples[name]) * 1e6
+    result["concurrent_global"] = concurrent
     result["fallback_decisions"] = stats["fallback_decisions"]
     result["global_over_5ms"] = sum(1 for s in samples["global"] if s > 0.005)
     return result
@@ -338,6 +360,12 @@ def main(argv: list[str] | None = None) -> int:
             f"   {ratios[key + '_p50']:.2f}x, {ratios[key + '_p99']:.2f}x"
             f"  (+{added[key + '_p50_us']:.0f}us, +{added[key + '_p99_us']:.0f}us)"
         )
+    cg = decisions["concurrent_global"]
+    print(
+        f"gateway CPU per decision: local {decisions['local']['cpu_us']:.1f}us, global {decisions['global']['cpu_us']:.0f}us "
+        f"alone; global with {cg['callers']} callers at once {cg['cpu_us_per_decision']:.0f}us "
+        f"({cg['decisions_per_round_trip']:.1f} decisions per round trip, {cg['decisions_per_s']:.0f} decisions/s)"
+    )
     print(
         f"calls/s: local {calls['local']['calls_per_s']:.0f}, global {calls['global']['calls_per_s']:.0f}; "
         f"errors {calls['errors']}; in-process global decisions over 5 ms: {decisions['global_over_5ms']} of "

@@ -5,7 +5,7 @@ request's rows into keys and values and back. Event-loop only; no locks.
 """
 
 from cache.breaker import Breaker, State
-from cache.keys import KEY_BYTES, model_prefix, row_keys, row_keys_parts
+from cache.keys import KEY_BYTES, model_prefix, prefix_rows, row_keys, row_keys_parts
 from cache.memory import ENTRY_OVERHEAD, MemoryCache
 from cache.redis_tier import RedisTier, redact_url
 from cache.singleflight import Flight, SingleFlight
@@ -13,5 +13,5 @@ from cache.tiered import TieredCache
 
 __all__ = [
     "ENTRY_OVERHEAD", "KEY_BYTES", "Breaker", "Flight", "MemoryCache", "RedisTier", "SingleFlight", "State",
-    "TieredCache", "model_prefix", "redact_url", "row_keys", "row_keys_parts",
+    "TieredCache", "model_prefix", "prefix_rows", "redact_url", "row_keys", "row_keys_parts",
 ]  # fmt: skip

@@ -65,21 +65,24 @@ def model_prefix(
     return h.digest()
 
 
-def row_keys(prefix: bytes, columns: Sequence[np.ndarray], rows: int) -> list[bytes]:
+def prefix_rows(prefix: bytes, rows: int) -> np.ndarray:
+    """``prefix`` repeated on ``rows`` rows, for ``row_keys`` (a caller keeps one per prefix)."""
+    return np.tile(np.frombuffer(prefix, np.uint8), (max(rows, 1), 1))
+
+
+def row_keys(prefix: bytes, columns: Sequence[np.ndarray], rows: int, tiled: np.ndarray | None = None) -> list[bytes]:
     """Keys of ``rows`` rows whose inputs are fixed-size numbers.
 
     ``columns`` holds each input (first dim = rows; no BYTES) in the model's input order. The
     rows are laid side by side behind the prefix in one buffer (one copy), then hashed once each.
+    ``tiled``: ``prefix_rows(prefix, n)`` for some n >= rows, to save building it per call.
     """
-    parts = [np.ascontiguousarray(c).reshape(rows, -1).view(np.uint8) for c in columns]
-    width = KEY_BYTES + sum(p.shape[1] for p in parts)
-    buf = np.empty((rows, width), np.uint8)
-    buf[:, :KEY_BYTES] = np.frombuffer(prefix, np.uint8)
-    o = KEY_BYTES
-    for p in parts:
-        w = p.shape[1]
-        buf[:, o : o + w] = p
-        o += w
+    if tiled is None or len(tiled) < rows:
+        tiled = prefix_rows(prefix, rows)
+    buf = np.concatenate(
+        [tiled[:rows], *(np.ascontiguousarray(c).reshape(rows, -1).view(np.uint8) for c in columns)], axis=1
+    )
+    width = buf.shape[1]
     mv = memoryview(buf).cast("B")
     d = _digest
     return [d(mv[o : o + width]) for o in range(0, rows * width, width)]

@@ -9,6 +9,7 @@ footprint run far past the budget.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from itertools import compress
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,12 +50,9 @@ class MemoryCache:
         misses = out.count(None)
         hits = len(out) - misses
         if hits == len(out):
-            deque(map(data.move_to_end, keys), 0)  # C loop: the all-hit request is the common one
+            deque(map(data.move_to_end, keys), 0)  # loops in C, not per row in Python
         elif hits:
-            touch = data.move_to_end
-            for k, v in zip(keys, out):
-                if v is not None:
-                    touch(k)
+            deque(map(data.move_to_end, compress(keys, out)), 0)  # values are never empty
         self.stats.hits += hits
         self.stats.misses += misses
         return out
@@ -66,19 +64,19 @@ class MemoryCache:
         data = self._data
         budget = self.max_bytes
         n = len(keys)
-        if n and data.keys().isdisjoint(keys) and max(map(len, values)) + max(map(len, keys)) + ENTRY_OVERHEAD <= budget:
-            # The usual batch: all keys new, every entry fits. Account in C, not per row.
+        if n and max(map(len, values)) + max(map(len, keys)) + ENTRY_OVERHEAD <= budget:
             before = len(data)
             data.update(zip(keys, values))
-            if len(data) - before == n:  # no key repeated within the batch
+            if len(data) - before == n:  # the usual batch: all new keys, accounted in C
                 self.bytes += sum(map(len, keys)) + sum(map(len, values)) + n * ENTRY_OVERHEAD
                 self.stats.inserts += n
                 if self.bytes > budget:
                     self._evict()
                 return
-            # A key repeated within the batch: undo and take the careful path.
+            # Some key was there already (or repeated): recount those entries exactly. Rare.
             for k in keys:
                 data.pop(k, None)
+            self.bytes = sum(len(k) + len(v) for k, v in data.items()) + len(data) * ENTRY_OVERHEAD
         st = self.stats
         for k, v in zip(keys, values):
             size = len(k) + len(v) + ENTRY_OVERHEAD

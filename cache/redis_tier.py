@@ -1,7 +1,8 @@
 """The shared tier: Redis, through redis-py's asyncio connections (hiredis parser when installed).
 
-Reads: one MGET per request for the rows it owns, bounded by ``lookup_timeout_s``; a slow,
-down or refusing Redis turns into misses, never into an error or a stall past the timeout.
+Reads: at most one MGET per request for the rows it owns (requests asking in the same turn of
+the event loop share one), bounded by ``lookup_timeout_s``; a slow, down or refusing Redis turns
+into misses, never into an error or a stall past the timeout.
 Writes: queued and sent behind the responses by one writer task, many requests' rows per
 command (a short Lua script doing ``SET key value PX ttl`` for each); when the queue is full new
 rows are dropped (counted). Connection failures and timeouts of either feed a ``Breaker``; while
@@ -84,19 +85,44 @@ def pack_set_px(prefix: bytes, keys: Sequence[bytes], values: Sequence[bytes], t
     )
 
 
-def _wake(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
+_TIMED_OUT = object()
+
+# A reply that reached the socket by the time the lookup timer fires still needs a few turns of
+# the event loop to travel (read, parse, hand out, wake the request). When the loop is busy a
+# turn can take milliseconds, and giving up at once would blame Redis for the gateway's own lag
+# (and open the breaker under load). So the timer gives up only after this many more turns.
+_GRACE_TURNS = 3
+
+
+def _give_up(fut: asyncio.Future, turns: int = _GRACE_TURNS) -> None:
+    if fut.done():
+        return
+    if turns:
+        fut.get_loop().call_soon(_give_up, fut, turns - 1)
+    else:
+        fut.set_result(_TIMED_OUT)
+
+
+class _Batch:
+    """The lookups of one event-loop turn: their keys end to end, and where each request's are."""
+
+    __slots__ = ("keys", "parts", "failed", "t0")
+
+    def __init__(self, t0: float) -> None:
+        self.keys: list[bytes] = []
+        self.parts: list[tuple[int, int, asyncio.Future]] = []
+        self.failed = False
+        self.t0 = t0
 
 
 @dataclass(slots=True)
 class RedisStats:
     hits: int = 0  # rows
     misses: int = 0  # rows asked for and not found
-    lookups: int = 0  # MGETs answered
+    lookups: int = 0  # MGETs answered (requests asking in the same loop turn share one)
     lookup_ns: int = 0  # their total time
     errors: int = 0  # MGETs that failed (connection, protocol)
-    timeouts: int = 0  # MGETs given up after lookup_timeout_s
+    timeouts: int = 0  # requests that gave up on an MGET after lookup_timeout_s
     skipped: int = 0  # rows not looked up: breaker open, or too many lookups in flight
     invalid: int = 0  # values of the wrong size, treated as misses
     writes: int = 0  # rows written
@@ -144,7 +170,8 @@ class RedisTier:
         )
         self._idle: list = []  # connected lookup connections, most recently used last
         self._open: set = set()
-        self._lookups = 0
+        self._lookups = 0  # MGETs in flight
+        self._batch: _Batch | None = None  # lookups gathering for the next MGET
         self._writer_conn = None
         self._writer_conn_fresh = False
         self._pending: deque[tuple[list[bytes], list[bytes]]] = deque()
@@ -205,48 +232,39 @@ class RedisTier:
         """Values for ``keys`` (None per miss), or None when Redis was not or could not be asked.
 
         ``width``: the only valid value length, when known; others count as misses.
+
+        Requests that ask in the same turn of the event loop share one MGET: under load many
+        arrive together, and each round trip costs system calls and wake-ups on the one loop
+        thread. A request never waits for another's; it waits at most ``lookup_timeout_s``.
         """
         st = self.stats
-        if self._lookups >= self.max_lookups or not self.breaker.allow():
+        if self._closed or not self.breaker.allow():
             st.skipped += len(keys)
             return None
-        self._lookups += 1
         loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        # The MGET runs as its own task and the request stops waiting for it at the timeout,
-        # rather than cancelling it in place: redis-py can lose a cancellation that lands
-        # during a connection's handshake and then wait for the server (seen with CLIENT PAUSE).
-        # An MGET given up on finishes or fails later by itself (socket_timeout bounds it) and
-        # holds its connection until then, so a stalled Redis fills max_lookups and further
-        # lookups are skipped instead of piling up.
-        task = loop.create_task(self._mget(pack_mget(self.key_prefix, keys)))
-        if not task.done():
-            waiter = loop.create_future()
-            timer = loop.call_later(self.lookup_timeout_s, _wake, waiter)
-            task.add_done_callback(lambda _t: _wake(waiter))
-            try:
-                await waiter
-            finally:
-                timer.cancel()
-        if not task.done():
+        batch = self._batch
+        if batch is None:
+            if self._lookups >= self.max_lookups:
+                st.skipped += len(keys)
+                return None
+            self._lookups += 1
+            batch = self._batch = _Batch(loop.time())
+            loop.call_soon(self._send, batch)
+        fut = loop.create_future()
+        batch.parts.append((len(batch.keys), len(keys), fut))
+        batch.keys.extend(keys)
+        timer = loop.call_later(self.lookup_timeout_s, _give_up, fut)
+        try:
+            values = await fut
+        finally:
+            timer.cancel()
+        if values is _TIMED_OUT:
             st.timeouts += 1
-            self.breaker.failure()
+            if not batch.failed:  # one failure per MGET, however many requests shared it
+                batch.failed = True
+                self.breaker.failure()
             return None
-        exc = asyncio.CancelledError() if task.cancelled() else task.exception()
-        if exc is not None:
-            st.errors += 1
-            self.breaker.failure()
-            if isinstance(exc, RedisError | OSError):
-                log.debug("redis lookup failed: %s", exc)
-            else:
-                log.error("redis lookup failed: %r", exc)
-            return None
-        values = task.result()
-        self.breaker.success()
-        st.lookups += 1
-        st.lookup_ns += int((loop.time() - t0) * 1e9)
-        if len(values) != len(keys):
-            st.errors += 1
+        if values is None:  # the MGET failed (counted once, in _done)
             return None
         n_miss = values.count(None)
         if width is not None and n_miss < len(values):
@@ -258,6 +276,45 @@ class RedisTier:
         st.hits += len(keys) - n_miss
         st.misses += n_miss
         return values
+
+    def _send(self, batch: _Batch) -> None:
+        # The MGET runs as its own task and requests stop waiting for it at their timeout,
+        # rather than cancelling it in place: redis-py can lose a cancellation that lands
+        # during a connection's handshake and then wait for the server (seen with CLIENT PAUSE).
+        # An MGET given up on finishes or fails later by itself (socket_timeout bounds it) and
+        # holds its connection until then, so a stalled Redis fills max_lookups and further
+        # lookups are skipped instead of piling up.
+        if self._batch is batch:
+            self._batch = None
+        task = asyncio.get_running_loop().create_task(self._mget(pack_mget(self.key_prefix, batch.keys)))
+        task.add_done_callback(lambda t: self._done(batch, t))
+
+    def _done(self, batch: _Batch, task: asyncio.Task) -> None:
+        st = self.stats
+        exc = asyncio.CancelledError() if task.cancelled() else task.exception()
+        values = None if exc is not None else task.result()
+        if values is not None and len(values) != len(batch.keys):
+            exc = RedisError(f"MGET of {len(batch.keys)} keys answered {len(values)} values")
+        if exc is not None:
+            st.errors += 1
+            if not batch.failed:
+                batch.failed = True
+                self.breaker.failure()
+            if isinstance(exc, RedisError | OSError):
+                log.debug("redis lookup failed: %s", exc)
+            else:
+                log.error("redis lookup failed: %r", exc)
+            for _, _, fut in batch.parts:
+                if not fut.done():
+                    fut.set_result(None)
+            return
+        if not batch.failed:  # an answer after its requests gave up does not close the breaker
+            self.breaker.success()
+        st.lookups += 1
+        st.lookup_ns += int((task.get_loop().time() - batch.t0) * 1e9)
+        for start, n, fut in batch.parts:
+            if not fut.done():
+                fut.set_result(values[start : start + n])
 
     async def _mget(self, payload: bytes) -> list:
         try:

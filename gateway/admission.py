@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 
 from gateway.errors import GatewayError, Kind
 from gateway.ratelimit import Bucket, GlobalLimiter, GlobalSpec, RedisLimiter
-from gateway.tenants import ANONYMOUS, Directory, Limits, Tenant, load_tenants
+from gateway.tenants import ANONYMOUS, Directory, Limits, Tenant, TenantFileError, load_tenants
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,13 @@ class Admission:
         if settings.api_keys_file is None:
             return cls()
         tenants = load_tenants(settings.api_keys_file)
+        classes = settings.classes
+        for t in tenants:
+            if t.default_class is not None and t.default_class not in classes:
+                raise TenantFileError(
+                    f"tenant '{t.name}' in {settings.api_keys_file}: default_class '{t.default_class}' is not one "
+                    f"of the latency classes {sorted(classes)}"
+                )
         share = settings.ratelimit_local_share or 1.0 / settings.ratelimit_expected_replicas
         has_global = any(
             not g.empty for t in tenants for g in (t.global_limits, *(o[1] for o in t.model_limits.values()))

@@ -29,11 +29,13 @@ import struct
 import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass
+from itertools import compress, repeat
+from operator import is_
 
 import numpy as np
 
 from cache import Breaker, Flight, MemoryCache, RedisTier, SingleFlight, TieredCache, model_prefix
-from cache import row_keys, row_keys_parts
+from cache import prefix_rows, row_keys, row_keys_parts
 from gateway.codec import deserialize_bytes, serialize_bytes
 from gateway.config import Settings
 from gateway.errors import GatewayError, Kind
@@ -97,7 +99,7 @@ class _OwnerFailed(Exception):
 class _Layout:
     """How one kind of request (outputs kept, namespace, input shapes) becomes keys and values."""
 
-    __slots__ = ("prefix", "names", "batched", "inputs", "bytes_inputs")
+    __slots__ = ("prefix", "names", "batched", "inputs", "bytes_inputs", "tiled")
     width: int | None = None  # every value's length, when fixed
 
     def __init__(self, prefix: bytes, names: tuple[str, ...], batched: bool, inputs: list[TensorSpec]) -> None:
@@ -106,10 +108,13 @@ class _Layout:
         self.batched = batched
         self.inputs = [t.name for t in inputs]
         self.bytes_inputs = {t.name for t in inputs if t.datatype == "BYTES"}
+        self.tiled = prefix_rows(prefix, 64)  # grown to the largest request seen
 
     def keys(self, arrays: dict[str, np.ndarray], rows: int) -> list[bytes]:
         if not self.bytes_inputs:
-            return row_keys(self.prefix, [arrays[n] for n in self.inputs], rows)
+            if rows > len(self.tiled):
+                self.tiled = prefix_rows(self.prefix, rows)
+            return row_keys(self.prefix, [arrays[n] for n in self.inputs], rows, self.tiled)
         columns = []
         for n in self.inputs:
             a = arrays[n] if self.batched else arrays[n][None]
@@ -252,28 +257,34 @@ class ModelCache:
         self._all = tuple(t.name for t in spec.outputs)
         self._variable_inputs = any(-1 in t.dims for t in spec.inputs)
         self._layouts: dict[Hashable, _Layout] = {}
+        # The usual request (all outputs, no namespace, fixed shapes) skips building a lookup key.
+        self._plain: _Layout | None = None
 
     # -- layouts -----------------------------------------------------------------------------
 
     def _layout(
-        self, arrays: dict[str, np.ndarray], shape_key: Hashable, wanted: Sequence[tuple[str, bool]] | None,
-        namespace: str | None,
-    ) -> _Layout:  # fmt: skip
+        self, arrays: dict[str, np.ndarray], wanted: Sequence[tuple[str, bool]] | None, namespace: str | None
+    ) -> _Layout:
         if wanted is None or len(wanted) == len(self._all):
             names = None  # all outputs (names are unique, so as many as the model has is all)
         else:
             names = tuple(sorted(n for n, _ in wanted))
+        # The input shapes are part of the key: read from the arrays, whatever the batcher groups by.
         if not self.spec.batched:
-            shape_key = tuple(arrays[t.name].shape for t in self._inputs)
-        elif not self._variable_inputs:
-            shape_key = None
-        lk = (names, namespace, shape_key)
+            shapes = tuple(arrays[t.name].shape for t in self._inputs)
+        elif self._variable_inputs:
+            shapes = tuple(arrays[t.name].shape[1:] for t in self._inputs)
+        else:
+            shapes = None  # fixed by the config, checked by the codec
+        lk = (names, namespace, shapes)
         layout = self._layouts.get(lk)
         if layout is None:
             layout = self._make_layout(arrays, names, namespace)
             if len(self._layouts) >= _MAX_LAYOUTS:
                 self._layouts.clear()
             self._layouts[lk] = layout
+            if lk == (None, None, None) and self.spec.batched:
+                self._plain = layout
         return layout
 
     def _make_layout(self, arrays: dict[str, np.ndarray], names: tuple[str, ...] | None, namespace: str | None) -> _Layout:
@@ -297,7 +308,6 @@ class ModelCache:
         arrays: dict[str, np.ndarray],
         rows: int,
         compute: Compute,
-        shape_key: Hashable = None,
         wanted: Sequence[tuple[str, bool]] | None = None,
         namespace: str | None = None,
     ) -> dict[str, np.ndarray]:
@@ -306,7 +316,9 @@ class ModelCache:
         scheduler call for a subset of the rows."""
         t0 = _now()
         st = self.stat
-        layout = self._layout(arrays, shape_key, wanted, namespace)
+        layout = self._plain  # only ever set for a batched model with fixed input shapes
+        if layout is None or namespace is not None or (wanted is not None and len(wanted) != len(self._all)):
+            layout = self._layout(arrays, wanted, namespace)
         keys = layout.keys(arrays, rows)
         vals = self.tiers.local(keys)
         n_miss = vals.count(None)
@@ -314,7 +326,7 @@ class ModelCache:
         if n_miss == rows:
             miss = list(range(rows))
         else:
-            miss = [i for i, v in enumerate(vals) if v is None] if n_miss else []
+            miss = list(compress(range(rows), map(is_, vals, repeat(None)))) if n_miss else []
         spent = 0  # ns in the scheduler (not the cache's time)
         whole = None
         try:
@@ -323,6 +335,7 @@ class ModelCache:
                 spent += ns
                 if miss:  # their owner went away; someone may have stored them since
                     again = self.tiers.local([keys[i] for i in miss])
+                    st.hit_rows += len(again) - again.count(None)
                     for i, v in zip(miss, again):
                         vals[i] = v
                     miss = [i for i in miss if vals[i] is None]
@@ -351,7 +364,7 @@ class ModelCache:
         away), the computed outputs when they answer the whole request as they are, and the ns
         spent computing."""
         calls = self.flights.calls
-        mkeys = keys if len(miss) == rows else [keys[i] for i in miss]
+        mkeys = keys if len(miss) == rows else list(map(keys.__getitem__, miss))
         waited: list[tuple[int, Flight, int]] = []
         dups: list[tuple[int, int]] = []
         if calls.keys().isdisjoint(mkeys) and len(set(mkeys)) == len(mkeys):
@@ -413,14 +426,14 @@ class ModelCache:
             if n_todo == len(keys):
                 todo = range(n_todo)
             else:
-                todo = [j for j, v in enumerate(values) if v is None] if n_todo else []
+                todo = list(compress(range(len(values)), map(is_, values, repeat(None)))) if n_todo else []
             if todo:
                 n = len(todo)
                 if n == rows:  # every row, in order, none repeated: send the request as it came
                     sub = arrays
                 else:
-                    idx = [rows_of[j] for j in todo]
-                    sub = {name: a[idx] for name, a in arrays.items()}
+                    idx = np.array(rows_of if n == len(rows_of) else list(map(rows_of.__getitem__, todo)), np.intp)
+                    sub = {name: a.take(idx, axis=0) for name, a in arrays.items()}
                 t = _now()
                 try:
                     out = await compute(sub, n)
@@ -452,7 +465,7 @@ class ModelCache:
                 else:
                     for j, v in zip(todo, packed):
                         values[j] = v
-                    tiers.store([keys[j] for j in todo], packed)
+                    tiers.store(list(map(keys.__getitem__, todo)), packed)
                 if sub is arrays:
                     whole = out
             sf.finish(flight, values)  # after store: a later request finds the rows in L1

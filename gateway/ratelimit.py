@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 _EPS_S = 1e-9
 # A timer that fires this much past its time means the process was not running, not that Redis was slow.
 _LAG_S = 0.002
+_RATIO_ALPHA = 0.05
 
 
 class Bucket:
@@ -148,7 +149,8 @@ class GlobalSpec:
     local share buckets this replica uses when Redis cannot answer, and Redis's last answer here."""
 
     __slots__ = (
-        "_args", "keys", "last_admitted", "name", "requests", "retry_at", "rows", "share_requests", "share_rows",
+        "_args", "admit_ratio", "keys", "late_credit", "name", "requests", "retry_at", "rows", "share_requests",
+        "share_rows",
     )  # fmt: skip
 
     def __init__(
@@ -160,8 +162,9 @@ class GlobalSpec:
         self.keys = keys
         self.share_requests = requests.bucket(share) if requests else None
         self.share_rows = rows.bucket(share) if rows else None
-        self.last_admitted: bool | None = None  # Redis's last answer for this limit on this replica
-        self.retry_at = 0.0  # when its last refusal said to come back (limiter clock)
+        self.admit_ratio: float | None = None  # recent share of this replica's decisions Redis admitted
+        self.late_credit = 0.0  # error diffusion: late decisions admit in that ratio, without bursts
+        self.retry_at = 0.0  # when Redis's last refusal said to come back (limiter clock)
         # per-key (interval, tolerance) in microseconds, formatted once; the cost is added per call
         self._args = tuple(
             (repr(1e6 / r.per_s), repr(r.burst * 1e6 / r.per_s)) for r in (requests, rows) if r is not None
@@ -173,6 +176,20 @@ class GlobalSpec:
         for (interval, tau), cost in zip(self._args, costs, strict=True):
             args += (interval, tau, str(cost))
         return args
+
+    def answered(self, allowed: bool) -> None:
+        """Record one of Redis's answers in the recent admit ratio (an EWMA over ~20 answers)."""
+        r = self.admit_ratio
+        self.admit_ratio = float(allowed) if r is None else r + _RATIO_ALPHA * (allowed - r)
+
+    def take_late(self) -> bool:
+        """Decide a late decision in the ratio Redis has been admitting: deterministic, so a run of
+        late decisions (a Redis hiccup) admits that fraction of them, never all or none."""
+        self.late_credit += self.admit_ratio
+        if self.late_credit >= 1.0:
+            self.late_credit -= 1.0
+            return True
+        return False
 
     def take_share(self, rows: int, now: float) -> float:
         wait = 0.0
@@ -229,11 +246,12 @@ class RedisLimiter(GlobalLimiter):
     meanwhile queue for the next one, which carries all of them as a pipeline of EVALSHAs (each
     still its own atomic script). Alone, a decision is one plain command sent at the end of the
     loop turn; under load the batches grow by themselves, and a pipelined decision costs the
-    gateway a fraction of the CPU of a command of its own (redis-py spends ~200 us of CPU per
+    gateway a fraction of the CPU of a command of its own (redis-py spends 300+ us of CPU per
     command), which is what keeps a global limit affordable at thousands of calls a second.
 
-    A decision whose answer is late is made locally: it repeats Redis's last answer for that
-    limit on this replica (before any answer, the local share; when fail-closed, a refusal). Its
+    A decision whose answer is late is made locally: it admits in the ratio Redis has recently
+    been admitting for that limit on this replica (before any answer, the local share decides;
+    when fail-closed, it is refused). Its
     command is dropped if not yet sent, and otherwise left to finish: cancelling a sent command
     tears down the connection, and a late answer is most often this process's own event loop
     running behind (a busy or CPU-throttled pod), not Redis. What opens the breaker is Redis
@@ -343,12 +361,12 @@ class RedisLimiter(GlobalLimiter):
                     answer.cancel()  # unsent, it is dropped from the batch and charges nothing
             if answer.cancelled():
                 self.late += 1
-                if spec.last_admitted is not None and self.fail_mode == "open":
-                    # Redis is up, only late for this one: repeat what it last told this replica for
-                    # this limit. Under overload that admits in the ratio Redis does, where the share
-                    # would be wrong for a replica that takes more or less than its share of traffic.
+                if spec.admit_ratio is not None and self.fail_mode == "open":
+                    # Redis is up, only late for this one: admit in the ratio Redis has been
+                    # admitting here. The share would be wrong for a replica that takes more or less
+                    # than its share of the traffic, and these are Redis's calls, not an outage.
                     now = self.clock()
-                    if spec.last_admitted:
+                    if spec.take_late():
                         spec.charge_share(rows, now)
                         return 0.0
                     return max(spec.retry_at - now, 0.001)
@@ -357,7 +375,7 @@ class RedisLimiter(GlobalLimiter):
                 now = self.clock()
                 if not self._proven:
                     self._proven, self._backoff_s = True, self.probe_initial_s
-                spec.last_admitted = bool(allowed)
+                spec.answered(bool(allowed))
                 if allowed:
                     spec.charge_share(rows, now)
                     return 0.0

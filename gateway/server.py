@@ -176,7 +176,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     # -- inference ------------------------------------------------------------------------------
 
     async def _infer(
-        self, request: pb.ModelInferRequest, time_remaining: float | None = None, default_class: str | None = None
+        self,
+        request: pb.ModelInferRequest,
+        time_remaining: float | None = None,
+        default_class: str | None = None,
+        namespace: str | None = None,
     ) -> pb.ModelInferResponse:
         plane = self.plane
         if plane.draining:
@@ -189,7 +193,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         codec = rt.codec
         wanted = codec.requested(request)
         arrays, rows = codec.decode(request)
-        outputs = await rt.infer(arrays, rows, budget, wanted=wanted)
+        outputs = await rt.infer(arrays, rows, budget, wanted=wanted, namespace=namespace)
         return codec.encode(request, outputs, wanted)
 
     async def _admitted(
@@ -204,8 +208,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         inputs = request.inputs
         rows = (max(inputs[0].shape[0], 0) if inputs and inputs[0].shape else 0) if batched else 1
         ticket = await self.admission.admit(account, request.model_name, rows)
+        tenant = ticket.tenant
         try:
-            return await self._infer(request, time_remaining)
+            return await self._infer(request, time_remaining, tenant.default_class, tenant.cache_namespace)
         finally:
             ticket.release()
 
@@ -340,6 +345,13 @@ class Server:
             ("grpc.max_send_message_length", s.max_message_bytes),
             ("grpc.so_reuseport", 1 if s.reuse_port else 0),
         ]
+        if s.max_connection_age_s:
+            # Clients re-resolve DNS only when a connection ends: ageing connections out lets pods
+            # added by a scale-up (headless Service, dns:/// round robin) receive calls.
+            options += [
+                ("grpc.max_connection_age_ms", int(s.max_connection_age_s * 1000)),
+                ("grpc.max_connection_age_grace_ms", int(s.drain_timeout_s * 1000)),
+            ]
         server = grpc.aio.server(options=options)
         await self.admission.start()  # Redis for global limits, if any; being down is not fatal
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)

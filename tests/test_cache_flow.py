@@ -228,14 +228,14 @@ async def test_bytes_and_variable_shape_outputs_round_trip():
         }
 
     c, sched = _cache(spec), FakeScheduler(fn)
-    await c.infer(req([b"alpha", b"beta"], 3), 2, sched, shape_key=((3,),))
-    got = await c.infer(req([b"beta", b"gamma", b"alpha"], 3), 3, sched, shape_key=((3,),))
+    await c.infer(req([b"alpha", b"beta"], 3), 2, sched)
+    got = await c.infer(req([b"beta", b"gamma", b"alpha"], 3), 3, sched)
     assert sched.calls == [2, 1]
     want = fn(req([b"beta", b"gamma", b"alpha"], 3))
     assert got["tokens"].tolist() == want["tokens"].tolist()
     _same(got, want, ["hidden"])
     # Another sequence length is another shape: no hit.
-    await c.infer(req([b"beta"], 4), 1, sched, shape_key=((4,),))
+    await c.infer(req([b"beta"], 4), 1, sched)
     assert sched.calls == [2, 1, 1]
 
 
@@ -270,3 +270,28 @@ async def test_statistics_follow_triton():
     c.fill_statistics(s)
     assert (s.cache_hit.count, s.cache_miss.count, s.success.count) == (1, 2, 3)
     assert s.cache_hit.ns > 0 and s.cache_miss.ns > 0
+
+
+async def test_server_settings_choose_the_tiers(tmp_path):
+    from pydantic import ValidationError
+
+    from gateway.caching import build_cache
+    from gateway.config import Settings
+
+    def tiers(**kw):
+        return Settings(model_repository=tmp_path, **kw)
+
+    c = await build_cache(tiers())
+    assert c is not None and c.memory is not None and c.redis is None
+    assert await build_cache(tiers(cache_tiers="off")) is None
+    assert await build_cache(tiers(cache_tiers="memory", cache_memory_bytes=0)) is None
+    url = "redis://127.0.0.1:1/0"  # nothing listens there: the tier is built, its warm-up says so
+    c = await build_cache(tiers(redis_url=url, cache_lookup_timeout_ms=3, cache_ttl_s=60))
+    assert c.memory is not None and c.redis is not None and c.redis.lookup_timeout_s == 0.003
+    assert "redis redis://127.0.0.1:1/0" in c.describe()
+    await c.close()
+    c = await build_cache(tiers(redis_url=url, cache_tiers="redis"))
+    assert c.memory is None and c.redis is not None
+    await c.close()
+    with pytest.raises(ValidationError, match="needs a Redis"):
+        tiers(cache_tiers="memory+redis")

@@ -289,3 +289,27 @@ def test_resp_packing_matches_redis_py():
     values = [b"short", b"longer value"]
     want = pack("EVAL", SET_PX_SCRIPT, 2, *(b"p:" + k for k in keys), *values, 5)
     assert pack_set_px(b"p:", keys, values, 5) == b"".join(want)
+
+
+async def test_lookups_of_one_loop_turn_share_one_mget_and_each_gets_its_own_rows(redis_server):
+    tier = _tier(redis_server.url, lookup_timeout_s=1.0)
+    try:
+        assert await tier.warm()
+        tier.put_many(_keys(30), [bytes([i]) for i in range(30)])
+        assert await tier.flush(5.0)
+        asks = [_keys(30)[i : i + 3] + _keys(1, b"none") for i in range(0, 30, 3)]
+        got = await asyncio.gather(*(tier.get_many(k) for k in asks))
+        assert tier.stats.lookups == 1
+        for i, values in enumerate(got):
+            assert values == [bytes([3 * i]), bytes([3 * i + 1]), bytes([3 * i + 2]), None]
+        # A stalled Redis: the requests sharing the MGET each time out, and the breaker hears once.
+        admin = redis.Redis(host="127.0.0.1", port=redis_server.port)
+        admin.execute_command("CLIENT", "PAUSE", 3000, "ALL")
+        tier.lookup_timeout_s = 0.02
+        failures = tier.breaker.failures
+        assert await asyncio.gather(*(tier.get_many(k) for k in asks)) == [None] * len(asks)
+        assert tier.stats.timeouts == len(asks) and tier.breaker.failures == failures + 1
+        admin.execute_command("CLIENT", "UNPAUSE")
+        admin.close()
+    finally:
+        await tier.close()

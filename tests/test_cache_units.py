@@ -258,3 +258,13 @@ async def test_single_flight_wait_on_ended_flights_returns_at_once():
     f = sf.begin([b"a"])
     sf.finish(f, [b"A"])
     await asyncio.wait_for(sf.wait([f]), 0.1)
+
+
+def test_row_keys_with_a_prebuilt_prefix_block_of_any_size():
+    from cache import prefix_rows
+
+    dense, ids = _rows(9)
+    p = _prefix()
+    want = row_keys(p, [dense, ids], 9)
+    assert row_keys(p, [dense, ids], 9, prefix_rows(p, 64)) == want
+    assert row_keys(p, [dense, ids], 9, prefix_rows(p, 4)) == want  # too small: built for the call

@@ -895,7 +895,7 @@ def test_dockerfile_copies_every_package(dockerfile):
 
 
 def test_dockerignore_keeps_the_context_small():
-    for heavy in (".git", ".venv", "tests/test_helm.py", "bench/foundation.py", "gateway/__pycache__/x.pyc",
+    for heavy in (".git", ".venv", "tests/test_helm.py", "gateway/__pycache__/x.pyc",
                   "model_repository/minilm/1/model.onnx"):
         assert _dockerignore_excludes(heavy), heavy
     for needed in ("pyproject.toml", "gateway/server.py", "proto/inference/v2/grpc_service_pb2.py"):

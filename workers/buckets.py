@@ -58,7 +58,10 @@ def read_model_io(path: Path) -> tuple[list[TensorInfo], list[TensorInfo]]:
 
     def info(v) -> TensorInfo:
         elem = v.type.tensor_type.elem_type
-        dtype = np.dtype(object) if elem == onnx.TensorProto.STRING else np.dtype(helper.tensor_dtype_to_np_dtype(elem))
+        if elem == onnx.TensorProto.STRING:
+            dtype = np.dtype(object)
+        else:
+            dtype = np.dtype(helper.tensor_dtype_to_np_dtype(elem))
         dims: list[int | str | None] = []
         for d in v.type.tensor_type.shape.dim:
             if d.HasField("dim_value") and d.dim_value > 0:
@@ -78,7 +81,7 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
     try:
         values = sorted({int(x) for x in text.replace(" ", "").split(",") if x})
     except ValueError:
-        raise ValueError(f"parameter '{what}' must be a comma-separated list of integers, got '{text}'") from None
+        raise ValueError(f"parameter '{what}' must be integers separated by commas, got '{text}'") from None
     if any(v < 1 for v in values):
         raise ValueError(f"parameter '{what}' must hold sizes >= 1, got '{text}'")
     return tuple(values)
@@ -139,7 +142,9 @@ class BucketConfig:
                 sizes = set(_int_list(text, "batch_buckets"))
                 bad = [s for s in sizes if s > max_batch_size]
                 if bad:
-                    raise ValueError(f"parameter 'batch_buckets' has sizes {sorted(bad)} above max_batch_size={max_batch_size}")
+                    raise ValueError(
+                        f"parameter 'batch_buckets' has sizes {sorted(bad)} above max_batch_size={max_batch_size}"
+                    )
             else:
                 sizes = set(powers_of_two(1, max_batch_size)) | {p for p in preferred if p <= max_batch_size}
             sizes.add(max_batch_size)  # every batch the scheduler forms must fit a bucket
@@ -157,7 +162,8 @@ class BucketConfig:
         try:
             max_batch_tokens = int(params.get("max_batch_tokens", "0") or 0)
         except ValueError:
-            raise ValueError(f"parameter 'max_batch_tokens' must be an integer, got '{params['max_batch_tokens']}'") from None
+            text = params["max_batch_tokens"]
+            raise ValueError(f"parameter 'max_batch_tokens' must be an integer, got '{text}'") from None
         if max_batch_tokens < 0:
             raise ValueError("parameter 'max_batch_tokens' must be >= 0 (0: no limit)")
         mask_text = params.get("mask_input")
@@ -215,10 +221,10 @@ class ShapePlan:
         names = {t.name for t in inputs}
         for name in config.pad_values:
             if name not in names:
-                raise ValueError(f"parameter 'pad_value.{name}' names no input of the model (inputs: {sorted(names)})")
+                raise ValueError(f"parameter 'pad_value.{name}' names no input of the model ({sorted(names)})")
         mask = config.mask_input if config.mask_input in names else None
         if config.mask_explicit and config.mask_input and mask is None:
-            raise ValueError(f"parameter 'mask_input' names '{config.mask_input}', which is not an input ({sorted(names)})")
+            raise ValueError(f"parameter 'mask_input' names '{config.mask_input}', not an input ({sorted(names)})")
         self.mask_input = mask
         self.pad_values = {t.name: config.pad_values.get(t.name, 0) for t in inputs}
         self.groups = self._groups(config)
@@ -272,10 +278,12 @@ class ShapePlan:
             elif masked:
                 caps = [config.max_dims[n] for n, _ in mem if n in config.max_dims]
                 cap = min(caps) if caps else DEFAULT_MAX_SEQ_BUCKET
-                buckets = powers_of_two(DEFAULT_MIN_SEQ_BUCKET, cap) if cap > DEFAULT_MIN_SEQ_BUCKET else (cap,)
+                low = min(DEFAULT_MIN_SEQ_BUCKET, cap)
+                buckets = powers_of_two(low, cap)
                 why, paddable = f"default: masked by '{self.mask_input}'", True
             else:
-                buckets, why, paddable = (), "exact: no mask input covers it (set seq_buckets to pad it)", False
+                buckets, paddable = (), False
+                why = "exact: no mask input covers it (set seq_buckets to pad it)"
             groups.append(DimGroup(name, tuple(mem), outs, tuple(buckets), paddable, named[name], why))
         return groups
 

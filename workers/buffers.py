@@ -24,9 +24,13 @@ import onnxruntime as ort
 class Slot:
     """One bound run configuration: a (rows, lengths) bucket on one session."""
 
-    __slots__ = ("bucket", "rows", "seqs", "session", "binding", "run_options", "inputs", "outputs", "_run", "runs")
+    __slots__ = (
+        "bucket", "rows", "seqs", "session", "binding", "run_options", "inputs", "outputs", "_run", "runs",
+    )  # fmt: skip
 
-    def __init__(self, bucket, rows, seqs, session, binding, run_options, inputs, outputs, run: Callable[[], None]):
+    def __init__(
+        self, bucket, rows, seqs, session, binding, run_options, inputs, outputs, run: Callable[[], None]
+    ) -> None:
         self.bucket: tuple[int, ...] = bucket
         self.rows: int = rows
         self.seqs: tuple[int, ...] = seqs

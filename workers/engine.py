@@ -136,7 +136,7 @@ class Engine:
         self.cuda_graphs = self.factory.cuda_graphs
         self.pooled = plan is not None and plan.pooled
         if self.mode == "static" and self.pooled and not plan.static_ok:
-            log.warning("static engines need named dims (dim_param) on every variable axis; using one shared session")
+            log.warning("static engines need a dim_param on every variable axis; using one shared session")
             self.mode = "shared"
         self._no_graph: ort.RunOptions | None = None  # run options of the dynamic path
         self._dynamic: ort.InferenceSession | None = None
@@ -252,7 +252,8 @@ class Engine:
             "%.1f MiB host buffers%s)",
             self.device, len(slots), len(to_run), time.perf_counter() - t0, self.mode, policy,
             self.factory.hits, self.factory.misses, self.buffer_bytes()[0] / 2**20,
-            f", {self.buffer_bytes()[1] / 2**20:.1f} MiB device buffers, CUDA graphs {'on' if self.cuda_graphs else 'off'}"
+            f", {self.buffer_bytes()[1] / 2**20:.1f} MiB device buffers, "
+            f"CUDA graphs {'on' if self.cuda_graphs else 'off'}"
             if self.device.kind == "gpu" else "",
         )  # fmt: skip
         return len(to_run)
@@ -452,8 +453,8 @@ class Engine:
         for i, g in enumerate(plan.groups):
             if not g.paddable and len({ls[i] for ls in lengths}) > 1:
                 raise ValueError(
-                    f"rows of lengths {sorted({ls[i] for ls in lengths})} on dim '{g.name}' cannot share a batch: "
-                    "nothing masks padding on that dim (set seq_buckets or mask_input if padding is safe)"
+                    f"rows of lengths {sorted({ls[i] for ls in lengths})} on dim '{g.name}' cannot share a "
+                    "batch: nothing masks padding on that dim (set seq_buckets or mask_input if padding is safe)"
                 )
         longest = tuple(max(col) for col in zip(*lengths))
         total = sum(rows)

@@ -133,7 +133,7 @@ class WorkerPool:
             # graphs; a second worker would only interleave on the same device.
             n = 1 if dev.kind == "gpu" else count
             if dev.kind == "gpu" and count > 1:
-                log.info("%s: one worker per GPU; instance count %d applies to CPU instances only", name, count)
+                log.info("%s: one worker per GPU; instance count %d applies to CPU only", name, count)
             self.workers.extend(_Worker(f"{name}-{dev}-{i}", model_path, dev, options) for i in range(n))
         self._closed = False
 

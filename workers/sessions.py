@@ -92,7 +92,9 @@ def _use_shared_cpu_arena(so: ort.SessionOptions) -> None:
     global _env_arena
     with _env_arena_lock:
         if not _env_arena:
-            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+            info = ort.OrtMemoryInfo(
+                "Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT
+            )
             ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
             _env_arena = True
     so.add_session_config_entry("session.use_env_allocators", "1")
@@ -142,14 +144,21 @@ class SessionFactory:
         if self.cache_dir is None or not self.graph_optimization:
             return None
         provider = "cuda" if self.device.kind == "gpu" else "cpu"
-        hw = _HARDWARE if provider == "cpu" else f"{_HARDWARE}:gpu{self.device.id}:{_gpu_name(self.device.id)}"
+        hw = _HARDWARE
+        if provider == "cuda":
+            hw += f":gpu{self.device.id}:{_gpu_name(self.device.id)}"
         dims = ",".join(f"{k}={v}" for k, v in sorted((overrides or {}).items()))
         ident = f"{self.fingerprint}|ort {ort.__version__}|{provider}|{hw}|{dims}|graphs={int(cuda_graphs)}"
         digest = hashlib.sha256(ident.encode()).hexdigest()[:20]
-        return self.cache_dir / f"{self.model_path.parent.parent.name or 'model'}-{self.fingerprint[:12]}-{digest}.onnx"
+        model = self.model_path.parent.parent.name or "model"
+        return self.cache_dir / f"{model}-{self.fingerprint[:12]}-{digest}.onnx"
 
     def create(
-        self, overrides: dict[str, int] | None = None, *, shared_arena: bool = False, cuda_graphs: bool | None = None
+        self,
+        overrides: dict[str, int] | None = None,
+        *,
+        shared_arena: bool = False,
+        cuda_graphs: bool | None = None,
     ) -> ort.InferenceSession:
         """A session with ``overrides`` fixing symbolic dims (None: dims stay dynamic)."""
         graphs = self.cuda_graphs if cuda_graphs is None else cuda_graphs
@@ -166,9 +175,8 @@ class SessionFactory:
             except Exception as exc:  # a truncated or foreign file: rebuild it
                 log.warning("cached engine %s failed to load (%s); rebuilding it", cached, exc)
         so = self._options(overrides, shared_arena)
-        so.graph_optimization_level = (
-            ort.GraphOptimizationLevel.ORT_ENABLE_ALL if self.graph_optimization else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        )
+        level = ort.GraphOptimizationLevel
+        so.graph_optimization_level = level.ORT_ENABLE_ALL if self.graph_optimization else level.ORT_DISABLE_ALL
         tmp = None
         if cached is not None:
             # Written beside the final name, then renamed: another worker or process loading the
@@ -183,7 +191,7 @@ class SessionFactory:
         except Exception:
             if tmp is None:
                 raise
-            log.warning("saving the optimised model to %s failed; continuing without the cache", tmp, exc_info=True)
+            log.warning("saving the optimised model to %s failed; no cache for it", tmp, exc_info=True)
             _unlink(tmp)
             so = self._options(overrides, shared_arena)
             sess = ort.InferenceSession(str(self.model_path), sess_options=so, providers=provs)
