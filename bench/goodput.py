@@ -118,7 +118,10 @@ async def _open_loop(url: str, rate: float, seconds: float, seq: int, rows: int,
         try:
             await stubs[i % len(stubs)].ModelInfer(pools[cls][i % 16])
         except grpc.aio.AioRpcError as err:
-            point.status[err.code().name] += 1
+            name = err.code().name
+            if name == "DEADLINE_EXCEEDED":  # which refusal: at admission, or from the queue
+                name += ":shed" if "shed" in (err.details() or "") else ":expired"
+            point.status[name] += 1
             return
         lat = time.perf_counter() - t0
         point.status["OK"] += 1
@@ -152,11 +155,11 @@ async def _open_loop(url: str, rate: float, seconds: float, seq: int, rows: int,
     return point
 
 
-def _serve(policy: str, port: int, http_port: int) -> subprocess.Popen:
+def _serve(policy: str, port: int, http_port: int, extra: list[str]) -> subprocess.Popen:
     env = {**os.environ, "BATCHGATE_SCHEDULING_POLICY": policy, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
         [sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--grpc-port", str(port),
-         "--http-port", str(http_port), "--log-level", "WARNING", "--no-build-models"],
+         "--http-port", str(http_port), "--log-level", "WARNING", "--no-build-models", *extra],
         cwd=ROOT, env=env,
     )  # fmt: skip
 
@@ -181,13 +184,18 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=32, help="tokens per row")
     ap.add_argument("--rows", type=int, default=2, help="rows per request")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument(
+        "--server-args", default="--workers-per-device 1",
+        help="extra `batchgate serve` flags; by default one worker, so on a 2-core machine the event loop "
+        "and the load generator keep a core and the model's compute is what saturates",
+    )  # fmt: skip
     args = ap.parse_args()
     loads = [float(x) for x in args.loads.split(",")]
     results: dict[str, list[dict]] = {}
     capacity = None
     for policy in ("deadline", "fifo"):
         port, http_port = _ports(2)
-        proc = _serve(policy, port, http_port)
+        proc = _serve(policy, port, http_port, args.server_args.split())
         url = f"127.0.0.1:{port}"
         try:
             asyncio.run(_ready(url))

@@ -105,15 +105,17 @@ class Budget:
 
 
 def _param_number(p) -> float | None:
+    """The parameter as a finite number; None for anything else (refused by the caller)."""
     which = p.WhichOneof("parameter_choice")
+    value = None
     if which in ("int64_param", "uint64_param", "double_param"):
-        return float(getattr(p, which))
-    if which == "string_param":
+        value = float(getattr(p, which))
+    elif which == "string_param":
         try:
-            return float(p.string_param)
+            value = float(p.string_param)
         except ValueError:
             return None
-    return None
+    return value if value is not None and math.isfinite(value) else None
 
 
 def resolve(

@@ -28,6 +28,9 @@ SERVE_FLAGS = {
     "--log-format": ("log_format", str),
     "--redis-url": ("redis_url", str),
     "--api-keys-file": ("api_keys_file", str),
+    "--tls-cert-file": ("tls_cert_file", str),
+    "--tls-key-file": ("tls_key_file", str),
+    "--tls-client-ca-file": ("tls_client_ca_file", str),
 }
 
 

@@ -21,8 +21,44 @@ from proto.inference.v2 import grpc_service_pb2 as pb
 _LEN = struct.Struct("<I")
 
 
-def deserialize_bytes(buf: bytes, count: int, name: str) -> np.ndarray:
-    """Triton's raw BYTES layout: per element a 4-byte little-endian length, then the bytes."""
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Server-wide request limits (Settings' security block), checked before anything is allocated;
+    each refusal is INVALID_ARGUMENT naming the limit and its setting."""
+
+    max_tensor_elements: int = 1 << 24
+    max_string_bytes: int = 1 << 20
+    max_inputs: int = 64
+
+    @classmethod
+    def from_settings(cls, settings) -> Limits:
+        return cls(settings.max_tensor_elements, settings.max_string_bytes, settings.max_inputs)
+
+
+LIMITS = Limits()
+
+
+def set_limits(limits: Limits) -> None:
+    """Set the process's limits (the server does, from its settings, at start)."""
+    global LIMITS
+    LIMITS = limits
+
+
+def _too_long(name: str, i: int, n: int, limit: int) -> GatewayError:
+    return invalid(
+        f"input '{name}': BYTES element {i} is {n} bytes; the server accepts at most {limit} per element "
+        "(limit max_string_bytes, BATCHGATE_MAX_STRING_BYTES)"
+    )
+
+
+def deserialize_bytes(buf: bytes, count: int, name: str, max_len: int | None = None) -> np.ndarray:
+    """Triton's raw BYTES layout: per element a 4-byte little-endian length, then the bytes.
+    ``max_len``: longest element accepted (refused before it is copied)."""
+    if count * 4 > len(buf):  # every element needs its length prefix: refuse before allocating
+        raise invalid(
+            f"input '{name}': raw BYTES contents hold {len(buf)} bytes, too few for {count} elements "
+            "(each element is a 4-byte little-endian length followed by its bytes)"
+        )
     out = np.empty(count, dtype=object)
     view = memoryview(buf)
     pos = 0
@@ -34,6 +70,8 @@ def deserialize_bytes(buf: bytes, count: int, name: str) -> np.ndarray:
             )
         (n,) = _LEN.unpack_from(buf, pos)
         pos += 4
+        if max_len is not None and n > max_len:
+            raise _too_long(name, i, n, max_len)
         if pos + n > len(buf):
             raise invalid(f"input '{name}': raw BYTES element {i} claims {n} bytes but only {len(buf) - pos} remain")
         out[i] = bytes(view[pos : pos + n])
@@ -93,6 +131,12 @@ class Codec:
         """Return the input arrays by name and the number of rows (1 for an unbatched model)."""
         tensors = req.inputs
         raw = req.raw_input_contents
+        limit = LIMITS.max_inputs
+        if len(tensors) > limit or len(raw) > limit:
+            raise invalid(
+                f"model '{self.name}': the request carries {max(len(tensors), len(raw))} inputs; "
+                f"the server accepts at most {limit} (limit max_inputs, BATCHGATE_MAX_INPUTS); expected inputs: {self.expected}"
+            )
         if raw and len(raw) != len(tensors):
             raise invalid(
                 f"model '{self.name}': raw_input_contents has {len(raw)} entry(ies) for {len(tensors)} inputs; "
@@ -161,6 +205,13 @@ class Codec:
                 f"input '{t.name}' has {shape[0]} rows; model '{self.name}' takes at most "
                 f"max_batch_size={self.max_batch_size} per request"
             )
+        count = math.prod(shape)  # Python ints: no overflow, whatever the dims
+        if count > LIMITS.max_tensor_elements:
+            raise invalid(
+                f"input '{t.name}' has shape {list(shape)}: {count} elements; the server accepts at most "
+                f"{LIMITS.max_tensor_elements} per tensor "
+                "(limit max_tensor_elements, BATCHGATE_MAX_TENSOR_ELEMENTS)"
+            )
         return shape
 
     def _array(self, t, spec: TensorSpec, shape: tuple[int, ...], raw: bytes | None) -> np.ndarray:
@@ -170,7 +221,7 @@ class Codec:
             if t.HasField("contents"):
                 raise invalid(f"input '{t.name}' has both typed contents and raw_input_contents; send one")
             if spec.datatype == "BYTES":
-                return deserialize_bytes(raw, count, t.name).reshape(shape)
+                return deserialize_bytes(raw, count, t.name, LIMITS.max_string_bytes).reshape(shape)
             need = count * dtype.itemsize
             if len(raw) != need:
                 raise invalid(
@@ -188,10 +239,19 @@ class Codec:
                 f"({spec.datatype} values travel in contents.{field})"
             )
         if spec.datatype == "BYTES":
+            limit = LIMITS.max_string_bytes
+            for i, v in enumerate(values):
+                if len(v) > limit:
+                    raise _too_long(t.name, i, len(v), limit)
             arr = np.empty(count, dtype=object)
             arr[:] = list(values)
             return arr.reshape(shape)
-        return np.array(values, dtype=dtype).reshape(shape)
+        try:
+            return np.array(values, dtype=dtype).reshape(shape)
+        except (OverflowError, ValueError) as exc:  # e.g. 300 in uint_contents for a UINT8 input
+            raise invalid(
+                f"input '{t.name}': contents.{field} holds a value that is not {spec.datatype}: {exc}"
+            ) from None
 
     # -- encode -------------------------------------------------------------------------------
 

@@ -134,6 +134,33 @@ class Settings(BaseSettings):
         None, description="optimised-model cache; default ~/.cache/batchgate/engines, else under the temp dir"
     )
     cuda_graphs: bool = Field(False, description="GPU: capture a CUDA graph per bucket (static shapes, fixed buffers)")
+    # -- security (TLS, request limits; see docs/security.md) --------------------------------------
+    tls_cert_file: Path | None = Field(
+        None, description="PEM server certificate (chain) for gRPC and HTTP; set with tls_key_file to serve "
+        "TLS only (plaintext refused); re-read when the file changes"
+    )
+    tls_key_file: Path | None = Field(None, description="PEM private key (unencrypted) of tls_cert_file")
+    tls_client_ca_file: Path | None = Field(
+        None, description="PEM CA bundle: require client certificates signed by it (mutual TLS)"
+    )
+    max_tensor_elements: int = Field(
+        1 << 24, ge=1, description="most elements one input tensor may hold (product of its shape), checked "
+        "before anything is allocated"
+    )
+    max_string_bytes: int = Field(1 << 20, ge=1, description="longest BYTES element accepted, in bytes")
+    max_inputs: int = Field(
+        64, ge=1, description="most input tensors one request may carry, checked before any other work"
+    )
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> Settings:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError(
+                "tls_cert_file and tls_key_file go together: set both (TLS) or neither (plaintext)"
+            )
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file too")
+        return self
 
     @model_validator(mode="after")
     def _check_cache(self) -> Settings:

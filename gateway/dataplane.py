@@ -2,6 +2,10 @@
 
 Transports (gRPC servicer, HTTP) stay thin: they decode with a model's ``Codec``, call
 ``ModelRuntime.infer`` and encode the answer.
+
+``reload`` (Triton's RepositoryModelLoad) starts and warms a model's new runtimes beside the
+serving ones, swaps them in with one assignment on the event loop, then lets the old ones finish
+what they hold and closes them; a reload that fails leaves the serving runtimes untouched.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from gateway.codec import Codec
 from gateway.config import Settings
 from gateway.errors import GatewayError, Kind, not_found, unavailable
 from gateway.preprocess import TextStage
-from gateway.repository import LoadFailure, ModelSpec, load_repository, tokenized
+from gateway.repository import ConfigError, LoadFailure, ModelSpec, load_model, load_repository, tokenized
 from gateway.latency import LatencyModel
 from gateway.queues import DeadlineQueue, FifoQueue
 from gateway.scheduler import Scheduler
@@ -31,6 +35,11 @@ from workers import BucketConfig, EngineOptions, WorkerPool, default_cache_dir, 
 log = logging.getLogger(__name__)
 
 _KIND = {mc.ModelInstanceGroup.KIND_GPU: "gpu", mc.ModelInstanceGroup.KIND_CPU: "cpu"}
+
+
+class ReloadFailed(Exception):
+    """A model's directory could not be loaded (config, model file, engine start); the message
+    says why. Whatever served before keeps serving."""
 
 
 @dataclass(slots=True)
@@ -43,12 +52,22 @@ class ModelRuntime:
     schedule: SchedulePolicy  # Triton's priority levels and queue policies from config.pbtxt
     cache: ModelCache | None = None  # config.pbtxt response_cache on and the server's cache on
     text: TextStage | None = None  # parameter `tokenizer`: texts in, token inputs made in the workers
+    inflight: int = 0  # calls inside ``infer``: a runtime swapped out by a reload is closed at 0
 
     async def infer(
         self, arrays: dict[str, np.ndarray], rows: int, budget: Budget | None = None, *,
         wanted: list[tuple[str, bool]] | None = None, namespace: str | None = None,
     ) -> dict[str, np.ndarray]:  # fmt: skip
         """``wanted`` (Codec.requested) and ``namespace`` (the tenant's) only shape cache keys."""
+        # Counted from the first line: callers get the runtime and call this with no await in
+        # between, so a reload never closes a runtime that a call is about to enter.
+        self.inflight += 1
+        try:
+            return await self._infer(arrays, rows, budget, wanted, namespace)
+        finally:
+            self.inflight -= 1
+
+    async def _infer(self, arrays, rows, budget, wanted, namespace) -> dict[str, np.ndarray]:
         if self.text is not None:  # checks the texts; the key is their estimated length bucket
             key = batch_key = await self.text.admit(arrays)
         else:
@@ -76,6 +95,7 @@ class DataPlane:
     started_at: float = field(default_factory=time.time)
     classes: dict[str, LatencyClass] = field(default_factory=dict)
     cache: TieredCache | None = None  # result cache tiers shared by every model that enables it
+    _reload_locks: dict[str, asyncio.Lock] = field(default_factory=dict)  # one load/unload per model at a time
 
     def __post_init__(self) -> None:
         self.classes = self.settings.classes
@@ -141,6 +161,7 @@ class DataPlane:
                 classes=self.classes,
                 latency=latency,
                 level_queue_sizes={lvl: p.max_queue_size for lvl, p in schedule.policies.items()},
+                default_class=s.default_latency_class,
             )
         else:
             queue = FifoQueue(
@@ -150,13 +171,83 @@ class DataPlane:
                 max_queue_size=spec.max_queue_size,
             )
         scheduler = Scheduler(
-            f"{spec.name}:{spec.version}", queue, execute, slots=len(pool), batched=spec.batched, latency=latency
+            f"{spec.name}:{spec.version}", queue, execute, slots=len(pool), batched=spec.batched, latency=latency,
+            split_failures=True,
         )
         scheduler.start()
         variable = tuple(t.name for t in spec.inputs if -1 in t.dims)
         if spec.config.response_cache.enable and self.cache is None:
             self.cache = await build_cache(s)  # built when the first model asks for it
         return ModelRuntime(spec, Codec(spec), pool, scheduler, variable, schedule, model_cache(spec, self.cache), text)
+
+    async def reload(self, name: str) -> None:
+        """Load model ``name`` again from its directory (config, versions, model files): start and
+        warm the new runtimes, swap them in, then drain and close the old ones. Raises
+        ``ReloadFailed`` (old runtimes untouched and serving), or NOT_FOUND / UNAVAILABLE."""
+        if self.draining:
+            raise unavailable("server is draining; load the model on another replica")
+        root = Path(self.settings.model_repository)
+        if Path(name).name != name or name.startswith((".", "_")) or not (root / name).is_dir():
+            raise not_found(f"no model directory '{name}' in the repository {root}")
+        async with self._reload_locks.setdefault(name, asyncio.Lock()):
+            try:
+                specs = await asyncio.to_thread(load_model, root / name, self.settings.default_max_batch_size)
+            except ConfigError as exc:
+                raise self._reload_failed(name, str(exc)) from None
+            if not specs:
+                raise self._reload_failed(name, f"model '{name}': no version to serve")
+            fresh: dict[str, ModelRuntime] = {}
+            for spec in specs:
+                try:
+                    fresh[spec.version] = await self._start(spec)
+                except Exception as exc:
+                    await self._retire(list(fresh.values()), wait=False)
+                    raise self._reload_failed(name, f"model '{name}' version {spec.version} failed to start: {exc}") from None
+            old = self.models.get(name, {})
+            # The swap: one step on the event loop, so every call sees either the old runtimes or the new.
+            self.models[name] = fresh
+            self.latest[name] = max(fresh, key=int)
+            self.failures.pop(name, None)
+            for path in specs[0].ignored:
+                log.warning("model %s: config field '%s' is not implemented by batchgate and is ignored", name, path)
+            log.info(
+                "reloaded model %s: version(s) %s serving (were %s), fingerprint %s",
+                name, sorted(fresh, key=int), sorted(old, key=int) or "none", specs[-1].fingerprint,
+                extra={"event": "model_reloaded", "model": name},
+            )  # fmt: skip
+            await self._retire(list(old.values()))
+
+    async def unload(self, name: str) -> None:
+        """Stop serving ``name``: new calls get NOT_FOUND, accepted ones are answered first."""
+        async with self._reload_locks.setdefault(name, asyncio.Lock()):
+            old = self.models.pop(name, None)
+            if old is None:
+                raise not_found(f"model '{name}' is not loaded; loaded models: {sorted(self.models)}")
+            self.latest.pop(name, None)
+            log.info("unloading model %s", name, extra={"event": "unload", "model": name})
+            await self._retire(list(old.values()))
+
+    def _reload_failed(self, name: str, reason: str) -> ReloadFailed:
+        serving = self.models.get(name)
+        if serving:
+            log.error(
+                "reload of model %s failed; version(s) %s keep serving: %s", name, sorted(serving, key=int), reason,
+                extra={"event": "model_reload_failed", "model": name},
+            )  # fmt: skip
+            return ReloadFailed(f"{reason} (the previous load keeps serving)")
+        self.failures[name] = LoadFailure(name, "", reason)  # not serving: RepositoryIndex says why
+        log.error("model %s failed to load: %s", name, reason, extra={"event": "model_load_failed", "model": name})
+        return ReloadFailed(reason)
+
+    async def _retire(self, rts: list[ModelRuntime], wait: bool = True) -> None:
+        """Close runtimes that no call can reach any more, once the calls inside them are answered
+        (at most drain_timeout_s; what is left then gets UNAVAILABLE)."""
+        for rt in rts:
+            end = time.monotonic() + self.settings.drain_timeout_s
+            while wait and rt.inflight and time.monotonic() < end:
+                await asyncio.sleep(0.01)
+            await rt.scheduler.close()
+            await asyncio.to_thread(rt.pool.close)
 
     def get(self, name: str, version: str = "") -> ModelRuntime:
         versions = self.models.get(name)

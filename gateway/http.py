@@ -204,9 +204,9 @@ def build_request(
         name = inp["name"]
         shape, datatype = inp.get("shape"), inp.get("datatype")
         if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) for d in shape
-        ):
-            raise invalid(f"input '{name}': 'shape' must be a list of integers")
+            isinstance(d, int) and not isinstance(d, bool) and -(2**63) <= d < 2**63 for d in shape
+        ):  # (int64 on the wire: a larger number is refused here, not by protobuf)
+            raise invalid(f"input '{name}': 'shape' must be a list of (64-bit) integers")
         if not isinstance(datatype, str):
             raise invalid(f"input '{name}': 'datatype' must be a string such as FP32 or INT64")
         t = req.inputs.add(name=name, datatype=datatype, shape=shape)
@@ -485,7 +485,10 @@ async def start(server: Server) -> tuple[web.AppRunner, int]:
     s = server.settings
     runner = web.AppRunner(HttpFrontend(server).app(), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, s.host, s.http_port, reuse_port=s.reuse_port)
+    tls = getattr(server, "tls", None)
+    site = web.TCPSite(
+        runner, s.host, s.http_port, reuse_port=s.reuse_port, ssl_context=tls.ssl_context() if tls else None
+    )
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # the real port when 0 was asked
     return runner, port

@@ -48,14 +48,33 @@ class _Fit:
         return mean_y * 0.5, (mean_y * 0.5) / max(mean_x, 1.0)
 
 
-class LatencyModel:
-    """Per-bucket fits for one model. Not thread-safe: updated and read on the event loop."""
+def _size_class(rows: int) -> int:
+    """Batch sizes grouped by powers of two: 1, 2, 3-4, 5-8, ..."""
+    return 1 << max(rows - 1, 0).bit_length()
 
-    def __init__(self, decay: float = 0.98, prior_s: float = 0.002) -> None:
+
+class LatencyModel:
+    """Per-bucket fits for one model. Not thread-safe: updated and read on the event loop.
+
+    Two layers: an EWMA of observed times per (bucket, batch-size class) — what a batch of this
+    size actually took lately, which adapts within a few batches when the load changes — and,
+    for sizes not seen yet, the bucket's least-squares line a + b·rows.
+    """
+
+    CONFIDENT = 3  # batches of a bucket before its estimates may refuse work
+
+    def __init__(self, decay: float = 0.98, prior_s: float = 0.002, alpha: float = 0.2) -> None:
         self.decay = decay
         self.prior_s = prior_s  # assumed batch time before any batch has run
+        self.alpha = alpha
         self._fits: dict[Hashable, _Fit] = {}
+        self._sizes: dict[tuple[Hashable, int], list[float]] = {}  # -> [ewma seconds, samples]
         self._any = _Fit()  # across buckets: the estimate for a bucket not seen yet
+
+    def confident(self, key: Hashable) -> bool:
+        """Whether this bucket has run often enough for its estimate to justify shedding."""
+        fit = self._fits.get(key)
+        return fit is not None and fit.batches > self.CONFIDENT
 
     def observe(self, key: Hashable, rows: int, seconds: float) -> None:
         fit = self._fits.get(key)
@@ -70,9 +89,18 @@ class LatencyModel:
         fit.add(rows, seconds, self.decay)
         if not first:  # a bucket's first run pays one-off set-up; keep it out of the shared fit
             self._any.add(rows, seconds, self.decay)
+            size = self._sizes.get((key, _size_class(rows)))
+            if size is None:
+                self._sizes[(key, _size_class(rows))] = [seconds, 1]
+            else:
+                size[0] += self.alpha * (seconds - size[0])
+                size[1] += 1
 
     def estimate(self, key: Hashable, rows: int) -> float:
         """Seconds one batch of ``rows`` rows of bucket ``key`` is expected to take."""
+        size = self._sizes.get((key, _size_class(rows)))
+        if size is not None and size[1] >= 2:
+            return size[0]
         fit = self._fits.get(key)
         if fit is None or fit.batches < 3:
             fit = self._any

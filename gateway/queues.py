@@ -233,6 +233,7 @@ class DeadlineQueue:
         latency: LatencyModel,
         level_queue_sizes: dict[int, int] | None = None,
         margin_s: float = 0.0005,
+        default_class: str = "standard",
     ) -> None:
         self.max_batch_size = max_batch_size
         self.preferred = frozenset(p for p in preferred if p <= max(max_batch_size, 1))
@@ -240,6 +241,7 @@ class DeadlineQueue:
         self.classes = classes
         self.latency = latency
         self.level_queue_sizes = {k: v for k, v in (level_queue_sizes or {}).items() if v}
+        self.default_class = classes.get(default_class) or max(classes.values(), key=lambda c: c.budget_s)
         self.margin_s = margin_s
         self._lanes: dict[Hashable, dict[str, _Lane]] = {}
         self._seq = itertools.count()
@@ -261,6 +263,9 @@ class DeadlineQueue:
     # -- admission ----------------------------------------------------------------------------
 
     def push(self, req: Request) -> bool:
+        if req.cls is None:  # a caller that resolved no budget (internal use): the default class
+            req.cls = self.default_class
+            req.deadline = min(req.deadline, req.arrival + req.cls.budget_s)
         cls = req.cls.name
         bound = req.cls.max_queue
         if bound and self.class_size[cls] >= bound:
@@ -323,7 +328,8 @@ class DeadlineQueue:
                 # lazily: pop from the top while the top is hopeless.
                 while lane.heap:
                     level, deadline, _, r = lane.heap[0]
-                    late = now + self.latency.estimate(key, r.rows) + self.margin_s > deadline
+                    est = self.latency.estimate(key, r.rows) if self.latency.confident(key) else 0.0
+                    late = now + est + self.margin_s > deadline
                     timed_out = now >= r.queue_deadline
                     if not (late or timed_out):
                         break

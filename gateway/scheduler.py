@@ -12,6 +12,11 @@ Two layers, so the policy can be tested without sockets, threads or real time:
 A batch leaves when it is full (max_batch_size rows, or the next request would not fit), when
 its rows reach a preferred size, or when its oldest request has waited max_queue_delay. Rows
 are merged only when every input's non-batch dims agree (the request's shape ``key``).
+
+With ``split_failures`` an engine error on a batch of several requests is not final: the batch is
+split in two halves that run again (ahead of the queue, each in a slot of its own), recursively,
+so a request that makes the engine fail (a poisoned row) fails alone and the rest are answered.
+A ``GatewayError`` (the engine's own verdict, e.g. cancellation) is final and never retried.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import asyncio
 import logging
 import time
 import math
+from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -73,6 +79,7 @@ class Stats:
     rejected_full: int = 0
     shed: int = 0  # refused at admission: the deadline was out of reach
     expired: int = 0  # dropped from the queue before compute: the deadline passed
+    retries: int = 0  # sub-batches run again after their batch failed (split_failures)
     by_batch_size: dict[int, BatchStats] = field(default_factory=dict)
     # latency class -> outcome -> count (success, shed, expired, rejected, failed)
     by_class: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -98,6 +105,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         latency: LatencyModel | None = None,
         shed: bool | None = None,
+        split_failures: bool = False,
     ) -> None:
         self.name = name
         self.queue = queue
@@ -118,6 +126,9 @@ class Scheduler:
         self._in_flight = 0  # requests accepted and not yet answered
         self._idle = asyncio.Event()
         self._idle.set()
+        self.split_failures = split_failures
+        # Halves of failed batches, run before anything new: these callers have waited longest.
+        self._retry: deque[list[Request]] = deque()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -188,8 +199,8 @@ class Scheduler:
 
     def _admit_or_shed(self, req: Request, now: float) -> None:
         """Refuse at once a request whose deadline is out of reach given the work ahead of it."""
-        if req.deadline == math.inf:
-            return
+        if req.deadline == math.inf or not self.latency.confident(req.key):
+            return  # no estimate worth refusing work on yet: admit, the queue still expires it
         a, b = self.latency.per_row(req.key)
         ahead = self.queue.rows_ahead(req)
         per_batch = max(self.queue.max_batch_size, 1)
@@ -227,6 +238,9 @@ class Scheduler:
                 if self._free == 0:
                     await self._wait(queue.next_wakeup(now) if self.shed else None)
                     continue
+                if self._retry:
+                    self._dispatch_retry(self._retry.popleft(), now)
+                    continue
                 batch = queue.pop_batch(now, self._free == self._slots)
                 self.stats.dropped = queue.dropped
                 if batch is None:
@@ -245,10 +259,12 @@ class Scheduler:
         """Sleep until pushed to, a slot frees, or ``deadline`` (clock time) passes."""
         self._wakeup = self._loop.create_future()
         if deadline is not None:
-            delay = deadline - self.clock()
-            if delay <= 0:
-                self._wakeup = None
-                return
+            # Never return without yielding: the queue can report a wake-up already past that
+            # take_expired/pop_batch do not act on (next_wakeup counts a not-yet-confident
+            # estimate, take_expired does not), and returning at once spun _run without ever
+            # letting the loop deliver the completions that free a slot (bench/soak.py: 15 s
+            # stalls until the callers' deadlines expired them). A past wake-up waits 1 ms.
+            delay = max(deadline - self.clock(), 0.001)
             self._timer = self._loop.call_later(delay, self._wake)
         try:
             await self._wakeup
@@ -282,7 +298,20 @@ class Scheduler:
             )
         )
 
-    def _dispatch(self, batch: list[Request]) -> None:
+    def _dispatch_retry(self, batch: list[Request], now: float) -> None:
+        live = []
+        for r in batch:
+            if r.future.done():  # the caller left while its batch was failing
+                continue
+            if now >= r.deadline:
+                self._expire(r, now)
+            else:
+                live.append(r)
+        if live:
+            self.stats.retries += 1
+            self._dispatch(live, retry=True)
+
+    def _dispatch(self, batch: list[Request], retry: bool = False) -> None:
         self._free -= 1
         start = self.clock()
         rows = [r.rows for r in batch]
@@ -291,12 +320,15 @@ class Scheduler:
         try:
             fut = self.execute([r.inputs for r in batch], rows, self.batched)
         except BaseException as exc:
-            self._complete(batch, start, None, exc, est)
+            # Refused before it ran (e.g. the pool is closed): not the rows' fault, never split.
+            if not isinstance(exc, GatewayError):
+                exc = GatewayError(Kind.FAILED, f"model '{self.name}' failed to execute a batch of {sum(rows)} rows: {exc}")
+            self._complete(batch, start, None, exc, est, retry)
             return
         loop = self._loop
-        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._on_done, batch, start, f, est))
+        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._on_done, batch, start, f, est, retry))
 
-    def _on_done(self, batch: list[Request], start: float, fut: Future, est: float = 0.0) -> None:
+    def _on_done(self, batch: list[Request], start: float, fut: Future, est: float = 0.0, retry: bool = False) -> None:
         if fut.cancelled():
             exc: BaseException | None = GatewayError(Kind.FAILED, f"model '{self.name}': the batch was cancelled")
         else:
@@ -306,22 +338,44 @@ class Scheduler:
             exc = GatewayError(
                 Kind.FAILED, f"model '{self.name}': engine returned {len(result[0])} outputs for {len(batch)} requests"
             )
-        self._complete(batch, start, None if exc else result, exc, est)
+        self._complete(batch, start, None if exc else result, exc, est, retry)
 
-    def _complete(self, batch: list[Request], start: float, result, exc: BaseException | None, est: float = 0.0) -> None:
+    def _complete(
+        self, batch: list[Request], start: float, result, exc: BaseException | None, est: float = 0.0,
+        retry: bool = False,
+    ) -> None:  # fmt: skip
+        """``retry``: the batch is a half of a failed one (its queue time was counted then)."""
         self._free += 1
         self._inflight_est = max(self._inflight_est - est, 0.0)
         self._wake()
         now = self.clock()
         st = self.stats
         n_rows = sum(r.rows for r in batch)
-        for r in batch:
-            st.queue_count += 1
-            st.queue_ns += int((start - r.arrival) * 1e9)
+        if not retry:
+            for r in batch:
+                st.queue_count += 1
+                st.queue_ns += int((start - r.arrival) * 1e9)
         if exc is not None:
-            err = exc if isinstance(exc, GatewayError) else GatewayError(
-                Kind.FAILED, f"model '{self.name}' failed to execute a batch of {n_rows} rows: {exc}"
-            )
+            if self.split_failures and len(batch) > 1 and not isinstance(exc, GatewayError):
+                # Bisect: whichever half fails is split again, down to single requests. The
+                # halves go first in line; the batcher loop dispatches them as slots free up.
+                mid = len(batch) // 2
+                self._retry.extend((batch[:mid], batch[mid:]))
+                log.warning(
+                    "batch of %d requests (%d rows) failed on %s: %s; running it again as %d + %d requests "
+                    "to isolate the failing one", len(batch), n_rows, self.name, exc, mid, len(batch) - mid,
+                )  # fmt: skip
+                return
+            if isinstance(exc, GatewayError):
+                err = exc
+            elif retry and len(batch) == 1:
+                err = GatewayError(
+                    Kind.FAILED,
+                    f"model '{self.name}' failed to execute this request ({n_rows} rows; run alone after "
+                    f"the batch it was in failed, the other requests were answered): {exc}",
+                )
+            else:
+                err = GatewayError(Kind.FAILED, f"model '{self.name}' failed to execute a batch of {n_rows} rows: {exc}")
             log.warning("batch of %d rows failed on %s: %s", n_rows, self.name, exc)
             for r in batch:
                 if r.cls is not None:
@@ -357,6 +411,10 @@ class Scheduler:
                 r.future.set_result(out)
 
     def _fail_queued(self, err: GatewayError) -> None:
+        while self._retry:
+            for r in self._retry.popleft():
+                if not r.future.done():
+                    r.future.set_exception(err)
         for r in self.queue.drain_all():
             if not r.future.done():
                 r.future.set_exception(err)

@@ -23,11 +23,13 @@ import proto
 from gateway import http as http_side
 from gateway.admission import Account, Admission
 from gateway.budgets import resolve as resolve_budget
+from gateway.codec import Limits, set_limits
 from gateway.config import Settings
-from gateway.dataplane import DataPlane, ModelRuntime
+from gateway.dataplane import DataPlane, ModelRuntime, ReloadFailed
 from gateway.errors import GatewayError, Kind
 from gateway.logs import REQUEST_ID, REQUEST_ID_KEY, clean_request_id
 from gateway.metrics import Metrics, Transport
+from gateway.tls import CertStore
 from proto.inference.v2 import grpc_service_pb2 as pb
 from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 
@@ -162,6 +164,36 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             if failure is not None and not request.ready:
                 resp.models.add(name=name, version=failure.version, state="UNAVAILABLE", reason=failure.reason)
         return resp
+
+    async def RepositoryModelLoad(self, request, context):
+        """Triton's load/reload: re-read the model's directory, start and warm it, swap it in.
+
+        A directory that cannot be served (config.pbtxt, model file, engine start) answers
+        FAILED_PRECONDITION with the reason: the repository's files must be fixed before a retry
+        can succeed, and the previous load keeps serving meanwhile. Triton's inline overrides
+        (``config`` / ``file:`` parameters) are not offered: UNIMPLEMENTED, never silently ignored."""
+        if request.parameters:
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"load parameters {sorted(request.parameters)} are not supported: edit the model's directory "
+                "in the repository and load it again",
+            )
+        try:
+            await self.plane.reload(request.model_name)
+        except GatewayError as exc:
+            await context.abort(STATUS[exc.kind], exc.message)
+        except ReloadFailed as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"failed to load '{request.model_name}': {exc}")
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request, context):
+        """Stop serving the model once the calls it holds are answered (no ensembles here, so
+        ``unload_dependents`` has nothing to act on)."""
+        try:
+            await self.plane.unload(request.model_name)
+        except GatewayError as exc:
+            await context.abort(STATUS[exc.kind], exc.message)
+        return pb.RepositoryModelUnloadResponse()
 
     async def _model(self, name: str, version: str, context, for_metadata: bool = False) -> ModelRuntime:
         try:
@@ -332,6 +364,8 @@ class Server:
         self.metrics = Metrics(self.plane, VERSION)  # this process's own registry, read at scrape time
         self.servicer = InferenceServicer(self.plane, self.admission, self.metrics)
         self.health = health_aio.HealthServicer()
+        self.tls = CertStore.from_settings(settings)  # reads the certificate files; errors stop the start
+        set_limits(Limits.from_settings(settings))  # before any model's codec is built
         self.grpc_port = 0
         self.http_port = 0
         self._grpc: grpc.aio.Server | None = None
@@ -362,14 +396,20 @@ class Server:
             server,
             pool=proto.POOL,
         )
-        self.grpc_port = server.add_insecure_port(f"{s.host}:{s.grpc_port}")
+        if self.tls is not None:  # TLS only: a plaintext client fails its handshake
+            self.grpc_port = server.add_secure_port(f"{s.host}:{s.grpc_port}", self.tls.grpc_credentials())
+        else:
+            self.grpc_port = server.add_insecure_port(f"{s.host}:{s.grpc_port}")
         if self.grpc_port == 0:
             raise OSError(f"cannot listen on {s.host}:{s.grpc_port} for gRPC")
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         self._grpc = server
         self._http, self.http_port = await http_side.start(self)
-        log.info("listening: gRPC %s:%d, HTTP %s:%d", s.host, self.grpc_port, s.host, self.http_port)
+        log.info(
+            "listening: gRPC %s:%d, HTTP %s:%d%s", s.host, self.grpc_port, s.host, self.http_port,
+            "" if self.tls is None else (" (TLS, client certificates required)" if self.tls.mutual else " (TLS)"),
+        )  # fmt: skip
         t0 = time.perf_counter()
         await self.plane.load()
         self.metrics.attach()

@@ -368,3 +368,17 @@ async def test_every_waiter_answered_once_under_mixed_classes():
         assert st.success_count + st.shed + st.expired == 200
     finally:
         await s.close()
+
+
+def test_non_finite_parameters_are_refused_not_crashed():
+    s = _schedule("dynamic_batching { priority_levels: 2 }")
+    for name in ("priority", "latency_budget_ms", "timeout"):
+        req = pb.ModelInferRequest()
+        req.parameters[name].double_param = float("nan")
+        with pytest.raises(GatewayError) as err:
+            resolve(req.parameters, None, 0.0, CLASSES, "standard", s)
+        assert err.value.kind is Kind.INVALID and name in err.value.message
+    req = pb.ModelInferRequest()
+    req.parameters["priority"].double_param = float("inf")
+    with pytest.raises(GatewayError):
+        resolve(req.parameters, None, 0.0, CLASSES, "standard", s)

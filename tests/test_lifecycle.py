@@ -98,9 +98,10 @@ def test_first_serve_builds_the_bundled_models(tmp_path):
         srv.stop()
 
 
-def test_worker_exception_fails_only_its_batch(tmp_path):
+def test_worker_exception_fails_only_its_request(tmp_path):
     """Without the input_range guard, an out-of-range id makes onnxruntime's Gather fail: the
-    batch's callers get INTERNAL naming the model, and the worker goes on serving."""
+    caller gets INTERNAL naming the model, and the worker goes on serving. (A failing batch of
+    several requests is split until the failing one is alone: tests/test_faults.py.)"""
     repo = tmp_path / "repo"
     cfg = (REPO / "ranker" / "config.pbtxt").read_text()
     cfg = "\n".join(line for line in cfg.splitlines() if not line.startswith("parameters"))

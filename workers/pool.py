@@ -3,7 +3,10 @@
 ONNX Runtime releases the GIL while a session runs, so threads give real parallelism for the
 compute; each thread owns its session outright (no locks on the hot path). A batch goes to the
 least-loaded worker. An exception in a batch fails that batch's future only; the thread keeps
-serving.
+serving. A worker thread that dies anyway (an exception outside the per-batch guard) is replaced
+by a new thread on the same queue, with a fresh engine, so the pool keeps its size; the batch it
+held runs once more on the least-loaded other worker, and fails with ``WorkerDied`` if that
+worker dies on it too.
 
 With a ``BucketConfig`` the pool reads the model's inputs and outputs at start, plans its shape
 buckets (``workers.buckets``) and has every worker build and warm all of them before ``start``
@@ -14,6 +17,7 @@ that groups rows by bucket. A GPU gets one worker (its engines, its CUDA stream,
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Hashable
@@ -31,6 +35,17 @@ log = logging.getLogger(__name__)
 
 BatchResult = tuple[list[dict[str, np.ndarray]], BatchTiming]
 
+# Test-only fault injection (tests/test_faults.py, docs/faults.md): with N > 0 the first worker
+# thread to take its (N+1)-th batch dies holding it, outside the per-batch guard, the way a thread
+# killed by a bug would. Once per process. Unset in production: one integer test per batch.
+_KILL_AFTER = int(os.environ.get("BATCHGATE_TEST_KILL_WORKER_AFTER", "0") or 0)
+_kill_lock = threading.Lock()
+_killed = False
+
+
+class WorkerDied(RuntimeError):
+    """The worker thread running a batch died (twice: the batch is retried once)."""
+
 
 @dataclass(slots=True)
 class _Job:
@@ -38,6 +53,8 @@ class _Job:
     rows: list[int]
     batched: bool
     future: Future
+    worker: _Worker | None = None  # whose ``outstanding`` counts it (moves when retried)
+    retried: bool = False  # its worker died holding it; the future is already running
 
 
 class _Worker:
@@ -57,9 +74,34 @@ class _Worker:
         self.plan: ShapePlan | None = None
         self.fingerprint = ""
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self.taken = 0  # batches taken by this thread generation
+        self.restarts = 0
+        self.dead = False  # a replacement failed to start: no batch is sent here any more
+        # Called from the dying thread as on_death(worker, held_job | None, exc); set by the pool.
+        self.on_death = None
 
     def start(self) -> None:
         self.thread.start()
+
+    def restart(self) -> None:
+        """A new thread on the same queue and counters; it builds a fresh engine before serving."""
+        self.restarts += 1
+        self.taken = 0
+        self._engine = None
+        self._error = None
+        self._ready.clear()
+        self.thread = threading.Thread(target=self._main, name=f"{self.name}-r{self.restarts}", daemon=True)
+        self.thread.start()
+
+    def fail_queued(self, exc: BaseException) -> None:
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None and not job.future.done():
+                if job.retried or job.future.set_running_or_notify_cancel():
+                    job.future.set_exception(exc)
 
     def wait_ready(self) -> None:
         self._ready.wait()
@@ -80,27 +122,55 @@ class _Worker:
         except BaseException as exc:  # reported to whoever waits for readiness
             self._error = exc
             self._ready.set()
+            if self.restarts:  # a replacement: nobody waits for it, so answer its queue here
+                self.dead = True
+                log.error("%s: replacement worker failed to start, batches sent to it fail: %s", self.name, exc)
+                self.fail_queued(WorkerDied(f"worker {self.name} died and its replacement failed to start: {exc}"))
             return
         self._ready.set()
+        if self.restarts:
+            log.warning("%s: replacement worker thread %s serving", self.name, self.thread.name)
         engine = self._engine
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            if not job.future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = engine.run_batch(job.parts, job.rows, job.batched)
-            except BaseException as exc:  # one bad batch must not take the worker down
-                job.future.set_exception(exc)
-            else:
-                t = result[1]
-                self.busy_ns += t.input_ns + t.infer_ns + t.output_ns
-                self.rows += t.rows
-                self.padded_rows += t.padded_rows
-                self.tokens += t.tokens
-                self.padded_tokens += t.padded_tokens
-                job.future.set_result(result)
+        job: _Job | None = None
+        try:
+            while True:
+                job = None
+                job = self._jobs.get()
+                if job is None:
+                    return
+                if not (job.retried or job.future.set_running_or_notify_cancel()):
+                    continue
+                self.taken += 1
+                if _KILL_AFTER and self.taken > _KILL_AFTER:
+                    _test_kill(self.name)
+                try:
+                    result = engine.run_batch(job.parts, job.rows, job.batched)
+                except BaseException as exc:  # one bad batch must not take the worker down
+                    job.future.set_exception(exc)
+                else:
+                    t = result[1]
+                    self.busy_ns += t.input_ns + t.infer_ns + t.output_ns
+                    self.rows += t.rows
+                    self.padded_rows += t.padded_rows
+                    self.tokens += t.tokens
+                    self.padded_tokens += t.padded_tokens
+                    job.future.set_result(result)
+        except BaseException as exc:  # the thread is dying: whatever it held must still be answered
+            held = job if job is not None and not job.future.done() else None
+            if self.on_death is None:
+                if held is not None:
+                    held.future.set_exception(WorkerDied(f"worker {self.name} died: {exc!r}"))
+                raise
+            self.on_death(self, held, exc)
+
+
+def _test_kill(name: str) -> None:
+    global _killed
+    with _kill_lock:
+        if _killed:
+            return
+        _killed = True
+    raise SystemExit(f"BATCHGATE_TEST_KILL_WORKER_AFTER={_KILL_AFTER}: worker {name} killed by the test hook")
 
 
 class WorkerPool:
@@ -135,6 +205,8 @@ class WorkerPool:
             if dev.kind == "gpu" and count > 1:
                 log.info("%s: one worker per GPU; instance count %d applies to CPU only", name, count)
             self.workers.extend(_Worker(f"{name}-{dev}-{i}", model_path, dev, options) for i in range(n))
+        for w in self.workers:
+            w.on_death = self._worker_died
         self._closed = False
 
     def __len__(self) -> int:
@@ -167,15 +239,49 @@ class WorkerPool:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"worker pool '{self.name}' is closed")
-            worker = min(self.workers, key=lambda w: w.outstanding)
+            live = [w for w in self.workers if not w.dead]
+            if not live:
+                raise RuntimeError(f"worker pool '{self.name}' has no live worker (replacements failed to start)")
+            worker = min(live, key=lambda w: w.outstanding)
             worker.outstanding += 1
-        future.add_done_callback(lambda _f, w=worker: self._done(w))
-        worker.put(_Job(parts, rows, batched, future))
+            job = _Job(parts, rows, batched, future, worker)
+        future.add_done_callback(lambda _f, j=job: self._done(j))
+        worker.put(job)
         return future
 
-    def _done(self, worker: _Worker) -> None:
+    def _done(self, job: _Job) -> None:
         with self._lock:
-            worker.outstanding -= 1
+            job.worker.outstanding -= 1
+
+    def _worker_died(self, worker: _Worker, job: _Job | None, exc: BaseException) -> None:
+        """Runs on the dying thread: start its replacement, and answer or re-run the batch it held."""
+        with self._lock:
+            closed = self._closed
+            target = None
+            if job is not None and not job.retried and not closed:
+                # Prefer another worker: this one first has to build and warm a new engine.
+                target = min((w for w in self.workers if not w.dead), key=lambda w: (w is worker, w.outstanding))
+                job.worker.outstanding -= 1
+                target.outstanding += 1
+                job.worker, job.retried = target, True
+        held = "no batch" if job is None else f"a batch of {sum(job.rows)} rows"
+        if closed:
+            log.warning("%s: worker thread died during close (%r), holding %s", worker.name, exc, held)
+            err = WorkerDied(f"worker {worker.name} died while the pool was closing: {exc!r}")
+            if job is not None:
+                job.future.set_exception(err)
+            worker.fail_queued(err)
+            return
+        log.error(
+            "%s: worker thread %s died (%r) holding %s; starting a replacement%s", worker.name,
+            worker.thread.name, exc, held,
+            "" if job is None else (f", the batch runs again on {target.name}" if target else ", the batch fails"),
+        )  # fmt: skip
+        if target is not None:
+            target.put(job)
+        elif job is not None:
+            job.future.set_exception(WorkerDied(f"worker {worker.name} died running this batch, twice: {exc!r}"))
+        worker.restart()
 
     def shape_key(self, arrays: dict[str, np.ndarray]) -> Hashable:
         """The batcher's key for a request: the bucket of each variable dim (exact lengths where

@@ -1,0 +1,247 @@
+"""Request limits: message size, rows, elements per tensor, string length, number of inputs.
+
+Each refusal is a client-error status whose message names the limit, and it happens before the
+request's data is allocated: a dim of 2^62 must neither overflow nor allocate. The codec is
+tested directly (fast, exact) and through a live server with small limits set by environment.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from gateway import codec as codec_mod
+from gateway.codec import Codec, Limits, deserialize_bytes, set_limits
+from gateway.errors import GatewayError, Kind
+from gateway.repository import load_model
+from proto.inference.v2 import grpc_service_pb2 as pb
+from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from tests.conftest import REPO, ROOT, start_server
+
+_LEN = struct.Struct("<I")
+HAS_MINILM = (REPO / "minilm" / "1" / "model.onnx").exists()
+
+
+def open_encoder(dst: Path) -> Path:
+    """The encoder without its max_dim parameters: variable dims bounded by nothing but the
+    server-wide limits."""
+    model = dst / "encoder"
+    model.mkdir(parents=True)
+    (model / "1").symlink_to(REPO / "encoder" / "1", target_is_directory=True)
+    text = (REPO / "encoder" / "config.pbtxt").read_text()
+    (model / "config.pbtxt").write_text("\n".join(line for line in text.splitlines() if "max_dim." not in line))
+    return model
+
+
+@pytest.fixture
+def limits():
+    """Small limits for one test; the defaults come back after."""
+    old = codec_mod.LIMITS
+    set_limits(Limits(max_tensor_elements=1000, max_string_bytes=100, max_inputs=4))
+    yield codec_mod.LIMITS
+    set_limits(old)
+
+
+def refusal(fn) -> str:
+    with pytest.raises(GatewayError) as info:
+        fn()
+    assert info.value.kind is Kind.INVALID
+    return info.value.message
+
+
+def encoder_request(shape, raw: bytes | None = b"", typed: list | None = None) -> pb.ModelInferRequest:
+    req = pb.ModelInferRequest(model_name="encoder")
+    for name in ("input_ids", "attention_mask"):
+        t = req.inputs.add(name=name, datatype="INT64", shape=shape)
+        if typed is not None:
+            t.contents.int64_contents.extend(typed)
+    if raw is not None and typed is None:
+        req.raw_input_contents.extend([raw, raw])
+    return req
+
+
+def test_settings_defaults_and_env(monkeypatch):
+    from gateway.config import Settings
+
+    s = Settings()
+    assert Limits.from_settings(s) == Limits()
+    monkeypatch.setenv("BATCHGATE_MAX_TENSOR_ELEMENTS", "77")
+    monkeypatch.setenv("BATCHGATE_MAX_STRING_BYTES", "88")
+    monkeypatch.setenv("BATCHGATE_MAX_INPUTS", "3")
+    assert Limits.from_settings(Settings()) == Limits(77, 88, 3)
+
+
+def test_huge_dims_refused_before_allocation(tmp_path, limits):
+    (spec,) = load_model(open_encoder(tmp_path))
+    c = Codec(spec)
+    for shape in ([1, 2**62], [1, 2**63 - 1], [64, 2**57], [2, 501]):
+        for req in (encoder_request(shape), encoder_request(shape, typed=[1, 2, 3])):
+            msg = refusal(lambda: c.decode(req))
+            assert "max_tensor_elements" in msg and "BATCHGATE_MAX_TENSOR_ELEMENTS" in msg
+            assert str(int(np.prod(shape, dtype=object))) in msg
+    # at the limit: accepted
+    arrays, rows = c.decode(encoder_request([2, 500], raw=np.zeros((2, 500), np.int64).tobytes()))
+    assert rows == 2 and arrays["input_ids"].shape == (2, 500)
+
+
+def test_huge_dims_with_default_limits_do_not_allocate(tmp_path):
+    (spec,) = load_model(open_encoder(tmp_path))
+    c = Codec(spec)
+    msg = refusal(lambda: c.decode(encoder_request([1, 2**62])))
+    assert "at most 16777216 per tensor (limit max_tensor_elements" in msg
+
+
+def test_typed_count_checked_before_conversion(tmp_path):
+    """Typed contents of the wrong length are refused by count, before np.array sees them."""
+    (spec,) = load_model(open_encoder(tmp_path))
+    msg = refusal(lambda: Codec(spec).decode(encoder_request([1, 4], typed=[1, 2, 3])))
+    assert "int64_contents holds 3 values" in msg and "needs 4" in msg
+
+
+def test_rows_over_max_batch_size():
+    (spec,) = load_model(REPO / "ranker")
+    req = pb.ModelInferRequest(model_name="ranker")
+    req.inputs.add(name="dense", datatype="FP32", shape=[257, 64])
+    req.inputs.add(name="sparse_ids", datatype="INT64", shape=[257, 8])
+    msg = refusal(lambda: Codec(spec).decode(req))
+    assert "max_batch_size=256" in msg
+
+
+def test_number_of_inputs_capped_before_any_work(limits):
+    (spec,) = load_model(REPO / "ranker")
+    req = pb.ModelInferRequest(model_name="ranker")
+    for i in range(5):
+        req.inputs.add(name=f"x{i}", datatype="FP32", shape=[2**62])
+    msg = refusal(lambda: Codec(spec).decode(req))
+    assert "5 inputs" in msg and "max_inputs" in msg and "BATCHGATE_MAX_INPUTS" in msg
+    req = pb.ModelInferRequest(model_name="ranker", raw_input_contents=[b""] * 10)
+    assert "max_inputs" in refusal(lambda: Codec(spec).decode(req))
+
+
+def test_raw_bytes_count_checked_before_allocation(limits):
+    # 2^40 elements claimed, 8 bytes sent: refused by arithmetic, no 8 TiB object array
+    msg = refusal(lambda: deserialize_bytes(b"\x00" * 8, 2**40, "text"))
+    assert "too few for 1099511627776 elements" in msg
+    # a length prefix over the limit is refused before the element is copied
+    buf = _LEN.pack(101) + b"a" * 101
+    msg = refusal(lambda: deserialize_bytes(buf, 1, "text", max_len=100))
+    assert "101 bytes" in msg and "max_string_bytes" in msg
+    assert deserialize_bytes(_LEN.pack(100) + b"a" * 100, 1, "text", 100)[0] == b"a" * 100
+
+
+@pytest.mark.skipif(not HAS_MINILM, reason="model_repository/minilm is not built (batchgate prepare-minilm)")
+def test_string_length_limit_raw_and_typed(limits):
+    (spec,) = load_model(REPO / "minilm")
+    c = Codec(spec)
+    long = b"word " * 21  # 105 bytes > 100
+    raw = pb.ModelInferRequest(model_name="minilm", raw_input_contents=[_LEN.pack(3) + b"abc" + _LEN.pack(len(long)) + long])
+    raw.inputs.add(name="text", datatype="BYTES", shape=[2, 1])
+    msg = refusal(lambda: c.decode(raw))
+    assert "element 1 is 105 bytes" in msg and "max_string_bytes" in msg
+    typed = pb.ModelInferRequest(model_name="minilm")
+    t = typed.inputs.add(name="text", datatype="BYTES", shape=[2])
+    t.contents.bytes_contents.extend([b"abc", long])
+    assert "max_string_bytes" in refusal(lambda: c.decode(typed))
+
+
+def test_no_code_executing_deserialisation():
+    """No pickle (or marshal, shelve, unsafe yaml, numpy pickles, eval/exec) anywhere in the code."""
+    pattern = re.compile(
+        r"\bc?[Pp]ickle\b|\bmarshal\b|\bshelve\b|\bdill\b|joblib|allow_pickle|yaml\.load\(|yaml\.unsafe_load"
+        r"|torch\.load|(?<![.\w])eval\(|(?<![.\w])exec\("
+    )
+    hits = []
+    for folder in ("gateway", "cache", "workers", "proto", "bench"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                if pattern.search(line):
+                    hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not hits, "\n".join(hits)
+
+
+# -- live ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("limits")
+    repo = tmp / "repo"
+    open_encoder(repo)
+    (repo / "ranker").symlink_to(REPO / "ranker", target_is_directory=True)
+    if HAS_MINILM:
+        (repo / "minilm").symlink_to(REPO / "minilm", target_is_directory=True)
+    env = {"BATCHGATE_MAX_TENSOR_ELEMENTS": "1000", "BATCHGATE_MAX_STRING_BYTES": "100", "BATCHGATE_MAX_INPUTS": "4"}
+    srv = start_server(tmp, "--no-build-models", "--max-message-bytes", "65536", repo=repo, env=env)
+    ch = grpc.insecure_channel(srv.grpc_url, options=[("grpc.max_send_message_length", 2**26)])
+    yield srv, pb_grpc.GRPCInferenceServiceStub(ch)
+    ch.close()
+    assert srv.stop() == 0
+
+
+def live_refusal(stub, req) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ModelInfer(req, timeout=10)
+    return info.value
+
+
+def test_live_limits(limited):
+    srv, stub = limited
+    # message size: gRPC refuses it itself, saying how large against what maximum
+    big = encoder_request([1, 5000], raw=b"\x00" * 40_000)
+    err = live_refusal(stub, big)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert re.search(r"larger than max \(\d+ vs\. 65536\)", err.details()), err.details()
+    # elements per tensor (and a dim of 2^62)
+    for shape in ([2, 501], [1, 2**62]):
+        err = live_refusal(stub, encoder_request(shape))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tensor_elements" in err.details()
+    # number of inputs
+    req = encoder_request([1, 4], raw=np.zeros(4, np.int64).tobytes())
+    for i in range(3):
+        req.inputs.add(name=f"extra{i}", datatype="INT64", shape=[1])
+        req.raw_input_contents.append(b"\x00" * 8)
+    err = live_refusal(stub, req)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_inputs" in err.details()
+    # rows
+    req = pb.ModelInferRequest(model_name="ranker")
+    req.inputs.add(name="dense", datatype="FP32", shape=[300, 64])
+    req.inputs.add(name="sparse_ids", datatype="INT64", shape=[300, 8])
+    err = live_refusal(stub, req)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_batch_size=256" in err.details()
+    if HAS_MINILM:
+        long = b"word " * 30
+        req = pb.ModelInferRequest(model_name="minilm", raw_input_contents=[_LEN.pack(len(long)) + long])
+        req.inputs.add(name="text", datatype="BYTES", shape=[1, 1])
+        err = live_refusal(stub, req)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_string_bytes" in err.details()
+    # within every limit: served
+    ok = encoder_request([2, 8], raw=np.ones((2, 8), np.int64).tobytes())
+    resp = stub.ModelInfer(ok, timeout=10)
+    assert list(resp.outputs[0].shape) == [2, 128]
+
+
+def test_live_http_body_limit(limited):
+    import urllib.error
+    import urllib.request
+
+    srv, _ = limited
+    body = b'{"inputs": [' + b" " * 70_000 + b"]}"
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{srv.http_port}/v2/models/encoder/infer", data=body, method="POST",
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=10)
+    assert info.value.code == 413
+    assert "65536" in info.value.read().decode()
+    # a shape number beyond int64 is refused by name, not a 500
+    doc = b'{"inputs": [{"name": "input_ids", "shape": [1, 100000000000000000000], "datatype": "INT64", "data": [1]}]}'
+    request = urllib.request.Request(f"http://127.0.0.1:{srv.http_port}/v2/models/encoder/infer", data=doc, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=10)
+    assert info.value.code == 400 and "64-bit" in info.value.read().decode()
