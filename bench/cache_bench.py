@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,21 +39,12 @@ import numpy as np
 
 from proto.inference.v2 import grpc_service_pb2 as pb
 from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from bench.loadgen import free_ports, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 DISTINCT = 1_000_000
 DENSE_TABLE = 4096
 TIERS = {"off": "off", "memory": "memory", "redis": "redis", "memory+redis": "memory+redis"}
-
-
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class Rows:
@@ -91,20 +81,6 @@ class Zipf:
 
     def draw(self, rng: np.random.Generator, k: int) -> np.ndarray:
         return self.ids[np.minimum(np.searchsorted(self.cdf, rng.random(k)), len(self.ids) - 1)]
-
-
-async def _wait_ready(url: str, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    async with grpc.aio.insecure_channel(url) as ch:
-        stub = pb_grpc.GRPCInferenceServiceStub(ch)
-        while time.monotonic() < deadline:
-            try:
-                if (await stub.ServerReady(pb.ServerReadyRequest(), timeout=1)).ready:
-                    return
-            except grpc.RpcError:
-                pass
-            await asyncio.sleep(0.2)
-    raise RuntimeError(f"{url} not ready")
 
 
 async def _stats(url: str) -> dict:
@@ -197,7 +173,7 @@ def _repo(tmp: Path) -> Path:
 def _start_redis(tmp: Path) -> tuple[subprocess.Popen, int]:
     import redis
 
-    port = _ports(1)[0]
+    port = free_ports(1)[0]
     proc = subprocess.Popen(
         ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
          "--dir", str(tmp), "--loglevel", "warning"],
@@ -214,7 +190,7 @@ def _start_redis(tmp: Path) -> tuple[subprocess.Popen, int]:
 
 
 def _start_server(repo: Path, tiers: str, redis_url: str) -> tuple[subprocess.Popen, str, int]:
-    grpc_port, http_port = _ports(2)
+    grpc_port, http_port = free_ports(2)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "BATCHGATE_CACHE_TIERS": tiers}
     if tiers in ("redis", "memory+redis"):
         env["BATCHGATE_REDIS_URL"] = redis_url
@@ -311,7 +287,7 @@ def main() -> int:
             for config in configs:  # all up at once; an idle one costs next to nothing
                 servers[config] = _start_server(repo, TIERS[config], redis_url)
             for config, (_, url, _) in servers.items():
-                asyncio.run(_wait_ready(url))
+                asyncio.run(wait_ready(url))
             urls = {c: url for c, (_, url, _) in servers.items()}
             miss_configs = [c for c in configs if c in ("off", "memory", "redis")]
             if args.miss_seconds > 0 and miss_configs:

@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,18 +24,9 @@ import numpy as np
 
 from proto.inference.v2 import grpc_service_pb2 as pb
 from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from bench.loadgen import free_ports, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _request(rows: int, seed: int) -> pb.ModelInferRequest:
@@ -47,20 +37,6 @@ def _request(rows: int, seed: int) -> pb.ModelInferRequest:
     req.raw_input_contents.append(rng.standard_normal((rows, 64), dtype=np.float32).tobytes())
     req.raw_input_contents.append(rng.integers(0, 10_000, (rows, 8), dtype=np.int64).tobytes())
     return req
-
-
-async def _wait_ready(url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    async with grpc.aio.insecure_channel(url) as ch:
-        stub = pb_grpc.GRPCInferenceServiceStub(ch)
-        while time.monotonic() < deadline:
-            try:
-                if (await stub.ServerReady(pb.ServerReadyRequest(), timeout=1)).ready:
-                    return
-            except grpc.RpcError:
-                pass
-            await asyncio.sleep(0.2)
-    raise RuntimeError(f"{url} not ready")
 
 
 async def _load(url: str, concurrency: int, rows: int, seconds: float) -> dict:
@@ -114,7 +90,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args()
 
-    noop_port, bg_grpc, bg_http = _ports(3)
+    noop_port, bg_grpc, bg_http = free_ports(3)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs = [
         subprocess.Popen([sys.executable, "-m", "bench.noop_server", str(noop_port)], cwd=ROOT, env=env),
@@ -126,8 +102,8 @@ def main() -> int:
     ]  # fmt: skip
     try:
         noop_url, bg_url = f"127.0.0.1:{noop_port}", f"127.0.0.1:{bg_grpc}"
-        asyncio.run(_wait_ready(noop_url))
-        asyncio.run(_wait_ready(bg_url))
+        asyncio.run(wait_ready(noop_url))
+        asyncio.run(wait_ready(bg_url))
         asyncio.run(_load(bg_url, args.concurrency, args.rows, 1.0))  # warm-up
         results = {}
         for name, url in (("noop", noop_url), ("batchgate", bg_url)):

@@ -28,6 +28,7 @@ import numpy as np
 
 from proto.inference.v2 import grpc_service_pb2 as pb
 from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from bench.loadgen import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 # class -> (share of requests, budget seconds the client judges by, parameters sent)
@@ -36,18 +37,6 @@ MIX = {
     "standard": (0.3, 0.250, {"latency_class": "standard", "latency_budget_ms": 250}),
     "bulk": (0.2, 5.0, {"latency_class": "bulk", "latency_budget_ms": 5000}),
 }
-
-
-def _ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    out = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return out
 
 
 def _request(rng: np.random.Generator, rows: int, seq: int, params: dict) -> pb.ModelInferRequest:
@@ -194,7 +183,7 @@ def main() -> int:
     results: dict[str, list[dict]] = {}
     capacity = None
     for policy in ("deadline", "fifo"):
-        port, http_port = _ports(2)
+        port, http_port = free_ports(2)
         proc = _serve(policy, port, http_port, args.server_args.split())
         url = f"127.0.0.1:{port}"
         try:

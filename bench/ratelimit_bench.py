@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,20 +38,11 @@ from gateway.ratelimit import Rate, RedisLimiter
 from gateway.tenants import Limits, Tenant, hash_key
 from proto.inference.v2 import grpc_service_pb2 as pb
 from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from bench.loadgen import free_ports, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = {"local": "bench-local-key-0000", "global": "bench-global-key-000", "limited": "bench-limited-key-00"}
 HIGH = 1e6  # a limit nobody reaches: the decision is made, and always admits
-
-
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _pct(samples_s: list[float]) -> dict[str, float]:
@@ -129,7 +119,7 @@ class Procs:
     def redis(self) -> str:
         if shutil.which("redis-server") is None:
             raise SystemExit("redis-server is not installed")
-        (port,) = _ports(1)
+        (port,) = free_ports(1)
         self.procs.append(
             subprocess.Popen(
                 ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
@@ -149,7 +139,7 @@ class Procs:
         raise RuntimeError("redis-server did not start")
 
     def gateway(self, env: dict) -> str:
-        grpc_port, http_port = _ports(2)
+        grpc_port, http_port = free_ports(2)
         log = (self.tmp / f"gateway-{grpc_port}.log").open("w")
         self.procs.append(
             subprocess.Popen(
@@ -169,20 +159,6 @@ class Procs:
             except subprocess.TimeoutExpired:
                 p.kill()
         shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-async def _wait_ready(url: str, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    async with grpc.aio.insecure_channel(url) as ch:
-        stub = pb_grpc.GRPCInferenceServiceStub(ch)
-        while time.monotonic() < deadline:
-            try:
-                if (await stub.ServerReady(pb.ServerReadyRequest(), timeout=1)).ready:
-                    return
-            except grpc.RpcError:
-                pass
-            await asyncio.sleep(0.2)
-    raise RuntimeError(f"{url} not ready")
 
 
 def _request(i: int) -> pb.ModelInferRequest:
@@ -320,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         decisions = asyncio.run(bench_decisions(redis_url, args.decisions))
         urls = [procs.gateway(env), procs.gateway(env)]
         for u in urls:
-            asyncio.run(_wait_ready(u))
+            asyncio.run(wait_ready(u))
         print(
             f"  whole calls: {args.concurrency} callers, {args.seconds:.0f}s per tenant ...", file=sys.stderr
         )
