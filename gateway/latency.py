@@ -76,6 +76,10 @@ class LatencyModel:
         fit = self._fits.get(key)
         return fit is not None and fit.batches > self.CONFIDENT
 
+    def confident_model(self) -> bool:
+        """Whether the model as a whole (any bucket) has run often enough to estimate queued work."""
+        return self._any.batches > self.CONFIDENT
+
     def observe(self, key: Hashable, rows: int, seconds: float) -> None:
         fit = self._fits.get(key)
         if fit is None:

@@ -300,6 +300,19 @@ class DeadlineQueue:
         rank = req.cls.rank
         return sum(self.class_rows[c] for c, lc in self.classes.items() if lc.rank <= rank)
 
+    def work_ahead_s(self, req: Request) -> float:
+        """Compute seconds queued ahead of ``req`` (classes at least as urgent), bucket by bucket:
+        a row of a long bucket costs more than a short one."""
+        rank = req.cls.rank
+        per_batch = max(self.max_batch_size, 1)
+        total = 0.0
+        for key, lanes in self._lanes.items():
+            rows = sum(lane.rows for lane in lanes.values() if self.classes[lane.cls].rank <= rank)
+            if rows:
+                a, b = self.latency.per_row(key)
+                total += math.ceil(rows / per_batch) * a + rows * b
+        return total
+
     # -- bookkeeping ----------------------------------------------------------------------------
 
     def _remove(self, lane: _Lane, req: Request) -> None:
@@ -466,7 +479,10 @@ class DeadlineQueue:
         # Also wake when the most urgent queued request would become hopeless.
         for (level, deadline, _), key, lane in heads:
             r = lane.heap[0][3]
-            wake = min(wake, deadline - self.latency.estimate(key, r.rows), r.queue_deadline)
+            # The same estimate take_expired uses (none until the bucket is known), so a wake-up
+            # never lands on a moment when there is nothing to do.
+            est = self.latency.estimate(key, r.rows) if self.latency.confident(key) else 0.0
+            wake = min(wake, deadline - est - self.margin_s, r.queue_deadline)
         return None if wake == math.inf else wake
 
     def _take(self, plan: list[tuple[_Lane, tuple]]) -> list[Request]:

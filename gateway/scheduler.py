@@ -199,15 +199,13 @@ class Scheduler:
 
     def _admit_or_shed(self, req: Request, now: float) -> None:
         """Refuse at once a request whose deadline is out of reach given the work ahead of it."""
-        if req.deadline == math.inf or not self.latency.confident(req.key):
+        if req.deadline == math.inf or not self.latency.confident_model():
             return  # no estimate worth refusing work on yet: admit, the queue still expires it
-        a, b = self.latency.per_row(req.key)
-        ahead = self.queue.rows_ahead(req)
-        per_batch = max(self.queue.max_batch_size, 1)
-        wait = (math.ceil(ahead / per_batch) * a + ahead * b) / self._slots
+        wait = self.queue.work_ahead_s(req) / self._slots
         if self._free == 0:
             wait += self._inflight_est / self._slots / 2  # running batches are half done on average
-        own = self.latency.estimate(req.key, req.rows)
+        # A bucket that has not run enough yet counts no compute of its own (never over-refuse).
+        own = self.latency.estimate(req.key, req.rows) if self.latency.confident(req.key) else 0.0
         if now + wait + own > req.deadline:
             self.stats.fail_count += 1  # Triton counts refused requests as failed
             self.stats.shed += 1

@@ -118,7 +118,7 @@ def test_reflection_lists_and_describes_the_inference_service(server):
 
 def test_unimplemented_extensions_say_so(stub):
     try:
-        stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="ranker"))
+        stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest())
         raise AssertionError("expected UNIMPLEMENTED")
     except grpc.RpcError as err:
         assert err.code() == grpc.StatusCode.UNIMPLEMENTED
