@@ -234,6 +234,7 @@ class DeadlineQueue:
         level_queue_sizes: dict[int, int] | None = None,
         margin_s: float = 0.0005,
         default_class: str = "standard",
+        cap_fraction: float = 0.75,
     ) -> None:
         self.max_batch_size = max_batch_size
         self.preferred = frozenset(p for p in preferred if p <= max(max_batch_size, 1))
@@ -241,6 +242,7 @@ class DeadlineQueue:
         self.classes = classes
         self.latency = latency
         self.level_queue_sizes = {k: v for k, v in (level_queue_sizes or {}).items() if v}
+        self.cap_fraction = cap_fraction
         self.default_class = classes.get(default_class) or max(classes.values(), key=lambda c: c.budget_s)
         self.margin_s = margin_s
         self._lanes: dict[Hashable, dict[str, _Lane]] = {}
@@ -256,6 +258,7 @@ class DeadlineQueue:
         self._credit: dict[str, float] = {c: 0.0 for c, lc in classes.items() if lc.min_share > 0}
         self._arrivals_per_s = 0.0
         self._last_arrival: float | None = None
+        self._class_seen: dict[str, float] = {}  # class -> last arrival, for the batch-time cap
 
     def __len__(self) -> int:
         return self.size
@@ -286,6 +289,7 @@ class DeadlineQueue:
         self.class_rows[cls] += req.rows
         self.level_size[req.level] = self.level_size.get(req.level, 0) + 1
         self._note_arrival(req.arrival)
+        self._class_seen[cls] = req.arrival
         return True
 
     def _note_arrival(self, now: float) -> None:
@@ -304,12 +308,15 @@ class DeadlineQueue:
         """Compute seconds queued ahead of ``req`` (classes at least as urgent), bucket by bucket:
         a row of a long bucket costs more than a short one."""
         rank = req.cls.rank
-        per_batch = max(self.max_batch_size, 1)
+        cap = self._batch_time_cap(req.arrival)
         total = 0.0
         for key, lanes in self._lanes.items():
             rows = sum(lane.rows for lane in lanes.values() if self.classes[lane.cls].rank <= rank)
             if rows:
                 a, b = self.latency.per_row(key)
+                per_batch = max(self.max_batch_size, 1)
+                if cap < math.inf and b > 0:  # batches are held under the cap: more, smaller ones
+                    per_batch = max(1, min(per_batch, int((cap - a) / b)))
                 total += math.ceil(rows / per_batch) * a + rows * b
         return total
 
@@ -384,7 +391,16 @@ class DeadlineQueue:
         heads.sort(key=lambda h: h[0])
         return heads
 
-    def _pop_plan(self, key: Hashable, first: _Lane | None) -> tuple[list[tuple[_Lane, tuple]], int, int]:
+    def _batch_time_cap(self, now: float) -> float:
+        """Longest batch worth running now: ``cap_fraction`` of the tightest budget among classes
+        active in the last second. Batches do not preempt, so a longer one would make the next
+        urgent request late; a smaller fraction trades throughput for the urgent class's p99."""
+        active = [self.classes[c].budget_s for c, t in self._class_seen.items() if now - t < 1.0]
+        return min(active) * self.cap_fraction if active else math.inf
+
+    def _pop_plan(
+        self, key: Hashable, first: _Lane | None, now: float = 0.0
+    ) -> tuple[list[tuple[_Lane, tuple]], int, int]:
         """Pop, in (level, deadline) order across the bucket's lanes, the requests a batch of bucket
         ``key`` would take now. Returns (lane, heap entry) pairs, their rows, and the count at the
         largest preferred size reached (0 if none). ``_restore`` puts them back if it doesn't go."""
@@ -395,6 +411,11 @@ class DeadlineQueue:
         limit = self.max_batch_size or 1
         cand = [(l.heap[0][:3], i) for i, l in enumerate(lanes) if l is not first]
         heapq.heapify(cand)
+        # Deadline-aware filling: a row joins only if the batch, with it, still finishes before the
+        # most urgent deadline in it and stays under the batch-time cap (known buckets only).
+        sized = self.latency.confident(key)
+        cap = self._batch_time_cap(now) if sized else math.inf
+        urgent = math.inf
         if first is not None:  # a starving class's head goes first
             cand.insert(0, ((-1, -math.inf, -1), lanes.index(first)))
         while rows < limit and cand:
@@ -408,9 +429,16 @@ class DeadlineQueue:
             elif rows + r.rows > limit and plan:
                 heapq.heappush(lane.heap, entry)
                 break
+            elif plan and sized and (
+                (est := self.latency.estimate(key, rows + r.rows)) > cap
+                or now + est + self.margin_s > min(urgent, r.deadline)
+            ):
+                heapq.heappush(lane.heap, entry)
+                break
             else:
                 plan.append((lane, entry))
                 rows += r.rows
+                urgent = min(urgent, r.deadline)
                 if rows in self.preferred:
                     best_pref = len(plan)
                 if self.max_batch_size == 0:
@@ -424,10 +452,16 @@ class DeadlineQueue:
         for lane, entry in plan:
             heapq.heappush(lane.heap, entry)
 
+    def _live_in(self, key: Hashable) -> int:
+        """Requests queued in bucket ``key`` besides a popped plan (heaps hold the rest)."""
+        return sum(len(lane.heap) for lane in self._lanes[key].values())
+
     def _close_at(self, key: Hashable, plan: list[tuple[_Lane, tuple]], rows: int, best_pref: int, now: float,
                   idle: bool) -> float:
         """When this batch should leave: now (returns ``now``) or a later time to re-check."""
         if self.max_batch_size == 0 or rows >= self.max_batch_size or best_pref == len(plan):
+            return now
+        if self._live_in(key):  # rows were left out (deadline, cap or size): waiting adds nothing
             return now
         urgent = min(e[3].deadline for _, e in plan)
         compute = self.latency.estimate(key, rows)
@@ -461,7 +495,7 @@ class DeadlineQueue:
             seen.add(key)
             if key not in self._lanes:
                 continue
-            plan, rows, best_pref = self._pop_plan(key, lane if starving == lane.cls else None)
+            plan, rows, best_pref = self._pop_plan(key, lane if starving == lane.cls else None, now)
             if not plan:
                 continue
             at = self._close_at(key, plan, rows, best_pref, now, idle)

@@ -382,3 +382,18 @@ def test_non_finite_parameters_are_refused_not_crashed():
     req.parameters["priority"].double_param = float("inf")
     with pytest.raises(GatewayError):
         resolve(req.parameters, None, 0.0, CLASSES, "standard", s)
+
+
+def test_fill_stops_before_the_batch_would_make_its_most_urgent_request_late():
+    # 10 ms per batch plus 2 ms per row: a realtime request (25 ms) can share with a few rows only.
+    q = queue(max_bs=64, delay=0.0, latency=trained(a=0.010, b=0.002))
+    q.push(make_req("rt", "realtime", 0.0))
+    for i in range(20):
+        q.push(make_req(f"bulk{i}", "bulk", 0.0))
+    batch = names(q.pop_batch(0.0))
+    assert batch[0] == "rt"
+    # rt + n rows must finish by 25 ms: 10 + 2*(n+1) <= 25 - margin -> n <= 6; and the batch-time
+    # cap (0.75 of realtime's 25 ms while realtime is active) allows 10 + 2*rows <= 18.75 -> 4 rows.
+    assert len(batch) == 4
+    rest = names(q.pop_batch(0.0))
+    assert rest and all(n.startswith("bulk") for n in rest)
