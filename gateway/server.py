@@ -444,6 +444,9 @@ class Server:
             return
         log.info("draining: readiness false; new requests get UNAVAILABLE", extra={"event": "drain"})
         self.plane.draining = True
+        # The quiet period of _linger counts from here: callers that have not yet sent their next
+        # request (so none was refused) must still get the chance to be told UNAVAILABLE.
+        self.plane.last_refused = time.monotonic()
         await self._set_health()
         ok = await self.plane.drain(self.settings.drain_timeout_s)
         if not ok:
