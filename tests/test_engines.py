@@ -337,7 +337,11 @@ def _encoder_only_repo(tmp_path: Path, queue_delay_us: int) -> Path:
 def test_requests_of_different_lengths_share_padded_batches_through_the_server(tmp_path, reference):
     import tritonclient.grpc as tc
 
-    srv = start_server(tmp_path, repo=_encoder_only_repo(tmp_path, 100_000))
+    # FIFO holds for the 100 ms timer unconditionally; the deadline policy may send a lone first
+    # arrival at once when it expects nobody to join, which would make the merge timing-dependent.
+    srv = start_server(
+        tmp_path, repo=_encoder_only_repo(tmp_path, 100_000), env={"BATCHGATE_SCHEDULING_POLICY": "fifo"}
+    )
     try:
         rng = np.random.default_rng(7)
         # 16 requests, every length different (17..32, 20 and 30 among them): with exact-shape

@@ -238,9 +238,13 @@ def _infer_inputs(feed: dict[str, np.ndarray]) -> list[tc.InferInput]:
 
 
 def test_live_poisoned_request_fails_alone_in_a_merged_batch(tmp_path):
-    # 300 ms of max_queue_delay and one worker: requests sent together share one batch.
+    # 300 ms of max_queue_delay and one worker: requests sent together share one batch. The FIFO
+    # policy holds for the timer unconditionally (the deadline policy may send a first arrival
+    # alone when it expects nobody to join, which would make this test depend on timing).
     repo = _unguarded_ranker_repo(tmp_path, 300_000)
-    srv = start_server(tmp_path, "--workers-per-device", "1", repo=repo)
+    srv = start_server(
+        tmp_path, "--workers-per-device", "1", repo=repo, env={"BATCHGATE_SCHEDULING_POLICY": "fifo"}
+    )
     n, bad = 6, 3
     feeds = [_ranker_feed(2, 100 + i, bad_row=1 if i == bad else None) for i in range(n)]
     try:
