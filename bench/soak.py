@@ -38,21 +38,12 @@ import numpy as np
 
 from proto.inference.v2 import grpc_service_pb2 as pb
 from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from bench.loadgen import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 REPO = ROOT / "model_repository"
 RSS_FACTOR, RSS_SLACK_MB = 1.25, 50.0
 FATAL_CODES = {"INTERNAL", "UNKNOWN", "DATA_LOSS"}
-
-
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _rss_mb(pid: int) -> float:
@@ -87,7 +78,7 @@ def _repository(dst: Path) -> list[str]:
 
 class Redis:
     def __init__(self, workdir: Path) -> None:
-        self.port = _ports(1)[0]
+        self.port = free_ports(1)[0]
         self.workdir = workdir
         self.proc: subprocess.Popen | None = None
 
@@ -118,7 +109,7 @@ class Redis:
 
 
 def _start_server(repo: Path, redis_url: str, log_path: Path, workers: int) -> tuple[subprocess.Popen, str]:
-    grpc_port, http_port = _ports(2)
+    grpc_port, http_port = free_ports(2)
     cmd = [sys.executable, "-m", "gateway", "serve", "--model-repository", str(repo), "--host", "127.0.0.1",
            "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--redis-url", redis_url,
            "--workers-per-device", str(workers), "--no-build-models"]  # fmt: skip

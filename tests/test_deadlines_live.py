@@ -11,22 +11,12 @@ import numpy as np
 
 from proto.inference.v2 import grpc_service_pb2 as pb
 from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from bench.goodput import _request as encoder_request
 from tests.conftest import start_server
 
 
 def _encoder(rows: int, seq: int, **params) -> pb.ModelInferRequest:
-    rng = np.random.default_rng(rows * 1000 + seq)
-    req = pb.ModelInferRequest(model_name="encoder")
-    req.inputs.add(name="input_ids", datatype="INT64", shape=[rows, seq])
-    req.inputs.add(name="attention_mask", datatype="INT64", shape=[rows, seq])
-    req.raw_input_contents.append(rng.integers(0, 1000, (rows, seq), dtype=np.int64).tobytes())
-    req.raw_input_contents.append(np.ones((rows, seq), np.int64).tobytes())
-    for k, v in params.items():
-        if isinstance(v, str):
-            req.parameters[k].string_param = v
-        else:
-            req.parameters[k].int64_param = v
-    return req
+    return encoder_request(np.random.default_rng(rows * 1000 + seq), rows, seq, params)
 
 
 def _stats(stub) -> pb.ModelStatistics:
