@@ -24,7 +24,6 @@ import argparse
 import math
 import queue
 import sys
-import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor

@@ -181,7 +181,6 @@ async def bench_calls(url: str, concurrency: int, seconds: float, rounds: int = 
     errors = 0
 
     async def phase(name: str, secs: float, record: bool) -> None:
-        nonlocal errors
         md = (("x-api-key", KEYS[name]),)
         stop_at = time.perf_counter() + secs
 

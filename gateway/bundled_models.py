@@ -63,8 +63,9 @@ LN_EPSILON = 1e-5
 Log = Callable[[str], object]
 
 
-class _Graph:
-    """Accumulates nodes and initializers; names are prefixed by the caller for uniqueness."""
+class GraphBuilder:
+    """Accumulates nodes and initializers; names are prefixed by the caller for uniqueness.
+    Shared by the bundled models and the MiniLM builder (gateway/minilm.py)."""
 
     def __init__(self) -> None:
         self.nodes: list[onnx.NodeProto] = []
@@ -73,6 +74,11 @@ class _Graph:
     def op(self, op_type: str, inputs: Sequence[str], output: str, **attrs: object) -> str:
         self.nodes.append(helper.make_node(op_type, list(inputs), [output], name=output, **attrs))
         return output
+
+    def ops(self, op_type: str, inputs: Sequence[str], outputs: Sequence[str], **attrs: object) -> list[str]:
+        """A node with several outputs, named after the first."""
+        self.nodes.append(helper.make_node(op_type, list(inputs), list(outputs), name=outputs[0], **attrs))
+        return list(outputs)
 
     def const(self, name: str, value: np.ndarray) -> str:
         self.initializers.append(numpy_helper.from_array(value, name))
@@ -92,7 +98,7 @@ class _Graph:
         return self.op("Cast", [f"{name}_fp16"], name, to=TensorProto.FLOAT)
 
 
-def _finish(graph: _Graph, name: str, inputs: list[onnx.ValueInfoProto],
+def _finish(graph: GraphBuilder, name: str, inputs: list[onnx.ValueInfoProto],
             outputs: list[onnx.ValueInfoProto]) -> onnx.ModelProto:
     model = helper.make_model(
         helper.make_graph(graph.nodes, name, inputs, outputs, graph.initializers),
@@ -117,7 +123,7 @@ def _he_normal(rng: np.random.Generator, fan_in: int, fan_out: int) -> np.ndarra
 
 def build_ranker() -> onnx.ModelProto:
     rng = np.random.default_rng(RANKER_SEED)
-    g = _Graph()
+    g = GraphBuilder()
     table = g.weight("embedding_table", rng.standard_normal((RANKER_VOCAB, RANKER_EMB)) * 0.5)
 
     looked_up = g.op("Gather", [table, "sparse_ids"], "slot_embeddings", axis=0)
@@ -150,19 +156,19 @@ def build_ranker() -> onnx.ModelProto:
 # encoder
 
 
-def _linear(g: _Graph, rng: np.random.Generator, name: str, x: str, fan_in: int, fan_out: int) -> str:
+def _linear(g: GraphBuilder, rng: np.random.Generator, name: str, x: str, fan_in: int, fan_out: int) -> str:
     w = g.weight(f"{name}.weight", rng.standard_normal((fan_in, fan_out)) / math.sqrt(fan_in), fp16=True)
     b = g.weight(f"{name}.bias", rng.standard_normal(fan_out) * 0.02)
     return g.op("Add", [g.op("MatMul", [x, w], f"{name}.matmul"), b], name)
 
 
-def _layer_norm(g: _Graph, rng: np.random.Generator, name: str, x: str) -> str:
+def _layer_norm(g: GraphBuilder, rng: np.random.Generator, name: str, x: str) -> str:
     scale = g.weight(f"{name}.scale", 1.0 + rng.standard_normal(ENCODER_HIDDEN) * 0.02)
     bias = g.weight(f"{name}.bias", rng.standard_normal(ENCODER_HIDDEN) * 0.02)
     return g.op("LayerNormalization", [x, scale, bias], name, axis=-1, epsilon=LN_EPSILON)
 
 
-def _gelu(g: _Graph, name: str, x: str) -> str:
+def _gelu(g: GraphBuilder, name: str, x: str) -> str:
     # Exact (erf) GELU spelled out: the Gelu op only exists from opset 20. onnxruntime fuses
     # this pattern back into its Gelu kernel.
     inv_sqrt2 = g.const(f"{name}.inv_sqrt2", np.array(1 / math.sqrt(2), np.float32))
@@ -172,14 +178,14 @@ def _gelu(g: _Graph, name: str, x: str) -> str:
     return g.op("Mul", [g.op("Mul", [x, half], f"{name}.half_x"), one_plus], name)
 
 
-def _heads(g: _Graph, rng: np.random.Generator, name: str, x: str, perm: list[int]) -> str:
+def _heads(g: GraphBuilder, rng: np.random.Generator, name: str, x: str, perm: list[int]) -> str:
     projected = _linear(g, rng, name, x, ENCODER_HIDDEN, ENCODER_HIDDEN)
     # Reshape's 0 entries copy batch and seq from the input, so no runtime shape arithmetic.
     split = g.op("Reshape", [projected, "heads_shape"], f"{name}.heads")
     return g.op("Transpose", [split], f"{name}.transposed", perm=perm)
 
 
-def _attention(g: _Graph, rng: np.random.Generator, name: str, x: str, key_bias: str) -> str:
+def _attention(g: GraphBuilder, rng: np.random.Generator, name: str, x: str, key_bias: str) -> str:
     q = _heads(g, rng, f"{name}.q", x, [0, 2, 1, 3])  # [batch, heads, seq, head_dim]
     # K goes straight to [batch, heads, head_dim, seq] so Q @ K needs no extra transpose.
     k = _heads(g, rng, f"{name}.k", x, [0, 2, 3, 1])
@@ -194,7 +200,7 @@ def _attention(g: _Graph, rng: np.random.Generator, name: str, x: str, key_bias:
     return _linear(g, rng, f"{name}.out", merged, ENCODER_HIDDEN, ENCODER_HIDDEN)
 
 
-def _encoder_layer(g: _Graph, rng: np.random.Generator, name: str, x: str, key_bias: str) -> str:
+def _encoder_layer(g: GraphBuilder, rng: np.random.Generator, name: str, x: str, key_bias: str) -> str:
     # Pre-LN residual blocks: stable with random weights, no warm-up tricks needed.
     attn = _attention(g, rng, f"{name}.attn", _layer_norm(g, rng, f"{name}.ln1", x), key_bias)
     x = g.op("Add", [x, attn], f"{name}.resid1")
@@ -204,7 +210,7 @@ def _encoder_layer(g: _Graph, rng: np.random.Generator, name: str, x: str, key_b
     return g.op("Add", [x, ffn], f"{name}.resid2")
 
 
-def _embed(g: _Graph, rng: np.random.Generator) -> str:
+def _embed(g: GraphBuilder, rng: np.random.Generator) -> str:
     tokens = rng.standard_normal((ENCODER_VOCAB, ENCODER_HIDDEN))
     positions = rng.standard_normal((ENCODER_MAX_POS, ENCODER_HIDDEN)) * 0.1
     token_table = g.weight("token_embedding", tokens, fp16=True)
@@ -221,7 +227,7 @@ def _embed(g: _Graph, rng: np.random.Generator) -> str:
     return g.op("Add", [token_states, position_states], "embedded")
 
 
-def _key_bias(g: _Graph, mask: str) -> str:
+def _key_bias(g: GraphBuilder, mask: str) -> str:
     """[batch, 1, 1, seq]: 0 for real keys, MASK_PENALTY for padding; broadcasts over heads and queries."""
     padding = g.op("Sub", ["one_f", mask], "padding_f")
     penalty = g.const("mask_penalty", np.array(MASK_PENALTY, np.float32))
@@ -229,7 +235,7 @@ def _key_bias(g: _Graph, mask: str) -> str:
     return g.op("Unsqueeze", [penalty, g.const("key_bias_axes", np.array([1, 2], np.int64))], "key_bias")
 
 
-def _masked_mean(g: _Graph, x: str, mask: str) -> str:
+def _masked_mean(g: GraphBuilder, x: str, mask: str) -> str:
     # max(count, 1) keeps an all-padding row at 0 instead of NaN.
     seq_axis = g.const("seq_axes", np.array([1], np.int64))
     mask_3d = g.op("Unsqueeze", [mask, g.const("mask_axes", np.array([2], np.int64))], "mask_3d")
@@ -242,7 +248,7 @@ def _masked_mean(g: _Graph, x: str, mask: str) -> str:
 
 def build_encoder() -> onnx.ModelProto:
     rng = np.random.default_rng(ENCODER_SEED)
-    g = _Graph()
+    g = GraphBuilder()
     head_dim = ENCODER_HIDDEN // ENCODER_HEADS
     g.const("one_f", np.array(1.0, np.float32))
     g.const("heads_shape", np.array([0, 0, ENCODER_HEADS, head_dim], np.int64))

@@ -23,7 +23,7 @@ from gateway.budgets import Budget, LatencyClass, SchedulePolicy
 from gateway.caching import ModelCache, build_cache, model_cache
 from gateway.codec import Codec
 from gateway.config import Settings
-from gateway.errors import GatewayError, Kind, not_found, unavailable
+from gateway.errors import not_found, unavailable
 from gateway.preprocess import TextStage
 from gateway.repository import ConfigError, LoadFailure, ModelSpec, load_model, load_repository, tokenized
 from gateway.latency import LatencyModel
@@ -92,7 +92,6 @@ class DataPlane:
     loaded: bool = False
     draining: bool = False
     last_refused: float = 0.0  # monotonic time of the last request refused while draining
-    started_at: float = field(default_factory=time.time)
     classes: dict[str, LatencyClass] = field(default_factory=dict)
     cache: TieredCache | None = None  # result cache tiers shared by every model that enables it
     _reload_locks: dict[str, asyncio.Lock] = field(default_factory=dict)  # one load/unload per model at a time
@@ -289,6 +288,3 @@ class DataPlane:
         if self.cache is not None:
             await self.cache.close()  # sends what is queued for Redis, briefly
 
-
-def status_kind(exc: BaseException) -> Kind:
-    return exc.kind if isinstance(exc, GatewayError) else Kind.FAILED

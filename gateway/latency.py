@@ -20,8 +20,6 @@ class _Fit:
     sxx: float = 0.0
     sxy: float = 0.0
     batches: int = 0
-    last_rows: int = 0
-    last_s: float = 0.0
 
     def add(self, rows: int, seconds: float, decay: float) -> None:
         self.w = self.w * decay + 1.0
@@ -30,7 +28,6 @@ class _Fit:
         self.sxx = self.sxx * decay + rows * rows
         self.sxy = self.sxy * decay + rows * seconds
         self.batches += 1
-        self.last_rows, self.last_s = rows, seconds
 
     def coefficients(self) -> tuple[float, float]:
         """(a, b) with a, b >= 0; falls back to a proportional fit while rows have not varied."""

@@ -45,9 +45,9 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
-from gateway.bundled_models import IR_VERSION, OPSET, _write_atomic
+from gateway.bundled_models import IR_VERSION, OPSET, GraphBuilder, _write_atomic
 
 Log = Callable[[str], object]
 
@@ -237,38 +237,28 @@ def load_source(source: Path | None = None, log: Log = print) -> Source:
 # the ONNX graph
 
 
-class _Graph:
-    def __init__(self) -> None:
-        self.nodes: list[onnx.NodeProto] = []
-        self.initializers: list[onnx.TensorProto] = []
-
-    def op(self, op_type: str, inputs: Sequence[str], output: str, **attrs: object) -> str:
-        self.nodes.append(helper.make_node(op_type, list(inputs), [output], name=output, **attrs))
-        return output
-
-    def ops(self, op_type: str, inputs: Sequence[str], outputs: Sequence[str], **attrs: object) -> list[str]:
-        self.nodes.append(helper.make_node(op_type, list(inputs), list(outputs), name=outputs[0], **attrs))
-        return list(outputs)
+class _Graph(GraphBuilder):
+    """The shared builder; weights come transposed out of safetensors, so each is made
+    contiguous before it is stored (which also keeps the built file byte-identical)."""
 
     def const(self, name: str, value: np.ndarray) -> str:
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
-        return name
+        return super().const(name, np.ascontiguousarray(value))
 
 
-def _linear(g: _Graph, name: str, x: str, weight: np.ndarray, bias: np.ndarray) -> str:
+def _linear(g: GraphBuilder, name: str, x: str, weight: np.ndarray, bias: np.ndarray) -> str:
     # torch Linear stores [out, in]; MatMul wants [in, out].
     w = g.const(f"{name}.weight", weight.T.astype(np.float32))
     b = g.const(f"{name}.bias", bias.astype(np.float32))
     return g.op("Add", [g.op("MatMul", [x, w], f"{name}.matmul"), b], name)
 
 
-def _layer_norm(g: _Graph, name: str, x: str, w: dict[str, np.ndarray], prefix: str, eps: float) -> str:
+def _layer_norm(g: GraphBuilder, name: str, x: str, w: dict[str, np.ndarray], prefix: str, eps: float) -> str:
     scale = g.const(f"{name}.scale", w[f"{prefix}.weight"])
     bias = g.const(f"{name}.bias", w[f"{prefix}.bias"])
     return g.op("LayerNormalization", [x, scale, bias], name, axis=-1, epsilon=eps)
 
 
-def _gelu(g: _Graph, name: str, x: str) -> str:
+def _gelu(g: GraphBuilder, name: str, x: str) -> str:
     # Exact (erf) GELU spelled out, as Hugging Face's "gelu": the Gelu op only exists from opset 20;
     # onnxruntime fuses this pattern back into its Gelu kernel.
     erf = g.op("Erf", [g.op("Div", [x, "sqrt2"], f"{name}.scaled")], f"{name}.erf")
@@ -277,7 +267,7 @@ def _gelu(g: _Graph, name: str, x: str) -> str:
 
 
 def _attention(
-    g: _Graph, name: str, x: str, key_bias: str, w: dict[str, np.ndarray], p: str, cfg: BertConfig
+    g: GraphBuilder, name: str, x: str, key_bias: str, w: dict[str, np.ndarray], p: str, cfg: BertConfig
 ) -> str:
     head_dim = cfg.hidden // cfg.heads
     scale = 1.0 / math.sqrt(head_dim)
@@ -305,7 +295,7 @@ def _attention(
     )
 
 
-def _layer(g: _Graph, i: int, x: str, key_bias: str, w: dict[str, np.ndarray], cfg: BertConfig) -> str:
+def _layer(g: GraphBuilder, i: int, x: str, key_bias: str, w: dict[str, np.ndarray], cfg: BertConfig) -> str:
     # Post-LN, as BERT: LayerNorm(x + sublayer(x)).
     p = f"encoder.layer.{i}"
     name = f"layer{i}"

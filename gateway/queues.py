@@ -191,9 +191,6 @@ class FifoQueue:
                 batch.append(r)
         return batch or None
 
-    def rows_ahead(self, req: Request) -> int:
-        return sum(g.rows for g in self._groups.values())
-
     def drain_all(self) -> list[Request]:
         out = []
         for g in self._groups.values():
@@ -250,7 +247,6 @@ class DeadlineQueue:
         self.size = 0
         self.dropped = 0
         self.class_size: dict[str, int] = {c: 0 for c in classes}
-        self.class_rows: dict[str, int] = {c: 0 for c in classes}
         self.level_size: dict[int, int] = {}
         # Guaranteed shares as credit: while a class has work queued, every batch dispatched earns
         # it min_share x the batch's rows; its own rows spend the credit. A class whose credit
@@ -286,7 +282,6 @@ class DeadlineQueue:
         lane.rows += req.rows
         self.size += 1
         self.class_size[cls] += 1
-        self.class_rows[cls] += req.rows
         self.level_size[req.level] = self.level_size.get(req.level, 0) + 1
         self._note_arrival(req.arrival)
         self._class_seen[cls] = req.arrival
@@ -298,11 +293,6 @@ class DeadlineQueue:
             # EWMA of the arrival rate, so "will anyone join this batch soon?" has an answer.
             self._arrivals_per_s = 0.9 * self._arrivals_per_s + 0.1 * (1.0 / gap)
         self._last_arrival = now
-
-    def rows_ahead(self, req: Request) -> int:
-        """Rows queued that run before ``req`` in EDF order (approximated by class rank)."""
-        rank = req.cls.rank
-        return sum(self.class_rows[c] for c, lc in self.classes.items() if lc.rank <= rank)
 
     def work_ahead_s(self, req: Request) -> float:
         """Compute seconds queued ahead of ``req`` (classes at least as urgent), bucket by bucket:
@@ -326,7 +316,6 @@ class DeadlineQueue:
         lane.rows -= req.rows
         self.size -= 1
         self.class_size[lane.cls] -= 1
-        self.class_rows[lane.cls] -= req.rows
         self.level_size[req.level] -= 1
 
     def _clean_head(self, lane: _Lane) -> None:
@@ -546,6 +535,5 @@ class DeadlineQueue:
         self.size = 0
         for c in self.class_size:
             self.class_size[c] = 0
-            self.class_rows[c] = 0
         self.level_size.clear()
         return out

@@ -2,16 +2,17 @@
 
 Two layers, so the policy can be tested without sockets, threads or real time:
 
-* ``BatchQueue`` is a pure state machine. ``push`` adds a request, ``pop_batch(now)`` returns the
-  batch that should leave at ``now`` (or None), ``next_deadline()`` says when to ask again.
+* the queues (``gateway/queues.py``: ``FifoQueue``, alias ``BatchQueue``, and ``DeadlineQueue``)
+  are pure state machines: ``push`` adds a request, ``pop_batch(now, idle)`` returns the batch that
+  should leave at ``now`` (or None), ``take_expired``/``next_wakeup`` say what is hopeless and
+  when to ask again.
 * ``Scheduler`` drives it on the event loop. It is the single owner of the queue: requests are
   pushed from handlers on the same loop, and one task forms batches and hands them to the
   worker pool; completions come back through ``call_soon_threadsafe``. A batch is only formed
   when a worker slot is free, so under load requests accumulate and batches grow by themselves.
 
-A batch leaves when it is full (max_batch_size rows, or the next request would not fit), when
-its rows reach a preferred size, or when its oldest request has waited max_queue_delay. Rows
-are merged only when every input's non-batch dims agree (the request's shape ``key``).
+When batches leave is the queue's policy (docs/scheduling.md). Rows are merged only when every
+input's non-batch dims agree, up to the engine's shape bucket (the request's ``key``).
 
 With ``split_failures`` an engine error on a batch of several requests is not final: the batch is
 split in two halves that run again (ahead of the queue, each in a slot of its own), recursively,
