@@ -306,6 +306,11 @@ def test_two_gateways_share_one_global_limit_through_a_redis_outage(tmp_path, re
         "BATCHGATE_API_KEYS_FILE": str(tenants),
         "BATCHGATE_RATELIMIT_EXPECTED_REPLICAS": "2",
         "BATCHGATE_RATELIMIT_PROBE_MAX_MS": "400",
+        # Two gateways, Redis and the client share 2 cores: with the default 5 ms decision timeout
+        # a busy loop turns some Redis answers "late" (decided locally, under-admitting a second
+        # of traffic). The 5 ms bound itself is tested by the breaker test above; the replica test
+        # uses 50 ms for the same reason.
+        "BATCHGATE_RATELIMIT_REDIS_TIMEOUT_MS": "50",
         "BATCHGATE_LOG_LEVEL": "INFO",
     }
     with concurrent.futures.ThreadPoolExecutor(2) as ex:  # start both at once: half the wait
@@ -336,11 +341,10 @@ def test_two_gateways_share_one_global_limit_through_a_redis_outage(tmp_path, re
 
     # Phase A: Redis up. Everything admitted is the burst plus the rate over the phase.
     rate_a = (admitted(t["start"], t["kill"]) - BURST) / (t["kill"] - t["start"])
-    # Phase C: Redis back (fresh, so a fresh burst); measured from 2 s after the restart, when the
-    # bucket is drained again and a loaded machine has had time to start redis-server and let the
-    # limiters' probes find it (seen taking ~1.5 s in a full-suite run). Traffic is uneven (95% to one gateway), so the local shares alone
+    # Phase C: Redis back (fresh, so a fresh burst); measured from 1 s after the restart, when the
+    # bucket is drained again. Traffic is uneven (95% to one gateway), so the local shares alone
     # would admit 25 + 7.5 = 32.5/s: the full 50/s shows the global limit is back.
-    c0 = t["restart"] + 2.0
+    c0 = t["restart"] + 1.0
     rate_c = admitted(c0, t["stop"]) / (t["stop"] - c0)
     # Phase B: Redis dead: each gateway its local share (half the limit), short of the limit
     # because one gateway is offered less than its share.
@@ -368,7 +372,7 @@ async def _drive(gws, redis_server) -> dict:
     t = {"start": loop.time() + 0.2}
     t["kill"] = t["start"] + 4.0
     t["restart"] = t["kill"] + 2.5
-    t["stop"] = t["restart"] + 5.0
+    t["stop"] = t["restart"] + 4.0
     noisy: list = []
     quiet: list = []
     tasks: list = []
