@@ -65,6 +65,15 @@ class Settings(BaseSettings):
         DEFAULT_CLASSES, description="latency classes: name=<budget>ms/<max_queue per model>/<min_share>,..."
     )
     default_latency_class: str = Field("standard", description="class of a request that names none")
+    batch_time_cap: float = Field(
+        0.5, gt=0, le=1, description="longest batch run while a latency class is active, as a fraction of the "
+        "tightest active budget: 0.5 lets an urgent request that arrives as a batch starts still finish in time; "
+        "more trades that class's p99 for throughput"
+    )
+    deadline_margin_ms: float = Field(
+        2.0, ge=0, le=1000, description="time kept free before every deadline for what this process cannot "
+        "see: the network and the caller's own stack, both ways (the event loop's measured lag is added to it)"
+    )
 
     # -- shared state (result cache tier 2, global rate limits) --------------------------------
     redis_url: str | None = Field(

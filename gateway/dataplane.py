@@ -26,7 +26,7 @@ from gateway.config import Settings
 from gateway.errors import not_found, unavailable
 from gateway.preprocess import TextStage
 from gateway.repository import ConfigError, LoadFailure, ModelSpec, load_model, load_repository, tokenized
-from gateway.latency import LatencyModel
+from gateway.latency import LatencyModel, LoopLag
 from gateway.queues import DeadlineQueue, FifoQueue
 from gateway.scheduler import Scheduler
 from proto.inference.v2 import model_config_pb2 as mc
@@ -94,6 +94,7 @@ class DataPlane:
     last_refused: float = 0.0  # monotonic time of the last request refused while draining
     classes: dict[str, LatencyClass] = field(default_factory=dict)
     cache: TieredCache | None = None  # result cache tiers shared by every model that enables it
+    lag: LoopLag = field(default_factory=LoopLag)  # the event loop's lag, a margin for every deadline
     _reload_locks: dict[str, asyncio.Lock] = field(default_factory=dict)  # one load/unload per model at a time
 
     def __post_init__(self) -> None:
@@ -106,6 +107,7 @@ class DataPlane:
         return not (self.settings.strict_readiness and self.failures)
 
     async def load(self) -> None:
+        self.lag.start()
         root = Path(self.settings.model_repository)
         repo = await asyncio.to_thread(load_repository, root, self.settings.default_max_batch_size)
         self.failures.update(repo.failures)
@@ -161,6 +163,9 @@ class DataPlane:
                 latency=latency,
                 level_queue_sizes={lvl: p.max_queue_size for lvl, p in schedule.policies.items()},
                 default_class=s.default_latency_class,
+                lag=self.lag,
+                margin_s=s.deadline_margin_ms / 1000,
+                cap_fraction=s.batch_time_cap,
             )
         else:
             queue = FifoQueue(
@@ -282,6 +287,7 @@ class DataPlane:
         return all(results)
 
     async def close(self) -> None:
+        self.lag.stop()
         for rt in self.runtimes():
             await rt.scheduler.close()
             await asyncio.to_thread(rt.pool.close)

@@ -3,10 +3,15 @@
 Fitted by exponentially weighted least squares over recent batches (BentoML's CORK idea, with
 forgetting so the fit follows a machine whose speed changes). The scheduler uses it to close
 batches in time and to shed requests whose deadline is already out of reach.
+
+Also here: ``LoopLag``, how late the event loop runs callbacks. A request waits that long before
+its handler runs and again before its answer is written, time the scheduler cannot see on its
+own clock; the deadline queue keeps it as a margin.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -56,6 +61,10 @@ class LatencyModel:
     Two layers: an EWMA of observed times per (bucket, batch-size class) — what a batch of this
     size actually took lately, which adapts within a few batches when the load changes — and,
     for sizes not seen yet, the bucket's least-squares line a + b·rows.
+
+    ``estimate`` is the expected time (used to add up queued work); ``estimate_hi`` adds twice the
+    EWMA of the absolute deviation, a high quantile, for decisions that must hold at p99 (whether
+    a request can still make its deadline, whether a batch may grow).
     """
 
     CONFIDENT = 3  # batches of a bucket before its estimates may refuse work
@@ -65,7 +74,7 @@ class LatencyModel:
         self.prior_s = prior_s  # assumed batch time before any batch has run
         self.alpha = alpha
         self._fits: dict[Hashable, _Fit] = {}
-        self._sizes: dict[tuple[Hashable, int], list[float]] = {}  # -> [ewma seconds, samples]
+        self._sizes: dict[tuple[Hashable, int], list[float]] = {}  # -> [ewma s, samples, ewma |dev| s]
         self._any = _Fit()  # across buckets: the estimate for a bucket not seen yet
 
     def confident(self, key: Hashable) -> bool:
@@ -92,10 +101,12 @@ class LatencyModel:
             self._any.add(rows, seconds, self.decay)
             size = self._sizes.get((key, _size_class(rows)))
             if size is None:
-                self._sizes[(key, _size_class(rows))] = [seconds, 1]
+                self._sizes[(key, _size_class(rows))] = [seconds, 1, 0.0]
             else:
-                size[0] += self.alpha * (seconds - size[0])
+                err = seconds - size[0]
+                size[0] += self.alpha * err
                 size[1] += 1
+                size[2] += self.alpha * (abs(err) - size[2])
 
     def estimate(self, key: Hashable, rows: int) -> float:
         """Seconds one batch of ``rows`` rows of bucket ``key`` is expected to take."""
@@ -110,14 +121,71 @@ class LatencyModel:
         a, b = fit.coefficients()
         return a + b * rows
 
+    def estimate_hi(self, key: Hashable, rows: int) -> float:
+        """A high estimate (about p95) of one batch's time: the EWMA plus twice its deviation (the
+        plain estimate for sizes not seen yet)."""
+        size = self._sizes.get((key, _size_class(rows)))
+        if size is not None and size[1] >= 2:
+            return size[0] + 2.0 * size[2]
+        return self.estimate(key, rows)
+
     def per_row(self, key: Hashable = None) -> tuple[float, float]:
         fit = self._fits.get(key) if key is not None else None
         return (fit or self._any).coefficients() if (fit or self._any).batches else (self.prior_s, 0.0)
 
-    def snapshot(self) -> dict[str, dict[str, float]]:
-        """For statistics and metrics: bucket -> intercept, per-row slope, batches seen."""
-        out = {}
+    def snapshot(self) -> dict[str, dict]:
+        """For metrics: bucket label -> intercept, per-row slope, batches seen, and per batch-size
+        class (the largest size in it: 1, 2, 4, 8, ...) the EWMA time and its deviation."""
+        out: dict[str, dict] = {}
         for key, fit in self._fits.items():
             a, b = fit.coefficients()
-            out[str(key)] = {"intercept_s": a, "per_row_s": b, "batches": fit.batches}
+            out[bucket_label(key)] = {"intercept_s": a, "per_row_s": b, "batches": fit.batches, "sizes": {}}
+        for (key, size_class), (mean, samples, dev) in self._sizes.items():
+            entry = out.get(bucket_label(key))
+            if entry is not None:
+                entry["sizes"][size_class] = {"mean_s": mean, "dev_s": dev, "batches": int(samples)}
         return out
+
+
+def bucket_label(key: Hashable) -> str:
+    """A shape bucket as a metric label: (128,) -> "128", (16, 64) -> "16x64", () -> "all"."""
+    if isinstance(key, tuple):
+        return "x".join(str(k) for k in key) or "all"
+    return str(key)
+
+
+class LoopLag:
+    """How late the event loop runs a timer: sampled every ``interval_s``; ``s`` is an EWMA of the
+    lag plus twice its mean deviation (a high quantile), what a request loses to the loop on its
+    way in and again on its way out. Started once per server loop; ``s`` is 0 until then."""
+
+    def __init__(self, interval_s: float = 0.005, alpha: float = 0.05) -> None:
+        self.interval_s = interval_s
+        self.alpha = alpha
+        self.mean = 0.0
+        self.dev = 0.0
+        self.s = 0.0
+        self._handle: asyncio.TimerHandle | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Begin sampling on ``loop`` (the running one by default); a second call does nothing."""
+        if self._handle is not None:
+            return
+        self._loop = loop or asyncio.get_running_loop()
+        self._due = self._loop.time() + self.interval_s
+        self._handle = self._loop.call_at(self._due, self._tick)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _tick(self) -> None:
+        now = self._loop.time()
+        lag = max(now - self._due, 0.0)
+        err = lag - self.mean
+        self.mean += self.alpha * err
+        self.dev += self.alpha * (abs(err) - self.dev)
+        self.s = self.mean + 2.0 * self.dev
+        self._due = now + self.interval_s
+        self._handle = self._loop.call_at(self._due, self._tick)

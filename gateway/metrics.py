@@ -386,6 +386,23 @@ class _PlaneCollector:
             labels=["model", "version", "worker"],
         )
         workers = GaugeMetricFamily(P + "workers", "worker threads serving the model version", labels=mv)
+        est = GaugeMetricFamily(
+            P + "batch_time_estimate_seconds",
+            "the scheduler's latency model: recent compute time of one batch (EWMA), per shape bucket and "
+            "batch-size class (batch_size = the largest size in the class: 1, 2, 4, 8, ...)",
+            labels=["model", "version", "bucket", "batch_size"],
+        )
+        fit = GaugeMetricFamily(
+            P + "batch_time_fit_seconds",
+            "the scheduler's latency model: least-squares line of batch time = intercept + per_row x rows, "
+            "per shape bucket",
+            labels=["model", "version", "bucket", "term"],
+        )
+        lag = GaugeMetricFamily(
+            P + "event_loop_lag_seconds",
+            "how late the event loop runs timers (EWMA + 2 deviations); kept free before every deadline",
+        )
+        lag.add_metric([], getattr(getattr(plane, "lag", None), "s", 0.0))
         for rt in plane.runtimes():
             lv = [rt.spec.name, rt.spec.version]
             sched = rt.scheduler
@@ -403,6 +420,12 @@ class _PlaneCollector:
             n_inflight = getattr(sched, "_in_flight", None)
             if n_inflight is not None:
                 sched_inflight.add_metric(lv, n_inflight)
+            latency = getattr(sched, "latency", None)
+            for bucket, model in (latency.snapshot() if latency is not None else {}).items():
+                fit.add_metric(lv + [bucket, "intercept"], model["intercept_s"])
+                fit.add_metric(lv + [bucket, "per_row"], model["per_row_s"])
+                for size, figures in model["sizes"].items():
+                    est.add_metric(lv + [bucket, str(size)], figures["mean_s"])
             pool_workers = getattr(rt.pool, "workers", None)
             if pool_workers is not None:
                 workers.add_metric(lv, len(pool_workers))
@@ -410,7 +433,8 @@ class _PlaneCollector:
                     busy.add_metric(lv + [w.name], w.busy_ns * 1e-9)
             else:
                 busy.add_metric(lv + ["all"], rt.pool.busy_ns() * 1e-9)
-        yield from (rows, batches, failed, rejected, dropped, by_class, depth, sched_inflight, busy, workers)
+        yield from (rows, batches, failed, rejected, dropped, by_class, depth, sched_inflight, busy, workers, est,
+                    fit, lag)
 
         # -- result cache (absent until the cache is configured)
         lookups = CounterMetricFamily(

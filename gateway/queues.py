@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Hashable
 
 from gateway.budgets import INF, LatencyClass
-from gateway.latency import LatencyModel
+from gateway.latency import LatencyModel, LoopLag
 
 
 class Request:
@@ -231,7 +231,8 @@ class DeadlineQueue:
         level_queue_sizes: dict[int, int] | None = None,
         margin_s: float = 0.0005,
         default_class: str = "standard",
-        cap_fraction: float = 0.75,
+        cap_fraction: float = 0.5,
+        lag: LoopLag | None = None,
     ) -> None:
         self.max_batch_size = max_batch_size
         self.preferred = frozenset(p for p in preferred if p <= max(max_batch_size, 1))
@@ -242,6 +243,9 @@ class DeadlineQueue:
         self.cap_fraction = cap_fraction
         self.default_class = classes.get(default_class) or max(classes.values(), key=lambda c: c.budget_s)
         self.margin_s = margin_s
+        # The event loop's lag, paid once before the handler runs and once before the answer is
+        # written: kept out of every deadline decision (0 when no monitor runs, as in unit tests).
+        self.lag = lag or LoopLag()
         self._lanes: dict[Hashable, dict[str, _Lane]] = {}
         self._seq = itertools.count()
         self.size = 0
@@ -258,6 +262,10 @@ class DeadlineQueue:
 
     def __len__(self) -> int:
         return self.size
+
+    def margin(self) -> float:
+        """Seconds kept free before a deadline: the fixed margin plus the loop's lag both ways."""
+        return self.margin_s + 2.0 * self.lag.s
 
     # -- admission ----------------------------------------------------------------------------
 
@@ -328,6 +336,7 @@ class DeadlineQueue:
         """Requests that cannot finish in time even if they ran alone right now; Triton DELAY
         requests past their queue timeout are moved behind everything instead."""
         out: list[Request] = []
+        margin = self.margin()
         for key, lanes in self._lanes.items():
             for lane in lanes.values():
                 self._clean_head(lane)
@@ -337,8 +346,8 @@ class DeadlineQueue:
                 # lazily: pop from the top while the top is hopeless.
                 while lane.heap:
                     level, deadline, _, r = lane.heap[0]
-                    est = self.latency.estimate(key, r.rows) if self.latency.confident(key) else 0.0
-                    late = now + est + self.margin_s > deadline
+                    est = self.latency.estimate_hi(key, r.rows) if self.latency.confident(key) else 0.0
+                    late = now + est + margin > deadline
                     timed_out = now >= r.queue_deadline
                     if not (late or timed_out):
                         break
@@ -382,10 +391,11 @@ class DeadlineQueue:
 
     def _batch_time_cap(self, now: float) -> float:
         """Longest batch worth running now: ``cap_fraction`` of the tightest budget among classes
-        active in the last second. Batches do not preempt, so a longer one would make the next
-        urgent request late; a smaller fraction trades throughput for the urgent class's p99."""
+        active in the last second (less the margin). Batches do not preempt: an urgent request
+        that arrives as a batch starts waits for it, then runs in a batch of its own, so at 0.5
+        the two together still fit its budget; a larger fraction trades that p99 for throughput."""
         active = [self.classes[c].budget_s for c, t in self._class_seen.items() if now - t < 1.0]
-        return min(active) * self.cap_fraction if active else math.inf
+        return max(min(active) - self.margin(), 0.0) * self.cap_fraction if active else math.inf
 
     def _pop_plan(
         self, key: Hashable, first: _Lane | None, now: float = 0.0
@@ -404,6 +414,7 @@ class DeadlineQueue:
         # most urgent deadline in it and stays under the batch-time cap (known buckets only).
         sized = self.latency.confident(key)
         cap = self._batch_time_cap(now) if sized else math.inf
+        margin = self.margin()
         urgent = math.inf
         if first is not None:  # a starving class's head goes first
             cand.insert(0, ((-1, -math.inf, -1), lanes.index(first)))
@@ -419,8 +430,8 @@ class DeadlineQueue:
                 heapq.heappush(lane.heap, entry)
                 break
             elif plan and sized and (
-                (est := self.latency.estimate(key, rows + r.rows)) > cap
-                or now + est + self.margin_s > min(urgent, r.deadline)
+                (est := self.latency.estimate_hi(key, rows + r.rows)) > cap
+                or now + est + margin > min(urgent, r.deadline)
             ):
                 heapq.heappush(lane.heap, entry)
                 break
@@ -453,8 +464,8 @@ class DeadlineQueue:
         if self._live_in(key):  # rows were left out (deadline, cap or size): waiting adds nothing
             return now
         urgent = min(e[3].deadline for _, e in plan)
-        compute = self.latency.estimate(key, rows)
-        latest = urgent - compute - self.margin_s  # waiting past this makes the most urgent late
+        compute = self.latency.estimate_hi(key, rows)
+        latest = urgent - compute - self.margin()  # waiting past this makes the most urgent late
         timer = min(e[3].arrival for _, e in plan) + self.max_delay_s
         close = min(latest, timer)
         if close <= now:
@@ -499,13 +510,14 @@ class DeadlineQueue:
         if not heads:
             return None
         wake = getattr(self, "_wakeup", math.inf)
+        margin = self.margin()
         # Also wake when the most urgent queued request would become hopeless.
         for (level, deadline, _), key, lane in heads:
             r = lane.heap[0][3]
             # The same estimate take_expired uses (none until the bucket is known), so a wake-up
             # never lands on a moment when there is nothing to do.
-            est = self.latency.estimate(key, r.rows) if self.latency.confident(key) else 0.0
-            wake = min(wake, deadline - est - self.margin_s, r.queue_deadline)
+            est = self.latency.estimate_hi(key, r.rows) if self.latency.confident(key) else 0.0
+            wake = min(wake, deadline - est - margin, r.queue_deadline)
         return None if wake == math.inf else wake
 
     def _take(self, plan: list[tuple[_Lane, tuple]]) -> list[Request]:

@@ -113,7 +113,7 @@ class Scheduler:
         self.latency = latency or getattr(queue, "latency", None) or LatencyModel()
         # Shedding at admission belongs to the deadline policy; FIFO (Triton-like) never sheds.
         self.shed = isinstance(queue, DeadlineQueue) if shed is None else shed
-        self._inflight_est = 0.0  # estimated seconds of the batches running now
+        self._running: dict[int, tuple[float, float]] = {}  # batch id -> (start, estimated seconds)
         self.execute = execute
         self.batched = batched
         self.clock = clock
@@ -202,12 +202,13 @@ class Scheduler:
         """Refuse at once a request whose deadline is out of reach given the work ahead of it."""
         if req.deadline == math.inf or not self.latency.confident_model():
             return  # no estimate worth refusing work on yet: admit, the queue still expires it
-        wait = self.queue.work_ahead_s(req) / self._slots
-        if self._free == 0:
-            wait += self._inflight_est / self._slots / 2  # running batches are half done on average
+        ahead = self.queue.work_ahead_s(req)
+        if self._free == 0:  # every worker is busy: add what the running batches still have to do
+            ahead += sum(max(start + est - now, 0.0) for start, est in self._running.values())
+        wait = ahead / self._slots
         # A bucket that has not run enough yet counts no compute of its own (never over-refuse).
-        own = self.latency.estimate(req.key, req.rows) if self.latency.confident(req.key) else 0.0
-        if now + wait + own > req.deadline:
+        own = self.latency.estimate_hi(req.key, req.rows) if self.latency.confident(req.key) else 0.0
+        if now + wait + own + self.queue.margin() > req.deadline:
             self.stats.fail_count += 1  # Triton counts refused requests as failed
             self.stats.shed += 1
             self.stats.count_class(req.class_name, "shed")
@@ -286,7 +287,7 @@ class Scheduler:
         elif now >= r.queue_deadline:
             why = "its queue timeout (Triton 'timeout' / default_timeout_microseconds) passed"
         else:
-            est_ms = self.latency.estimate(r.key, r.rows) * 1e3
+            est_ms = self.latency.estimate_hi(r.key, r.rows) * 1e3
             why = f"{left_ms:.1f} ms were left, less than the estimated {est_ms:.1f} ms compute"
         r.future.set_exception(
             GatewayError(
@@ -314,20 +315,21 @@ class Scheduler:
         self._free -= 1
         start = self.clock()
         rows = [r.rows for r in batch]
-        est = self.latency.estimate(batch[0].key, sum(rows))
-        self._inflight_est += est
+        est = self.latency.estimate_hi(batch[0].key, sum(rows))
+        token = id(batch)
+        self._running[token] = (start, est)
         try:
             fut = self.execute([r.inputs for r in batch], rows, self.batched)
         except BaseException as exc:
             # Refused before it ran (e.g. the pool is closed): not the rows' fault, never split.
             if not isinstance(exc, GatewayError):
                 exc = GatewayError(Kind.FAILED, f"model '{self.name}' failed to execute a batch of {sum(rows)} rows: {exc}")
-            self._complete(batch, start, None, exc, est, retry)
+            self._complete(batch, start, None, exc, retry)
             return
         loop = self._loop
-        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._on_done, batch, start, f, est, retry))
+        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._on_done, batch, start, f, retry))
 
-    def _on_done(self, batch: list[Request], start: float, fut: Future, est: float = 0.0, retry: bool = False) -> None:
+    def _on_done(self, batch: list[Request], start: float, fut: Future, retry: bool = False) -> None:
         if fut.cancelled():
             exc: BaseException | None = GatewayError(Kind.FAILED, f"model '{self.name}': the batch was cancelled")
         else:
@@ -337,15 +339,14 @@ class Scheduler:
             exc = GatewayError(
                 Kind.FAILED, f"model '{self.name}': engine returned {len(result[0])} outputs for {len(batch)} requests"
             )
-        self._complete(batch, start, None if exc else result, exc, est, retry)
+        self._complete(batch, start, None if exc else result, exc, retry)
 
     def _complete(
-        self, batch: list[Request], start: float, result, exc: BaseException | None, est: float = 0.0,
-        retry: bool = False,
-    ) -> None:  # fmt: skip
+        self, batch: list[Request], start: float, result, exc: BaseException | None, retry: bool = False
+    ) -> None:
         """``retry``: the batch is a half of a failed one (its queue time was counted then)."""
         self._free += 1
-        self._inflight_est = max(self._inflight_est - est, 0.0)
+        self._running.pop(id(batch), None)
         self._wake()
         now = self.clock()
         st = self.stats

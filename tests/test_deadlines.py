@@ -4,6 +4,7 @@ class shares, shedding at admission, expiry in the queue, the closing rule, Trit
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import Future
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from gateway.budgets import INF, SchedulePolicy, parse_classes, resolve
 from gateway.errors import GatewayError, Kind
-from gateway.latency import LatencyModel
+from gateway.latency import LatencyModel, LoopLag
 from gateway.queues import DeadlineQueue, Request
 from gateway.scheduler import Scheduler
 from proto.inference.v2 import grpc_service_pb2 as pb
@@ -386,14 +387,53 @@ def test_non_finite_parameters_are_refused_not_crashed():
 
 def test_fill_stops_before_the_batch_would_make_its_most_urgent_request_late():
     # 10 ms per batch plus 2 ms per row: a realtime request (25 ms) can share with a few rows only.
-    q = queue(max_bs=64, delay=0.0, latency=trained(a=0.010, b=0.002))
+    q = queue(max_bs=64, delay=0.0, latency=trained(a=0.010, b=0.002), cap_fraction=0.75)
     q.push(make_req("rt", "realtime", 0.0))
     for i in range(20):
         q.push(make_req(f"bulk{i}", "bulk", 0.0))
     batch = names(q.pop_batch(0.0))
     assert batch[0] == "rt"
     # rt + n rows must finish by 25 ms: 10 + 2*(n+1) <= 25 - margin -> n <= 6; and the batch-time
-    # cap (0.75 of realtime's 25 ms while realtime is active) allows 10 + 2*rows <= 18.75 -> 4 rows.
+    # cap (0.75 of realtime's 25 ms less the margin while realtime is active) allows
+    # 10 + 2*rows <= 18.4 -> 4 rows.
     assert len(batch) == 4
     rest = names(q.pop_batch(0.0))
     assert rest and all(n.startswith("bulk") for n in rest)
+
+
+def test_default_batch_time_cap_is_half_the_tightest_budget():
+    # At the default 0.5, a realtime request that arrives as a batch starts waits at most the cap,
+    # then runs in a batch of at most the cap: 10 + 2*rows <= 12.25 ms -> it leaves alone.
+    q = queue(max_bs=64, delay=0.0, latency=trained(a=0.010, b=0.002))
+    q.push(make_req("rt", "realtime", 0.0))
+    for i in range(20):
+        q.push(make_req(f"bulk{i}", "bulk", 0.0))
+    assert q._batch_time_cap(0.0) == pytest.approx(0.5 * (0.025 - q.margin_s))
+    assert names(q.pop_batch(0.0)) == ["rt"]
+    assert len(q.pop_batch(0.0)) == 1  # bulk too, while realtime was seen within the last second
+    assert len(q.pop_batch(2.0)) == 19  # realtime quiet for 1 s: no cap, the rest in one batch
+
+
+def test_loop_lag_widens_the_margin_of_every_deadline_decision():
+    lag = LoopLag()
+    q = queue(max_bs=8, latency=trained(a=0.010, b=0.0), lag=lag)
+    q.push(make_req("rt", "realtime", 0.0))  # deadline 25 ms, 10 ms compute
+    assert q.take_expired(0.010) == []  # 15 ms left
+    lag.s = 0.004  # the loop runs 4 ms late: 8 ms of the 15 go to getting in and out
+    assert names(q.take_expired(0.010)) == ["rt"]
+
+
+def test_loop_lag_monitor_sees_a_blocked_loop():
+    async def main() -> float:
+        lag = LoopLag(interval_s=0.002, alpha=0.5)
+        lag.start()
+        await asyncio.sleep(0.02)
+        quiet = lag.s
+        for _ in range(5):
+            time.sleep(0.01)  # block the loop: each tick runs ~10 ms late
+            await asyncio.sleep(0)
+        lag.stop()
+        return quiet, lag.s
+
+    quiet, blocked = asyncio.run(main())
+    assert blocked > 0.005 and blocked > quiet

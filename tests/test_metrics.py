@@ -176,6 +176,22 @@ def test_scrape_counts_the_workload(workload):
     assert any(name == "process_cpu_seconds_total" for name, _ in s)  # the per-process registry has them too
 
 
+def test_latency_model_is_exported_per_bucket_and_batch_size(workload):
+    s = scrape(workload)
+    fit = {dict(labels)["term"]: v for (name, labels), v in s.items()
+           if name == "batchgate_batch_time_fit_seconds" and ("model", "ranker") in labels}  # fmt: skip
+    assert set(fit) == {"intercept", "per_row"}
+    assert all(v >= 0 for v in fit.values()) and fit["intercept"] + fit["per_row"] > 0
+    sizes = {dict(labels)["batch_size"]: v for (name, labels), v in s.items()
+             if name == "batchgate_batch_time_estimate_seconds" and ("model", "ranker") in labels}  # fmt: skip
+    assert sizes and all(0 < v < 1 for v in sizes.values())  # seconds per batch, per size class
+    assert all(int(k) & (int(k) - 1) == 0 for k in sizes)  # classes are powers of two
+    encoder = [dict(labels)["bucket"] for (name, labels) in s
+               if name == "batchgate_batch_time_fit_seconds" and ("model", "encoder") in labels]  # fmt: skip
+    assert set(encoder) == {str(ENCODER[1])}  # the sequence bucket of the one encoder request
+    assert ("batchgate_event_loop_lag_seconds", ()) in s and s[("batchgate_event_loop_lag_seconds", ())] >= 0
+
+
 def test_statistics_through_tritonclient_match_the_workload(workload):
     client = tc.InferenceServerClient(workload.grpc_url)
     try:
