@@ -47,7 +47,7 @@ from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.foundation import _ports, _wait_ready  # noqa: E402
+from bench.loadgen import free_ports, wait_ready  # noqa: E402
 
 # Parameter changes per variant over minilm's own config.pbtxt.
 VARIANTS: dict[str, dict[str, str | None]] = {
@@ -204,7 +204,7 @@ def main() -> int:
         prepare_minilm(tmp / "built", log=lambda m: print(m, file=sys.stderr))
         src = tmp / "built" / "minilm"
     make_repo(src, tmp / "repo")
-    grpc_port, http_port = _ports(2)
+    grpc_port, http_port = free_ports(2)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     server = subprocess.Popen(
         [
@@ -230,7 +230,7 @@ def main() -> int:
     url = f"127.0.0.1:{grpc_port}"
     results: dict[str, dict[str, dict]] = {}
     try:
-        asyncio.run(_wait_ready(url, timeout=180))
+        asyncio.run(wait_ready(url, timeout_s=180))
         variants = args.variants.split(",")
         for wl in args.workloads.split(","):
             texts = workload(wl)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import importlib
 import json
 
 import pytest
 
 from bench.__main__ import main as bench_main
-from bench.loadgen import Workload, run_point
+from bench.loadgen import ROOT, Workload, run_point
 
 SHORT = ["--duration", "0.6", "--warmup", "0.2", "--channels", "2", "--no-progress"]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -84,3 +85,12 @@ def test_batchgate_bench_subcommand(server, tmp_path):
     with pytest.raises(SystemExit) as exc:
         cli_main(["bench", "--help"])
     assert exc.value.code == 0
+
+
+@pytest.mark.parametrize(
+    "module", sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem not in ("__init__", "__main__"))
+)
+def test_every_benchmark_module_imports(module):
+    # The benchmarks run outside the test suite (and on a GPU machine); an import that broke in a
+    # refactor would only show there. Importing runs nothing: each keeps its work under main().
+    importlib.import_module(f"bench.{module}")
