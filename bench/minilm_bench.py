@@ -10,7 +10,8 @@ config.pbtxt parameters:
                   bucket, lengths to the length bucket, pooled buffers): the GPU setting;
 * ``per-call``    (a) one ONNX Runtime call per request at the text's own length (max_batch_size 1);
 * ``padded``      (b) batches padded to the longest text: one length group for every row, no token
-                  budget.
+                  budget, no learned batch limit (batchgate's deadline queue still caps batch time);
+* ``padded-fifo`` (b) as a Triton-like server would batch it: the same, on the FIFO + timer queue.
 
 Closed loop: C callers, each sending one text per ModelInfer (BYTES raw input) as fast as
 answers come back, for D seconds per model and workload, in rounds (the models take turns, so a
@@ -55,7 +56,9 @@ VARIANTS: dict[str, dict[str, str | None]] = {
     # batchgate's grouping with the static bucket engines (seq_buckets removed): the GPU setting
     "bg-buckets": {"seq_buckets": None},
     "per-call": {"max_batch_size": "1"},
-    "padded": {"length_buckets": "256", "max_batch_tokens": "0"},
+    "padded": {"length_buckets": "256", "max_batch_tokens": "0", "learned_batch_limit": "false"},
+    # (b) as a Triton-like server runs it: FIFO + timer batcher, whatever is queued, padded
+    "padded-fifo": {"length_buckets": "256", "max_batch_tokens": "0", "scheduling_policy": "fifo"},
 }
 
 WORDS = (
@@ -275,7 +278,7 @@ def main() -> int:
     ratios = {}
     for wl, rs in results.items():
         for ours in ("batchgate", "bg-buckets"):
-            for other in ("per-call", "padded"):
+            for other in ("per-call", "padded", "padded-fifo"):
                 if ours in rs and other in rs:
                     ratios[f"{wl}: {ours} / {other}"] = {
                         "texts_per_s": rs[ours]["texts_per_s"] / rs[other]["texts_per_s"],

@@ -154,7 +154,14 @@ class DataPlane:
         schedule = SchedulePolicy.from_config(spec.config)
         latency = LatencyModel()
         queue: DeadlineQueue | FifoQueue
-        if s.scheduling_policy == "deadline":
+        # A model may override the server's policy (parameter scheduling_policy), e.g. to keep
+        # Triton's FIFO semantics for one model while the rest are scheduled by deadline.
+        policy = spec.parameter("scheduling_policy", s.scheduling_policy)
+        if policy not in ("deadline", "fifo"):
+            raise ConfigError(
+                f"model '{spec.name}': parameter 'scheduling_policy' must be 'deadline' or 'fifo', got '{policy}'"
+            )
+        if policy == "deadline":
             queue = DeadlineQueue(
                 max_batch_size=spec.max_batch_size,
                 preferred=spec.preferred_batch_sizes,
@@ -166,6 +173,8 @@ class DataPlane:
                 lag=self.lag,
                 margin_s=s.deadline_margin_ms / 1000,
                 cap_fraction=s.batch_time_cap,
+                row_limit=text.row_limit if text is not None else None,
+                learn_limit=spec.parameter("learned_batch_limit", "true").lower() != "false",
             )
         else:
             queue = FifoQueue(

@@ -12,6 +12,7 @@ own clock; the deadline queue keeps it as a margin.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -33,6 +34,17 @@ class _Fit:
         self.sxx = self.sxx * decay + rows * rows
         self.sxy = self.sxy * decay + rows * seconds
         self.batches += 1
+
+    def line(self) -> tuple[float, float] | None:
+        """The least-squares (a, b), unclipped; None while batch sizes have not varied."""
+        if self.w == 0:
+            return None
+        mean_x, mean_y = self.sx / self.w, self.sy / self.w
+        var_x = self.sxx / self.w - mean_x * mean_x
+        if var_x <= 0.25:  # sizes within about a row of each other: no slope to read
+            return None
+        b = (self.sxy / self.w - mean_x * mean_y) / var_x
+        return mean_y - b * mean_x, b
 
     def coefficients(self) -> tuple[float, float]:
         """(a, b) with a, b >= 0; falls back to a proportional fit while rows have not varied."""
@@ -68,6 +80,8 @@ class LatencyModel:
     """
 
     CONFIDENT = 3  # batches of a bucket before its estimates may refuse work
+    # A batch stops growing where doubling it would make a row less than this much cheaper.
+    WORTH = 0.02
 
     def __init__(self, decay: float = 0.98, prior_s: float = 0.002, alpha: float = 0.2) -> None:
         self.decay = decay
@@ -76,6 +90,7 @@ class LatencyModel:
         self._fits: dict[Hashable, _Fit] = {}
         self._sizes: dict[tuple[Hashable, int], list[float]] = {}  # -> [ewma s, samples, ewma |dev| s]
         self._any = _Fit()  # across buckets: the estimate for a bucket not seen yet
+        self._useful: dict[Hashable, int | None] = {}  # bucket -> rows worth batching (None: no limit)
 
     def confident(self, key: Hashable) -> bool:
         """Whether this bucket has run often enough for its estimate to justify shedding."""
@@ -128,6 +143,30 @@ class LatencyModel:
         if size is not None and size[1] >= 2:
             return size[0] + 2.0 * size[2]
         return self.estimate(key, rows)
+
+    def useful_rows(self, key: Hashable) -> int | None:
+        """Rows beyond which a batch of bucket ``key`` stops paying: per-row time a/n + b gains
+        a/2n by doubling n, worth it while that is at least WORTH of the row's time, i.e. up to
+        n = a(1/2 - WORTH) / (WORTH b). None: no limit (batching pays, or not known yet). On CPU a
+        long-sequence bucket has a ~ 0 (or a row costs more in a bigger batch): 1, so its rows
+        run as they come instead of waiting for a big batch that is no cheaper; on a GPU the
+        intercept dominates and there is no limit. While sizes have not varied lately, the last
+        answer stands."""
+        fit = self._fits.get(key)
+        if fit is None or fit.batches <= self.CONFIDENT:
+            return None
+        line = fit.line()
+        if line is None:
+            return self._useful.get(key)
+        a, b = line
+        if b <= 0:
+            rows = None
+        elif a <= 0:
+            rows = 1
+        else:
+            rows = max(1, math.ceil(a * (0.5 - self.WORTH) / (self.WORTH * b)))
+        self._useful[key] = rows
+        return rows
 
     def per_row(self, key: Hashable = None) -> tuple[float, float]:
         fit = self._fits.get(key) if key is not None else None

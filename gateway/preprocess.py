@@ -250,6 +250,12 @@ class TextStage:
 
     # -- token budget ----------------------------------------------------------------------------
 
+    def row_limit(self, bucket: int) -> int:
+        """Rows of length bucket ``bucket`` (the batching key) that fit max_batch_tokens; the
+        deadline queue holds each batch to it (a request over it alone still runs, alone)."""
+        budget = self.settings.max_batch_tokens
+        return max(1, budget // bucket) if budget and isinstance(bucket, int) and bucket > 0 else 1 << 30
+
     def chunks(self, parts: list[dict[str, np.ndarray]], rows: list[int]) -> list[tuple[int, int]]:
         """[start, end) ranges of ``parts`` whose rows x longest estimated bucket fit
         max_batch_tokens; a request over the budget on its own runs alone."""

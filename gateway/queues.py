@@ -22,7 +22,7 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 from gateway.budgets import INF, LatencyClass
 from gateway.latency import LatencyModel, LoopLag
@@ -208,7 +208,8 @@ _DELAYED_LEVEL = 1 << 30  # Triton DELAY: after every live request of every leve
 
 
 class _Lane:
-    """One (shape key, class) heap, ordered by (priority level, deadline, arrival)."""
+    """One (shape key, class) heap, ordered by (priority level, latest start, arrival): the latest
+    start is the deadline less the bucket's estimated compute when the request arrived."""
 
     __slots__ = ("heap", "rows", "cls")
 
@@ -233,6 +234,8 @@ class DeadlineQueue:
         default_class: str = "standard",
         cap_fraction: float = 0.5,
         lag: LoopLag | None = None,
+        row_limit: Callable[[Hashable], int] | None = None,
+        learn_limit: bool = True,
     ) -> None:
         self.max_batch_size = max_batch_size
         self.preferred = frozenset(p for p in preferred if p <= max(max_batch_size, 1))
@@ -246,6 +249,12 @@ class DeadlineQueue:
         # The event loop's lag, paid once before the handler runs and once before the answer is
         # written: kept out of every deadline decision (0 when no monitor runs, as in unit tests).
         self.lag = lag or LoopLag()
+        # Most rows one batch of a bucket may take, beside max_batch_size: a text model's token
+        # budget (max_batch_tokens // length bucket). Held here, where the order is decided, a
+        # batch never has to be split behind the scheduler's back into parts that queue in the
+        # pool, out of deadline order.
+        self.row_limit = row_limit
+        self.learn_limit = learn_limit  # hold batches to the size the latency model says pays
         self._lanes: dict[Hashable, dict[str, _Lane]] = {}
         self._seq = itertools.count()
         self.size = 0
@@ -262,6 +271,18 @@ class DeadlineQueue:
 
     def __len__(self) -> int:
         return self.size
+
+    def _limit(self, key: Hashable) -> int:
+        """Most rows a batch of bucket ``key`` takes: max_batch_size, the bucket's token budget
+        (row_limit), and the rows the latency model says are still worth batching."""
+        limit = self.max_batch_size or 1
+        if self.row_limit is not None:
+            limit = min(limit, self.row_limit(key))
+        if self.learn_limit:
+            useful = self.latency.useful_rows(key)
+            if useful is not None:
+                limit = min(limit, useful)
+        return limit
 
     def margin(self) -> float:
         """Seconds kept free before a deadline: the fixed margin plus the loop's lag both ways."""
@@ -286,7 +307,13 @@ class DeadlineQueue:
         lane = lanes.get(cls)
         if lane is None:
             lane = lanes[cls] = _Lane(cls)
-        heapq.heappush(lane.heap, (req.level, req.deadline, next(self._seq), req))
+        # Least laxity first: order by when the request must start, not when it must end, so a long
+        # text (a slow bucket) is not made to wait as long as a short one with the same budget,
+        # which would put all the long ones in the tail.
+        latest_start = req.deadline
+        if self.latency.confident(req.key):
+            latest_start -= self.latency.estimate(req.key, req.rows)
+        heapq.heappush(lane.heap, (req.level, latest_start, next(self._seq), req))
         lane.rows += req.rows
         self.size += 1
         self.class_size[cls] += 1
@@ -312,7 +339,7 @@ class DeadlineQueue:
             rows = sum(lane.rows for lane in lanes.values() if self.classes[lane.cls].rank <= rank)
             if rows:
                 a, b = self.latency.per_row(key)
-                per_batch = max(self.max_batch_size, 1)
+                per_batch = self._limit(key)
                 if cap < math.inf and b > 0:  # batches are held under the cap: more, smaller ones
                     per_batch = max(1, min(per_batch, int((cap - a) / b)))
                 total += math.ceil(rows / per_batch) * a + rows * b
@@ -345,15 +372,15 @@ class DeadlineQueue:
                 # Deadlines are only ordered within a level, so scan the (few) heads per level
                 # lazily: pop from the top while the top is hopeless.
                 while lane.heap:
-                    level, deadline, _, r = lane.heap[0]
+                    level, start_by, _, r = lane.heap[0]
                     est = self.latency.estimate_hi(key, r.rows) if self.latency.confident(key) else 0.0
-                    late = now + est + margin > deadline
+                    late = now + est + margin > r.deadline
                     timed_out = now >= r.queue_deadline
                     if not (late or timed_out):
                         break
                     heapq.heappop(lane.heap)
                     if timed_out and r.delay and not late and level != _DELAYED_LEVEL:
-                        heapq.heappush(lane.heap, (_DELAYED_LEVEL, deadline, next(self._seq), r))
+                        heapq.heappush(lane.heap, (_DELAYED_LEVEL, start_by, next(self._seq), r))
                         continue
                     self._remove(lane, r)
                     if r.future.done():
@@ -407,7 +434,7 @@ class DeadlineQueue:
         plan: list[tuple[_Lane, tuple]] = []
         rows = 0
         best_pref = 0
-        limit = self.max_batch_size or 1
+        limit = self._limit(key)
         cand = [(l.heap[0][:3], i) for i, l in enumerate(lanes) if l is not first]
         heapq.heapify(cand)
         # Deadline-aware filling: a row joins only if the batch, with it, still finishes before the
@@ -459,7 +486,7 @@ class DeadlineQueue:
     def _close_at(self, key: Hashable, plan: list[tuple[_Lane, tuple]], rows: int, best_pref: int, now: float,
                   idle: bool) -> float:
         """When this batch should leave: now (returns ``now``) or a later time to re-check."""
-        if self.max_batch_size == 0 or rows >= self.max_batch_size or best_pref == len(plan):
+        if self.max_batch_size == 0 or rows >= self._limit(key) or best_pref == len(plan):
             return now
         if self._live_in(key):  # rows were left out (deadline, cap or size): waiting adds nothing
             return now
@@ -512,12 +539,12 @@ class DeadlineQueue:
         wake = getattr(self, "_wakeup", math.inf)
         margin = self.margin()
         # Also wake when the most urgent queued request would become hopeless.
-        for (level, deadline, _), key, lane in heads:
+        for _, key, lane in heads:
             r = lane.heap[0][3]
             # The same estimate take_expired uses (none until the bucket is known), so a wake-up
             # never lands on a moment when there is nothing to do.
             est = self.latency.estimate_hi(key, r.rows) if self.latency.confident(key) else 0.0
-            wake = min(wake, deadline - est - margin, r.queue_deadline)
+            wake = min(wake, r.deadline - est - margin, r.queue_deadline)
         return None if wake == math.inf else wake
 
     def _take(self, plan: list[tuple[_Lane, tuple]]) -> list[Request]:

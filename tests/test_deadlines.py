@@ -437,3 +437,57 @@ def test_loop_lag_monitor_sees_a_blocked_loop():
 
     quiet, blocked = asyncio.run(main())
     assert blocked > 0.005 and blocked > quiet
+
+
+def test_least_laxity_first_a_slow_bucket_starts_before_a_fast_one_with_the_same_budget():
+    m = LatencyModel()
+    for rows in (1, 2, 1, 2, 1, 2):
+        m.observe("long", rows, 0.060 * rows)  # 60 ms a row
+        m.observe("short", rows, 0.004 * rows)  # 4 ms a row
+    q = queue(max_bs=1, latency=m)
+    q.push(make_req("short", "standard", 0.000, key="short"))
+    q.push(make_req("long", "standard", 0.010, key="long"))  # 10 ms later, same 250 ms budget
+    # EDF alone would run "short" first (deadline 250 < 260 ms); the long one must start by
+    # 260 - 60 = 200 ms, the short one by 246 ms: the long one goes first and both make it.
+    assert [names(q.pop_batch(0.02)) for _ in range(2)] == [["long"], ["short"]]
+
+
+def test_row_limit_holds_a_batch_to_the_token_budget_of_its_bucket():
+    q = queue(max_bs=64, delay=0.0, row_limit=lambda key: 1024 // key, learn_limit=False)
+    for i in range(20):
+        q.push(make_req(f"t{i}", "standard", 0.0, key=256))
+    sizes = [len(q.pop_batch(0.0)) for _ in range(5)]
+    assert sizes == [4, 4, 4, 4, 4]  # 4 rows x 256 tokens = the 1024-token budget
+
+
+def test_latency_model_learns_where_batching_stops_paying():
+    m = LatencyModel()
+    for _ in range(4):
+        for rows in (1, 2, 4, 8):
+            m.observe("gpu", rows, 0.010 + 0.0001 * rows)  # a big fixed cost: batching always pays
+            m.observe("long", rows, 0.060 * rows)  # no fixed cost: a row costs the same alone
+            m.observe("short", rows, 0.0012 + 0.0034 * rows)  # minilm at 16 tokens, 1 thread
+    assert m.useful_rows("gpu") > 64
+    assert m.useful_rows("long") == 1
+    # doubling past n saves a/2n per row; worth it while >= 2% of a row: n <= 0.48a / 0.02b ~ 8.5
+    assert m.useful_rows("short") == 9
+    assert m.useful_rows("unseen") is None
+    # sizes stop varying (batches of one only): the last answer stands
+    for _ in range(200):
+        m.observe("long", 1, 0.060)
+    assert m.useful_rows("long") == 1
+
+
+def test_learned_limit_runs_slow_bucket_rows_one_by_one():
+    m = LatencyModel()
+    for _ in range(4):
+        for rows in (1, 2, 4):
+            m.observe(256, rows, 0.060 * rows)
+    q = queue(max_bs=64, delay=0.0, latency=m)
+    for i in range(3):
+        q.push(make_req(f"t{i}", "bulk", 0.0, key=256))
+    assert [len(q.pop_batch(0.0)) for _ in range(3)] == [1, 1, 1]
+    off = queue(max_bs=64, delay=0.0, latency=m, learn_limit=False)
+    for i in range(3):
+        off.push(make_req(f"t{i}", "bulk", 0.0, key=256))
+    assert len(off.pop_batch(0.0)) == 3

@@ -3,8 +3,10 @@ refused at once with DEADLINE_EXCEEDED, and the server's compute counters show i
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
+import urllib.request
 
 import grpc
 import numpy as np
@@ -12,7 +14,7 @@ import numpy as np
 from proto.inference.v2 import grpc_service_pb2 as pb
 from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from bench.goodput import _request as encoder_request
-from tests.conftest import start_server
+from tests.conftest import REPO, start_server
 
 
 def _encoder(rows: int, seq: int, **params) -> pb.ModelInferRequest:
@@ -90,5 +92,32 @@ def test_grpc_deadline_is_the_budget(tmp_path):
                 assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             for f in futures:
                 f.result(timeout=120)
+    finally:
+        srv.stop()
+
+
+def test_a_model_can_keep_triton_fifo_while_the_server_schedules_by_deadline(tmp_path):
+    repo = tmp_path / "repo"
+    for name, policy in (("fifo-ranker", "fifo"), ("ranker", None), ("bad-ranker", "lifo")):
+        shutil.copytree(REPO / "ranker", repo / name)
+        cfg = repo / name / "config.pbtxt"
+        text = cfg.read_text().replace('name: "ranker"', f'name: "{name}"')
+        if policy:
+            text += f'parameters {{ key: "scheduling_policy" value {{ string_value: "{policy}" }} }}\n'
+        cfg.write_text(text)
+    srv = start_server(tmp_path, "--workers-per-device", "1", repo=repo)
+    try:
+        with grpc.insecure_channel(srv.grpc_url) as ch:
+            stub = pb_grpc.GRPCInferenceServiceStub(ch)
+            index = {m.name: m for m in stub.RepositoryIndex(pb.RepositoryIndexRequest()).models}
+            assert index["fifo-ranker"].state == "READY" and index["ranker"].state == "READY"
+            assert index["bad-ranker"].state != "READY"
+            assert "scheduling_policy" in index["bad-ranker"].reason and "lifo" in index["bad-ranker"].reason
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv.http_port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        # the FIFO queue reports one line, class "fifo"; the deadline queue one per latency class
+        assert 'batchgate_queue_depth{class="fifo",model="fifo-ranker",version="1"}' in text
+        assert 'batchgate_queue_depth{class="realtime",model="ranker",version="1"}' in text
+        assert 'model="fifo-ranker",version="1"}' in text and 'class="realtime",model="fifo-ranker"' not in text
     finally:
         srv.stop()
