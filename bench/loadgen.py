@@ -104,6 +104,7 @@ class Point:
         }
         within = int(np.count_nonzero(lat_ms <= budget_ms))
         answered = max(lat_ms.size, 1)
+        rate = self.completed / self.duration_s
         return {
             "mode": self.mode,
             "api": self.api,
@@ -111,11 +112,12 @@ class Point:
             "offered_rps": self.level if self.mode == "open" else None,
             "duration_s": round(self.duration_s, 3),
             "rows_per_request": self.rows,
-            "throughput_rps": self.completed / self.duration_s,
+            "throughput_rps": rate,
             "rows_per_s": self.completed * self.rows / self.duration_s,
             # goodput: answers within the budget, per second (the share of the window's answers
             # that made it, times the throughput)
-            "goodput_rps": self.completed / self.duration_s * within / answered,
+            # (exactly the throughput when every answer made it: x * n / n can round above x)
+            "goodput_rps": rate if within >= answered else rate * within / answered,
             "budget_ms": budget_ms,
             "mean_ms": float(lat_ms.mean()) if lat_ms.size else math.nan,
             **pct,

@@ -41,7 +41,7 @@ class _Fit:
             return None
         mean_x, mean_y = self.sx / self.w, self.sy / self.w
         var_x = self.sxx / self.w - mean_x * mean_x
-        if var_x <= 0.25:  # sizes within about a row of each other: no slope to read
+        if var_x <= 0.25:  # sizes within about half a row of each other: no slope to read
             return None
         b = (self.sxy / self.w - mean_x * mean_y) / var_x
         return mean_y - b * mean_x, b
@@ -82,6 +82,7 @@ class LatencyModel:
     CONFIDENT = 3  # batches of a bucket before its estimates may refuse work
     # A batch stops growing where doubling it would make a row less than this much cheaper.
     WORTH = 0.02
+    LEARN_AFTER = 20  # batches of a bucket before its batch-size limit is learned
 
     def __init__(self, decay: float = 0.98, prior_s: float = 0.002, alpha: float = 0.2) -> None:
         self.decay = decay
@@ -90,7 +91,6 @@ class LatencyModel:
         self._fits: dict[Hashable, _Fit] = {}
         self._sizes: dict[tuple[Hashable, int], list[float]] = {}  # -> [ewma s, samples, ewma |dev| s]
         self._any = _Fit()  # across buckets: the estimate for a bucket not seen yet
-        self._useful: dict[Hashable, int | None] = {}  # bucket -> rows worth batching (None: no limit)
 
     def confident(self, key: Hashable) -> bool:
         """Whether this bucket has run often enough for its estimate to justify shedding."""
@@ -150,23 +150,22 @@ class LatencyModel:
         n = a(1/2 - WORTH) / (WORTH b). None: no limit (batching pays, or not known yet). On CPU a
         long-sequence bucket has a ~ 0 (or a row costs more in a bigger batch): 1, so its rows
         run as they come instead of waiting for a big batch that is no cheaper; on a GPU the
-        intercept dominates and there is no limit. While sizes have not varied lately, the last
-        answer stands."""
+        intercept dominates and there is no limit. Only after LEARN_AFTER batches of the bucket,
+        and only while recent batch sizes have varied: under a limit of 1 they stop varying, the
+        spread decays, the limit lifts and the next busy moment runs a bigger batch again, so a
+        limit learned from noise does not stand for ever (about one probe per ~150 batches)."""
         fit = self._fits.get(key)
-        if fit is None or fit.batches <= self.CONFIDENT:
+        if fit is None or fit.batches < self.LEARN_AFTER:
             return None
         line = fit.line()
         if line is None:
-            return self._useful.get(key)
+            return None
         a, b = line
         if b <= 0:
-            rows = None
-        elif a <= 0:
-            rows = 1
-        else:
-            rows = max(1, math.ceil(a * (0.5 - self.WORTH) / (self.WORTH * b)))
-        self._useful[key] = rows
-        return rows
+            return None
+        if a <= 0:
+            return 1
+        return max(1, math.ceil(a * (0.5 - self.WORTH) / (self.WORTH * b)))
 
     def per_row(self, key: Hashable = None) -> tuple[float, float]:
         fit = self._fits.get(key) if key is not None else None

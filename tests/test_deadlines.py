@@ -462,7 +462,10 @@ def test_row_limit_holds_a_batch_to_the_token_budget_of_its_bucket():
 
 def test_latency_model_learns_where_batching_stops_paying():
     m = LatencyModel()
-    for _ in range(4):
+    for rows in (1, 2, 4, 8) * 4:
+        m.observe("few", rows, 0.060 * rows)
+    assert m.useful_rows("few") is None  # 16 batches: too few to learn from
+    for _ in range(6):
         for rows in (1, 2, 4, 8):
             m.observe("gpu", rows, 0.010 + 0.0001 * rows)  # a big fixed cost: batching always pays
             m.observe("long", rows, 0.060 * rows)  # no fixed cost: a row costs the same alone
@@ -472,15 +475,19 @@ def test_latency_model_learns_where_batching_stops_paying():
     # doubling past n saves a/2n per row; worth it while >= 2% of a row: n <= 0.48a / 0.02b ~ 8.5
     assert m.useful_rows("short") == 9
     assert m.useful_rows("unseen") is None
-    # sizes stop varying (batches of one only): the last answer stands
-    for _ in range(200):
+    # under the limit of 1 sizes stop varying: the spread decays and the limit lifts, so the next
+    # busy moment probes a bigger batch (a limit learned from noise does not stand for ever) ...
+    for _ in range(300):
         m.observe("long", 1, 0.060)
+    assert m.useful_rows("long") is None
+    # ... and a probe that shows no gain puts it back
+    m.observe("long", 8, 0.480)
     assert m.useful_rows("long") == 1
 
 
 def test_learned_limit_runs_slow_bucket_rows_one_by_one():
     m = LatencyModel()
-    for _ in range(4):
+    for _ in range(8):
         for rows in (1, 2, 4):
             m.observe(256, rows, 0.060 * rows)
     q = queue(max_bs=64, delay=0.0, latency=m)
