@@ -316,8 +316,7 @@ class Scheduler:
         start = self.clock()
         rows = [r.rows for r in batch]
         est = self.latency.estimate_hi(batch[0].key, sum(rows))
-        token = id(batch)
-        self._running[token] = (start, est)
+        self._running[id(batch)] = (start, est)
         try:
             fut = self.execute([r.inputs for r in batch], rows, self.batched)
         except BaseException as exc:

@@ -288,7 +288,7 @@ async def test_shed_at_admission_when_work_ahead_exceeds_the_budget():
         await _settle()
         assert not rt.done()
         # ...but a bulk request with a 20 ms budget has 3 batches of 10 ms (same class, queued
-        # earlier) plus half a running one ahead of it: shed at once, not queued.
+        # earlier) plus what the running one has left ahead of it: shed at once, not queued.
         with pytest.raises(GatewayError) as err:
             await s.infer({"x": 1}, 1, None, budget("bulk", clock.now, 0.020))
         assert err.value.kind is Kind.DEADLINE and "cannot be met" in err.value.message
@@ -367,6 +367,32 @@ async def test_every_waiter_answered_once_under_mixed_classes():
         assert computed == results.count("ok")  # each answered request computed exactly once
         st = s.stats
         assert st.success_count + st.shed + st.expired == 200
+    finally:
+        await s.close()
+
+
+async def test_shedding_counts_what_the_running_batch_has_left():
+    clock = Clock()
+    engine = FakeEngine()
+    q = DeadlineQueue(4, (), 0.0, CLASSES, trained(a=0.010, b=0.0, key=None))
+    s = Scheduler("m", q, engine.execute, slots=1, clock=clock)
+    s.start()
+    try:
+        first = asyncio.create_task(s.infer({"x": 1}, 1, None, budget("bulk", clock.now)))
+        await _settle()
+        assert len(engine.calls) == 1  # a 10 ms batch runs from clock 100.000
+        clock.now += 0.001  # 9 ms left: 9 + 10 ms own compute + margin > a 14 ms budget
+        with pytest.raises(GatewayError) as err:
+            await s.infer({"x": 1}, 1, None, budget("realtime", clock.now, 0.014))
+        assert err.value.kind is Kind.DEADLINE
+        clock.now += 0.008  # 1 ms left: 1 + 10 + margin fits 14 ms (counting half of 10 would not)
+        late = asyncio.create_task(s.infer({"x": 1}, 1, None, budget("realtime", clock.now, 0.014)))
+        await _settle()
+        assert not late.done() and s.stats.shed == 1
+        engine.finish(0)
+        await asyncio.wait_for(_until(lambda: len(engine.calls) > 1), 2)
+        engine.finish(1)
+        await asyncio.wait_for(asyncio.gather(first, late), 2)
     finally:
         await s.close()
 
