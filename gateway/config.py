@@ -71,7 +71,7 @@ class Settings(BaseSettings):
         "more trades that class's p99 for throughput"
     )
     deadline_margin_ms: float = Field(
-        2.0, ge=0, le=1000, description="time kept free before every deadline for what this process cannot "
+        4.0, ge=0, le=1000, description="time kept free before every deadline for what this process cannot "
         "see: the network and the caller's own stack, both ways (the event loop's measured lag is added to it)"
     )
 
