@@ -1,6 +1,6 @@
-"""minilm benchmark: text in, embedding out, four ways behind the same gRPC stack, in one run.
+"""minilm benchmark: text in, embedding out, five ways behind the same gRPC stack, in one run.
 
-One server process serves four models on the same ONNX file and tokenizer, differing only in
+One server process serves five models on the same ONNX file and tokenizer, differing only in
 config.pbtxt parameters:
 
 * ``batchgate``   minilm as served: rows grouped by estimated length bucket, batched while the
