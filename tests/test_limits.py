@@ -24,7 +24,6 @@ from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import REPO, ROOT, start_server
 
 _LEN = struct.Struct("<I")
-HAS_MINILM = (REPO / "minilm" / "1" / "model.onnx").exists()
 
 
 def open_encoder(dst: Path) -> Path:
@@ -134,9 +133,8 @@ def test_raw_bytes_count_checked_before_allocation(limits):
     assert deserialize_bytes(_LEN.pack(100) + b"a" * 100, 1, "text", 100)[0] == b"a" * 100
 
 
-@pytest.mark.skipif(not HAS_MINILM, reason="model_repository/minilm is not built (batchgate prepare-minilm)")
-def test_string_length_limit_raw_and_typed(limits):
-    (spec,) = load_model(REPO / "minilm")
+def test_string_length_limit_raw_and_typed(limits, minilm_dir):
+    (spec,) = load_model(minilm_dir)
     c = Codec(spec)
     long = b"word " * 21  # 105 bytes > 100
     raw = pb.ModelInferRequest(model_name="minilm", raw_input_contents=[_LEN.pack(3) + b"abc" + _LEN.pack(len(long)) + long])
@@ -168,13 +166,12 @@ def test_no_code_executing_deserialisation():
 
 
 @pytest.fixture(scope="module")
-def limited(tmp_path_factory):
+def limited(tmp_path_factory, minilm_dir):
     tmp = tmp_path_factory.mktemp("limits")
     repo = tmp / "repo"
     open_encoder(repo)
     (repo / "ranker").symlink_to(REPO / "ranker", target_is_directory=True)
-    if HAS_MINILM:
-        (repo / "minilm").symlink_to(REPO / "minilm", target_is_directory=True)
+    (repo / "minilm").symlink_to(minilm_dir, target_is_directory=True)
     env = {"BATCHGATE_MAX_TENSOR_ELEMENTS": "1000", "BATCHGATE_MAX_STRING_BYTES": "100", "BATCHGATE_MAX_INPUTS": "4"}
     srv = start_server(tmp, "--no-build-models", "--max-message-bytes", "65536", repo=repo, env=env)
     ch = grpc.insecure_channel(srv.grpc_url, options=[("grpc.max_send_message_length", 2**26)])
@@ -213,12 +210,11 @@ def test_live_limits(limited):
     req.inputs.add(name="sparse_ids", datatype="INT64", shape=[300, 8])
     err = live_refusal(stub, req)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_batch_size=256" in err.details()
-    if HAS_MINILM:
-        long = b"word " * 30
-        req = pb.ModelInferRequest(model_name="minilm", raw_input_contents=[_LEN.pack(len(long)) + long])
-        req.inputs.add(name="text", datatype="BYTES", shape=[1, 1])
-        err = live_refusal(stub, req)
-        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_string_bytes" in err.details()
+    long = b"word " * 30
+    req = pb.ModelInferRequest(model_name="minilm", raw_input_contents=[_LEN.pack(len(long)) + long])
+    req.inputs.add(name="text", datatype="BYTES", shape=[1, 1])
+    err = live_refusal(stub, req)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_string_bytes" in err.details()
     # within every limit: served
     ok = encoder_request([2, 8], raw=np.ones((2, 8), np.int64).tobytes())
     resp = stub.ModelInfer(ok, timeout=10)
