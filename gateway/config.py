@@ -72,7 +72,8 @@ class Settings(BaseSettings):
     )
     deadline_margin_ms: float = Field(
         4.0, ge=0, le=1000, description="time kept free before every deadline for what this process cannot "
-        "see: the network and the caller's own stack, both ways (the event loop's measured lag is added to it)"
+        "see: the network and the caller's own stack, both ways (at most a fifth of a request's budget; the event "
+        "loop's measured lag is added to it)"
     )
 
     # -- shared state (result cache tier 2, global rate limits) --------------------------------

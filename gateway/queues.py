@@ -284,9 +284,18 @@ class DeadlineQueue:
                 limit = min(limit, useful)
         return limit
 
-    def margin(self) -> float:
-        """Seconds kept free before a deadline: the fixed margin plus the loop's lag both ways."""
-        return self.margin_s + 2.0 * self.lag.s
+    # Never keep more than this share of a request's budget for time outside the process: a
+    # 5 ms budget on a fast model keeps 1 ms, not the whole deadline_margin_ms.
+    MARGIN_SHARE = 0.2
+
+    def due(self, r: Request) -> float:
+        """The deadline the scheduler works to: the request's, less the fixed margin (the network
+        and the caller, deadline_margin_ms, at most MARGIN_SHARE of its budget)."""
+        return r.deadline - min(self.margin_s, self.MARGIN_SHARE * (r.deadline - r.arrival))
+
+    def lag_margin(self) -> float:
+        """The loop's lag, paid on the way in and again on the way out."""
+        return 2.0 * self.lag.s
 
     # -- admission ----------------------------------------------------------------------------
 
@@ -363,7 +372,7 @@ class DeadlineQueue:
         """Requests that cannot finish in time even if they ran alone right now; Triton DELAY
         requests past their queue timeout are moved behind everything instead."""
         out: list[Request] = []
-        margin = self.margin()
+        lag = self.lag_margin()
         for key, lanes in self._lanes.items():
             for lane in lanes.values():
                 self._clean_head(lane)
@@ -374,7 +383,7 @@ class DeadlineQueue:
                 while lane.heap:
                     level, start_by, _, r = lane.heap[0]
                     est = self.latency.estimate_hi(key, r.rows) if self.latency.confident(key) else 0.0
-                    late = now + est + margin > r.deadline
+                    late = now + est + lag > self.due(r)
                     timed_out = now >= r.queue_deadline
                     if not (late or timed_out):
                         break
@@ -422,7 +431,11 @@ class DeadlineQueue:
         that arrives as a batch starts waits for it, then runs in a batch of its own, so at 0.5
         the two together still fit its budget; a larger fraction trades that p99 for throughput."""
         active = [self.classes[c].budget_s for c, t in self._class_seen.items() if now - t < 1.0]
-        return max(min(active) - self.margin(), 0.0) * self.cap_fraction if active else math.inf
+        if not active:
+            return math.inf
+        budget = min(active)
+        margin = min(self.margin_s, self.MARGIN_SHARE * budget) + self.lag_margin()
+        return max(budget - margin, 0.0) * self.cap_fraction
 
     def _pop_plan(
         self, key: Hashable, first: _Lane | None, now: float = 0.0
@@ -441,8 +454,8 @@ class DeadlineQueue:
         # most urgent deadline in it and stays under the batch-time cap (known buckets only).
         sized = self.latency.confident(key)
         cap = self._batch_time_cap(now) if sized else math.inf
-        margin = self.margin()
-        urgent = math.inf
+        lag = self.lag_margin()
+        urgent = math.inf  # the earliest due time among the rows taken
         if first is not None:  # a starving class's head goes first
             cand.insert(0, ((-1, -math.inf, -1), lanes.index(first)))
         while rows < limit and cand:
@@ -458,14 +471,14 @@ class DeadlineQueue:
                 break
             elif plan and sized and (
                 (est := self.latency.estimate_hi(key, rows + r.rows)) > cap
-                or now + est + margin > min(urgent, r.deadline)
+                or now + est + lag > min(urgent, self.due(r))
             ):
                 heapq.heappush(lane.heap, entry)
                 break
             else:
                 plan.append((lane, entry))
                 rows += r.rows
-                urgent = min(urgent, r.deadline)
+                urgent = min(urgent, self.due(r))
                 if rows in self.preferred:
                     best_pref = len(plan)
                 if self.max_batch_size == 0:
@@ -490,9 +503,9 @@ class DeadlineQueue:
             return now
         if self._live_in(key):  # rows were left out (deadline, cap or size): waiting adds nothing
             return now
-        urgent = min(e[3].deadline for _, e in plan)
+        urgent = min(self.due(e[3]) for _, e in plan)
         compute = self.latency.estimate_hi(key, rows)
-        latest = urgent - compute - self.margin()  # waiting past this makes the most urgent late
+        latest = urgent - compute - self.lag_margin()  # waiting past this makes the most urgent late
         timer = min(e[3].arrival for _, e in plan) + self.max_delay_s
         close = min(latest, timer)
         if close <= now:
@@ -537,14 +550,14 @@ class DeadlineQueue:
         if not heads:
             return None
         wake = getattr(self, "_wakeup", math.inf)
-        margin = self.margin()
+        lag = self.lag_margin()
         # Also wake when the most urgent queued request would become hopeless.
         for _, key, lane in heads:
             r = lane.heap[0][3]
             # The same estimate take_expired uses (none until the bucket is known), so a wake-up
             # never lands on a moment when there is nothing to do.
             est = self.latency.estimate_hi(key, r.rows) if self.latency.confident(key) else 0.0
-            wake = min(wake, r.deadline - est - margin, r.queue_deadline)
+            wake = min(wake, self.due(r) - est - lag, r.queue_deadline)
         return None if wake == math.inf else wake
 
     def _take(self, plan: list[tuple[_Lane, tuple]]) -> list[Request]:

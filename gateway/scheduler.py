@@ -208,7 +208,7 @@ class Scheduler:
         wait = ahead / self._slots
         # A bucket that has not run enough yet counts no compute of its own (never over-refuse).
         own = self.latency.estimate_hi(req.key, req.rows) if self.latency.confident(req.key) else 0.0
-        if now + wait + own + self.queue.margin() > req.deadline:
+        if now + wait + own + self.queue.lag_margin() > self.queue.due(req):
             self.stats.fail_count += 1  # Triton counts refused requests as failed
             self.stats.shed += 1
             self.stats.count_class(req.class_name, "shed")

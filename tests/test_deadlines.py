@@ -524,3 +524,15 @@ def test_learned_limit_runs_slow_bucket_rows_one_by_one():
     for i in range(3):
         off.push(make_req(f"t{i}", "bulk", 0.0, key=256))
     assert len(off.pop_batch(0.0)) == 3
+
+
+def test_fixed_margin_never_takes_more_than_a_fifth_of_a_budget():
+    q = queue(max_bs=8, latency=trained(a=0.0015, b=0.0), margin_s=0.004)
+    q.push(make_req("tight", "realtime", 0.0, budget_s=0.005))  # 5 ms budget, 1.5 ms compute
+    q.push(make_req("rt", "realtime", 0.0))  # 25 ms budget
+    # 5 ms keeps 1 ms (not 4) for the network and the caller: 1.5 ms of compute still fits
+    assert q.due(q._lanes[None]["realtime"].heap[0][3]) == pytest.approx(0.004)
+    assert q.take_expired(0.0) == []
+    assert names(q.take_expired(0.0026)) == ["tight"]  # 2.6 + 1.5 > 4
+    # the 25 ms request keeps the full 4 ms: due at 21 ms
+    assert q.take_expired(0.0194) == [] and names(q.take_expired(0.0196)) == ["rt"]
