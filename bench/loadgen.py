@@ -408,11 +408,14 @@ def batching(before: dict | None, after: dict | None) -> dict:
     }
 
 
-async def wait_ready(url: str, timeout_s: float = 60.0) -> None:
+async def wait_ready(url: str, timeout_s: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+    """Until the server at ``url`` says ServerReady; with ``proc``, fail at once if it exits."""
     deadline = time.monotonic() + timeout_s
     async with grpc.aio.insecure_channel(url) as ch:
         stub = pb_grpc.GRPCInferenceServiceStub(ch)
         while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode} during start")
             try:
                 if (await stub.ServerReady(pb.ServerReadyRequest(), timeout=1)).ready:
                     return

@@ -38,7 +38,7 @@ import numpy as np
 
 from proto.inference.v2 import grpc_service_pb2 as pb
 from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
-from bench.loadgen import free_ports
+from bench.loadgen import free_ports, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 REPO = ROOT / "model_repository"
@@ -116,22 +116,6 @@ def _start_server(repo: Path, redis_url: str, log_path: Path, workers: int) -> t
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
     return proc, f"127.0.0.1:{grpc_port}"
-
-
-async def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    async with grpc.aio.insecure_channel(url) as ch:
-        stub = pb_grpc.GRPCInferenceServiceStub(ch)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode} during start")
-            try:
-                if (await stub.ServerReady(pb.ServerReadyRequest(), timeout=1)).ready:
-                    return
-            except grpc.RpcError:
-                pass
-            await asyncio.sleep(0.2)
-    raise RuntimeError(f"{url} not ready within {timeout_s}s")
 
 
 # -- the traffic --------------------------------------------------------------------------------
@@ -268,7 +252,7 @@ async def _soak(args: argparse.Namespace, work: Path) -> dict:
     proc, url = _start_server(repo, redis.url, log_path, args.workers)
     report: dict = {"models": models, "seconds": args.seconds, "concurrency": args.concurrency, "log": str(log_path)}
     try:
-        await _wait_ready(url, proc)
+        await wait_ready(url, 180, proc)
         report["rss_ready_mb"] = _rss_mb(proc.pid)
         tally = Tally()
         t_start = tally.t0 = time.monotonic()

@@ -98,12 +98,13 @@ class GraphBuilder:
         return self.op("Cast", [f"{name}_fp16"], name, to=TensorProto.FLOAT)
 
 
-def _finish(graph: GraphBuilder, name: str, inputs: list[onnx.ValueInfoProto],
-            outputs: list[onnx.ValueInfoProto]) -> onnx.ModelProto:
+def finish_model(graph: GraphBuilder, name: str, inputs: list[onnx.ValueInfoProto],
+                 outputs: list[onnx.ValueInfoProto], producer: str = PRODUCER) -> onnx.ModelProto:
+    """The graph as a checked model at batchgate's opset and IR version."""
     model = helper.make_model(
         helper.make_graph(graph.nodes, name, inputs, outputs, graph.initializers),
         opset_imports=[helper.make_opsetid("", OPSET)],
-        producer_name=PRODUCER,
+        producer_name=producer,
         producer_version="1",
     )
     model.ir_version = IR_VERSION
@@ -141,7 +142,7 @@ def build_ranker() -> onnx.ModelProto:
     b = g.weight("head.bias", np.zeros(1))
     g.op("Sigmoid", [g.op("Gemm", [x, w, b], "logit")], "score")
 
-    return _finish(
+    return finish_model(
         g,
         "ranker",
         inputs=[
@@ -262,7 +263,7 @@ def build_encoder() -> onnx.ModelProto:
         x = _encoder_layer(g, rng, f"layer{i}", x, key_bias)
     _masked_mean(g, _layer_norm(g, rng, "final_ln", x), mask)
 
-    return _finish(
+    return finish_model(
         g,
         "encoder",
         inputs=[

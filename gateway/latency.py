@@ -35,13 +35,14 @@ class _Fit:
         self.sxy = self.sxy * decay + rows * seconds
         self.batches += 1
 
-    def line(self) -> tuple[float, float] | None:
-        """The least-squares (a, b), unclipped; None while batch sizes have not varied."""
+    def line(self, min_var: float = 0.25) -> tuple[float, float] | None:
+        """The least-squares (a, b), unclipped; None while the variance of batch sizes is at most
+        ``min_var`` (by default: sizes within about half a row of each other, no slope to read)."""
         if self.w == 0:
             return None
         mean_x, mean_y = self.sx / self.w, self.sy / self.w
         var_x = self.sxx / self.w - mean_x * mean_x
-        if var_x <= 0.25:  # sizes within about half a row of each other: no slope to read
+        if var_x <= min_var:
             return None
         b = (self.sxy / self.w - mean_x * mean_y) / var_x
         return mean_y - b * mean_x, b
@@ -50,13 +51,10 @@ class _Fit:
         """(a, b) with a, b >= 0; falls back to a proportional fit while rows have not varied."""
         if self.w == 0:
             return 0.0, 0.0
+        line = self.line(min_var=1e-9)
+        if line is not None and line[0] >= 0 and line[1] >= 0:
+            return line
         mean_x, mean_y = self.sx / self.w, self.sy / self.w
-        var_x = self.sxx / self.w - mean_x * mean_x
-        if var_x > 1e-9:
-            b = (self.sxy / self.w - mean_x * mean_y) / var_x
-            a = mean_y - b * mean_x
-            if b >= 0 and a >= 0:
-                return a, b
         # Not enough spread in batch sizes (or a negative coefficient from noise): attribute the
         # mean time to an intercept plus a per-row share, which never underestimates big batches.
         return mean_y * 0.5, (mean_y * 0.5) / max(mean_x, 1.0)
@@ -91,6 +89,9 @@ class LatencyModel:
         self._fits: dict[Hashable, _Fit] = {}
         self._sizes: dict[tuple[Hashable, int], list[float]] = {}  # -> [ewma s, samples, ewma |dev| s]
         self._any = _Fit()  # across buckets: the estimate for a bucket not seen yet
+        # bucket -> rows worth batching (absent: no limit); learned in observe(), once per batch,
+        # so the request path only looks it up
+        self._useful: dict[Hashable, int] = {}
 
     def confident(self, key: Hashable) -> bool:
         """Whether this bucket has run often enough for its estimate to justify shedding."""
@@ -112,6 +113,11 @@ class LatencyModel:
             seconds = min(seconds, 3.0 * max(self.estimate(key, rows), 1e-5))
         first = fit.batches == 0
         fit.add(rows, seconds, self.decay)
+        useful = self._learn_limit(fit)
+        if useful is None:
+            self._useful.pop(key, None)
+        else:
+            self._useful[key] = useful
         if not first:  # a bucket's first run pays one-off set-up; keep it out of the shared fit
             self._any.add(rows, seconds, self.decay)
             size = self._sizes.get((key, _size_class(rows)))
@@ -145,7 +151,12 @@ class LatencyModel:
         return self.estimate(key, rows)
 
     def useful_rows(self, key: Hashable) -> int | None:
-        """Rows beyond which a batch of bucket ``key`` stops paying: per-row time a/n + b gains
+        """Rows beyond which a batch of bucket ``key`` stops paying (``_learn_limit``); None: no
+        limit."""
+        return self._useful.get(key)
+
+    def _learn_limit(self, fit: _Fit) -> int | None:
+        """Rows beyond which a batch of the bucket ``fit`` describes stops paying: per-row time a/n + b gains
         a/2n by doubling n, worth it while that is at least WORTH of the row's time, i.e. up to
         n = a(1/2 - WORTH) / (WORTH b). None: no limit (batching pays, or not known yet). On CPU a
         long-sequence bucket has a ~ 0 (or a row costs more in a bigger batch): 1, so its rows
@@ -154,8 +165,7 @@ class LatencyModel:
         and only while recent batch sizes have varied: under a limit of 1 they stop varying, the
         spread decays, the limit lifts and the next busy moment runs a bigger batch again, so a
         limit learned from noise does not stand for ever (about one probe per ~150 batches)."""
-        fit = self._fits.get(key)
-        if fit is None or fit.batches < self.LEARN_AFTER:
+        if fit.batches < self.LEARN_AFTER:
             return None
         line = fit.line()
         if line is None:

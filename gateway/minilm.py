@@ -47,7 +47,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from gateway.bundled_models import IR_VERSION, OPSET, GraphBuilder, _write_atomic
+from gateway.bundled_models import GraphBuilder, _write_atomic, finish_model
 
 Log = Callable[[str], object]
 
@@ -399,24 +399,11 @@ def build_onnx(weights: dict[str, np.ndarray], cfg: BertConfig) -> onnx.ModelPro
     g.op("Div", [pooled, norm], "embedding")
 
     ids = ["batch", "seq"]
-    model = helper.make_model(
-        helper.make_graph(
-            g.nodes,
-            MODEL_NAME,
-            [
-                helper.make_tensor_value_info(n, TensorProto.INT64, ids)
-                for n in ("input_ids", "attention_mask", "token_type_ids")
-            ],
-            [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", cfg.hidden])],
-            g.initializers,
-        ),
-        opset_imports=[helper.make_opsetid("", OPSET)],
-        producer_name=PRODUCER,
-        producer_version="1",
-    )
-    model.ir_version = IR_VERSION
-    onnx.checker.check_model(model, full_check=True)
-    return model
+    inputs = [
+        helper.make_tensor_value_info(n, TensorProto.INT64, ids) for n in ("input_ids", "attention_mask", "token_type_ids")
+    ]
+    outputs = [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", cfg.hidden])]
+    return finish_model(g, MODEL_NAME, inputs, outputs, producer=PRODUCER)
 
 
 # --------------------------------------------------------------------------------------------

