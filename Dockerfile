@@ -15,6 +15,7 @@ RUN python -m venv /opt/batchgate/venv
 ENV PATH=/opt/batchgate/venv/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml ./
+COPY batchgate ./batchgate
 COPY proto ./proto
 COPY gateway ./gateway
 COPY workers ./workers
@@ -25,7 +26,7 @@ COPY bench ./bench
 # the server cannot import.
 RUN pip install ".[cpu]" \
  && ! pip show --quiet onnxruntime-gpu 2>/dev/null \
- && python -c "import gateway.server, workers.engine, onnxruntime"
+ && python -c "import batchgate.gateway.server, batchgate.workers.engine, onnxruntime"
 
 # The committed bundled models (ranker, encoder). minilm (text -> embedding) is not committed and
 # is left out of the build context; BAKE_MINILM=true builds it here instead, deterministically

@@ -28,14 +28,14 @@ redis-server:
 QUICK_BENCH ?= 1
 test: $(STAMP) redis-server
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
-	@if [ "$(QUICK_BENCH)" != 0 ]; then $(BIN)/python -m bench.quick; fi
+	@if [ "$(QUICK_BENCH)" != 0 ]; then $(BIN)/python -m batchgate.bench.quick; fi
 
-# The load generator (python -m bench -h for its flags), e.g. make bench ARGS="--start-server --api unary,stream"
+# The load generator (python -m batchgate.bench -h for its flags), e.g. make bench ARGS="--start-server --api unary,stream"
 bench: $(STAMP)
-	$(BIN)/python -m bench $(ARGS)
+	$(BIN)/python -m batchgate.bench $(ARGS)
 
 proto: $(STAMP)
-	$(BIN)/python -m proto.generate
+	$(BIN)/python -m batchgate.proto.generate
 
 clean:
 	rm -rf $(VENV) build *.egg-info

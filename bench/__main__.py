@@ -1,12 +1,12 @@
-"""``python -m bench`` (or ``batchgate bench``): load a KServe v2 gRPC server and report latency,
+"""``python -m batchgate.bench`` (or ``batchgate bench``): load a KServe v2 gRPC server and report latency,
 throughput and goodput, as a table, JSON, CSV and PNG plots.
 
     # a sweep over concurrency, unary and streamed, against a server started for the run
-    python -m bench --start-server --model ranker --mode closed --api unary,stream \\
+    python -m batchgate.bench --start-server --model ranker --mode closed --api unary,stream \\
         --concurrency 1,4,16,64 --duration 5 --json out/ranker.json --csv out/ranker.csv --plot-dir out
 
     # open loop (Poisson arrivals) at fixed rates against a running server
-    python -m bench --url 127.0.0.1:8001 --mode open --rate 200,500,1000 --budget-ms 25
+    python -m batchgate.bench --url 127.0.0.1:8001 --mode open --rate 200,500,1000 --budget-ms 25
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 import sys
 from pathlib import Path
 
-from bench.loadgen import Point, Progress, Workload, batching, model_statistics, run_point, start_batchgate
+from batchgate.bench.loadgen import Point, Progress, Workload, batching, model_statistics, run_point, start_batchgate
 
 
 def _floats(text: str) -> list[float]:
@@ -164,7 +164,7 @@ def write_outputs(args: argparse.Namespace, points: list[Point], summaries: list
             w.writeheader()
             w.writerows(summaries)
     if args.plot_dir:
-        from bench import plots  # matplotlib only when plots are asked for
+        from batchgate.bench import plots  # matplotlib only when plots are asked for
 
         args.plot_dir.mkdir(parents=True, exist_ok=True)
         prefix = args.plot_prefix or args.model

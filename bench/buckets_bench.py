@@ -15,7 +15,7 @@ distribution: lognormal with median ``--median`` tokens, clipped to [``--min-len
 requests are short and a few are long. The modes run in alternating short rounds so that a
 shared machine's background load falls on all of them alike.
 
-    .venv/bin/python -m bench.buckets_bench [--seconds 3] [--rounds 2] [--concurrency 64] [--workers 2]
+    .venv/bin/python -m batchgate.bench.buckets_bench [--seconds 3] [--rounds 2] [--concurrency 64] [--workers 2]
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from workers import BucketConfig, Device, EngineOptions, WorkerPool  # noqa: E402
-from workers.sessions import SessionFactory  # noqa: E402
+from batchgate.workers import BucketConfig, Device, EngineOptions, WorkerPool  # noqa: E402
+from batchgate.workers.sessions import SessionFactory  # noqa: E402
 
 MODEL_DIR = ROOT / "model_repository" / "encoder"
 MAX_BATCH = 64  # the encoder's max_batch_size: what the engines are built for
@@ -46,7 +46,7 @@ def encoder_parameters() -> dict[str, str]:
     """The bundled encoder's config.pbtxt parameters (seq_buckets, max_batch_tokens, ...)."""
     from google.protobuf import text_format
 
-    from proto.inference.v2 import model_config_pb2 as mc
+    from batchgate.proto.inference.v2 import model_config_pb2 as mc
 
     cfg = mc.ModelConfig()
     text_format.Parse((MODEL_DIR / "config.pbtxt").read_text(), cfg)

@@ -13,7 +13,7 @@ cache off, in memory, and in Redis; the goal is that Redis adds at most 1 ms p50
 cache_miss.ns / cache_miss.count, the mean time a missing request spent in the cache (keys,
 memory, the Redis MGET, storing), compute excluded.
 
-    .venv/bin/python -m bench.cache_bench [--seconds 8] [--concurrency 16] [--configs off,memory,redis]
+    .venv/bin/python -m batchgate.bench.cache_bench [--seconds 8] [--concurrency 16] [--configs off,memory,redis]
 
 Starts its own redis-server and one batchgate server per configuration, all at once (a temporary
 copy of the bundled ranker with `response_cache { enable: true }`). The machine is shared: compare ratios
@@ -37,9 +37,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from proto.inference.v2 import grpc_service_pb2 as pb
-from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
-from bench.loadgen import free_ports, wait_ready
+from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
+from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from batchgate.bench.loadgen import free_ports, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 DISTINCT = 1_000_000
@@ -197,7 +197,7 @@ def _start_server(repo: Path, tiers: str, redis_url: str) -> tuple[subprocess.Po
         # Each configuration its own keys: they replay the same draws and must not hit each other's.
         env["BATCHGATE_CACHE_REDIS_PREFIX"] = f"bench:{tiers}:"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve", "--model-repository", str(repo), "--host", "127.0.0.1",
+        [sys.executable, "-m", "batchgate", "serve", "--model-repository", str(repo), "--host", "127.0.0.1",
          "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--log-level", "WARNING"],
         cwd=ROOT, env=env,
     )  # fmt: skip

@@ -4,7 +4,7 @@ Closed loop: C concurrent callers, each sending ModelInfer for `ranker` (R rows 
 fast as answers come back, for D seconds per target. Prints calls/s, rows/s, latency percentiles,
 the mean rows per executed batch (from ModelStatistics), and the ratios batchgate / no-op.
 
-    .venv/bin/python -m bench.foundation [--concurrency 64] [--rows 4] [--seconds 8]
+    .venv/bin/python -m batchgate.bench.foundation [--concurrency 64] [--rows 4] [--seconds 8]
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from proto.inference.v2 import grpc_service_pb2 as pb
-from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
-from bench.loadgen import free_ports, wait_ready
+from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
+from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from batchgate.bench.loadgen import free_ports, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,9 +93,9 @@ def main() -> int:
     noop_port, bg_grpc, bg_http = free_ports(3)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs = [
-        subprocess.Popen([sys.executable, "-m", "bench.noop_server", str(noop_port)], cwd=ROOT, env=env),
+        subprocess.Popen([sys.executable, "-m", "batchgate.bench.noop_server", str(noop_port)], cwd=ROOT, env=env),
         subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--grpc-port", str(bg_grpc),
+            [sys.executable, "-m", "batchgate", "serve", "--host", "127.0.0.1", "--grpc-port", str(bg_grpc),
              "--http-port", str(bg_http), "--log-level", "WARNING"],
             cwd=ROOT, env=env,
         ),

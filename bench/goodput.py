@@ -13,7 +13,7 @@ The default request (4 rows x 128 tokens, ~6 ms of compute) keeps the model, not
 stack, the bottleneck at 4x on a 2-core machine: with ~2 ms requests, 4x is ~1,700 calls/s, which
 the client and the server's event loop alone cannot carry beside the compute.
 
-    .venv/bin/python -m bench.goodput [--seconds 6] [--loads 0.5,1,2,4] [--seq 128] [--rows 4]
+    .venv/bin/python -m batchgate.bench.goodput [--seconds 6] [--loads 0.5,1,2,4] [--seq 128] [--rows 4]
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ import grpc
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from proto.inference.v2 import grpc_service_pb2 as pb
-from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
-from bench.loadgen import free_ports
+from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
+from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from batchgate.bench.loadgen import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 # class -> (share of requests, budget seconds the client judges by, parameters sent)
@@ -192,7 +192,7 @@ def _server_outcomes(http_port: int) -> Counter:
 def _serve(policy: str, port: int, http_port: int, extra: list[str]) -> subprocess.Popen:
     env = {**os.environ, "BATCHGATE_SCHEDULING_POLICY": policy, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--grpc-port", str(port),
+        [sys.executable, "-m", "batchgate", "serve", "--host", "127.0.0.1", "--grpc-port", str(port),
          "--http-port", str(http_port), "--log-level", "WARNING", "--no-build-models", *extra],
         cwd=ROOT, env=env,
     )  # fmt: skip

@@ -1,6 +1,6 @@
 """Every GPU check of the engines in one run, for a lent GPU machine (a few minutes on one GPU).
 
-    .venv/bin/python -m bench.gpu_check [--device 0] [--seconds-per-bucket 0.15] [--skip-server]
+    .venv/bin/python -m batchgate.bench.gpu_check [--device 0] [--seconds-per-bucket 0.15] [--skip-server]
 
 Needs onnxruntime-gpu and CuPy that see a device (``make test EXTRAS=gpu,dev`` on a fresh venv);
 exits 2 saying what is missing otherwise. It runs, and prints as it goes:
@@ -87,8 +87,8 @@ def run_pytest() -> dict:
 def check_config(mode: str, graphs: bool, device_id: int, seconds_per_bucket: float, rng) -> dict:
     import cupy
 
-    from workers import BucketConfig, Device, EngineOptions, WorkerPool
-    from workers.sessions import SessionFactory
+    from batchgate.workers import BucketConfig, Device, EngineOptions, WorkerPool
+    from batchgate.workers.sessions import SessionFactory
 
     name = f"{mode}{' + CUDA graphs' if graphs else ''}"
     with cupy.cuda.Device(device_id):
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict = {"environment": environment()}
     log(json.dumps(summary["environment"], indent=1))
 
-    from workers import gpu_count
+    from batchgate.workers import gpu_count
 
     if gpu_count() == 0:
         log("no GPU usable by both onnxruntime-gpu (CUDAExecutionProvider) and CuPy: nothing to check")

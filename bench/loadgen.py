@@ -32,8 +32,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from proto.inference.v2 import grpc_service_pb2 as pb
-from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
+from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 PERCENTILES = (50, 90, 99, 99.9)
@@ -471,7 +471,7 @@ class Started:
 def start_batchgate(*extra: str) -> Started:
     grpc_port, http_port = free_ports(2)
     cmd = [
-        sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
+        sys.executable, "-m", "batchgate", "serve", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
         "--http-port", str(http_port), "--log-level", "WARNING", *extra,
     ]  # fmt: skip
     return Started("batchgate", cmd, f"127.0.0.1:{grpc_port}")
@@ -479,4 +479,4 @@ def start_batchgate(*extra: str) -> Started:
 
 def start_noop() -> Started:
     (port,) = free_ports(1)
-    return Started("noop", [sys.executable, "-m", "bench.noop_server", str(port)], f"127.0.0.1:{port}")
+    return Started("noop", [sys.executable, "-m", "batchgate.bench.noop_server", str(port)], f"127.0.0.1:{port}")

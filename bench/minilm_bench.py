@@ -19,7 +19,7 @@ shared machine's load drift hits all alike). Workloads: ``mixed`` (80% texts of 
 25-60, 5% of 120-200) and ``short`` (all 4-14 words). Prints texts/s, p50/p99, mean rows per
 execution, and the ratios to (a) and (b).
 
-    .venv/bin/python -m bench.minilm_bench [--concurrency 64] [--seconds 24] [--rounds 4] [--json]
+    .venv/bin/python -m batchgate.bench.minilm_bench [--concurrency 64] [--seconds 24] [--rounds 4] [--json]
 
 Needs model_repository/minilm (``batchgate prepare-minilm``), or builds it into a temporary
 repository.
@@ -42,13 +42,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from proto.inference.v2 import grpc_service_pb2 as pb
-from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
+from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.loadgen import free_ports, wait_ready  # noqa: E402
+from batchgate.bench.loadgen import free_ports, wait_ready  # noqa: E402
 
 # Parameter changes per variant over minilm's own config.pbtxt.
 VARIANTS: dict[str, dict[str, str | None]] = {
@@ -202,7 +202,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="minilm-bench-"))
     src = args.model_dir
     if not (src / "config.pbtxt").is_file():
-        from gateway.minilm import prepare_minilm
+        from batchgate.gateway.minilm import prepare_minilm
 
         prepare_minilm(tmp / "built", log=lambda m: print(m, file=sys.stderr))
         src = tmp / "built" / "minilm"
@@ -213,7 +213,7 @@ def main() -> int:
         [
             sys.executable,
             "-m",
-            "gateway",
+            "batchgate",
             "serve",
             "--model-repository",
             str(tmp / "repo"),

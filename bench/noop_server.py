@@ -1,7 +1,7 @@
 """A no-op KServe v2 server: answers ModelInfer with a fixed-size response and does nothing else.
 
 It is the yardstick for batchgate's per-call cost: same protocol, same grpc.aio event loop, zero
-gateway work. ``python -m bench.noop_server PORT``.
+gateway work. ``python -m batchgate.bench.noop_server PORT``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import sys
 import grpc
 import numpy as np
 
-from proto.inference.v2 import grpc_service_pb2 as pb
-from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
+from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 
 
 class Noop(pb_grpc.GRPCInferenceServiceServicer):

@@ -17,7 +17,7 @@ matplotlib.use("Agg")  # before pyplot: a headless CI machine has no display
 import matplotlib.pyplot as plt
 import numpy as np
 
-from bench.loadgen import Point
+from batchgate.bench.loadgen import Point
 
 
 def _series(points: Sequence[Point]) -> dict[str, list[Point]]:

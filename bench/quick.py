@@ -5,7 +5,7 @@ grpc.aio server (bench/noop_server.py) measured in the same run with the same cl
 printed; the run fails only on a collapse (ratio below ``--min-ratio``, default 0.3), so a
 regression cannot land unseen while the noise of a shared CI machine does not fail builds.
 
-    .venv/bin/python -m bench.quick [--concurrency 32] [--seconds 5] [--min-ratio 0.3]
+    .venv/bin/python -m batchgate.bench.quick [--concurrency 32] [--seconds 5] [--min-ratio 0.3]
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import argparse
 import asyncio
 import sys
 
-from bench.loadgen import Workload, batching, model_statistics, run_point, start_batchgate, start_noop
+from batchgate.bench.loadgen import Workload, batching, model_statistics, run_point, start_batchgate, start_noop
 
 
 def main(argv: list[str] | None = None) -> int:

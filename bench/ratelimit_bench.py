@@ -12,7 +12,7 @@ a global-limit decision (a Redis round trip) adds over a local one.
 Limits in 1 and 2 are set far above the offered load, so every decision admits and only the
 decision's cost is measured. It starts its own redis-server and gateway processes.
 
-    .venv/bin/python -m bench.ratelimit_bench [--decisions 5000] [--concurrency 16] [--seconds 3]
+    .venv/bin/python -m batchgate.bench.ratelimit_bench [--decisions 5000] [--concurrency 16] [--seconds 3]
                                               [--limit 50] [--accuracy-seconds 8] [--json]
 """
 
@@ -33,12 +33,12 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from gateway.admission import Admission
-from gateway.ratelimit import Rate, RedisLimiter
-from gateway.tenants import Limits, Tenant, hash_key
-from proto.inference.v2 import grpc_service_pb2 as pb
-from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
-from bench.loadgen import free_ports, wait_ready
+from batchgate.gateway.admission import Admission
+from batchgate.gateway.ratelimit import Rate, RedisLimiter
+from batchgate.gateway.tenants import Limits, Tenant, hash_key
+from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
+from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from batchgate.bench.loadgen import free_ports, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = {"local": "bench-local-key-0000", "global": "bench-global-key-000", "limited": "bench-limited-key-00"}
@@ -143,7 +143,7 @@ class Procs:
         log = (self.tmp / f"gateway-{grpc_port}.log").open("w")
         self.procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "gateway", "serve", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
+                [sys.executable, "-m", "batchgate", "serve", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
                  "--http-port", str(http_port), "--log-level", "WARNING"],
                 cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, stdout=log, stderr=subprocess.STDOUT,
             )

@@ -13,7 +13,7 @@ no answer was malformed, no INTERNAL/UNKNOWN status, the server exits 0 on SIGTE
 at the end is at most ``start × 1.25 + 50 MiB``, where start is read after a warm-up period
 (``--warmup-s``: arenas, buckets and caches fill in the first seconds and are not a leak).
 
-    .venv/bin/python -m bench.soak [--seconds 180] [--concurrency 8] [--json out/soak.json]
+    .venv/bin/python -m batchgate.bench.soak [--seconds 180] [--concurrency 8] [--json out/soak.json]
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from proto.inference.v2 import grpc_service_pb2 as pb
-from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
-from bench.loadgen import free_ports, wait_ready
+from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
+from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from batchgate.bench.loadgen import free_ports, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 REPO = ROOT / "model_repository"
@@ -110,7 +110,7 @@ class Redis:
 
 def _start_server(repo: Path, redis_url: str, log_path: Path, workers: int) -> tuple[subprocess.Popen, str]:
     grpc_port, http_port = free_ports(2)
-    cmd = [sys.executable, "-m", "gateway", "serve", "--model-repository", str(repo), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "batchgate", "serve", "--model-repository", str(repo), "--host", "127.0.0.1",
            "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--redis-url", redis_url,
            "--workers-per-device", str(workers), "--no-build-models"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_path.open("w"), stderr=subprocess.STDOUT,

@@ -4,12 +4,12 @@ Nothing here knows about models or requests beyond bytes: ``gateway/caching.py``
 request's rows into keys and values and back. Event-loop only; no locks.
 """
 
-from cache.breaker import Breaker, State
-from cache.keys import KEY_BYTES, model_prefix, prefix_rows, row_keys, row_keys_parts
-from cache.memory import ENTRY_OVERHEAD, MemoryCache
-from cache.redis_tier import RedisTier, redact_url
-from cache.singleflight import Flight, SingleFlight
-from cache.tiered import TieredCache
+from batchgate.cache.breaker import Breaker, State
+from batchgate.cache.keys import KEY_BYTES, model_prefix, prefix_rows, row_keys, row_keys_parts
+from batchgate.cache.memory import ENTRY_OVERHEAD, MemoryCache
+from batchgate.cache.redis_tier import RedisTier, redact_url
+from batchgate.cache.singleflight import Flight, SingleFlight
+from batchgate.cache.tiered import TieredCache
 
 __all__ = [
     "ENTRY_OVERHEAD", "KEY_BYTES", "Breaker", "Flight", "MemoryCache", "RedisTier", "SingleFlight", "State",

@@ -30,7 +30,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError, RedisError, ResponseError
 
-from cache.breaker import Breaker
+from batchgate.cache.breaker import Breaker
 
 log = logging.getLogger(__name__)
 

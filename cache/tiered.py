@@ -11,9 +11,9 @@ import logging
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from cache.breaker import State
-from cache.memory import MemoryCache
-from cache.redis_tier import RedisTier, redact_url
+from batchgate.cache.breaker import State
+from batchgate.cache.memory import MemoryCache
+from batchgate.cache.redis_tier import RedisTier, redact_url
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,7 @@
+"""``python -m batchgate.gateway``: the same command line as ``batchgate``."""
+
 import sys
 
-from gateway.cli import main
+from batchgate.gateway.cli import main
 
 sys.exit(main())

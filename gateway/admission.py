@@ -22,9 +22,9 @@ import math
 import time
 from collections.abc import Callable, Iterable
 
-from gateway.errors import GatewayError, Kind
-from gateway.ratelimit import Bucket, GlobalLimiter, GlobalSpec, RedisLimiter
-from gateway.tenants import ANONYMOUS, Directory, Limits, Tenant, TenantFileError, load_tenants
+from batchgate.gateway.errors import GatewayError, Kind
+from batchgate.gateway.ratelimit import Bucket, GlobalLimiter, GlobalSpec, RedisLimiter
+from batchgate.gateway.tenants import ANONYMOUS, Directory, Limits, Tenant, TenantFileError, load_tenants
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gateway.errors import invalid
-from proto.inference.v2 import model_config_pb2 as mc
+from batchgate.gateway.errors import invalid
+from batchgate.proto.inference.v2 import model_config_pb2 as mc
 
 INF = math.inf
 

@@ -1,6 +1,6 @@
 """Build the two demo models that ship with batchgate: ``ranker`` and ``encoder``.
 
-``python -m gateway.bundled_models [--out model_repository] [--force]`` writes a Triton-style
+``python -m batchgate.gateway.bundled_models [--out model_repository] [--force]`` writes a Triton-style
 model repository::
 
     <out>/ranker/config.pbtxt    <out>/ranker/1/model.onnx

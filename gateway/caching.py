@@ -34,12 +34,12 @@ from operator import is_
 
 import numpy as np
 
-from cache import Breaker, Flight, MemoryCache, RedisTier, SingleFlight, TieredCache, model_prefix
-from cache import prefix_rows, row_keys, row_keys_parts
-from gateway.codec import deserialize_bytes, serialize_bytes
-from gateway.config import Settings
-from gateway.errors import GatewayError, Kind
-from gateway.repository import ModelSpec, TensorSpec
+from batchgate.cache import Breaker, Flight, MemoryCache, RedisTier, SingleFlight, TieredCache, model_prefix
+from batchgate.cache import prefix_rows, row_keys, row_keys_parts
+from batchgate.gateway.codec import deserialize_bytes, serialize_bytes
+from batchgate.gateway.config import Settings
+from batchgate.gateway.errors import GatewayError, Kind
+from batchgate.gateway.repository import ModelSpec, TensorSpec
 
 log = logging.getLogger(__name__)
 

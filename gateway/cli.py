@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from gateway.config import Settings
+from batchgate.gateway.config import Settings
 
 # flag -> settings field; every flag is also BATCHGATE_<FIELD> in the environment.
 SERVE_FLAGS = {
@@ -60,10 +60,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _bench(argv: list[str]) -> int:
     try:
-        from bench.__main__ import main as bench_main
+        from batchgate.bench.__main__ import main as bench_main
     except ImportError:  # bench/ lives in the source tree beside gateway/, not in the wheel
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from bench.__main__ import main as bench_main
+        from batchgate.bench.__main__ import main as bench_main
     return bench_main(argv)
 
 
@@ -73,16 +73,16 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "build-models":
-        from gateway.bundled_models import build_bundled_models
+        from batchgate.gateway.bundled_models import build_bundled_models
 
         build_bundled_models(Path(args.out), force=args.force)
         return 0
     if args.command == "prepare-minilm":
-        from gateway.minilm import run as prepare_minilm
+        from batchgate.gateway.minilm import run as prepare_minilm
 
         return prepare_minilm(args)
     if args.command == "hash-key":
-        from gateway.tenants import generate_key, hash_key
+        from batchgate.gateway.tenants import generate_key, hash_key
 
         # The key comes on stdin, not argv, so it stays out of shell history and `ps`.
         key = generate_key() if args.generate else sys.stdin.readline().strip()
@@ -105,23 +105,23 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"batchgate: invalid settings:\n{exc}", file=sys.stderr)
         return 2
-    from gateway.logs import setup as setup_logging
+    from batchgate.gateway.logs import setup as setup_logging
 
     setup_logging(settings.log_level, settings.log_format)
     repo = Path(settings.model_repository)
     fresh = not repo.exists() or not any(repo.iterdir())
     if settings.build_bundled_models and fresh:
-        from gateway.bundled_models import build_bundled_models
+        from batchgate.gateway.bundled_models import build_bundled_models
 
         logging.getLogger("batchgate").info("building the bundled models into %s", repo)
         build_bundled_models(repo, log=logging.getLogger("batchgate").info)
     if settings.build_bundled_models and (fresh or all((repo / m).is_dir() for m in ("ranker", "encoder"))):
         # minilm joins the bundled repository on first use, never a user's own repository.
-        from gateway.minilm import prepare_missing
+        from batchgate.gateway.minilm import prepare_missing
 
         prepare_missing(repo, logging.getLogger("batchgate"))
-    from gateway.server import serve
-    from gateway.tenants import TenantFileError
+    from batchgate.gateway.server import serve
+    from batchgate.gateway.tenants import TenantFileError
 
     try:
         asyncio.run(serve(settings))

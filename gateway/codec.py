@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gateway import dtypes
-from gateway.errors import GatewayError, Kind, invalid
-from gateway.repository import ModelSpec, TensorSpec, tokenized
-from proto.inference.v2 import grpc_service_pb2 as pb
+from batchgate.gateway import dtypes
+from batchgate.gateway.errors import GatewayError, Kind, invalid
+from batchgate.gateway.repository import ModelSpec, TensorSpec, tokenized
+from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 
 _LEN = struct.Struct("<I")
 

@@ -18,19 +18,19 @@ from pathlib import Path
 
 import numpy as np
 
-from cache import TieredCache
-from gateway.budgets import Budget, LatencyClass, SchedulePolicy
-from gateway.caching import ModelCache, build_cache, model_cache
-from gateway.codec import Codec
-from gateway.config import Settings
-from gateway.errors import not_found, unavailable
-from gateway.preprocess import TextStage
-from gateway.repository import ConfigError, LoadFailure, ModelSpec, load_model, load_repository, tokenized
-from gateway.latency import LatencyModel, LoopLag
-from gateway.queues import DeadlineQueue, FifoQueue
-from gateway.scheduler import Scheduler
-from proto.inference.v2 import model_config_pb2 as mc
-from workers import BucketConfig, EngineOptions, WorkerPool, default_cache_dir, discover
+from batchgate.cache import TieredCache
+from batchgate.gateway.budgets import Budget, LatencyClass, SchedulePolicy
+from batchgate.gateway.caching import ModelCache, build_cache, model_cache
+from batchgate.gateway.codec import Codec
+from batchgate.gateway.config import Settings
+from batchgate.gateway.errors import not_found, unavailable
+from batchgate.gateway.preprocess import TextStage
+from batchgate.gateway.repository import ConfigError, LoadFailure, ModelSpec, load_model, load_repository, tokenized
+from batchgate.gateway.latency import LatencyModel, LoopLag
+from batchgate.gateway.queues import DeadlineQueue, FifoQueue
+from batchgate.gateway.scheduler import Scheduler
+from batchgate.proto.inference.v2 import model_config_pb2 as mc
+from batchgate.workers import BucketConfig, EngineOptions, WorkerPool, default_cache_dir, discover
 
 log = logging.getLogger(__name__)
 

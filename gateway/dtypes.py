@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from proto.inference.v2 import model_config_pb2 as mc
+from batchgate.proto.inference.v2 import model_config_pb2 as mc
 
 # KServe v2 datatype string -> numpy dtype (BYTES travels as an object array of bytes).
 NUMPY = {

@@ -19,15 +19,15 @@ import grpc
 import numpy as np
 from aiohttp import web
 
-from gateway import dtypes
-from gateway.codec import deserialize_bytes, serialize_bytes
-from gateway.errors import GatewayError, Kind, invalid
-from gateway.logs import REQUEST_ID, REQUEST_ID_KEY
-from gateway.metrics import CONTENT_TYPE_LATEST
-from proto.inference.v2 import grpc_service_pb2 as pb
+from batchgate.gateway import dtypes
+from batchgate.gateway.codec import deserialize_bytes, serialize_bytes
+from batchgate.gateway.errors import GatewayError, Kind, invalid
+from batchgate.gateway.logs import REQUEST_ID, REQUEST_ID_KEY
+from batchgate.gateway.metrics import CONTENT_TYPE_LATEST
+from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 
 if TYPE_CHECKING:
-    from gateway.server import Server
+    from batchgate.gateway.server import Server
 
 log = logging.getLogger(__name__)
 
@@ -338,7 +338,7 @@ class HttpFrontend:
     """Routes and handlers; every handler stays thin: translate, call the servicer, translate."""
 
     def __init__(self, server: Server) -> None:
-        from gateway.server import STATUS  # the gRPC table; server imports this module
+        from batchgate.gateway.server import STATUS  # the gRPC table; server imports this module
 
         self.server = server
         self.servicer = server.servicer
@@ -460,7 +460,7 @@ class HttpFrontend:
 
 
 def _echo(ctx: _Context, req: web.Request) -> dict:
-    from gateway.logs import clean_request_id
+    from batchgate.gateway.logs import clean_request_id
 
     rid = clean_request_id(req.headers.get(REQUEST_ID_KEY))
     return {REQUEST_ID_KEY: rid} if rid else {}

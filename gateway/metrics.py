@@ -34,7 +34,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
-from gateway.errors import GatewayError, Kind
+from batchgate.gateway.errors import GatewayError, Kind
 
 log = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from gateway.bundled_models import GraphBuilder, _write_atomic, finish_model
+from batchgate.gateway.bundled_models import GraphBuilder, _write_atomic, finish_model
 
 Log = Callable[[str], object]
 

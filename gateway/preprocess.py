@@ -48,8 +48,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway.errors import invalid
-from gateway.repository import TOKEN_INPUTS, TOKENIZER_PARAMETER, ConfigError, ModelSpec
+from batchgate.gateway.errors import invalid
+from batchgate.gateway.repository import TOKEN_INPUTS, TOKENIZER_PARAMETER, ConfigError, ModelSpec
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
 DEFAULT_MAX_TOKENS = 512

@@ -24,8 +24,8 @@ import math
 from collections import deque
 from collections.abc import Callable, Hashable
 
-from gateway.budgets import INF, LatencyClass
-from gateway.latency import LatencyModel, LoopLag
+from batchgate.gateway.budgets import INF, LatencyClass
+from batchgate.gateway.latency import LatencyModel, LoopLag
 
 
 class Request:

@@ -18,8 +18,8 @@ import onnx
 from google.protobuf import text_format
 from google.protobuf.message import Message
 
-from gateway import dtypes
-from proto.inference.v2 import model_config_pb2 as mc
+from batchgate.gateway import dtypes
+from batchgate.proto.inference.v2 import model_config_pb2 as mc
 
 log = logging.getLogger(__name__)
 

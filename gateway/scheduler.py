@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gateway.budgets import Budget
-from gateway.errors import GatewayError, Kind, unavailable
-from gateway.latency import LatencyModel
-from gateway.queues import DeadlineQueue, FifoQueue, Request
+from batchgate.gateway.budgets import Budget
+from batchgate.gateway.errors import GatewayError, Kind, unavailable
+from batchgate.gateway.latency import LatencyModel
+from batchgate.gateway.queues import DeadlineQueue, FifoQueue, Request
 
 __all__ = ["BatchQueue", "DeadlineQueue", "FifoQueue", "Request", "Scheduler", "Stats"]
 

@@ -19,19 +19,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-import proto
-from gateway import http as http_side
-from gateway.admission import Account, Admission
-from gateway.budgets import resolve as resolve_budget
-from gateway.codec import Limits, set_limits
-from gateway.config import Settings
-from gateway.dataplane import DataPlane, ModelRuntime, ReloadFailed
-from gateway.errors import GatewayError, Kind
-from gateway.logs import REQUEST_ID, REQUEST_ID_KEY, clean_request_id
-from gateway.metrics import Metrics, Transport
-from gateway.tls import CertStore
-from proto.inference.v2 import grpc_service_pb2 as pb
-from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from batchgate import proto
+from batchgate.gateway import http as http_side
+from batchgate.gateway.admission import Account, Admission
+from batchgate.gateway.budgets import resolve as resolve_budget
+from batchgate.gateway.codec import Limits, set_limits
+from batchgate.gateway.config import Settings
+from batchgate.gateway.dataplane import DataPlane, ModelRuntime, ReloadFailed
+from batchgate.gateway.errors import GatewayError, Kind
+from batchgate.gateway.logs import REQUEST_ID, REQUEST_ID_KEY, clean_request_id
+from batchgate.gateway.metrics import Metrics, Transport
+from batchgate.gateway.tls import CertStore
+from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
+from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Regenerate the Python modules beside the .proto files: ``python -m proto.generate``.
+"""Regenerate the Python modules beside the .proto files: ``python -m batchgate.proto.generate``.
 
 ``--check`` regenerates into a scratch folder and exits 1 when a committed module differs
 (the staleness test runs exactly this).
@@ -34,11 +34,14 @@ def _generate(out: Path) -> list[Path]:
         stem = src[: -len(".proto")]
         for suffix in OUT_SUFFIXES:
             path = out / (stem + suffix)
+            # protoc names imports by the source path (``proto.inference.v2``); installed, these
+            # modules live under ``batchgate.proto`` (a bare ``proto`` is proto-plus's name).
+            text = path.read_text().replace("from proto.inference.v2 import", "from batchgate.proto.inference.v2 import")
+            path.write_text(text)
             if suffix == "_pb2.py":
-                text = path.read_text()
                 text = text.replace(
                     "from google.protobuf.internal import builder as _builder\n",
-                    "from google.protobuf.internal import builder as _builder\nfrom proto import POOL as _POOL\n",
+                    "from google.protobuf.internal import builder as _builder\nfrom batchgate.proto import POOL as _POOL\n",
                     1,
                 ).replace("_descriptor_pool.Default().AddSerializedFile(", "_POOL.AddSerializedFile(", 1)
                 path.write_text(text)

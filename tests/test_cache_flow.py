@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cache import MemoryCache, TieredCache
-from gateway.caching import ModelCache
-from gateway.errors import GatewayError, Kind
-from gateway.repository import ModelSpec, TensorSpec
-from proto.inference.v2 import model_config_pb2 as mc
+from batchgate.cache import MemoryCache, TieredCache
+from batchgate.gateway.caching import ModelCache
+from batchgate.gateway.errors import GatewayError, Kind
+from batchgate.gateway.repository import ModelSpec, TensorSpec
+from batchgate.proto.inference.v2 import model_config_pb2 as mc
 
 
 def _spec(inputs, outputs, max_batch_size=64, name="m", version="1", fingerprint="f00d") -> ModelSpec:
@@ -259,7 +259,7 @@ async def test_outputs_that_do_not_fit_the_layout_are_answered_uncached():
 
 
 async def test_statistics_follow_triton():
-    from proto.inference.v2 import grpc_service_pb2 as pb
+    from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 
     c, sched = _cache(), FakeScheduler()
     await c.infer(_req([1, 2]), 2, sched)
@@ -275,8 +275,8 @@ async def test_statistics_follow_triton():
 async def test_server_settings_choose_the_tiers(tmp_path):
     from pydantic import ValidationError
 
-    from gateway.caching import build_cache
-    from gateway.config import Settings
+    from batchgate.gateway.caching import build_cache
+    from batchgate.gateway.config import Settings
 
     def tiers(**kw):
         return Settings(model_repository=tmp_path, **kw)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from cache import Breaker, MemoryCache, RedisTier, State, TieredCache, redact_url
+from batchgate.cache import Breaker, MemoryCache, RedisTier, State, TieredCache, redact_url
 from tests.conftest import RedisServer, free_ports
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
@@ -276,7 +276,7 @@ async def test_after_a_restart_the_first_lookup_and_write_reconnect(redis_server
 def test_resp_packing_matches_redis_py():
     from redis.asyncio.connection import Connection
 
-    from cache.redis_tier import SET_PX_SCRIPT, pack_mget, pack_set_px
+    from batchgate.cache.redis_tier import SET_PX_SCRIPT, pack_mget, pack_set_px
 
     pack = Connection().pack_command
     keys = [b"k1" * 8, b"k2" * 8]

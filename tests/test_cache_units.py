@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from cache import ENTRY_OVERHEAD, KEY_BYTES, Breaker, MemoryCache, SingleFlight, State
-from cache import model_prefix, row_keys, row_keys_parts
+from batchgate.cache import ENTRY_OVERHEAD, KEY_BYTES, Breaker, MemoryCache, SingleFlight, State
+from batchgate.cache import model_prefix, row_keys, row_keys_parts
 
 # -- keys ---------------------------------------------------------------------------------------------
 
@@ -261,7 +261,7 @@ async def test_single_flight_wait_on_ended_flights_returns_at_once():
 
 
 def test_row_keys_with_a_prebuilt_prefix_block_of_any_size():
-    from cache import prefix_rows
+    from batchgate.cache import prefix_rows
 
     dense, ids = _rows(9)
     p = _prefix()

@@ -10,14 +10,14 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from gateway.budgets import INF, SchedulePolicy, parse_classes, resolve
-from gateway.errors import GatewayError, Kind
-from gateway.latency import LatencyModel, LoopLag
-from gateway.queues import DeadlineQueue, Request
-from gateway.scheduler import Scheduler
-from proto.inference.v2 import grpc_service_pb2 as pb
-from proto.inference.v2 import model_config_pb2 as mc
-from workers.engine import BatchTiming
+from batchgate.gateway.budgets import INF, SchedulePolicy, parse_classes, resolve
+from batchgate.gateway.errors import GatewayError, Kind
+from batchgate.gateway.latency import LatencyModel, LoopLag
+from batchgate.gateway.queues import DeadlineQueue, Request
+from batchgate.gateway.scheduler import Scheduler
+from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
+from batchgate.proto.inference.v2 import model_config_pb2 as mc
+from batchgate.workers.engine import BatchTiming
 
 CLASSES = parse_classes("realtime=25ms/100/0,standard=250ms/100/0,bulk=5000ms/100/0.2")
 
@@ -260,7 +260,7 @@ class Clock:
 
 
 def budget(cls: str, now: float, budget_s: float | None = None):
-    from gateway.budgets import Budget
+    from batchgate.gateway.budgets import Budget
 
     c = CLASSES[cls]
     return Budget(c, now + (budget_s or c.budget_s), 0, INF, False)

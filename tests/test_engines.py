@@ -21,10 +21,10 @@ from onnx import TensorProto, helper
 from tritonclient.grpc import InferInput
 
 from tests.conftest import REPO, start_server
-from workers import BucketConfig, Device, EngineOptions, WorkerPool, gpu_count
-from workers.buckets import read_model_io
-from workers.engine import Engine
-from workers.sessions import SessionFactory, default_cache_dir
+from batchgate.workers import BucketConfig, Device, EngineOptions, WorkerPool, gpu_count
+from batchgate.workers.buckets import read_model_io
+from batchgate.workers.engine import Engine
+from batchgate.workers.sessions import SessionFactory, default_cache_dir
 
 ENCODER = REPO / "encoder" / "1" / "model.onnx"
 ENCODER_PARAMS = {"seq_buckets": "16,32,64,128,256,512", "max_batch_tokens": "8192", "max_dim.input_ids": "512"}

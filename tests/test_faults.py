@@ -29,13 +29,13 @@ import pytest
 import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
-from gateway.errors import GatewayError, Kind
-from gateway.scheduler import BatchQueue, Scheduler
+from batchgate.gateway.errors import GatewayError, Kind
+from batchgate.gateway.scheduler import BatchQueue, Scheduler
 from tests.conftest import REPO, start_server
 from tests.test_scheduler import FakeClock, FakeEngine, answer, assert_own_output, inputs_for, until
-from workers import pool as pool_mod
-from workers.devices import Device
-from workers.engine import EngineOptions
+from batchgate.workers import pool as pool_mod
+from batchgate.workers.devices import Device
+from batchgate.workers.engine import EngineOptions
 
 MODEL = "fake_model"
 RANKER = REPO / "ranker" / "1" / "model.onnx"

@@ -38,7 +38,7 @@ import helm_python as helm  # noqa: E402
 import kubernetes_validate  # noqa: E402
 from kubernetes_validate.utils import SchemaNotFoundError  # noqa: E402
 
-from gateway.config import Settings  # noqa: E402
+from batchgate.gateway.config import Settings  # noqa: E402
 
 CHART = ROOT / "helm" / "batchgate"
 SCHEMA_PATH = CHART / "values.schema.json"
@@ -886,8 +886,7 @@ def test_dockerfile_copies_every_package(dockerfile):
     import tomllib
 
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
-    packages = {p.rstrip("*") for p in include}
+    packages = set(pyproject["tool"]["setuptools"]["package-dir"].values())
     _, stages = parse_dockerfile(ROOT / dockerfile)
     copied = {src.rstrip("/") for s in stages[:-1] for arg in s.all("COPY") for src in _copy_sources(arg)[0]}
     assert "pyproject.toml" in copied

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc as tc
 
-from gateway.codec import serialize_bytes
-from gateway.errors import GatewayError, Kind
-from gateway.http import HEADER_LENGTH, HTTP_STATUS, build_request, build_response
-from proto.inference.v2 import grpc_service_pb2 as pb
+from batchgate.gateway.codec import serialize_bytes
+from batchgate.gateway.errors import GatewayError, Kind
+from batchgate.gateway.http import HEADER_LENGTH, HTTP_STATUS, build_request, build_response
+from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 
 
 def call(server, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None):
@@ -323,7 +323,7 @@ def test_parameters_pass_through_typed():
 
 
 def test_auth_and_rate_limits_over_rest(tmp_path):
-    from gateway.tenants import hash_key
+    from batchgate.gateway.tenants import hash_key
     from tests.conftest import start_server
     from tests.test_metrics import scrape, value
 

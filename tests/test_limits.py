@@ -15,12 +15,12 @@ import grpc
 import numpy as np
 import pytest
 
-from gateway import codec as codec_mod
-from gateway.codec import Codec, Limits, deserialize_bytes, set_limits
-from gateway.errors import GatewayError, Kind
-from gateway.repository import load_model
-from proto.inference.v2 import grpc_service_pb2 as pb
-from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from batchgate.gateway import codec as codec_mod
+from batchgate.gateway.codec import Codec, Limits, deserialize_bytes, set_limits
+from batchgate.gateway.errors import GatewayError, Kind
+from batchgate.gateway.repository import load_model
+from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
+from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import REPO, ROOT, start_server
 
 _LEN = struct.Struct("<I")
@@ -65,7 +65,7 @@ def encoder_request(shape, raw: bytes | None = b"", typed: list | None = None) -
 
 
 def test_settings_defaults_and_env(monkeypatch):
-    from gateway.config import Settings
+    from batchgate.gateway.config import Settings
 
     s = Settings()
     assert Limits.from_settings(s) == Limits()

@@ -23,11 +23,11 @@ import pytest
 import tritonclient.grpc as tc
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway import logs
-from gateway.errors import GatewayError, Kind, invalid
-from gateway.metrics import BatchObserver, Histogram, Metrics, outcome_of
-from proto.inference.v2 import grpc_service_pb2 as pb
-from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from batchgate.gateway import logs
+from batchgate.gateway.errors import GatewayError, Kind, invalid
+from batchgate.gateway.metrics import BatchObserver, Histogram, Metrics, outcome_of
+from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
+from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import REPO, start_server
 
 
@@ -302,7 +302,7 @@ def test_cache_stats_are_read_at_scrape_time_per_tier():
 
 
 def test_per_model_cache_views_carry_the_model_labels():
-    from gateway.metrics import _caches
+    from batchgate.gateway.metrics import _caches
 
     shared = _Cache({"memory": {"hits": 5, "misses": 2, "breaker_state": "closed"}})
     rt = SimpleNamespace(
@@ -415,7 +415,7 @@ class _FakeContext:
 async def test_request_id_reaches_the_log_lines_of_its_call():
     """A call that fails inside the gateway logs a traceback; that line names the caller's id,
     the id is echoed back, and the failure is counted as an error at the edge."""
-    from gateway.server import InferenceServicer
+    from batchgate.gateway.server import InferenceServicer
 
     def broken_get(name, version=""):
         raise RuntimeError("engine on fire")
@@ -424,7 +424,7 @@ async def test_request_id_reaches_the_log_lines_of_its_call():
     servicer = InferenceServicer(plane)
     buf = io.StringIO()
     handler = logs.make_handler("json", buf)
-    server_log = logging.getLogger("gateway.server")
+    server_log = logging.getLogger("batchgate.gateway.server")
     server_log.addHandler(handler)
     try:
         ctx = _FakeContext((("user-agent", "t"), ("x-request-id", "rid-5")))

@@ -28,11 +28,11 @@ import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tca
 from tritonclient.utils import InferenceServerException
 
-from gateway.minilm import MODEL_NAME, build_onnx, load_source
-from gateway.preprocess import TextStage
-from gateway.repository import ConfigError, load_model
+from batchgate.gateway.minilm import MODEL_NAME, build_onnx, load_source
+from batchgate.gateway.preprocess import TextStage
+from batchgate.gateway.repository import ConfigError, load_model
 from tests.conftest import prepare_minilm_or_fail, start_server
-from workers import BatchTiming, BucketConfig, EngineOptions, WorkerPool, discover
+from batchgate.workers import BatchTiming, BucketConfig, EngineOptions, WorkerPool, discover
 
 INVALID = "StatusCode.INVALID_ARGUMENT"
 TIMEOUT_S = 60.0
@@ -500,7 +500,7 @@ def test_build_is_deterministic(minilm_repo):
     src = load_source(None)
     from safetensors.numpy import load
 
-    from gateway.minilm import BertConfig
+    from batchgate.gateway.minilm import BertConfig
 
     built = build_onnx(load(src.weights), BertConfig.from_files(src.config, src.st_config))
     assert (

@@ -8,7 +8,7 @@ from tests.conftest import ROOT
 
 def test_generated_modules_are_fresh():
     result = subprocess.run(
-        [sys.executable, "-m", "proto.generate", "--check"], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "batchgate.proto.generate", "--check"], cwd=ROOT, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
 
@@ -17,7 +17,7 @@ def test_wire_compatible_with_tritonclient_messages():
     """Same package, names and field numbers as Triton: bytes from one parse in the other."""
     from tritonclient.grpc import service_pb2
 
-    from proto.inference.v2 import grpc_service_pb2 as pb
+    from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 
     ours = pb.ModelInferRequest(model_name="m", model_version="2", id="x", raw_input_contents=[b"\x01\x02"])
     ours.inputs.add(name="a", datatype="FP32", shape=[1, 2]).contents.fp32_contents.extend([1.0, 2.0])

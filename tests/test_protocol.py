@@ -9,7 +9,7 @@ import tritonclient.grpc as tc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from proto.inference.v2 import grpc_service_pb2 as pb
+from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 
 
 def test_live_ready_and_server_metadata(triton):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.admission import OPEN_TICKET, Admission, Limited
-from gateway.errors import GatewayError, Kind
-from gateway.ratelimit import Bucket, GlobalLimiter, GlobalSpec, Rate
-from gateway.tenants import ANONYMOUS, Limits, Tenant, hash_key
+from batchgate.gateway.admission import OPEN_TICKET, Admission, Limited
+from batchgate.gateway.errors import GatewayError, Kind
+from batchgate.gateway.ratelimit import Bucket, GlobalLimiter, GlobalSpec, Rate
+from batchgate.gateway.tenants import ANONYMOUS, Limits, Tenant, hash_key
 
 
 class Clock:

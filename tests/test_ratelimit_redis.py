@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import redis
 
-from gateway.ratelimit import GCRA_LUA, GCRA_SHA, GlobalSpec, Rate, RedisLimiter
-from proto.inference.v2 import grpc_service_pb2 as pb
-from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from batchgate.gateway.ratelimit import GCRA_LUA, GCRA_SHA, GlobalSpec, Rate, RedisLimiter
+from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
+from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import start_server
 
 US = 1_000_000
@@ -238,7 +238,7 @@ LIMIT, BURST = 50.0, 10
 
 
 def _tenant_file(tmp: Path) -> Path:
-    from gateway.tenants import hash_key
+    from batchgate.gateway.tenants import hash_key
 
     path = tmp / "tenants.json"
     import json

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import redis
 
-from proto.inference.v2 import grpc_service_pb2 as pb
-from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
+from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import REPO, RedisServer, ServerProcess, start_server
 from tests.test_cache_server import TIMEOUT_S, delta, ranker_rows, reference, request, score, stats
 from tests.test_cache_server import env as cache_env
@@ -53,7 +53,7 @@ def _repo(root: Path) -> Path:
 
 
 def _tenants(root: Path) -> Path:
-    from gateway.tenants import hash_key
+    from batchgate.gateway.tenants import hash_key
 
     path = root / "tenants.json"
     tenants = [

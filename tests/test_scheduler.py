@@ -30,9 +30,9 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from gateway.errors import GatewayError, Kind
-from gateway.scheduler import BatchQueue, Request, Scheduler
-from workers.engine import BatchTiming
+from batchgate.gateway.errors import GatewayError, Kind
+from batchgate.gateway.scheduler import BatchQueue, Request, Scheduler
+from batchgate.workers.engine import BatchTiming
 
 MODEL = "fake_model"
 TIMEOUT = 1.0  # seconds any single await may take before the test fails instead of hanging

@@ -15,9 +15,9 @@ import pytest
 import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
-from gateway.admission import Admission
-from gateway.config import Settings
-from gateway.tenants import (
+from batchgate.gateway.admission import Admission
+from batchgate.gateway.config import Settings
+from batchgate.gateway.tenants import (
     TenantFileError,
     generate_key,
     hash_key,
@@ -25,8 +25,8 @@ from gateway.tenants import (
     parse_tenants,
     presented_key,
 )
-from proto.inference.v2 import grpc_service_pb2 as pb
-from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
+from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import ROOT, start_server
 
 ALPHA, BETA, TIGHT, SOLO = (
@@ -151,7 +151,7 @@ def test_generated_keys_are_random_and_hash_stably():
 
 
 def test_hash_key_cli_reads_stdin(monkeypatch, capsys):
-    from gateway.cli import main
+    from batchgate.gateway.cli import main
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("secret\n"))
     assert main(["hash-key"]) == 0
@@ -170,7 +170,7 @@ def test_a_bad_tenant_file_stops_the_server_with_its_reason(tmp_path):
     path = tmp_path / "tenants.yaml"
     path.write_text('tenants:\n  - name: x\n    key_hashes: ["clear-text-key"]\n')
     out = subprocess.run(
-        [sys.executable, "-m", "gateway", "serve", "--api-keys-file", str(path), "--grpc-port", "0", "--http-port",
+        [sys.executable, "-m", "batchgate", "serve", "--api-keys-file", str(path), "--grpc-port", "0", "--http-port",
          "0", "--host", "127.0.0.1"],
         capture_output=True, text=True, cwd=ROOT, timeout=60, check=False,
     )  # fmt: skip

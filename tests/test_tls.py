@@ -31,9 +31,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from gateway.tls import CertStore, TLSConfigError
-from proto.inference.v2 import grpc_service_pb2 as pb
-from proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from batchgate.gateway.tls import CertStore, TLSConfigError
+from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
+from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import REPO, ROOT, RedisServer, ServerProcess, free_ports, start_server
 
 TIMEOUT_S = 10.0
@@ -381,7 +381,7 @@ def test_bad_tls_files_stop_the_start(tmp_path, pki):
     key = tmp_path / "wrong.key"
     key.write_bytes(other.key_pem)
     out = subprocess.run(
-        [sys.executable, "-m", "gateway", "serve", "--model-repository", str(ranker_repo(tmp_path)),
+        [sys.executable, "-m", "batchgate", "serve", "--model-repository", str(ranker_repo(tmp_path)),
          "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
          "--no-build-models", "--tls-cert-file", str(pki.server_cert), "--tls-key-file", str(key)],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
@@ -395,7 +395,7 @@ def test_bad_tls_files_stop_the_start(tmp_path, pki):
 def test_settings_need_cert_and_key_together(pki):
     from pydantic import ValidationError
 
-    from gateway.config import Settings
+    from batchgate.gateway.config import Settings
 
     with pytest.raises(ValidationError, match="go together"):
         Settings(tls_cert_file=pki.server_cert)
@@ -464,9 +464,9 @@ def test_redis_over_tls_with_auth(redis_tls):
     options as they are (redis-py parses them); plaintext and a wrong password are refused."""
     import redis
 
-    from cache.breaker import Breaker
-    from cache.redis_tier import RedisTier
-    from gateway.ratelimit import GlobalSpec, Rate, RedisLimiter
+    from batchgate.cache.breaker import Breaker
+    from batchgate.cache.redis_tier import RedisTier
+    from batchgate.gateway.ratelimit import GlobalSpec, Rate, RedisLimiter
 
     async def run():
         tier = RedisTier(redis_tls.url, ttl_s=60.0, lookup_timeout_s=2.0, breaker=Breaker(3, 0.2), key_prefix=b"t:")

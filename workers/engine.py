@@ -41,10 +41,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from workers.buckets import ShapePlan
-from workers.buffers import CudaBuffers, HostBuffers, Slot
-from workers.devices import Device
-from workers.sessions import SessionFactory
+from batchgate.workers.buckets import ShapePlan
+from batchgate.workers.buffers import CudaBuffers, HostBuffers, Slot
+from batchgate.workers.devices import Device
+from batchgate.workers.sessions import SessionFactory
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from workers.buckets import BucketConfig, ShapePlan, read_model_io
-from workers.devices import Device
-from workers.engine import BatchTiming, Engine, EngineOptions
+from batchgate.workers.buckets import BucketConfig, ShapePlan, read_model_io
+from batchgate.workers.devices import Device
+from batchgate.workers.engine import BatchTiming, Engine, EngineOptions
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from workers.devices import Device
+from batchgate.workers.devices import Device
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto.inference.v2 import grpc_service_pb2 as proto_dot_inference_dot_v2_dot_grpc__service__pb2
+from batchgate.proto.inference.v2 import grpc_service_pb2 as proto_dot_inference_dot_v2_dot_grpc__service__pb2
 
 GRPC_GENERATED_VERSION = '1.81.1'
 GRPC_VERSION = grpc.__version__
