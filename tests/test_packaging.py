@@ -75,7 +75,8 @@ def test_wheel_serves_beside_proto_plus(tmp_path):
     # The dependencies (proto-plus among them: the dev extra has it) come from this venv's
     # site-packages, added as a plain path: its editable-install hook is not run there, so the
     # only batchgate the fresh venv can import is the wheel's.
-    Path(site, "_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    deps = [p for p in sys.path if p.endswith("site-packages")] or [sysconfig.get_paths()["purelib"]]
+    Path(site, "_deps.pth").write_text("\n".join(deps) + "\n")
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q", str(wheel)],
         check=True, capture_output=True,
