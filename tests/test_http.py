@@ -17,7 +17,7 @@ import tritonclient.grpc as tc
 
 from batchgate.gateway.codec import serialize_bytes
 from batchgate.gateway.errors import GatewayError, Kind
-from batchgate.gateway.http import HEADER_LENGTH, HTTP_STATUS, build_request, build_response
+from batchgate.gateway.transport.rest import HEADER_LENGTH, HTTP_STATUS, build_request, build_response
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 
 

@@ -415,7 +415,7 @@ class _FakeContext:
 async def test_request_id_reaches_the_log_lines_of_its_call():
     """A call that fails inside the gateway logs a traceback; that line names the caller's id,
     the id is echoed back, and the failure is counted as an error at the edge."""
-    from batchgate.gateway.server import InferenceServicer
+    from batchgate.gateway.transport.grpc import InferenceServicer
 
     def broken_get(name, version=""):
         raise RuntimeError("engine on fire")
@@ -424,7 +424,7 @@ async def test_request_id_reaches_the_log_lines_of_its_call():
     servicer = InferenceServicer(plane)
     buf = io.StringIO()
     handler = logs.make_handler("json", buf)
-    server_log = logging.getLogger("batchgate.gateway.server")
+    server_log = logging.getLogger("batchgate.gateway.transport.grpc")
     server_log.addHandler(handler)
     try:
         ctx = _FakeContext((("user-agent", "t"), ("x-request-id", "rid-5")))

@@ -82,7 +82,7 @@ def test_wheel_serves_beside_proto_plus(tmp_path):
         check=True, capture_output=True,
     )  # fmt: skip
     probe = subprocess.run(
-        [str(py), "-c", "import proto, batchgate.gateway.server as s; print(proto.__file__, hasattr(proto, 'Message'));"
+        [str(py), "-c", "import proto, batchgate.gateway.transport.server as s; print(proto.__file__, hasattr(proto, 'Message'));"
          " print(s.__file__)"],
         cwd=tmp_path, check=True, capture_output=True, text=True,
     )  # fmt: skip

@@ -27,7 +27,7 @@ from batchgate.gateway.metrics import CONTENT_TYPE_LATEST
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 
 if TYPE_CHECKING:
-    from batchgate.gateway.server import Server
+    from batchgate.gateway.transport.grpc import Server
 
 log = logging.getLogger(__name__)
 
@@ -338,7 +338,7 @@ class HttpFrontend:
     """Routes and handlers; every handler stays thin: translate, call the servicer, translate."""
 
     def __init__(self, server: Server) -> None:
-        from batchgate.gateway.server import STATUS  # the gRPC table; server imports this module
+        from batchgate.gateway.transport.grpc import STATUS  # the gRPC table; server imports this module
 
         self.server = server
         self.servicer = server.servicer

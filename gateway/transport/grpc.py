@@ -20,7 +20,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from batchgate import proto
-from batchgate.gateway import http as http_side
+from batchgate.gateway.transport import rest as http_side
 from batchgate.gateway.admission import Account, Admission
 from batchgate.gateway.budgets import resolve as resolve_budget
 from batchgate.gateway.codec import Limits, set_limits
@@ -29,7 +29,7 @@ from batchgate.gateway.dataplane import DataPlane, ModelRuntime, ReloadFailed
 from batchgate.gateway.errors import GatewayError, Kind
 from batchgate.gateway.logs import REQUEST_ID, REQUEST_ID_KEY, clean_request_id
 from batchgate.gateway.metrics import Metrics, Transport
-from batchgate.gateway.tls import CertStore
+from batchgate.gateway.transport.tls import CertStore
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 
