@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         from batchgate.gateway.minilm import prepare_missing
 
         prepare_missing(repo, logging.getLogger("batchgate"))
-    from batchgate.gateway.transport.grpc import serve
+    from batchgate.gateway.transport.server import serve
     from batchgate.gateway.tenants import TenantFileError
 
     try:

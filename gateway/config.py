@@ -33,8 +33,9 @@ class Settings(BaseSettings):
     default_max_batch_size: int = Field(
         64, ge=0, description="max_batch_size given to models whose config.pbtxt is missing"
     )
-    max_message_bytes: int = Field(
-        64 * 1024 * 1024, ge=1024, description="largest gRPC message accepted or sent, in bytes"
+    max_message_bytes: int | None = Field(
+        None, ge=1024, description="largest gRPC message accepted or sent, in bytes; default: derived from "
+        "the served models (their largest acceptable request, at least 4 MiB)"
     )
     strict_readiness: bool = Field(
         False, description="ServerReady only when every model loaded (Triton's default); else when loading ended"
@@ -47,7 +48,10 @@ class Settings(BaseSettings):
         300.0, ge=0, description="close client connections after this long (gracefully) so clients re-resolve "
         "and spread over new replicas; 0 = never"
     )
-    reuse_port: bool = Field(True, description="SO_REUSEPORT, so several gateway processes can share the port")
+    reuse_port: bool = Field(
+        False, description="SO_REUSEPORT, so several gateway processes can share the ports; off: a second "
+        "server on a busy port exits with 'address in use'"
+    )
     log_level: str = Field("INFO", description="logging level")
 
     # -- observability ---------------------------------------------------------------------------
@@ -160,6 +164,39 @@ class Settings(BaseSettings):
     max_string_bytes: int = Field(1 << 20, ge=1, description="longest BYTES element accepted, in bytes")
     max_inputs: int = Field(
         64, ge=1, description="most input tensors one request may carry, checked before any other work"
+    )
+    # -- the front door (see docs/security.md: what each caller can reach, and the bounds) ----------
+    model_control: bool = Field(
+        False, description="allow load/unload (gRPC RepositoryModelLoad/Unload, REST /v2/repository/models/"
+        "{m}/load|unload); with a tenant file only tenants marked admin may use it"
+    )
+    max_concurrent_rpcs: int = Field(
+        2048, ge=1, description="gRPC calls (a stream counts as one) in progress at once; more are refused "
+        "RESOURCE_EXHAUSTED by gRPC before any Python runs"
+    )
+    max_http_body_bytes: int | None = Field(
+        None, ge=1024, description="largest REST request body; default: 6 times max_message_bytes (JSON text "
+        "of numbers is larger than their binary form)"
+    )
+    stream_window: int = Field(
+        32, ge=1, le=4096, description="requests of one ModelStreamInfer in flight at once; while full the "
+        "server stops reading the stream (backpressure), and answers queue for a slow reader at most this many"
+    )
+    max_streams_per_connection: int = Field(
+        16, ge=1, description="concurrent ModelStreamInfer calls on one client connection"
+    )
+    max_streams_per_tenant: int = Field(
+        256, ge=1, description="concurrent ModelStreamInfer calls of one tenant (of all callers on an open server)"
+    )
+    http_max_connections: int = Field(
+        1024, ge=1, description="open HTTP connections at most; more are answered 503 and closed"
+    )
+    http_header_timeout_s: float = Field(
+        15.0, gt=0, description="an HTTP connection that has not sent a whole request head this long after it "
+        "opened (or after its last answer) is closed: slow or idle clients do not hold connections"
+    )
+    http_body_timeout_s: float = Field(
+        30.0, gt=0, description="longest an HTTP request body may take to arrive; then 408 and the connection closes"
     )
 
     @model_validator(mode="after")

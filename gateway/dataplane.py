@@ -25,7 +25,9 @@ from batchgate.gateway.codec import Codec
 from batchgate.gateway.config import Settings
 from batchgate.gateway.errors import not_found, unavailable
 from batchgate.gateway.preprocess import TextStage
-from batchgate.gateway.repository import ConfigError, LoadFailure, ModelSpec, load_model, load_repository, tokenized
+from batchgate.gateway.repository import (
+    ConfigError, LoadFailure, ModelSpec, Repository, load_model, load_repository, tokenized,
+)
 from batchgate.gateway.latency import LatencyModel, LoopLag
 from batchgate.gateway.queues import DeadlineQueue, FifoQueue
 from batchgate.gateway.scheduler import Scheduler
@@ -106,10 +108,16 @@ class DataPlane:
             return False
         return not (self.settings.strict_readiness and self.failures)
 
-    async def load(self) -> None:
-        self.lag.start()
+    async def read_repository(self) -> Repository:
+        """The repository's model specs, read and checked (no engine started yet)."""
         root = Path(self.settings.model_repository)
-        repo = await asyncio.to_thread(load_repository, root, self.settings.default_max_batch_size)
+        return await asyncio.to_thread(load_repository, root, self.settings.default_max_batch_size)
+
+    async def load(self, repo: Repository | None = None) -> None:
+        """Start every model of ``repo`` (read here when not given)."""
+        self.lag.start()
+        if repo is None:
+            repo = await self.read_repository()
         self.failures.update(repo.failures)
         for name, versions in repo.models.items():
             for version, spec in versions.items():
@@ -232,10 +240,12 @@ class DataPlane:
 
     async def unload(self, name: str) -> None:
         """Stop serving ``name``: new calls get NOT_FOUND, accepted ones are answered first."""
+        if name not in self.models:  # before a lock is made for the name: made-up names cost nothing
+            raise not_found(f"model '{name}' is not loaded")
         async with self._reload_locks.setdefault(name, asyncio.Lock()):
             old = self.models.pop(name, None)
             if old is None:
-                raise not_found(f"model '{name}' is not loaded; loaded models: {sorted(self.models)}")
+                raise not_found(f"model '{name}' is not loaded")
             self.latest.pop(name, None)
             log.info("unloading model %s", name, extra={"event": "unload", "model": name})
             await self._retire(list(old.values()))
@@ -268,7 +278,7 @@ class DataPlane:
             failure = self.failures.get(name)
             if failure is not None:
                 raise unavailable(f"model '{name}' is not ready: {failure.reason}")
-            raise not_found(f"unknown model '{name}'; served models: {sorted(self.models)}")
+            raise not_found(f"unknown model '{name}'")  # never the list: a caller may not see it
         rt = versions.get(version or self.latest[name])
         if rt is None:
             raise not_found(f"model '{name}' has no version '{version}'; served versions: {sorted(versions, key=int)}")

@@ -14,7 +14,22 @@ class Kind(enum.Enum):
     UNAUTHENTICATED = "unauthenticated"
     PERMISSION = "permission"
     UNSUPPORTED = "unsupported"  # a feature batchgate does not offer
+    PRECONDITION = "failed_precondition"  # the repository's files must be fixed first (a failed load)
     FAILED = "failed"  # the model failed to execute (not the client's fault)
+
+
+# Client text echoed in an error (a model name, an input name, a parameter) is cut to this many
+# characters: a 1 MiB name must not come back as a 1 MiB status message.
+ECHO_MAX = 128
+
+
+def clip(text: object, limit: int = ECHO_MAX) -> str:
+    """``text`` for an error message: at most ``limit`` characters, an ellipsis and the full length
+    when cut (so the client can tell its string was longer)."""
+    s = text if isinstance(text, str) else str(text)
+    if len(s) <= limit:
+        return s
+    return f"{s[:limit]}… ({len(s)} characters)"
 
 
 class GatewayError(Exception):

@@ -15,6 +15,7 @@ same) looks like::
         models: [ranker, encoder]      # or "*"
         default_class: realtime        # latency class when a request names none
         cache_namespace: search        # result-cache namespace (absent: shared)
+        admin: false                   # true: may load/unload models (when model_control is on)
         limits:                        # enforced by each replica alone
           requests_per_s: 500
           requests_burst: 1000
@@ -111,6 +112,7 @@ class Tenant:
     limits: Limits = Limits()  # per replica
     global_limits: Limits = Limits()  # across replicas (max_in_flight is always per replica)
     model_limits: dict[str, tuple[Limits, Limits]] = field(default_factory=dict)  # model -> (local, global)
+    admin: bool = False  # may load/unload models when the server's model_control is on
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -188,6 +190,7 @@ class _Tenant(BaseModel):
     limits: _Limits = _Limits()
     global_limits: _GlobalLimits = _GlobalLimits()
     model_limits: dict[str, _Override] = {}
+    admin: bool = Field(False, description="may load/unload models (only when the server's model_control is on)")
 
     @field_validator("key_hashes")
     @classmethod
@@ -216,6 +219,7 @@ class _Tenant(BaseModel):
             model_limits={
                 m: (o.limits.build(), o.global_limits.build()) for m, o in self.model_limits.items()
             },
+            admin=self.admin,
         )
 
 

@@ -172,7 +172,8 @@ def limited(tmp_path_factory, minilm_dir):
     open_encoder(repo)
     (repo / "ranker").symlink_to(REPO / "ranker", target_is_directory=True)
     (repo / "minilm").symlink_to(minilm_dir, target_is_directory=True)
-    env = {"BATCHGATE_MAX_TENSOR_ELEMENTS": "1000", "BATCHGATE_MAX_STRING_BYTES": "100", "BATCHGATE_MAX_INPUTS": "4"}
+    env = {"BATCHGATE_MAX_TENSOR_ELEMENTS": "1000", "BATCHGATE_MAX_STRING_BYTES": "100", "BATCHGATE_MAX_INPUTS": "4",
+           "BATCHGATE_MAX_HTTP_BODY_BYTES": "65536"}
     srv = start_server(tmp, "--no-build-models", "--max-message-bytes", "65536", repo=repo, env=env)
     ch = grpc.insecure_channel(srv.grpc_url, options=[("grpc.max_send_message_length", 2**26)])
     yield srv, pb_grpc.GRPCInferenceServiceStub(ch)

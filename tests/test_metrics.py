@@ -415,13 +415,15 @@ class _FakeContext:
 async def test_request_id_reaches_the_log_lines_of_its_call():
     """A call that fails inside the gateway logs a traceback; that line names the caller's id,
     the id is echoed back, and the failure is counted as an error at the edge."""
+    from batchgate.gateway.config import Settings
+    from batchgate.gateway.infer import Pipeline
     from batchgate.gateway.transport.grpc import InferenceServicer
 
     def broken_get(name, version=""):
         raise RuntimeError("engine on fire")
 
-    plane = _plane(draining=False, get=broken_get)
-    servicer = InferenceServicer(plane)
+    plane = _plane(draining=False, get=broken_get, settings=Settings())
+    servicer = InferenceServicer(Pipeline(plane), Metrics(plane, "test"))
     buf = io.StringIO()
     handler = logs.make_handler("json", buf)
     server_log = logging.getLogger("batchgate.gateway.transport.grpc")

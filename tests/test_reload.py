@@ -18,6 +18,8 @@ from tritonclient.utils import InferenceServerException
 
 from tests.conftest import REPO, start_server
 
+CONTROL = {"BATCHGATE_MODEL_CONTROL": "true"}  # load/unload are off unless enabled
+
 
 def _inputs(rows: int, seed: int) -> list[tc.InferInput]:
     rng = np.random.default_rng(seed)
@@ -36,7 +38,7 @@ def _status(exc: InferenceServerException) -> str:
 def served(tmp_path):
     repo = tmp_path / "repo"
     shutil.copytree(REPO / "ranker", repo / "ranker")
-    srv = start_server(tmp_path, "--workers-per-device", "1", repo=repo)
+    srv = start_server(tmp_path, "--workers-per-device", "1", repo=repo, env=CONTROL)
     client = tc.InferenceServerClient(srv.grpc_url)
     yield srv, client, repo / "ranker"
     client.close()
@@ -158,7 +160,7 @@ def test_loading_a_model_that_failed_at_start(tmp_path):
     shutil.copytree(REPO / "ranker", repo / "ranker")
     good_model = (repo / "ranker" / "1" / "model.onnx").read_bytes()
     (repo / "ranker" / "1" / "model.onnx").write_bytes(b"garbage")
-    srv = start_server(tmp_path, "--workers-per-device", "1", repo=repo)
+    srv = start_server(tmp_path, "--workers-per-device", "1", repo=repo, env=CONTROL)
     client = tc.InferenceServerClient(srv.grpc_url)
     try:
         assert not client.is_model_ready("ranker")

@@ -1,35 +1,26 @@
-"""The gRPC servicer (KServe v2 / Triton ``inference.GRPCInferenceService``), health, reflection,
-and the process lifecycle (start, ready, drain on SIGTERM, exit 0); the HTTP side is gateway/http.py.
+"""The gRPC transport: the KServe v2 / Triton ``inference.GRPCInferenceService`` servicer and the
+interceptor that authenticates on metadata alone; listeners and lifecycle are in ``server.py``.
 
-The servicer is thin: look the model up, decode with its codec, call the data plane, encode.
-Domain errors become status codes in one table (``STATUS``).
+The servicer is thin: translate nothing (the wire messages are the pipeline's), call
+``gateway/infer.py``'s ``Pipeline``, map ``GatewayError`` kinds to status codes in one table
+(``STATUS``). Streams get a window: at most ``stream_window`` requests in flight, and while it is
+full the stream is not read, so a client that sends without reading answers is held back by
+HTTP/2 flow control instead of growing the server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
-import signal
-import time
-from importlib.metadata import PackageNotFoundError, version
 
 import grpc
-from aiohttp import web
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from batchgate import proto
-from batchgate.gateway.transport import rest as http_side
-from batchgate.gateway.admission import Account, Admission
-from batchgate.gateway.budgets import resolve as resolve_budget
-from batchgate.gateway.codec import Limits, set_limits
-from batchgate.gateway.config import Settings
-from batchgate.gateway.dataplane import DataPlane, ModelRuntime, ReloadFailed
-from batchgate.gateway.errors import GatewayError, Kind
+from batchgate.gateway.admission import Account
+from batchgate.gateway.errors import GatewayError, Kind, clip
+from batchgate.gateway.infer import Pipeline
 from batchgate.gateway.logs import REQUEST_ID, REQUEST_ID_KEY, clean_request_id
 from batchgate.gateway.metrics import Metrics, Transport
-from batchgate.gateway.transport.tls import CertStore
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 
@@ -44,17 +35,22 @@ STATUS = {
     Kind.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     Kind.PERMISSION: grpc.StatusCode.PERMISSION_DENIED,
     Kind.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
+    Kind.PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
     Kind.FAILED: grpc.StatusCode.INTERNAL,
 }
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 
-try:
-    VERSION = version("batchgate")
-except PackageNotFoundError:  # running from a source tree without an install
-    VERSION = "0.0.0+source"
+# Methods a caller without a key may use: probes and the read-only model description clients
+# fetch before they have anything to send. Everything else of the inference service needs a key.
+OPEN_METHODS = frozenset(
+    f"/{SERVICE_NAME}/{m}"
+    for m in ("ServerLive", "ServerReady", "ServerMetadata", "ModelReady", "ModelMetadata", "ModelConfig")
+)
+_PREFIX = f"/{SERVICE_NAME}/"
 
-
-_clock = time.perf_counter
+# The caller the interceptor identified, read by the servicer: the interceptor and the handler
+# run in the same task (grpc.aio awaits the interceptors, then the handler, in one coroutine).
+CALLER: contextvars.ContextVar[Account | None] = contextvars.ContextVar("caller", default=None)
 
 
 def _request_id(context) -> str:
@@ -72,13 +68,97 @@ def _request_id(context) -> str:
     return ""
 
 
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses a keyed method on its metadata alone, before the request message is read: the
+    refusal is a stream handler that never reads, so a key-less 60 MiB message costs its headers.
+    Installed only when there is a tenant file (an open server pays nothing)."""
+
+    def __init__(self, pipeline: Pipeline, metrics: Metrics) -> None:
+        self.pipeline = pipeline
+        self._edges = {
+            f"{_PREFIX}ModelInfer": metrics.transport("grpc"),
+            f"{_PREFIX}ModelStreamInfer": metrics.transport("grpc_stream"),
+        }
+
+    async def intercept_service(self, continuation, details):
+        method = details.method
+        if not method.startswith(_PREFIX) or method in OPEN_METHODS:
+            return await continuation(details)
+        try:
+            caller = self.pipeline.identify(details.invocation_metadata)
+        except GatewayError as exc:
+            edge = self._edges.get(method)
+            if edge is not None:
+                edge.failed("", "", exc)  # no model read: counted under empty labels
+            return _refusal(STATUS[exc.kind], exc.message)
+        CALLER.set(caller)
+        return await continuation(details)
+
+
+def _refusal(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    async def refuse(_request_iterator, context):
+        await context.abort(code, message)
+
+    return grpc.stream_stream_rpc_method_handler(refuse)
+
+
+class StreamSlots:
+    """Open ModelStreamInfer calls per tenant and per client connection (gRPC's peer string names
+    the connection), each capped; a slot is taken when a stream opens and given back when it ends."""
+
+    def __init__(self, per_tenant: int, per_connection: int) -> None:
+        self.per_tenant = per_tenant
+        self.per_connection = per_connection
+        self.tenants: dict[str, int] = {}
+        self.connections: dict[str, int] = {}
+
+    def take(self, tenant: str, peer: str) -> None:
+        if self.tenants.get(tenant, 0) >= self.per_tenant:
+            who = f"tenant '{tenant}'" if tenant else "this server"
+            raise GatewayError(
+                Kind.EXHAUSTED, f"{who} has {self.per_tenant} streams open (max_streams_per_tenant)"
+            )
+        if self.connections.get(peer, 0) >= self.per_connection:
+            raise GatewayError(
+                Kind.EXHAUSTED,
+                f"this connection has {self.per_connection} streams open (max_streams_per_connection)",
+            )
+        self.tenants[tenant] = self.tenants.get(tenant, 0) + 1
+        self.connections[peer] = self.connections.get(peer, 0) + 1
+
+    def give(self, tenant: str, peer: str) -> None:
+        for d, k in ((self.tenants, tenant), (self.connections, peer)):
+            n = d.get(k, 0) - 1
+            if n > 0:
+                d[k] = n
+            else:
+                d.pop(k, None)  # nothing kept for a connection or tenant with no stream
+
+
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, plane: DataPlane, admission: Admission | None = None, metrics: Metrics | None = None) -> None:
-        self.plane = plane
-        self.admission = admission or Admission()  # no tenants: open
-        self.metrics = metrics or Metrics(plane, VERSION)
-        self._unary_edge = self.metrics.transport("grpc")
-        self._stream_edge = self.metrics.transport("grpc_stream")
+    def __init__(self, pipeline: Pipeline, metrics: Metrics) -> None:
+        self.pipeline = pipeline
+        self.plane = pipeline.plane
+        self.metrics = metrics
+        s = pipeline.settings
+        self.window = s.stream_window
+        self.streams = StreamSlots(s.max_streams_per_tenant, s.max_streams_per_connection)
+        self._unary_edge = metrics.transport("grpc")
+        self._stream_edge = metrics.transport("grpc_stream")
+
+    def _caller(self, context) -> Account | None:
+        if self.pipeline.open:
+            return None
+        caller = CALLER.get()
+        # The interceptor has identified every keyed call; this is the fallback for a servicer
+        # mounted without it (tests), and it refuses the same way.
+        return caller if caller is not None else self.pipeline.identify(context.invocation_metadata())
+
+    async def _abort(self, context, exc: GatewayError, rid: str = "") -> None:
+        trailing = getattr(exc, "trailing_metadata", ())
+        if trailing and rid:  # abort's own metadata replaces what was set: keep the id
+            trailing = (*trailing, (REQUEST_ID_KEY, rid))
+        await context.abort(STATUS[exc.kind], exc.message, trailing)
 
     # -- health and metadata --------------------------------------------------------------------
 
@@ -89,232 +169,109 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self.plane.ready)
 
     async def ModelReady(self, request, context):
-        try:
-            self.plane.get(request.name, request.version)
-        except GatewayError:
-            return pb.ModelReadyResponse(ready=False)
-        return pb.ModelReadyResponse(ready=True)
+        return pb.ModelReadyResponse(ready=self.pipeline.model_ready(request.name, request.version))
 
     async def ServerMetadata(self, request, context):
-        return pb.ServerMetadataResponse(
-            name="batchgate", version=VERSION, extensions=["model_configuration", "statistics", "binary_tensor_data"]
-        )
+        return self.pipeline.server_metadata()
 
     async def ModelMetadata(self, request, context):
-        rt = await self._model(request.name, request.version, context, for_metadata=True)
-        spec = rt.spec
-        versions = sorted(self.plane.models[spec.name], key=int)
-
-        def meta(t):
-            return pb.ModelMetadataResponse.TensorMetadata(
-                name=t.name, datatype=t.datatype, shape=((-1,) + t.dims) if spec.batched else t.dims
-            )
-
-        return pb.ModelMetadataResponse(
-            name=spec.name,
-            versions=versions,
-            platform=spec.config.platform or "onnxruntime_onnx",
-            inputs=[meta(t) for t in spec.inputs],
-            outputs=[meta(t) for t in spec.outputs],
-        )
+        try:
+            return self.pipeline.model_metadata(request.name, request.version)
+        except GatewayError as exc:
+            await self._abort(context, exc)
 
     async def ModelConfig(self, request, context):
-        rt = await self._model(request.name, request.version, context, for_metadata=True)
-        return pb.ModelConfigResponse(config=rt.spec.config)
+        try:
+            return self.pipeline.model_config(request.name, request.version)
+        except GatewayError as exc:
+            await self._abort(context, exc)
 
     async def ModelStatistics(self, request, context):
         try:
-            runtimes = self.plane.runtimes(request.name, request.version)
+            return self.pipeline.statistics(request.name, request.version)
         except GatewayError as exc:
-            await context.abort(STATUS[exc.kind], exc.message)
-        resp = pb.ModelStatisticsResponse()
-        for rt in runtimes:
-            st = rt.scheduler.stats
-            m = resp.model_stats.add(
-                name=rt.spec.name,
-                version=rt.spec.version,
-                last_inference=st.last_inference_ms,
-                inference_count=st.inference_count,
-                execution_count=st.execution_count,
-            )
-            s = m.inference_stats
-            s.success.count, s.success.ns = st.success_count, st.success_ns
-            s.fail.count, s.fail.ns = st.fail_count, st.fail_ns
-            s.queue.count, s.queue.ns = st.queue_count, st.queue_ns
-            s.compute_input.count, s.compute_input.ns = st.input_count, st.input_ns
-            s.compute_infer.count, s.compute_infer.ns = st.infer_count, st.infer_ns
-            s.compute_output.count, s.compute_output.ns = st.output_count, st.output_ns
-            # Triton: cache hits are in success but in none of queue/compute (gateway/caching.py).
-            if rt.cache is not None:
-                rt.cache.fill_statistics(s)
-            for size in sorted(st.by_batch_size):
-                b = st.by_batch_size[size]
-                bs = m.batch_stats.add(batch_size=size)
-                bs.compute_input.count, bs.compute_input.ns = b.count, b.input_ns
-                bs.compute_infer.count, bs.compute_infer.ns = b.count, b.infer_ns
-                bs.compute_output.count, bs.compute_output.ns = b.count, b.output_ns
-        return resp
+            await self._abort(context, exc)
 
     async def RepositoryIndex(self, request, context):
-        resp = pb.RepositoryIndexResponse()
-        for name in sorted(set(self.plane.models) | set(self.plane.failures)):
-            for ver in sorted(self.plane.models.get(name, {}), key=int):
-                resp.models.add(name=name, version=ver, state="READY")
-            failure = self.plane.failures.get(name)
-            if failure is not None and not request.ready:
-                resp.models.add(name=name, version=failure.version, state="UNAVAILABLE", reason=failure.reason)
-        return resp
+        return self.pipeline.repository_index(request.ready)
 
     async def RepositoryModelLoad(self, request, context):
-        """Triton's load/reload: re-read the model's directory, start and warm it, swap it in.
-
-        A directory that cannot be served (config.pbtxt, model file, engine start) answers
-        FAILED_PRECONDITION with the reason: the repository's files must be fixed before a retry
-        can succeed, and the previous load keeps serving meanwhile. Triton's inline overrides
-        (``config`` / ``file:`` parameters) are not offered: UNIMPLEMENTED, never silently ignored."""
-        if request.parameters:
-            await context.abort(
-                grpc.StatusCode.UNIMPLEMENTED,
-                f"load parameters {sorted(request.parameters)} are not supported: edit the model's directory "
-                "in the repository and load it again",
-            )
+        """Triton's load/reload (see ``Pipeline.load``); only with model_control, admin tenants only."""
         try:
-            await self.plane.reload(request.model_name)
+            await self.pipeline.load(self._caller(context), request.model_name, request.parameters)
         except GatewayError as exc:
-            await context.abort(STATUS[exc.kind], exc.message)
-        except ReloadFailed as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"failed to load '{request.model_name}': {exc}")
+            await self._abort(context, exc)
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request, context):
         """Stop serving the model once the calls it holds are answered (no ensembles here, so
         ``unload_dependents`` has nothing to act on)."""
         try:
-            await self.plane.unload(request.model_name)
+            await self.pipeline.unload(self._caller(context), request.model_name)
         except GatewayError as exc:
-            await context.abort(STATUS[exc.kind], exc.message)
+            await self._abort(context, exc)
         return pb.RepositoryModelUnloadResponse()
-
-    async def _model(self, name: str, version: str, context, for_metadata: bool = False) -> ModelRuntime:
-        try:
-            if for_metadata and not self.plane.draining:
-                return self.plane.get(name, version)
-            if for_metadata:  # metadata stays readable while draining
-                return self.plane.runtimes(name, version)[-1]
-            return self.plane.get(name, version)
-        except GatewayError as exc:
-            await context.abort(STATUS[exc.kind], exc.message)
 
     # -- inference ------------------------------------------------------------------------------
 
-    async def _infer(
-        self,
-        request: pb.ModelInferRequest,
-        time_remaining: float | None = None,
-        default_class: str | None = None,
-        namespace: str | None = None,
-    ) -> pb.ModelInferResponse:
-        plane = self.plane
-        if plane.draining:
-            plane.last_refused = time.monotonic()
-        rt = plane.get(request.model_name, request.model_version)
-        budget = resolve_budget(
-            request.parameters, time_remaining, rt.scheduler.clock(), plane.classes,
-            default_class or plane.settings.default_latency_class, rt.schedule,
-        )  # fmt: skip
-        codec = rt.codec
-        wanted = codec.requested(request)
-        arrays, rows = codec.decode(request)
-        outputs = await rt.infer(arrays, rows, budget, wanted=wanted, namespace=namespace)
-        return codec.encode(request, outputs, wanted)
-
-    async def _admitted(
-        self, account: Account, request: pb.ModelInferRequest, time_remaining: float | None = None
-    ) -> pb.ModelInferResponse:
-        """Admission (auth already done), then ``_infer``; the ticket is released however the request ends.
-        Runs before any decoding: the row count is read off the first input's shape."""
-        try:
-            batched = self.plane.get(request.model_name, request.model_version).spec.batched
-        except GatewayError:  # unknown model or draining: nothing to admit, _infer answers it
-            return await self._infer(request, time_remaining)
-        inputs = request.inputs
-        rows = (max(inputs[0].shape[0], 0) if inputs and inputs[0].shape else 0) if batched else 1
-        ticket = await self.admission.admit(account, request.model_name, rows)
-        tenant = ticket.tenant
-        try:
-            return await self._infer(request, time_remaining, tenant.default_class, tenant.cache_namespace)
-        finally:
-            ticket.release()
-
-    async def ModelInfer(self, request, context, edge: Transport | None = None):
-        """``edge``: whose counters this call goes to; the HTTP side passes its own."""
-        edge = edge or self._unary_edge
+    async def ModelInfer(self, request, context):
         rid = _request_id(context)
-        t0 = _clock()
-        edge.inflight += 1
         try:
-            if self.admission.open:
-                resp = await self._infer(request, context.time_remaining())
-            else:
-                account = self.admission.identify(context.invocation_metadata())
-                resp = await self._admitted(account, request, context.time_remaining())
+            return await self.pipeline.infer(
+                request, self._caller(context), self._unary_edge, context.time_remaining()
+            )
         except GatewayError as exc:
-            edge.failed(request.model_name, request.model_version, exc)
-            trailing = getattr(exc, "trailing_metadata", ())
-            if trailing and rid:  # abort's own metadata replaces what was set: keep the id
-                trailing = (*trailing, (REQUEST_ID_KEY, rid))
-            await context.abort(STATUS[exc.kind], exc.message, trailing)
-        except asyncio.CancelledError as exc:
-            edge.failed(request.model_name, request.model_version, exc)
-            raise
+            await self._abort(context, exc, rid)
         except Exception as exc:  # a bug, not the client's fault: say so, keep serving
-            edge.failed(request.model_name, request.model_version, exc)
-            log.exception("ModelInfer for model '%s' failed", request.model_name)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
-        finally:
-            edge.inflight -= 1
-        edge.ok(resp.model_name, resp.model_version, _clock() - t0)
-        return resp
+            log.exception("ModelInfer for model '%s' failed", clip(request.model_name))
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {clip(exc, 512)}")
 
     async def ModelStreamInfer(self, request_iterator, context):
         """Each request is answered on the stream as soon as it completes (not in order), with its
         ``id`` echoed; an error answers that request with ``error_message`` and the stream goes on.
-        The API key is checked once, when the stream opens."""
-        account = None
-        if not self.admission.open:
-            try:
-                account = self.admission.identify(context.invocation_metadata())
-            except GatewayError as exc:
-                await context.abort(STATUS[exc.kind], exc.message)
+        The API key is checked once, when the stream opens (by the interceptor, on metadata).
+
+        At most ``stream_window`` requests are in flight: the next message is read only when one of
+        them has been written back, so a client that never reads its answers stops being read."""
+        try:
+            caller = self._caller(context)
+            tenant = caller.tenant.name if caller is not None else ""
+            peer = context.peer() or ""
+            self.streams.take(tenant, peer)
+        except GatewayError as exc:
+            await self._abort(context, exc)
+        try:
+            await self._stream(request_iterator, context, caller)
+        finally:
+            self.streams.give(tenant, peer)
+
+    async def _stream(self, request_iterator, context, caller: Account | None) -> None:
         _request_id(context)  # one id for the stream; the messages' own ids travel in `id`
         edge = self._stream_edge
-        out: asyncio.Queue = asyncio.Queue()
+        window = asyncio.Semaphore(self.window)
+        out: asyncio.Queue = asyncio.Queue(maxsize=self.window)  # never more than the window holds
         tasks: set[asyncio.Task] = set()
+        pipeline = self.pipeline
 
         async def one(request: pb.ModelInferRequest) -> None:
-            t0 = _clock()
-            edge.inflight += 1
             try:
-                resp = await (self._infer(request) if account is None else self._admitted(account, request))
+                resp = await pipeline.infer(request, caller, edge)
+                item = pb.ModelStreamInferResponse(infer_response=resp)
             except GatewayError as exc:
-                edge.failed(request.model_name, request.model_version, exc)
-                await out.put(self._stream_error(request, exc.message))
-                return
-            except asyncio.CancelledError as exc:
-                edge.failed(request.model_name, request.model_version, exc)
-                raise
+                item = self._stream_error(request, exc.message)
             except Exception as exc:
-                edge.failed(request.model_name, request.model_version, exc)
-                log.exception("ModelStreamInfer request for '%s' failed", request.model_name)
-                await out.put(self._stream_error(request, f"internal error: {type(exc).__name__}: {exc}"))
-                return
-            finally:
-                edge.inflight -= 1
-            edge.ok(resp.model_name, resp.model_version, _clock() - t0)
-            await out.put(pb.ModelStreamInferResponse(infer_response=resp))
+                log.exception("ModelStreamInfer request for '%s' failed", clip(request.model_name))
+                item = self._stream_error(request, f"internal error: {type(exc).__name__}: {clip(exc, 512)}")
+            await out.put(item)
 
         async def reader() -> None:
-            async for request in request_iterator:
+            it = request_iterator.__aiter__()
+            while True:
+                await window.acquire()  # backpressure: a full window stops the reading
+                try:
+                    request = await it.__anext__()
+                except StopAsyncIteration:
+                    break
                 t = asyncio.create_task(one(request))
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
@@ -329,6 +286,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 if item is None:
                     break
                 await context.write(item)
+                window.release()
             await read_task
         finally:
             read_task.cancel()
@@ -340,163 +298,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelStreamInferResponse(
             error_message=message,
             infer_response=pb.ModelInferResponse(
-                model_name=request.model_name, model_version=request.model_version, id=request.id
+                model_name=clip(request.model_name), model_version=clip(request.model_version), id=request.id
             ),
         )
-
-
-def _register_for_reflection() -> None:
-    """Reflection answers from ``proto.POOL``; put the health and reflection protos there too."""
-    for fd in (health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR):
-        try:
-            proto.POOL.FindFileByName(fd.name)
-        except KeyError:
-            proto.POOL.AddSerializedFile(fd.serialized_pb)
-
-
-class Server:
-    """One gateway process: gRPC + HTTP in front of a DataPlane."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.plane = DataPlane(settings)
-        self.admission = Admission.from_settings(settings)  # reads the tenant file; errors stop the start
-        self.metrics = Metrics(self.plane, VERSION)  # this process's own registry, read at scrape time
-        self.servicer = InferenceServicer(self.plane, self.admission, self.metrics)
-        self.health = health_aio.HealthServicer()
-        self.tls = CertStore.from_settings(settings)  # reads the certificate files; errors stop the start
-        set_limits(Limits.from_settings(settings))  # before any model's codec is built
-        self.grpc_port = 0
-        self.http_port = 0
-        self._grpc: grpc.aio.Server | None = None
-        self._http: web.AppRunner | None = None
-        self._stopped = asyncio.Event()
-
-    async def start(self) -> None:
-        s = self.settings
-        options = [
-            ("grpc.max_receive_message_length", s.max_message_bytes),
-            ("grpc.max_send_message_length", s.max_message_bytes),
-            ("grpc.so_reuseport", 1 if s.reuse_port else 0),
-        ]
-        if s.max_connection_age_s:
-            # Clients re-resolve DNS only when a connection ends: ageing connections out lets pods
-            # added by a scale-up (headless Service, dns:/// round robin) receive calls.
-            options += [
-                ("grpc.max_connection_age_ms", int(s.max_connection_age_s * 1000)),
-                ("grpc.max_connection_age_grace_ms", int(s.drain_timeout_s * 1000)),
-            ]
-        server = grpc.aio.server(options=options)
-        await self.admission.start()  # Redis for global limits, if any; being down is not fatal
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        _register_for_reflection()
-        reflection.enable_server_reflection(
-            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-            server,
-            pool=proto.POOL,
-        )
-        if self.tls is not None:  # TLS only: a plaintext client fails its handshake
-            self.grpc_port = server.add_secure_port(f"{s.host}:{s.grpc_port}", self.tls.grpc_credentials())
-        else:
-            self.grpc_port = server.add_insecure_port(f"{s.host}:{s.grpc_port}")
-        if self.grpc_port == 0:
-            raise OSError(f"cannot listen on {s.host}:{s.grpc_port} for gRPC")
-        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        await server.start()
-        self._grpc = server
-        self._http, self.http_port = await http_side.start(self)
-        log.info(
-            "listening: gRPC %s:%d, HTTP %s:%d%s", s.host, self.grpc_port, s.host, self.http_port,
-            "" if self.tls is None else (" (TLS, client certificates required)" if self.tls.mutual else " (TLS)"),
-        )  # fmt: skip
-        t0 = time.perf_counter()
-        await self.plane.load()
-        self.metrics.attach()
-        await self._set_health()
-        for rt in self.plane.runtimes():
-            log.info(
-                "model %s version %s ready", rt.spec.name, rt.spec.version,
-                extra={"event": "model_ready", "model": rt.spec.name, "version": rt.spec.version},
-            )  # fmt: skip
-        log.info(
-            "ready: %d model(s) serving %s, %d failed%s, in %.1fs",
-            len(self.plane.models), sorted(self.plane.models), len(self.plane.failures),
-            f" {sorted(self.plane.failures)}" if self.plane.failures else "", time.perf_counter() - t0,
-            extra={"event": "ready", "ready": self.plane.ready},
-        )  # fmt: skip
-
-    async def _set_health(self) -> None:
-        serving = health_pb2.HealthCheckResponse.SERVING
-        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-        ready = self.plane.ready
-        await self.health.set("", serving if ready else not_serving)
-        await self.health.set(SERVICE_NAME, serving if ready else not_serving)
-        for name in self.plane.models:
-            await self.health.set(name, serving if ready else not_serving)
-        for name in self.plane.failures:
-            if name not in self.plane.models:
-                await self.health.set(name, not_serving)
-
-    async def drain_and_stop(self) -> None:
-        """Readiness false first, then let accepted work finish, then stop listening."""
-        if self.plane.draining:
-            return
-        log.info("draining: readiness false; new requests get UNAVAILABLE", extra={"event": "drain"})
-        self.plane.draining = True
-        # The quiet period of _linger counts from here: callers that have not yet sent their next
-        # request (so none was refused) must still get the chance to be told UNAVAILABLE.
-        self.plane.last_refused = time.monotonic()
-        await self._set_health()
-        ok = await self.plane.drain(self.settings.drain_timeout_s)
-        if not ok:
-            log.warning("drain timed out after %.1fs; answering what is left UNAVAILABLE", self.settings.drain_timeout_s)
-        await self._linger()
-        if self._grpc is not None:
-            await self._grpc.stop(grace=2.0)
-        await self.plane.close()
-        for rt in self.plane.runtimes():
-            log.info(
-                "model %s version %s unloaded", rt.spec.name, rt.spec.version,
-                extra={"event": "unload", "model": rt.spec.name, "version": rt.spec.version},
-            )  # fmt: skip
-        await self.admission.close()
-        if self._http is not None:
-            await self._http.cleanup()
-        log.info("stopped", extra={"event": "stopped"})
-        self._stopped.set()
-
-    async def _linger(self) -> None:
-        """Keep answering UNAVAILABLE until callers stop arriving (or drain_linger_s passes).
-
-        Closing the transport while calls are arriving makes gRPC cancel the ones it had not yet
-        handed to us (CANCELLED, which clients do not retry elsewhere); a clean UNAVAILABLE tells
-        them to go to another replica, and Kubernetes needs a moment to take us off its endpoints.
-        """
-        quiet_s = 0.5  # calls queued in gRPC core behind a busy loop need time to reach us
-        end = time.monotonic() + self.settings.drain_linger_s
-        while (now := time.monotonic()) < end:
-            if now - self.plane.last_refused >= quiet_s:
-                return
-            await asyncio.sleep(quiet_s / 4)
-
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
-
-
-async def serve(settings: Settings) -> None:
-    server = Server(settings)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    start = asyncio.create_task(server.start())
-    waiter = asyncio.create_task(stop.wait())
-    await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    if start.done():
-        start.result()  # startup errors surface here
-        await stop.wait()
-    else:
-        start.cancel()
-    log.info("signal received")
-    await server.drain_and_stop()

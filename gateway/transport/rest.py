@@ -1,33 +1,41 @@
-"""The HTTP side (aiohttp): health, KServe v2 REST (JSON, with Triton's binary tensor data
-extension), model metadata/config/statistics, and ``/metrics``.
+"""The REST transport (aiohttp): health, KServe v2 REST (JSON, with Triton's binary tensor data
+extension), model metadata/config/statistics, the repository extension (index, load, unload) and
+``/metrics``.
 
-One data plane behind both transports: a REST call is turned into the ``ModelInferRequest`` the
-gRPC client would have sent and handed to the same servicer method (``ModelInfer``) through a
-small stand-in for the gRPC context, so validation, budgets, request ids, accounting and error
-messages are gRPC's own. Only the translation lives here: JSON <-> protobuf, and the error table
-below (domain ``Kind`` -> HTTP status), the REST counterpart of ``server.STATUS``.
+A REST call is turned into the ``ModelInferRequest`` the gRPC client would have sent and handed to
+the same pipeline (``gateway/infer.py``) the gRPC servicer calls, so validation, budgets,
+accounting and error messages are the same; this module never goes through the gRPC servicer or
+gRPC status codes. Only the translation lives here: JSON <-> protobuf, and the error table below
+(domain ``Kind`` -> HTTP status).
+
+Cheap refusals first: the API key is checked from the headers before the body is read; a body
+larger than the limit is refused from its Content-Length; a body that takes longer than
+``http_body_timeout_s`` to arrive gets 408; connections are capped and a connection that does not
+send a whole request head in ``http_header_timeout_s`` is closed (``_Site``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
 from typing import TYPE_CHECKING, Any
 
-import grpc
 import numpy as np
 from aiohttp import web
 
+from batchgate.gateway import codec as codec_module
 from batchgate.gateway import dtypes
 from batchgate.gateway.codec import deserialize_bytes, serialize_bytes
-from batchgate.gateway.errors import GatewayError, Kind, invalid
-from batchgate.gateway.logs import REQUEST_ID, REQUEST_ID_KEY
+from batchgate.gateway.errors import GatewayError, Kind, clip, invalid
+from batchgate.gateway.logs import REQUEST_ID, REQUEST_ID_KEY, clean_request_id
 from batchgate.gateway.metrics import CONTENT_TYPE_LATEST
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 
 if TYPE_CHECKING:
-    from batchgate.gateway.transport.grpc import Server
+    from batchgate.gateway.admission import Account
+    from batchgate.gateway.transport.server import Server
 
 log = logging.getLogger(__name__)
 
@@ -40,61 +48,29 @@ HTTP_STATUS = {
     Kind.UNAUTHENTICATED: 401,
     Kind.PERMISSION: 403,
     Kind.UNSUPPORTED: 501,
+    Kind.PRECONDITION: 400,  # Triton answers a failed load 400
     Kind.FAILED: 500,
 }
 HEADER_LENGTH = "Inference-Header-Content-Length"  # Triton's binary tensor data extension
 JSON_TYPE = "application/json"
 BINARY_TYPE = "application/octet-stream"
+MAX_JSON_DEPTH = 32  # nested `data` deeper than this is no tensor any model takes
+INT64 = (-(2**63), 2**63)
 
 
-class _Abort(Exception):
-    """What ``context.abort`` raises when the servicer is called from HTTP."""
-
-    def __init__(self, code: grpc.StatusCode, details: str, trailing=()) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-        self.trailing = tuple(trailing or ())
-
-    def headers(self, base: tuple) -> dict:
-        """The trailing metadata as response headers; ``retry-after-ms`` (rate limits) also as
-        the standard ``Retry-After`` in whole seconds."""
-        headers = dict(base)
-        headers.update(self.trailing)
-        ms = headers.get("retry-after-ms")
-        if ms is not None:
-            try:
-                headers["Retry-After"] = str(max(1, math.ceil(float(ms) / 1000)))
-            except ValueError:
-                pass
-        return headers
-
-
-class _Context:
-    """The part of ``grpc.aio.ServicerContext`` the servicer uses, backed by an HTTP request:
-    headers are the invocation metadata (lower-case keys, as gRPC has them), trailing metadata
-    becomes response headers, abort raises."""
-
-    __slots__ = ("_metadata", "trailing")
-
-    def __init__(self, request: web.Request) -> None:
-        self._metadata = tuple((k.lower(), v) for k, v in request.headers.items())
-        self.trailing: tuple = ()
-
-    def invocation_metadata(self) -> tuple:
-        return self._metadata
-
-    def set_trailing_metadata(self, metadata) -> None:
-        self.trailing = tuple(metadata)
-
-    def time_remaining(self) -> float | None:
-        return None  # REST has no deadline header; budgets come from parameters or the class
-
-    def peer(self) -> str:
-        return "http"
-
-    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
-        raise _Abort(code, details, trailing_metadata)
+def _retry_headers(exc: GatewayError, base: dict) -> dict:
+    """A rate limit's ``retry-after-ms`` as a header, and as the standard ``Retry-After`` in whole
+    seconds."""
+    headers = dict(base)
+    for key, value in getattr(exc, "trailing_metadata", ()):
+        headers[key] = value
+    ms = headers.get("retry-after-ms")
+    if ms is not None:
+        try:
+            headers["Retry-After"] = str(max(1, math.ceil(float(ms) / 1000)))
+        except ValueError:
+            pass
+    return headers
 
 
 def _error(status: int, message: str, headers: dict | None = None) -> web.Response:
@@ -135,25 +111,42 @@ def _parameter(p: pb.InferParameter, key: str, value: Any) -> None:
     if isinstance(value, bool):
         p.bool_param = value
     elif isinstance(value, int):
+        if not INT64[0] <= value < INT64[1]:
+            raise invalid(f"parameter '{clip(key)}' is {clip(value, 32)}: out of the int64 range")
         p.int64_param = value
     elif isinstance(value, float):
         p.double_param = value
     elif isinstance(value, str):
         p.string_param = value
     else:
-        raise invalid(f"parameter '{key}' must be a bool, number or string, not {type(value).__name__}")
+        raise invalid(f"parameter '{clip(key)}' must be a bool, number or string, not {type(value).__name__}")
 
 
-def _flatten(data: Any) -> list:
-    """KServe allows `data` flat or nested like the shape; either way, row-major."""
+def _flatten(data: Any, name: str, limit: int) -> list:
+    """KServe allows `data` flat or nested like the shape; either way, row-major. Iterative, with
+    the depth and the element count bounded as it goes (no recursion for a client to exhaust)."""
     if not isinstance(data, list):
         return [data]
-    if data and isinstance(data[0], list):
-        out: list = []
-        for item in data:
-            out.extend(_flatten(item))
-        return out
-    return data
+    if not data or not isinstance(data[0], list):
+        return data  # flat already: no copy
+    out: list = []
+    stack = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, list):
+                if item and isinstance(item[0], list):
+                    if len(stack) >= MAX_JSON_DEPTH:
+                        raise invalid(f"input '{name}': 'data' is nested deeper than {MAX_JSON_DEPTH} levels")
+                    stack.append(iter(item))
+                    break
+                out.extend(item)
+            else:
+                out.append(item)
+            if len(out) > limit:
+                raise invalid(f"input '{name}': 'data' holds more than {limit} values (limit max_tensor_elements)")
+        else:
+            stack.pop()
+    return out
 
 
 def _count(shape: list[int]) -> int | None:
@@ -181,10 +174,13 @@ def build_request(
     try:
         doc = json.loads(header)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise invalid(f"the request body is not valid JSON: {exc}") from None
+        raise invalid(f"the request body is not valid JSON: {clip(exc, 200)}") from None
+    except RecursionError:  # json's decoder recurses per level: 100,000 '[' end here, cheaply
+        raise invalid("the request body is not valid JSON: nested too deeply") from None
     if not isinstance(doc, dict):
         raise invalid("the request body must be a JSON object with 'inputs'")
-    req = pb.ModelInferRequest(model_name=model, model_version=version, id=str(doc.get("id", "")))
+    rid = doc.get("id", "")
+    req = pb.ModelInferRequest(model_name=model, model_version=version, id=rid if isinstance(rid, str) else str(rid)[:256])
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         raise invalid("'parameters' must be an object")
@@ -202,6 +198,8 @@ def build_request(
         if not isinstance(inp, dict) or not isinstance(inp.get("name"), str):
             raise invalid(f"inputs[{i}] must be an object with 'name', 'shape', 'datatype' and 'data'")
         name = inp["name"]
+        if len(name) > 128:
+            raise invalid(f"inputs[{i}]: name '{clip(name)}' is longer than 128 characters")
         shape, datatype = inp.get("shape"), inp.get("datatype")
         if not isinstance(shape, list) or not all(
             isinstance(d, int) and not isinstance(d, bool) and -(2**63) <= d < 2**63 for d in shape
@@ -209,11 +207,16 @@ def build_request(
             raise invalid(f"input '{name}': 'shape' must be a list of (64-bit) integers")
         if not isinstance(datatype, str):
             raise invalid(f"input '{name}': 'datatype' must be a string such as FP32 or INT64")
+        if len(datatype) > 16:
+            raise invalid(f"input '{name}': datatype '{clip(datatype, 16)}' is no KServe datatype")
         t = req.inputs.add(name=name, datatype=datatype, shape=shape)
         chunk = None
-        for key, value in (inp.get("parameters") or {}).items():
+        in_params = inp.get("parameters") or {}
+        if not isinstance(in_params, dict):
+            raise invalid(f"input '{name}': 'parameters' must be an object")
+        for key, value in in_params.items():
             if key == "binary_data_size":
-                if not isinstance(value, int) or value < 0:
+                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                     raise invalid(f"input '{name}': binary_data_size must be a non-negative integer")
                 if offset + value > len(binary):
                     raise invalid(
@@ -228,8 +231,14 @@ def build_request(
         if chunk is None:
             if "data" not in inp:
                 raise invalid(f"input '{name}' has neither 'data' nor a binary_data_size parameter")
-            flat = _flatten(inp["data"])
             need = _count(shape)
+            limit = codec_module.LIMITS.max_tensor_elements
+            if need is not None and need > limit:  # before any flattening
+                raise invalid(
+                    f"input '{name}' has shape {shape}: {need} elements; the server accepts at most {limit} "
+                    "per tensor (limit max_tensor_elements, BATCHGATE_MAX_TENSOR_ELEMENTS)"
+                )
+            flat = _flatten(inp["data"], name, limit)
             if need is not None and len(flat) != need:
                 raise invalid(f"input '{name}': 'data' holds {len(flat)} values; shape {shape} needs {need}")
         parsed.append((t, datatype, chunk, flat))
@@ -256,8 +265,13 @@ def build_request(
         for i, out in enumerate(outputs):
             if not isinstance(out, dict) or not isinstance(out.get("name"), str):
                 raise invalid(f"outputs[{i}] must be an object with a 'name'")
+            if len(out["name"]) > 128:
+                raise invalid(f"outputs[{i}]: name '{clip(out['name'])}' is longer than 128 characters")
             o = req.outputs.add(name=out["name"])
-            for key, value in (out.get("parameters") or {}).items():
+            out_params = out.get("parameters") or {}
+            if not isinstance(out_params, dict):
+                raise invalid(f"output '{out['name']}': 'parameters' must be an object")
+            for key, value in out_params.items():
                 if key == "binary_data":
                     binary_out[out["name"]] = bool(value)
                 else:
@@ -335,28 +349,28 @@ def _json_data(t, data: bytes | None, shape: list[int]) -> list:
 
 
 class HttpFrontend:
-    """Routes and handlers; every handler stays thin: translate, call the servicer, translate."""
+    """Routes and handlers; every handler stays thin: translate, call the pipeline, translate."""
 
     def __init__(self, server: Server) -> None:
-        from batchgate.gateway.transport.grpc import STATUS  # the gRPC table; server imports this module
-
         self.server = server
-        self.servicer = server.servicer
+        self.pipeline = server.pipeline
         self.plane = server.plane
         self.metrics = server.metrics
         self.edge = server.metrics.transport("http")
-        self.kind_of_code = {code: kind for kind, code in STATUS.items()}
+        s = server.settings
+        self.max_body = s.max_http_body_bytes or 6 * server.max_message_bytes
+        self.body_timeout_s = s.http_body_timeout_s
 
     def app(self) -> web.Application:
-        app = web.Application(
-            client_max_size=self.server.settings.max_message_bytes, middlewares=[_json_errors]
-        )
+        app = web.Application(client_max_size=self.max_body, middlewares=[_json_errors])
         r = app.router
         r.add_get("/v2/health/live", self.live)
         r.add_get("/v2/health/ready", self.ready)
         r.add_get("/v2", self.server_metadata)
         r.add_get("/metrics", self.scrape)
         r.add_post("/v2/repository/index", self.repository_index)
+        r.add_post("/v2/repository/models/{model}/load", self.repository_load)
+        r.add_post("/v2/repository/models/{model}/unload", self.repository_unload)
         r.add_get("/v2/models/stats", self.statistics)
         for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
             r.add_get(base, self.model_metadata)
@@ -366,18 +380,56 @@ class HttpFrontend:
             r.add_post(base + "/infer", self.infer)
         return app
 
-    def _status(self, exc: _Abort) -> int:
-        kind = self.kind_of_code.get(exc.code, Kind.FAILED)
-        return HTTP_STATUS[kind]
+    # -- the cheap checks, before any body ------------------------------------------------------
 
-    async def _call(
-        self, method, request_msg, request: web.Request, defaults: bool = False, field: str = ""
-    ) -> web.Response:
+    def _caller(self, req: web.Request) -> Account | None:
+        """The tenant from the headers (aiohttp keeps them case-insensitive; the directory wants
+        gRPC's lower-case keys). UNAUTHENTICATED before a byte of the body is read."""
+        if self.pipeline.open:
+            return None
+        h = req.headers
+        metadata = [(k, h[k]) for k in ("x-api-key", "authorization") if k in h]
+        return self.pipeline.identify(metadata)
+
+    async def _body(self, req: web.Request) -> bytes:
+        """The whole body, refused by its declared length when too large, and within the body
+        deadline (a client trickling its body holds a connection, not the server)."""
+        n = req.content_length
+        if n is not None and n > self.max_body:
+            raise web.HTTPRequestEntityTooLarge(max_size=self.max_body, actual_size=n)
         try:
-            resp = await method(request_msg, _Context(request))
-        except _Abort as exc:
-            return _error(self._status(exc), exc.details)
-        return web.json_response(_to_json(getattr(resp, field) if field else resp, defaults))
+            async with asyncio.timeout(self.body_timeout_s):
+                return await req.read()
+        except TimeoutError:
+            raise web.HTTPRequestTimeout(
+                text=json.dumps({"error": f"the request body did not arrive within {self.body_timeout_s:g} s "
+                                          "(http_body_timeout_s)"}),
+                content_type=JSON_TYPE, headers={"Connection": "close"},
+            ) from None  # fmt: skip
+
+    async def _json_body(self, req: web.Request) -> dict:
+        if not req.can_read_body:
+            return {}
+        body = await self._body(req)
+        if not body.strip():
+            return {}
+        try:
+            doc = json.loads(body)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            raise invalid("the request body must be a JSON object") from None
+        if not isinstance(doc, dict):
+            raise invalid("the request body must be a JSON object")
+        return doc
+
+    async def _answer(self, req: web.Request, make, defaults: bool = False, keyed: bool = False) -> web.Response:
+        """A metadata-style call: ``make()`` gives a protobuf message (or raises GatewayError)."""
+        try:
+            if keyed:
+                self._caller(req)
+            msg = make()
+        except GatewayError as exc:
+            return _error(HTTP_STATUS[exc.kind], exc.message)
+        return web.json_response(_to_json(msg, defaults))
 
     # -- health and metadata --------------------------------------------------------------------
 
@@ -389,33 +441,20 @@ class HttpFrontend:
         return web.json_response({"ready": ok}, status=200 if ok else 503)
 
     async def server_metadata(self, req: web.Request) -> web.Response:
-        return await self._call(self.servicer.ServerMetadata, pb.ServerMetadataRequest(), req)
+        return await self._answer(req, self.pipeline.server_metadata)
 
     async def model_metadata(self, req: web.Request) -> web.Response:
-        m = pb.ModelMetadataRequest(name=req.match_info["model"], version=req.match_info.get("version", ""))
-        return await self._call(self.servicer.ModelMetadata, m, req)
+        name, version = req.match_info["model"], req.match_info.get("version", "")
+        return await self._answer(req, lambda: self.pipeline.model_metadata(name, version))
 
     async def model_config(self, req: web.Request) -> web.Response:
-        m = pb.ModelConfigRequest(name=req.match_info["model"], version=req.match_info.get("version", ""))
-        return await self._call(
-            self.servicer.ModelConfig, m, req, field="config"
-        )  # Triton: the config itself
+        name, version = req.match_info["model"], req.match_info.get("version", "")
+        # Triton: the config itself
+        return await self._answer(req, lambda: self.pipeline.model_config(name, version).config)
 
     async def statistics(self, req: web.Request) -> web.Response:
-        m = pb.ModelStatisticsRequest(
-            name=req.match_info.get("model", ""), version=req.match_info.get("version", "")
-        )
-        return await self._call(self.servicer.ModelStatistics, m, req, defaults=True)
-
-    async def repository_index(self, req: web.Request) -> web.Response:
-        ready = False
-        if req.can_read_body:
-            try:
-                ready = bool((await req.json() or {}).get("ready", False))
-            except (ValueError, AttributeError):
-                return _error(400, 'the request body must be a JSON object such as {"ready": true}')
-        resp = await self.servicer.RepositoryIndex(pb.RepositoryIndexRequest(ready=ready), _Context(req))
-        return web.json_response([_to_json(m) for m in resp.models])
+        name, version = req.match_info.get("model", ""), req.match_info.get("version", "")
+        return await self._answer(req, lambda: self.pipeline.statistics(name, version), defaults=True, keyed=True)
 
     async def model_ready(self, req: web.Request) -> web.Response:
         name = req.match_info["model"]
@@ -428,29 +467,65 @@ class HttpFrontend:
     async def scrape(self, _req: web.Request) -> web.Response:
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    # -- the repository extension --------------------------------------------------------------
+
+    async def repository_index(self, req: web.Request) -> web.Response:
+        try:
+            self._caller(req)
+            ready = bool((await self._json_body(req)).get("ready", False))
+        except GatewayError as exc:
+            if exc.kind is Kind.INVALID:
+                return _error(400, 'the request body must be a JSON object such as {"ready": true}')
+            return _error(HTTP_STATUS[exc.kind], exc.message)
+        resp = self.pipeline.repository_index(ready)
+        return web.json_response([_to_json(m) for m in resp.models])
+
+    async def repository_load(self, req: web.Request) -> web.Response:
+        """KServe/Triton ``POST /v2/repository/models/{m}/load``: the gRPC RepositoryModelLoad's
+        semantics and rule (model_control on; admin tenants only); ``parameters`` as there."""
+        try:
+            caller = self._caller(req)
+            params = (await self._json_body(req)).get("parameters") or {}
+            if not isinstance(params, dict):
+                raise invalid("'parameters' must be an object")
+            await self.pipeline.load(caller, req.match_info["model"], params)
+        except GatewayError as exc:
+            return _error(HTTP_STATUS[exc.kind], exc.message)
+        return web.Response(status=200)
+
+    async def repository_unload(self, req: web.Request) -> web.Response:
+        """``POST /v2/repository/models/{m}/unload`` (``unload_dependents`` has nothing to act on)."""
+        try:
+            caller = self._caller(req)
+            await self._json_body(req)
+            await self.pipeline.unload(caller, req.match_info["model"])
+        except GatewayError as exc:
+            return _error(HTTP_STATUS[exc.kind], exc.message)
+        return web.Response(status=200)
+
     # -- inference ------------------------------------------------------------------------------
 
     async def infer(self, req: web.Request) -> web.Response:
         model, version = req.match_info["model"], req.match_info.get("version", "")
-        ctx = _Context(req)
-        token = REQUEST_ID.set("")  # ModelInfer sets it from the header; undone below
+        rid = clean_request_id(req.headers.get(REQUEST_ID_KEY))
+        echo = {REQUEST_ID_KEY: rid} if rid else {}
+        token = REQUEST_ID.set(rid)
         try:
             try:
-                body = await req.read()
+                caller = self._caller(req)  # before the body: a key-less 60 MiB body is never read
+                body = await self._body(req)
                 msg, binary_out = build_request(model, version, body, req.headers.get(HEADER_LENGTH))
-            except GatewayError as exc:  # refused before the data plane: counted here
+            except GatewayError as exc:  # refused before the pipeline: counted here
                 self.edge.failed(model, version, exc)
-                return _error(HTTP_STATUS[exc.kind], exc.message, _echo(ctx, req))
+                return _error(HTTP_STATUS[exc.kind], exc.message, echo)
             try:
-                resp = await self.servicer.ModelInfer(msg, ctx, self.edge)
+                resp = await self.pipeline.infer(msg, caller, self.edge)
                 payload, header_len = build_response(resp, binary_out)
-            except _Abort as exc:
-                return _error(self._status(exc), exc.details, exc.headers(ctx.trailing))
-            except GatewayError as exc:  # answer could not be put in JSON
-                return _error(HTTP_STATUS[exc.kind], exc.message, dict(ctx.trailing))
+            except GatewayError as exc:
+                return _error(HTTP_STATUS[exc.kind], exc.message, _retry_headers(exc, echo))
         finally:
             REQUEST_ID.reset(token)
-        headers = dict(ctx.trailing)
+        headers = dict(echo)
         if header_len is None:
             headers["Content-Type"] = JSON_TYPE
         else:
@@ -459,36 +534,73 @@ class HttpFrontend:
         return web.Response(body=payload, headers=headers)
 
 
-def _echo(ctx: _Context, req: web.Request) -> dict:
-    from batchgate.gateway.logs import clean_request_id
-
-    rid = clean_request_id(req.headers.get(REQUEST_ID_KEY))
-    return {REQUEST_ID_KEY: rid} if rid else {}
-
-
 @web.middleware
 async def _json_errors(request: web.Request, handler):
     """aiohttp's own refusals (no such route, wrong method, body too large) as JSON errors too."""
     try:
         return await handler(request)
     except web.HTTPException as exc:
-        if exc.status < 400:
+        if exc.status < 400 or exc.content_type == JSON_TYPE:
             raise
         return _error(exc.status, exc.reason if exc.status != 413 else exc.text or exc.reason)
     except Exception as exc:  # a bug: say so, keep serving
-        log.exception("HTTP %s %s failed", request.method, request.path)
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+        log.exception("HTTP %s %s failed", request.method, clip(request.path))
+        return _error(500, f"internal error: {type(exc).__name__}: {clip(exc, 512)}")
+
+
+class _Refuse(asyncio.Protocol):
+    """A connection over ``http_max_connections``: one 503 and closed, before any parsing."""
+
+    def connection_made(self, transport) -> None:
+        transport.write(
+            b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b'Content-Length: 49\r\n\r\n{"error": "too many connections; try again later"}'
+        )
+        transport.close()
+
+
+class _Site(web.TCPSite):
+    """TCPSite with a connection cap in front of aiohttp's protocol factory."""
+
+    def __init__(self, runner: web.AppRunner, *args, max_connections: int, **kwargs) -> None:
+        super().__init__(runner, *args, **kwargs)
+        self.max_connections = max_connections
+        self.refused = 0
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        server = self._runner.server
+        assert server is not None
+
+        def factory():
+            if len(server.connections) >= self.max_connections:
+                self.refused += 1
+                return _Refuse()
+            return server()
+
+        self._server = await asyncio.get_running_loop().create_server(
+            factory, self._host, self._port, ssl=self._ssl_context, backlog=self._backlog,
+            reuse_address=self._reuse_address, reuse_port=self._reuse_port,
+        )  # fmt: skip
+        self._bound_port = self._server.sockets[0].getsockname()[1] if self._server.sockets else self._port
 
 
 async def start(server: Server) -> tuple[web.AppRunner, int]:
     """Serve the HTTP side for ``server``; returns the runner (for cleanup) and the bound port."""
     s = server.settings
-    runner = web.AppRunner(HttpFrontend(server).app(), access_log=None)
+    # keepalive_timeout is aiohttp's one timer for a connection waiting for a request head: it
+    # runs from the connection's start and from each answer, and data arriving does not reset it
+    # (aiohttp >= 3.10), so it is the header deadline too (idle keep-alive connections close then).
+    runner = web.AppRunner(
+        HttpFrontend(server).app(), access_log=None, keepalive_timeout=s.http_header_timeout_s,
+        max_field_size=16 * 1024, max_line_size=16 * 1024,
+    )  # fmt: skip
     await runner.setup()
     tls = getattr(server, "tls", None)
-    site = web.TCPSite(
-        runner, s.host, s.http_port, reuse_port=s.reuse_port, ssl_context=tls.ssl_context() if tls else None
-    )
+    site = _Site(
+        runner, s.host, s.http_port, reuse_port=s.reuse_port, ssl_context=tls.ssl_context() if tls else None,
+        max_connections=s.http_max_connections,
+    )  # fmt: skip
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # the real port when 0 was asked
     return runner, port

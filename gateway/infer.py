@@ -1,0 +1,288 @@
+"""The one request pipeline both transports call: identify → admit → decode → runtime → encode.
+
+The transports (gateway/transport/grpc.py, gateway/transport/rest.py) only translate their wire
+format to a ``ModelInferRequest`` and back and map ``GatewayError`` kinds to their own status codes,
+each in one table. Everything that decides whether a call is taken, and what it costs, is here:
+
+- ``identify`` (the API key from metadata or headers, before any body is read);
+- ``check_request``: client strings bounded before anything echoes or keys on them;
+- ``infer``: admission (tenant, limits) before decoding, then the runtime; one accounting wrapper
+  (in flight, ok, failed) for unary gRPC, each stream message and REST alike;
+- model control (load/unload) behind ``model_control`` and the tenant file's ``admin`` flag, the
+  name checked before any state is made for it;
+- the metadata, statistics and repository index answers, as protobuf messages the transports
+  either send as they are (gRPC) or turn into JSON (REST).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from importlib.metadata import PackageNotFoundError, version
+
+from batchgate.gateway.admission import Account, Admission
+from batchgate.gateway.budgets import resolve as resolve_budget
+from batchgate.gateway.dataplane import DataPlane, ReloadFailed
+from batchgate.gateway.errors import ECHO_MAX, GatewayError, Kind, clip, invalid, not_found
+from batchgate.gateway.metrics import Transport
+from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+try:
+    VERSION = version("batchgate")
+except PackageNotFoundError:  # running from a source tree without an install
+    VERSION = "0.0.0+source"
+
+# The KServe/Triton extensions this server serves, exactly: model_repository is the index plus
+# load/unload (those answer PERMISSION_DENIED unless model_control is on).
+EXTENSIONS = ("model_repository", "model_configuration", "statistics", "binary_tensor_data")
+
+# A model directory name: what a repository can hold and nothing that walks out of it.
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+
+_clock = time.perf_counter
+
+
+def _too_long(what: str, text: str) -> GatewayError:
+    return invalid(f"{what} '{clip(text)}' is longer than {ECHO_MAX} characters")
+
+
+def check_request(request: pb.ModelInferRequest) -> None:
+    """Every client string that an error may echo or a label may carry, bounded before any other
+    work (a length check each: a few hundred nanoseconds per call)."""
+    if len(request.model_name) > ECHO_MAX:
+        raise not_found(f"unknown model '{clip(request.model_name)}'")
+    if len(request.model_version) > ECHO_MAX:
+        raise not_found(f"model has no version '{clip(request.model_version)}'")
+    for t in request.inputs:
+        if len(t.name) > ECHO_MAX:
+            raise _too_long("input name", t.name)
+        if t.parameters:
+            _check_parameters(t.parameters)
+    for o in request.outputs:
+        if len(o.name) > ECHO_MAX:
+            raise _too_long("output name", o.name)
+        if o.parameters:
+            _check_parameters(o.parameters)
+    if request.parameters:
+        _check_parameters(request.parameters)
+
+
+def _check_parameters(params) -> None:
+    for key, p in params.items():
+        if len(key) > ECHO_MAX:
+            raise _too_long("parameter name", key)
+        if p.WhichOneof("parameter_choice") == "string_param" and len(p.string_param) > ECHO_MAX:
+            raise invalid(f"parameter '{key}' is {len(p.string_param)} characters; at most {ECHO_MAX} are accepted")
+
+
+class Pipeline:
+    """What a call goes through, whichever transport it came on."""
+
+    def __init__(self, plane: DataPlane, admission: Admission | None = None) -> None:
+        self.plane = plane
+        self.admission = admission or Admission()  # no tenants: open
+        self.settings = plane.settings
+
+    # -- identify -------------------------------------------------------------------------------
+
+    @property
+    def open(self) -> bool:
+        return self.admission.open
+
+    def identify(self, metadata) -> Account | None:
+        """The caller's account from (lower-case) metadata/headers; None on an open server.
+        UNAUTHENTICATED when the key is missing or wrong. Costs one SHA-256 and a dict lookup."""
+        if self.admission.open:
+            return None
+        return self.admission.identify(metadata)
+
+    # -- inference ------------------------------------------------------------------------------
+
+    async def infer(
+        self, request: pb.ModelInferRequest, caller: Account | None, edge: Transport,
+        time_remaining: float | None = None,
+    ) -> pb.ModelInferResponse:  # fmt: skip
+        """The call, counted at ``edge`` (in flight, then ok or failed with its outcome). Raises
+        ``GatewayError`` for everything the client should hear about; other exceptions are bugs."""
+        t0 = _clock()
+        edge.inflight += 1
+        try:
+            resp = await self._infer(request, caller, time_remaining)
+        except BaseException as exc:
+            edge.failed(request.model_name, request.model_version, exc)
+            raise
+        finally:
+            edge.inflight -= 1
+        edge.ok(resp.model_name, resp.model_version, _clock() - t0)
+        return resp
+
+    async def _infer(
+        self, request: pb.ModelInferRequest, caller: Account | None, time_remaining: float | None
+    ) -> pb.ModelInferResponse:
+        check_request(request)
+        plane = self.plane
+        if plane.draining:
+            plane.last_refused = time.monotonic()
+        rt = plane.get(request.model_name, request.model_version)
+        if caller is None:
+            return await self._run(rt, request, time_remaining, None, None)
+        # Admission runs before any decoding: the row count is read off the first input's shape.
+        inputs = request.inputs
+        if rt.spec.batched:
+            rows = max(inputs[0].shape[0], 0) if inputs and inputs[0].shape else 0
+        else:
+            rows = 1
+        ticket = await self.admission.admit(caller, request.model_name, rows)
+        tenant = ticket.tenant
+        try:
+            # The runtime is looked up again: a reload may have swapped it during a Redis decision.
+            rt = plane.get(request.model_name, request.model_version)
+            return await self._run(rt, request, time_remaining, tenant.default_class, tenant.cache_namespace)
+        finally:
+            ticket.release()
+
+    async def _run(self, rt, request, time_remaining, default_class, namespace) -> pb.ModelInferResponse:
+        plane = self.plane
+        budget = resolve_budget(
+            request.parameters, time_remaining, rt.scheduler.clock(), plane.classes,
+            default_class or plane.settings.default_latency_class, rt.schedule,
+        )  # fmt: skip
+        codec = rt.codec
+        wanted = codec.requested(request)
+        arrays, rows = codec.decode(request)
+        outputs = await rt.infer(arrays, rows, budget, wanted=wanted, namespace=namespace)
+        return codec.encode(request, outputs, wanted)
+
+    # -- model control --------------------------------------------------------------------------
+
+    def _may_control(self, caller: Account | None) -> None:
+        if not self.settings.model_control:
+            raise GatewayError(
+                Kind.PERMISSION,
+                "model control is off on this server: load/unload need model_control "
+                "(BATCHGATE_MODEL_CONTROL=true), and with a tenant file a tenant marked admin",
+            )
+        if caller is not None and not caller.tenant.admin:
+            raise GatewayError(
+                Kind.PERMISSION,
+                f"tenant '{caller.tenant.name}' may not load or unload models (admin: true in the tenant file)",
+            )
+
+    @staticmethod
+    def _check_name(name: str) -> None:
+        """Before anything is created for ``name`` (a lock, a log line, a metric label)."""
+        if len(name) > ECHO_MAX or not _MODEL_NAME.fullmatch(name):
+            raise not_found(f"no model directory '{clip(name)}' in the repository")
+
+    async def load(self, caller: Account | None, name: str, parameters) -> None:
+        """Triton's load/reload: re-read the model's directory, start and warm it, swap it in.
+
+        A directory that cannot be served answers FAILED_PRECONDITION with the reason (the files
+        must be fixed first; the previous load keeps serving). Triton's inline overrides
+        (``config`` / ``file:`` parameters) are not offered: UNIMPLEMENTED, never silently ignored."""
+        self._may_control(caller)
+        self._check_name(name)
+        if parameters:
+            keys = sorted(clip(k, 32) for k in list(parameters)[:8])
+            raise GatewayError(
+                Kind.UNSUPPORTED,
+                f"load parameters {keys} are not supported: edit the model's directory in the repository "
+                "and load it again",
+            )
+        try:
+            await self.plane.reload(name)
+        except ReloadFailed as exc:
+            raise GatewayError(Kind.PRECONDITION, f"failed to load '{name}': {exc}") from None
+
+    async def unload(self, caller: Account | None, name: str) -> None:
+        """Stop serving the model once the calls it holds are answered."""
+        self._may_control(caller)
+        self._check_name(name)
+        if name not in self.plane.models:
+            raise not_found(f"model '{name}' is not loaded")
+        await self.plane.unload(name)
+
+    # -- metadata -------------------------------------------------------------------------------
+
+    @staticmethod
+    def server_metadata() -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name="batchgate", version=VERSION, extensions=list(EXTENSIONS))
+
+    def model_ready(self, name: str, version: str) -> bool:
+        try:
+            self.plane.get(name, version)
+        except GatewayError:
+            return False
+        return True
+
+    def _runtime_for_metadata(self, name: str, version: str):
+        if len(name) > ECHO_MAX or len(version) > ECHO_MAX:
+            raise not_found(f"unknown model '{clip(name)}'")
+        if not self.plane.draining:
+            return self.plane.get(name, version)
+        return self.plane.runtimes(name, version)[-1]  # metadata stays readable while draining
+
+    def model_metadata(self, name: str, version: str) -> pb.ModelMetadataResponse:
+        spec = self._runtime_for_metadata(name, version).spec
+        versions = sorted(self.plane.models[spec.name], key=int)
+
+        def meta(t):
+            return pb.ModelMetadataResponse.TensorMetadata(
+                name=t.name, datatype=t.datatype, shape=((-1,) + t.dims) if spec.batched else t.dims
+            )
+
+        return pb.ModelMetadataResponse(
+            name=spec.name,
+            versions=versions,
+            platform=spec.config.platform or "onnxruntime_onnx",
+            inputs=[meta(t) for t in spec.inputs],
+            outputs=[meta(t) for t in spec.outputs],
+        )
+
+    def model_config(self, name: str, version: str) -> pb.ModelConfigResponse:
+        return pb.ModelConfigResponse(config=self._runtime_for_metadata(name, version).spec.config)
+
+    def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
+        if len(name) > ECHO_MAX or len(version) > ECHO_MAX:
+            raise not_found(f"unknown model '{clip(name)}'")
+        resp = pb.ModelStatisticsResponse()
+        for rt in self.plane.runtimes(name, version):
+            st = rt.scheduler.stats
+            m = resp.model_stats.add(
+                name=rt.spec.name,
+                version=rt.spec.version,
+                last_inference=st.last_inference_ms,
+                inference_count=st.inference_count,
+                execution_count=st.execution_count,
+            )
+            s = m.inference_stats
+            s.success.count, s.success.ns = st.success_count, st.success_ns
+            s.fail.count, s.fail.ns = st.fail_count, st.fail_ns
+            s.queue.count, s.queue.ns = st.queue_count, st.queue_ns
+            s.compute_input.count, s.compute_input.ns = st.input_count, st.input_ns
+            s.compute_infer.count, s.compute_infer.ns = st.infer_count, st.infer_ns
+            s.compute_output.count, s.compute_output.ns = st.output_count, st.output_ns
+            # Triton: cache hits are in success but in none of queue/compute (gateway/caching.py).
+            if rt.cache is not None:
+                rt.cache.fill_statistics(s)
+            for size in sorted(st.by_batch_size):
+                b = st.by_batch_size[size]
+                bs = m.batch_stats.add(batch_size=size)
+                bs.compute_input.count, bs.compute_input.ns = b.count, b.input_ns
+                bs.compute_infer.count, bs.compute_infer.ns = b.count, b.infer_ns
+                bs.compute_output.count, bs.compute_output.ns = b.count, b.output_ns
+        return resp
+
+    def repository_index(self, ready: bool) -> pb.RepositoryIndexResponse:
+        plane = self.plane
+        resp = pb.RepositoryIndexResponse()
+        for name in sorted(set(plane.models) | set(plane.failures)):
+            for ver in sorted(plane.models.get(name, {}), key=int):
+                resp.models.add(name=name, version=ver, state="READY")
+            failure = plane.failures.get(name)
+            if failure is not None and not ready:
+                resp.models.add(name=name, version=failure.version, state="UNAVAILABLE", reason=failure.reason)
+        return resp

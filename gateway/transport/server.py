@@ -1,0 +1,300 @@
+"""The process lifecycle: listeners (gRPC and HTTP), health, reflection, start, ready, drain on
+SIGTERM, exit 0. The servicer is in ``grpc.py``, the REST app in ``rest.py``.
+
+Bounds set here, before any Python runs for a call: the gRPC message size (derived from the served
+models unless configured), the cap on concurrent RPCs (``maximum_concurrent_rpcs``: gRPC answers
+RESOURCE_EXHAUSTED itself), and the ports, shared with SO_REUSEPORT only when asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import math
+import signal
+import time
+
+import grpc
+from aiohttp import web
+from google.protobuf import descriptor_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+
+from batchgate import proto
+from batchgate.gateway import dtypes
+from batchgate.gateway.admission import Admission
+from batchgate.gateway.codec import Limits, set_limits
+from batchgate.gateway.config import Settings
+from batchgate.gateway.dataplane import DataPlane
+from batchgate.gateway.infer import VERSION, Pipeline
+from batchgate.gateway.metrics import Metrics
+from batchgate.gateway.repository import ModelSpec, tokenized
+from batchgate.gateway.transport import rest
+from batchgate.gateway.transport.grpc import SERVICE_NAME, AuthInterceptor, InferenceServicer
+from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from batchgate.gateway.transport.tls import CertStore
+
+log = logging.getLogger(__name__)
+
+MIN_MESSAGE_BYTES = 4 * 2**20  # gRPC's own default: never derive a limit below it
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def request_bytes(spec: ModelSpec, limits: Limits) -> int:
+    """The largest request ``spec`` can accept, in bytes of tensor data: max_batch_size rows of
+    every input, a variable dim at its ``max_dim`` (else the element cap), BYTES elements at the
+    text stage's ``max_text_bytes`` or the server's ``max_string_bytes``, plus their length prefix."""
+    rows = spec.max_batch_size if spec.batched else 1
+    text_bytes = int(spec.parameter("max_text_bytes") or 32768) if tokenized(spec.config) else None
+    total = 0
+    for t in spec.inputs:
+        per_row = 1
+        for d in t.dims:
+            bound = d if d > 0 else int(spec.parameter(f"max_dim.{t.name}") or 0)
+            if bound <= 0:
+                per_row = None
+                break
+            per_row *= bound
+        elements = limits.max_tensor_elements if per_row is None else min(rows * per_row, limits.max_tensor_elements)
+        if t.datatype == "BYTES":
+            each = 4 + min(text_bytes or limits.max_string_bytes, limits.max_string_bytes)
+        else:
+            # typed contents spend up to 10 bytes on a 64-bit varint; raw, the item size
+            each = max(_itemsize(t.datatype), 10 if "INT" in t.datatype else 0)
+        total += elements * each
+    return total
+
+
+def _itemsize(datatype: str) -> int:
+    dtype = dtypes.NUMPY.get(datatype)
+    return dtype.itemsize if dtype is not None else 8
+
+
+def derived_message_bytes(specs: list[ModelSpec], limits: Limits) -> int:
+    """The gRPC message limit that lets every served model's largest request in (with room for the
+    message's own framing), and no bigger; at least gRPC's default of 4 MiB."""
+    largest = max((request_bytes(s, limits) for s in specs), default=0)
+    return max(MIN_MESSAGE_BYTES, math.ceil(largest * 1.05) + 64 * 1024)
+
+
+def _register_for_reflection() -> None:
+    """Reflection answers from ``proto.POOL``; put the health and reflection protos there too, and
+    reflection v1 (the same messages under package ``grpc.reflection.v1``: current tools ask v1 first)."""
+    for fd in (health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR):
+        try:
+            proto.POOL.FindFileByName(fd.name)
+        except KeyError:
+            proto.POOL.AddSerializedFile(fd.serialized_pb)
+    v1 = descriptor_pb2.FileDescriptorProto.FromString(reflection_pb2.DESCRIPTOR.serialized_pb)
+    v1.name = "grpc/reflection/v1/reflection.proto"
+    v1.package = "grpc.reflection.v1"
+    for m in v1.message_type:
+        for f in m.field:
+            if f.type_name.startswith(".grpc.reflection.v1alpha."):
+                f.type_name = ".grpc.reflection.v1." + f.type_name.rsplit(".", 1)[1]
+    for svc in v1.service:
+        for meth in svc.method:
+            meth.input_type = ".grpc.reflection.v1." + meth.input_type.rsplit(".", 1)[1]
+            meth.output_type = ".grpc.reflection.v1." + meth.output_type.rsplit(".", 1)[1]
+    try:
+        proto.POOL.FindFileByName(v1.name)
+    except KeyError:
+        proto.POOL.AddSerializedFile(v1.SerializeToString())
+
+
+def _enable_reflection(server: grpc.aio.Server, names: list[str]) -> None:
+    """v1alpha through grpcio-reflection; v1 by the same servicer: the two protocols are the same
+    messages, field for field, under another package name, so v1alpha's (de)serialisers read and
+    write v1's bytes."""
+    servicer = reflection.aio.ReflectionServicer(names, pool=proto.POOL)
+    for service in (reflection.SERVICE_NAME, REFLECTION_V1):
+        handler = grpc.stream_stream_rpc_method_handler(
+            servicer.ServerReflectionInfo,
+            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service, {"ServerReflectionInfo": handler}),)
+        )
+
+
+def address_in_use(host: str, port: int, what: str) -> OSError:
+    return OSError(
+        errno.EADDRINUSE,
+        f"cannot listen on {host}:{port} for {what}: address in use (another server there? "
+        "set reuse_port to share the port between gateway processes on purpose)",
+    )
+
+
+class Server:
+    """One gateway process: gRPC + HTTP in front of a DataPlane."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.plane = DataPlane(settings)
+        self.admission = Admission.from_settings(settings)  # reads the tenant file; errors stop the start
+        self.metrics = Metrics(self.plane, VERSION)  # this process's own registry, read at scrape time
+        self.pipeline = Pipeline(self.plane, self.admission)
+        self.servicer = InferenceServicer(self.pipeline, self.metrics)
+        self.health = health_aio.HealthServicer()
+        self.tls = CertStore.from_settings(settings)  # reads the certificate files; errors stop the start
+        self.limits = Limits.from_settings(settings)
+        set_limits(self.limits)  # before any model's codec is built
+        self.max_message_bytes = settings.max_message_bytes or MIN_MESSAGE_BYTES
+        self.grpc_port = 0
+        self.http_port = 0
+        self._grpc: grpc.aio.Server | None = None
+        self._http: web.AppRunner | None = None
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> None:
+        s = self.settings
+        t0 = time.perf_counter()
+        # The specs first (no engine started): the message limit follows from them, and gRPC's
+        # options are fixed when the server is made.
+        repo = await self.plane.read_repository()
+        if s.max_message_bytes is None:
+            specs = [spec for versions in repo.models.values() for spec in versions.values()]
+            self.max_message_bytes = derived_message_bytes(specs, self.limits)
+        options = [
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.so_reuseport", 1 if s.reuse_port else 0),
+        ]
+        if s.max_connection_age_s:
+            # Clients re-resolve DNS only when a connection ends: ageing connections out lets pods
+            # added by a scale-up (headless Service, dns:/// round robin) receive calls.
+            options += [
+                ("grpc.max_connection_age_ms", int(s.max_connection_age_s * 1000)),
+                ("grpc.max_connection_age_grace_ms", int(s.drain_timeout_s * 1000)),
+            ]
+        # Authentication on metadata, before the message is read; an open server has no interceptor.
+        interceptors = () if self.admission.open else (AuthInterceptor(self.pipeline, self.metrics),)
+        server = grpc.aio.server(
+            options=options, interceptors=interceptors, maximum_concurrent_rpcs=s.max_concurrent_rpcs
+        )
+        await self.admission.start()  # Redis for global limits, if any; being down is not fatal
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        _register_for_reflection()
+        _enable_reflection(
+            server,
+            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME,
+             REFLECTION_V1],
+        )  # fmt: skip
+        try:
+            if self.tls is not None:  # TLS only: a plaintext client fails its handshake
+                self.grpc_port = server.add_secure_port(f"{s.host}:{s.grpc_port}", self.tls.grpc_credentials())
+            else:
+                self.grpc_port = server.add_insecure_port(f"{s.host}:{s.grpc_port}")
+        except RuntimeError:  # grpcio raises "Failed to bind" rather than returning 0
+            self.grpc_port = 0
+        if self.grpc_port == 0:
+            raise address_in_use(s.host, s.grpc_port, "gRPC")
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.start()
+        self._grpc = server
+        try:
+            self._http, self.http_port = await rest.start(self)
+        except OSError as exc:
+            await server.stop(None)
+            if exc.errno == errno.EADDRINUSE:
+                raise address_in_use(s.host, s.http_port, "HTTP") from None
+            raise
+        log.info(
+            "listening: gRPC %s:%d, HTTP %s:%d%s; messages up to %d bytes%s",
+            s.host, self.grpc_port, s.host, self.http_port,
+            "" if self.tls is None else (" (TLS, client certificates required)" if self.tls.mutual else " (TLS)"),
+            self.max_message_bytes, "" if s.max_message_bytes else " (derived from the models)",
+        )  # fmt: skip
+        await self.plane.load(repo)
+        self.metrics.attach()
+        await self._set_health()
+        for rt in self.plane.runtimes():
+            log.info(
+                "model %s version %s ready", rt.spec.name, rt.spec.version,
+                extra={"event": "model_ready", "model": rt.spec.name, "version": rt.spec.version},
+            )  # fmt: skip
+        log.info(
+            "ready: %d model(s) serving %s, %d failed%s, in %.1fs",
+            len(self.plane.models), sorted(self.plane.models), len(self.plane.failures),
+            f" {sorted(self.plane.failures)}" if self.plane.failures else "", time.perf_counter() - t0,
+            extra={"event": "ready", "ready": self.plane.ready},
+        )  # fmt: skip
+
+    async def _set_health(self) -> None:
+        serving = health_pb2.HealthCheckResponse.SERVING
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        ready = self.plane.ready
+        await self.health.set("", serving if ready else not_serving)
+        await self.health.set(SERVICE_NAME, serving if ready else not_serving)
+        for name in self.plane.models:
+            await self.health.set(name, serving if ready else not_serving)
+        for name in self.plane.failures:
+            if name not in self.plane.models:
+                await self.health.set(name, not_serving)
+
+    async def drain_and_stop(self) -> None:
+        """Readiness false first, then let accepted work finish, then stop listening."""
+        if self.plane.draining:
+            return
+        log.info("draining: readiness false; new requests get UNAVAILABLE", extra={"event": "drain"})
+        self.plane.draining = True
+        # The quiet period of _linger counts from here: callers that have not yet sent their next
+        # request (so none was refused) must still get the chance to be told UNAVAILABLE.
+        self.plane.last_refused = time.monotonic()
+        await self._set_health()
+        ok = await self.plane.drain(self.settings.drain_timeout_s)
+        if not ok:
+            log.warning("drain timed out after %.1fs; answering what is left UNAVAILABLE", self.settings.drain_timeout_s)
+        await self._linger()
+        if self._grpc is not None:
+            await self._grpc.stop(grace=2.0)
+        await self.plane.close()
+        for rt in self.plane.runtimes():
+            log.info(
+                "model %s version %s unloaded", rt.spec.name, rt.spec.version,
+                extra={"event": "unload", "model": rt.spec.name, "version": rt.spec.version},
+            )  # fmt: skip
+        await self.admission.close()
+        if self._http is not None:
+            await self._http.cleanup()
+        log.info("stopped", extra={"event": "stopped"})
+        self._stopped.set()
+
+    async def _linger(self) -> None:
+        """Keep answering UNAVAILABLE until callers stop arriving (or drain_linger_s passes).
+
+        Closing the transport while calls are arriving makes gRPC cancel the ones it had not yet
+        handed to us (CANCELLED, which clients do not retry elsewhere); a clean UNAVAILABLE tells
+        them to go to another replica, and Kubernetes needs a moment to take us off its endpoints.
+        """
+        quiet_s = 0.5  # calls queued in gRPC core behind a busy loop need time to reach us
+        end = time.monotonic() + self.settings.drain_linger_s
+        while (now := time.monotonic()) < end:
+            if now - self.plane.last_refused >= quiet_s:
+                return
+            await asyncio.sleep(quiet_s / 4)
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+
+async def serve(settings: Settings) -> None:
+    server = Server(settings)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    start = asyncio.create_task(server.start())
+    waiter = asyncio.create_task(stop.wait())
+    await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if start.done():
+        start.result()  # startup errors surface here
+        await stop.wait()
+    else:
+        start.cancel()
+    log.info("signal received")
+    await server.drain_and_stop()
