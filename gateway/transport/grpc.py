@@ -145,6 +145,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.streams = StreamSlots(s.max_streams_per_tenant, s.max_streams_per_connection)
         self._unary_edge = metrics.transport("grpc")
         self._stream_edge = metrics.transport("grpc_stream")
+        self._readers: set[asyncio.Task] = set()  # each open stream's reader, stopped by a drain
+
+    def end_streams(self) -> None:
+        """Drain: every open stream stops being read, answers what it holds, then ends UNAVAILABLE."""
+        for t in list(self._readers):
+            t.cancel()
 
     def _caller(self, context) -> Account | None:
         if self.pipeline.open:
@@ -249,7 +255,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         _request_id(context)  # one id for the stream; the messages' own ids travel in `id`
         edge = self._stream_edge
         window = asyncio.Semaphore(self.window)
-        out: asyncio.Queue = asyncio.Queue(maxsize=self.window)  # never more than the window holds
+        # Holds at most `window` answers (each holds a window slot until written) and the end mark.
+        out: asyncio.Queue = asyncio.Queue()
         tasks: set[asyncio.Task] = set()
         pipeline = self.pipeline
 
@@ -264,22 +271,44 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 item = self._stream_error(request, f"internal error: {type(exc).__name__}: {clip(exc, 512)}")
             await out.put(item)
 
+        cut = False  # the drain ended the reading, not the client
+
         async def reader() -> None:
+            nonlocal cut
             it = request_iterator.__aiter__()
-            while True:
-                await window.acquire()  # backpressure: a full window stops the reading
-                try:
-                    request = await it.__anext__()
-                except StopAsyncIteration:
-                    break
-                t = asyncio.create_task(one(request))
-                tasks.add(t)
-                t.add_done_callback(tasks.discard)
+            client_done = False  # the client closed its side: every request it sent is answered
+            try:
+                while not self.plane.draining:
+                    await window.acquire()  # backpressure: a full window stops the reading
+                    try:
+                        request = await it.__anext__()
+                    except StopAsyncIteration:
+                        client_done = True
+                        break
+                    t = asyncio.create_task(one(request))
+                    tasks.add(t)
+                    t.add_done_callback(tasks.discard)
+            except asyncio.CancelledError:
+                if not self.plane.draining:
+                    raise
+                cut = True  # end_streams: answer what was read, then end the stream
+            if self.plane.draining and not client_done:
+                cut = True
             while tasks:
                 await asyncio.gather(*list(tasks), return_exceptions=True)
             await out.put(None)
 
+        def reader_done(t: asyncio.Task) -> None:
+            nonlocal cut
+            # A reader cancelled before it ran (a drain as the stream opened) or failed never put
+            # its end mark: the writer must still finish.
+            if t.cancelled() or t.exception() is not None:
+                cut = cut or self.plane.draining
+                out.put_nowait(None)
+
         read_task = asyncio.create_task(reader())
+        read_task.add_done_callback(reader_done)
+        self._readers.add(read_task)
         try:
             while True:
                 item = await out.get()
@@ -287,11 +316,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     break
                 await context.write(item)
                 window.release()
-            await read_task
+            if not read_task.cancelled() and read_task.done():
+                read_task.result()  # a reader's own failure (a bug) surfaces here
         finally:
+            self._readers.discard(read_task)
             read_task.cancel()
             for t in list(tasks):
                 t.cancel()
+        if cut:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica")
 
     @staticmethod
     def _stream_error(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferResponse:

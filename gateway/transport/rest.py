@@ -362,7 +362,16 @@ class HttpFrontend:
         self.body_timeout_s = s.http_body_timeout_s
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body, middlewares=[_json_errors])
+        plane = self.plane
+
+        @web.middleware
+        async def close_when_draining(request: web.Request, handler):
+            resp = await handler(request)
+            if plane.draining:  # the connection ends with this answer: never cut under a request
+                resp.force_close()
+            return resp
+
+        app = web.Application(client_max_size=self.max_body, middlewares=[close_when_draining, _json_errors])
         r = app.router
         r.add_get("/v2/health/live", self.live)
         r.add_get("/v2/health/ready", self.ready)
@@ -602,5 +611,12 @@ async def start(server: Server) -> tuple[web.AppRunner, int]:
         max_connections=s.http_max_connections,
     )  # fmt: skip
     await site.start()
+    server.http_site = site
     port = site._server.sockets[0].getsockname()[1]  # the real port when 0 was asked
     return runner, port
+
+
+def stop_accepting(site: web.TCPSite) -> None:
+    """Close the listening socket only; connections already open go on being served."""
+    if site._server is not None:
+        site._server.close()

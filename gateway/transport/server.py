@@ -147,6 +147,7 @@ class Server:
         self.http_port = 0
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
+        self.http_site: web.TCPSite | None = None
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
@@ -246,12 +247,21 @@ class Server:
         # request (so none was refused) must still get the chance to be told UNAVAILABLE.
         self.plane.last_refused = time.monotonic()
         await self._set_health()
+        # HTTP stops accepting connections now (a new one is refused: the client goes elsewhere);
+        # the open ones are answered 503 with "Connection: close", so each closes after its answer
+        # instead of being cut under a request later.
+        if self.http_site is not None:
+            rest.stop_accepting(self.http_site)
+        # Streams stop being read; what they hold is answered, then each ends UNAVAILABLE.
+        self.servicer.end_streams()
         ok = await self.plane.drain(self.settings.drain_timeout_s)
         if not ok:
             log.warning("drain timed out after %.1fs; answering what is left UNAVAILABLE", self.settings.drain_timeout_s)
         await self._linger()
         if self._grpc is not None:
             await self._grpc.stop(grace=2.0)
+        if self._http is not None:
+            await self._http.cleanup()
         await self.plane.close()
         for rt in self.plane.runtimes():
             log.info(
@@ -259,8 +269,6 @@ class Server:
                 extra={"event": "unload", "model": rt.spec.name, "version": rt.spec.version},
             )  # fmt: skip
         await self.admission.close()
-        if self._http is not None:
-            await self._http.cleanup()
         log.info("stopped", extra={"event": "stopped"})
         self._stopped.set()
 
