@@ -14,6 +14,12 @@ stack, the bottleneck at 4x on a 2-core machine: with ~2 ms requests, 4x is ~1,7
 the client and the server's event loop alone cannot carry beside the compute.
 
     .venv/bin/python -m batchgate.bench.goodput [--seconds 6] [--loads 0.5,1,2,4] [--seq 128] [--rows 4]
+
+Overload past the front end's ceiling (issue 14): the server pinned to one core with taskset and
+the load generators to the other, one row per call, a tight and a loose class:
+
+    .venv/bin/python -m batchgate.bench.goodput --pin --mix tight-loose --rows 1 --seq 64 \
+        --policies deadline --loads 1,4 --seconds 5
 """
 
 from __future__ import annotations
@@ -50,6 +56,16 @@ MIX = {
 }
 
 
+# --mix tight-loose: a class whose budget is feasible at 1x (tens of ms) beside a lenient one
+MIXES = {
+    "default": MIX,
+    "tight-loose": {
+        "realtime": (0.5, 0.060, {"latency_class": "realtime", "latency_budget_ms": 60}),
+        "standard": (0.5, 0.500, {"latency_class": "standard", "latency_budget_ms": 500}),
+    },
+}
+
+
 def _request(rng: np.random.Generator, rows: int, seq: int, params: dict) -> pb.ModelInferRequest:
     req = pb.ModelInferRequest(model_name="encoder")
     req.inputs.add(name="input_ids", datatype="INT64", shape=[rows, seq])
@@ -71,6 +87,7 @@ class Point:
     by_class: dict[str, list[float]] = field(default_factory=dict)  # latencies of OK answers
     status: Counter = field(default_factory=Counter)
     good: Counter = field(default_factory=Counter)
+    sent: Counter = field(default_factory=Counter)
 
     def summary(self) -> dict:
         out = {"offered_rps": self.offered, "goodput_rps": sum(self.good.values()) / self.seconds,
@@ -78,7 +95,8 @@ class Point:
         for cls, lat in self.by_class.items():
             a = np.array(lat) * 1e3 if lat else np.array([np.nan])
             out[cls] = {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)),
-                        "ok": len(lat), "good": self.good[cls]}  # fmt: skip
+                        "ok": len(lat), "good": self.good[cls], "sent": self.sent[cls],
+                        "good_fraction": self.good[cls] / self.sent[cls] if self.sent[cls] else 0.0}  # fmt: skip
         return out
 
 
@@ -114,6 +132,7 @@ async def _open_loop(url: str, rate: float, seconds: float, seq: int, rows: int,
     stubs = [pb_grpc.GRPCInferenceServiceStub(ch) for ch in channels]
 
     async def one(i: int, cls: str) -> None:
+        point.sent[cls] += 1
         t0 = time.perf_counter()
         try:
             await stubs[i % len(stubs)].ModelInfer(pools[cls][i % 16])
@@ -155,18 +174,24 @@ async def _open_loop(url: str, rate: float, seconds: float, seq: int, rows: int,
     return point
 
 
-def _open_loop_proc(url: str, rate: float, seconds: float, seq: int, rows: int, seed: int) -> Point:
+def _open_loop_proc(url: str, rate: float, seconds: float, seq: int, rows: int, seed: int, mix: str = "default",
+                    cpus: str = "") -> Point:  # fmt: skip
+    if cpus:
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+    MIX.clear()
+    MIX.update(MIXES[mix])
     return asyncio.run(_open_loop(url, rate, seconds, seq, rows, seed))
 
 
-def _offer(url: str, rate: float, seconds: float, seq: int, rows: int, seed: int, procs: int) -> Point:
+def _offer(url: str, rate: float, seconds: float, seq: int, rows: int, seed: int, procs: int, mix: str = "default",
+           cpus: str = "") -> Point:  # fmt: skip
     """The open loop split over ``procs`` client processes (each a Poisson stream of rate/procs, so
     the sum is Poisson at ``rate``): one Python client at several hundred calls/s delays its own
     sends and reads by milliseconds, which would be charged to the server."""
-    if procs <= 1:
+    if procs <= 1 and not cpus:
         return asyncio.run(_open_loop(url, rate, seconds, seq, rows, seed))
     with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as ex:
-        parts = list(ex.map(_open_loop_proc, *zip(*[(url, rate / procs, seconds, seq, rows, seed * 31 + i)
+        parts = list(ex.map(_open_loop_proc, *zip(*[(url, rate / procs, seconds, seq, rows, seed * 31 + i, mix, cpus)
                                                     for i in range(procs)])))  # fmt: skip
     point = Point(rate, seconds, {c: [] for c in MIX})
     for part in parts:
@@ -174,6 +199,7 @@ def _offer(url: str, rate: float, seconds: float, seq: int, rows: int, seed: int
             point.by_class[cls].extend(lat)
         point.status.update(part.status)
         point.good.update(part.good)
+        point.sent.update(part.sent)
     return point
 
 
@@ -189,10 +215,11 @@ def _server_outcomes(http_port: int) -> Counter:
     return out
 
 
-def _serve(policy: str, port: int, http_port: int, extra: list[str]) -> subprocess.Popen:
+def _serve(policy: str, port: int, http_port: int, extra: list[str], cpus: str = "") -> subprocess.Popen:
     env = {**os.environ, "BATCHGATE_SCHEDULING_POLICY": policy, "PYTHONUNBUFFERED": "1"}
+    pin = ["taskset", "-c", cpus] if cpus else []
     return subprocess.Popen(
-        [sys.executable, "-m", "batchgate", "serve", "--host", "127.0.0.1", "--grpc-port", str(port),
+        [*pin, sys.executable, "-m", "batchgate", "serve", "--host", "127.0.0.1", "--grpc-port", str(port),
          "--http-port", str(http_port), "--log-level", "WARNING", "--no-build-models", *extra],
         cwd=ROOT, env=env,
     )  # fmt: skip
@@ -224,13 +251,24 @@ def main() -> int:
         help="extra `batchgate serve` flags; by default one worker, so on a 2-core machine the event loop "
         "and the load generator keep a core and the model's compute is what saturates",
     )  # fmt: skip
+    ap.add_argument("--mix", choices=sorted(MIXES), default="default", help="latency classes of the load")
+    ap.add_argument("--policies", default="deadline,fifo", help="scheduling policies to compare")
+    ap.add_argument(
+        "--pin", action="store_true",
+        help="server on CPU 0 (taskset), the load generators on CPU 1: the front end's own ceiling",
+    )  # fmt: skip
     args = ap.parse_args()
+    MIX.clear()
+    MIX.update(MIXES[args.mix])
+    server_cpus, client_cpus = ("0", "1") if args.pin else ("", "")
+    if args.pin:
+        os.sched_setaffinity(0, {1})  # the capacity probe runs here: keep it off the server's core
     loads = [float(x) for x in args.loads.split(",")]
     results: dict[str, list[dict]] = {}
     capacity = None
-    for policy in ("deadline", "fifo"):
+    for policy in args.policies.split(","):
         port, http_port = free_ports(2)
-        proc = _serve(policy, port, http_port, args.server_args.split())
+        proc = _serve(policy, port, http_port, args.server_args.split(), server_cpus)
         url = f"127.0.0.1:{port}"
         try:
             asyncio.run(_ready(url))
@@ -243,7 +281,8 @@ def main() -> int:
                 rate = capacity * load
                 print(f"  {policy}: offering {load}x = {rate:.0f} req/s for {args.seconds:.0f}s ...", file=sys.stderr)
                 before = _server_outcomes(http_port)
-                point = _offer(url, rate, args.seconds, args.seq, args.rows, int(load * 100), args.client_procs)
+                point = _offer(url, rate, args.seconds, args.seq, args.rows, int(load * 100), args.client_procs,
+                               args.mix, client_cpus)  # fmt: skip
                 seen = _server_outcomes(http_port) - before
                 answered = {c: seen[(c, "success")] + seen[(c, "late")] for c in MIX}
                 late = {c: seen[(c, "late")] / answered[c] if answered[c] else 0.0 for c in MIX}
@@ -256,17 +295,17 @@ def main() -> int:
                 proc.kill()
     base = {p: next(r for r in rs if r["load"] == 1.0)["goodput_rps"] if any(r["load"] == 1.0 for r in rs) else None
             for p, rs in results.items()}  # fmt: skip
-    print(f"\ncapacity {capacity:.0f} req/s; budgets: realtime 25 ms, standard 250 ms, bulk 5 s; mix 50/30/20")
-    print(f"{'policy':<9} {'load':>5} {'offered':>8} {'goodput':>8} {'vs 1x':>6} {'rt p50':>7} {'rt p99':>7} "
-          f"{'std p99':>8} {'bulk p99':>9} {'rt late':>8}  statuses")  # fmt: skip
+    budgets = ", ".join(f"{c} {b * 1e3:g} ms" for c, (_, b, _) in MIX.items())
+    shares = "/".join(f"{sh * 100:g}" for sh, _, _ in MIX.values())
+    print(f"\ncapacity {capacity:.0f} req/s; budgets: {budgets}; mix {shares}")
+    cols = "".join(f" {c[:8] + ' ok':>12} {c[:8] + ' p99':>12}" for c in MIX)
+    print(f"{'policy':<9} {'load':>5} {'offered':>8} {'goodput':>8} {'vs 1x':>6}{cols}  statuses")
     for policy, rows in results.items():
         for r in rows:
             ratio = r["goodput_rps"] / base[policy] if base[policy] else float("nan")
-            print(
-                f"{policy:<9} {r['load']:>4}x {r['offered_rps']:>8.0f} {r['goodput_rps']:>8.0f} {ratio:>6.2f} "
-                f"{r['realtime']['p50_ms']:>7.1f} {r['realtime']['p99_ms']:>7.1f} {r['standard']['p99_ms']:>8.1f} "
-                f"{r['bulk']['p99_ms']:>9.1f} {r['server_late_fraction']['realtime']:>8.1%}  {r['status']}"
-            )
+            per = "".join(f" {r[c]['good_fraction']:>12.1%} {r[c]['p99_ms']:>12.1f}" for c in MIX)
+            print(f"{policy:<9} {r['load']:>4}x {r['offered_rps']:>8.0f} {r['goodput_rps']:>8.0f} {ratio:>6.2f}{per}  "
+                  f"{r['status']}")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps({"capacity_rps": capacity, "results": results}, indent=2))
     return 0

@@ -188,6 +188,15 @@ class Settings(BaseSettings):
     max_streams_per_tenant: int = Field(
         256, ge=1, description="concurrent ModelStreamInfer calls of one tenant (of all callers on an open server)"
     )
+    overload_lag_ms: float = Field(
+        20.0, ge=0, description="overload gate: while the event loop runs this late and more than "
+        "overload_min_in_flight calls are inside, a growing share of new calls is refused UNAVAILABLE before "
+        "any decoding, every class alike, so the calls taken still meet their budgets; 0 = off"
+    )
+    overload_min_in_flight: int = Field(
+        32, ge=1, description="calls inside the server below which the overload gate never refuses (a slow "
+        "machine alone is no overload)"
+    )
     http_max_connections: int = Field(
         1024, ge=1, description="open HTTP connections at most; more are answered 503 and closed"
     )

@@ -16,6 +16,7 @@ each in one table. Everything that decides whether a call is taken, and what it 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -78,6 +79,62 @@ def _check_parameters(params) -> None:
             raise invalid(f"parameter '{key}' is {len(p.string_param)} characters; at most {ECHO_MAX} are accepted")
 
 
+class OverloadGate:
+    """Refuses a share of new calls, before any decoding, while the process is past its ceiling.
+
+    Past the event loop's ceiling a server that takes every call spends its time decoding calls
+    that then miss their deadlines (goodput falls to nothing). The signal is the loop's own lag
+    (``DataPlane.lag``, sampled every 5 ms) while many calls are inside: every 10 ms the admitted
+    share is cut by a fifth when the lag is over the target and raised by a twentieth when under
+    (AIMD). Refusals are spread evenly over arrivals (a credit counter, no randomness), so every
+    latency class keeps the share it sends, and the deadline queue serves the tight ones first.
+    When not shedding, a call pays one attribute check."""
+
+    TICK_S = 0.010
+
+    def __init__(self, pipeline: Pipeline, lag_target_s: float, min_in_flight: int) -> None:
+        self.pipeline = pipeline
+        self.target_s = lag_target_s
+        self.min_in_flight = min_in_flight
+        self.admit = 1.0  # share of new calls taken
+        self.shedding = False
+        self.refused = 0
+        self._credit = 0.0
+        self._handle: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        if self.target_s > 0 and self._handle is None:
+            self._loop = asyncio.get_running_loop()
+            self._handle = self._loop.call_later(self.TICK_S, self._tick)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _tick(self) -> None:
+        lag = self.pipeline.plane.lag.s
+        if lag > self.target_s and self.pipeline.inflight > self.min_in_flight:
+            self.admit = max(0.02, self.admit * 0.8)
+        elif self.admit < 1.0:
+            self.admit = min(1.0, self.admit + 0.05)
+        self.shedding = self.admit < 1.0
+        self._handle = self._loop.call_later(self.TICK_S, self._tick)
+
+    def check(self) -> None:
+        """Take the call, or raise UNAVAILABLE (outcome ``overloaded``)."""
+        self._credit += self.admit
+        if self._credit >= 1.0:
+            self._credit -= 1.0
+            return
+        self.refused += 1
+        raise GatewayError(
+            Kind.UNAVAILABLE,
+            f"server overloaded: taking {self.admit:.0%} of new calls; retry with backoff or on another replica",
+            outcome="overloaded",
+        )
+
+
 class Pipeline:
     """What a call goes through, whichever transport it came on."""
 
@@ -85,6 +142,9 @@ class Pipeline:
         self.plane = plane
         self.admission = admission or Admission()  # no tenants: open
         self.settings = plane.settings
+        self.inflight = 0  # calls inside ``infer``, all transports
+        s = self.settings
+        self.gate = OverloadGate(self, s.overload_lag_ms / 1000, s.overload_min_in_flight)
 
     # -- identify -------------------------------------------------------------------------------
 
@@ -103,19 +163,24 @@ class Pipeline:
 
     async def infer(
         self, request: pb.ModelInferRequest, caller: Account | None, edge: Transport,
-        time_remaining: float | None = None,
+        time_remaining: float | None = None, gated: bool = False,
     ) -> pb.ModelInferResponse:  # fmt: skip
         """The call, counted at ``edge`` (in flight, then ok or failed with its outcome). Raises
-        ``GatewayError`` for everything the client should hear about; other exceptions are bugs."""
+        ``GatewayError`` for everything the client should hear about; other exceptions are bugs.
+        ``gated``: the transport has already asked the overload gate (REST does, before the body)."""
         t0 = _clock()
         edge.inflight += 1
+        self.inflight += 1
         try:
+            if self.gate.shedding and not gated:  # the cheapest refusal there is once a call has reached Python
+                self.gate.check()
             resp = await self._infer(request, caller, time_remaining)
         except BaseException as exc:
             edge.failed(request.model_name, request.model_version, exc)
             raise
         finally:
             edge.inflight -= 1
+            self.inflight -= 1
         edge.ok(resp.model_name, resp.model_version, _clock() - t0)
         return resp
 

@@ -522,13 +522,15 @@ class HttpFrontend:
         try:
             try:
                 caller = self._caller(req)  # before the body: a key-less 60 MiB body is never read
+                if self.pipeline.gate.shedding:  # overloaded: refused before the body is read too
+                    self.pipeline.gate.check()
                 body = await self._body(req)
                 msg, binary_out = build_request(model, version, body, req.headers.get(HEADER_LENGTH))
             except GatewayError as exc:  # refused before the pipeline: counted here
                 self.edge.failed(model, version, exc)
                 return _error(HTTP_STATUS[exc.kind], exc.message, echo)
             try:
-                resp = await self.pipeline.infer(msg, caller, self.edge)
+                resp = await self.pipeline.infer(msg, caller, self.edge, gated=True)
                 payload, header_len = build_response(resp, binary_out)
             except GatewayError as exc:
                 return _error(HTTP_STATUS[exc.kind], exc.message, _retry_headers(exc, echo))

@@ -211,6 +211,7 @@ class Server:
             self.max_message_bytes, "" if s.max_message_bytes else " (derived from the models)",
         )  # fmt: skip
         await self.plane.load(repo)
+        self.pipeline.gate.start()
         self.metrics.attach()
         await self._set_health()
         for rt in self.plane.runtimes():
@@ -262,6 +263,7 @@ class Server:
             await self._grpc.stop(grace=2.0)
         if self._http is not None:
             await self._http.cleanup()
+        self.pipeline.gate.stop()
         await self.plane.close()
         for rt in self.plane.runtimes():
             log.info(
