@@ -497,3 +497,20 @@ def test_a_second_server_on_a_busy_port_exits_with_address_in_use(server, tmp_pa
         )  # fmt: skip
         assert proc.returncode != 0
         assert "address in use" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-2000:]
+
+
+def test_message_limit_follows_the_served_models():
+    from batchgate.gateway.codec import Limits
+    from batchgate.gateway.repository import load_model
+    from batchgate.gateway.transport.server import MIN_MESSAGE_BYTES, derived_message_bytes, request_bytes
+
+    limits = Limits()
+    ranker = load_model(REPO / "ranker")[0]
+    encoder = load_model(REPO / "encoder")[0]
+    assert request_bytes(ranker, limits) == 256 * (64 * 4 + 8 * 10)  # typed INT64: up to 10 bytes each
+    assert request_bytes(encoder, limits) == 2 * 64 * 512 * 10  # max_dim.<input> bounds the -1 dim
+    assert derived_message_bytes([ranker, encoder], limits) == MIN_MESSAGE_BYTES
+    # a variable dim without max_dim: the element cap bounds it, and the limit follows
+    del encoder.config.parameters["max_dim.input_ids"]
+    assert request_bytes(encoder, limits) == (1 << 24) * 10 + 64 * 512 * 10
+    assert derived_message_bytes([ranker, encoder], limits) > 160 * MiB

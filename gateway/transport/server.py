@@ -38,7 +38,8 @@ from batchgate.gateway.transport.tls import CertStore
 
 log = logging.getLogger(__name__)
 
-MIN_MESSAGE_BYTES = 4 * 2**20  # gRPC's own default: never derive a limit below it
+MiB = 2**20
+MIN_MESSAGE_BYTES = 4 * MiB  # gRPC's own default: never derive a limit below it
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 
@@ -161,7 +162,9 @@ class Server:
             self.max_message_bytes = derived_message_bytes(specs, self.limits)
         options = [
             ("grpc.max_receive_message_length", self.max_message_bytes),
-            ("grpc.max_send_message_length", self.max_message_bytes),
+            # Answers are ours: the derived limit guards what clients send, not what models return
+            # (an output may be larger than its inputs).
+            ("grpc.max_send_message_length", s.max_message_bytes or max(self.max_message_bytes, 64 * MiB)),
             ("grpc.so_reuseport", 1 if s.reuse_port else 0),
         ]
         if s.max_connection_age_s:
