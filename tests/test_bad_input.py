@@ -161,7 +161,7 @@ def rejection(send: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
 DENSE, SPARSE = ranker_data()["dense"], ranker_data()["sparse_ids"]
 
 # unknown model / version
-case("unknown-model", NOT_FOUND, "no_such_model", "unknown model", "ranker")(
+case("unknown-model", NOT_FOUND, "no_such_model", "unknown model")(  # never the served list
     lambda triton, stub: tc_infer(triton, "no_such_model", ranker_data())
 )
 case("unknown-version", NOT_FOUND, "ranker", "version '7'", "served versions")(

@@ -76,8 +76,9 @@ def reference(arrays: dict[str, np.ndarray], model: str = "ranker") -> np.ndarra
     return sess.run(None, arrays)[0]
 
 
-def stats(stub, model: str = "ranker", version: str = "1"):
-    return stub.ModelStatistics(pb.ModelStatisticsRequest(name=model, version=version), timeout=TIMEOUT_S).model_stats[0]
+def stats(stub, model: str = "ranker", version: str = "1", metadata=()):
+    req = pb.ModelStatisticsRequest(name=model, version=version)
+    return stub.ModelStatistics(req, metadata=metadata, timeout=TIMEOUT_S).model_stats[0]
 
 
 def delta(after, before) -> dict[str, int]:

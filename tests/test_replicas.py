@@ -113,7 +113,7 @@ def test_a_row_computed_on_one_replica_is_a_hit_on_the_others(replicas, redis_sh
         for origin in range(REPLICAS):
             arrays = ranker_rows([7000 + 100 * origin + k for k in range(8)])
             req = request(arrays)
-            before = [stats(s) for s in stubs]
+            before = [stats(s, metadata=md) for s in stubs]  # statistics need a key
             keys_before = _result_keys(r)
             computed = stubs[origin].ModelInfer(req, metadata=md, timeout=TIMEOUT_S)
             expected = computed.SerializeToString(deterministic=True)
@@ -126,7 +126,7 @@ def test_a_row_computed_on_one_replica_is_a_hit_on_the_others(replicas, redis_sh
             assert _result_keys(r) >= keys_before + 8, "the origin replica never wrote its rows to Redis"
             others = [i for i in range(REPLICAS) if i != origin]
             answers = {i: stubs[i].ModelInfer(req, metadata=md, timeout=TIMEOUT_S) for i in others}
-            deltas = [delta(stats(s), b) for s, b in zip(stubs, before, strict=True)]
+            deltas = [delta(stats(s, metadata=md), b) for s, b in zip(stubs, before, strict=True)]
 
             assert deltas[origin] == {"rows": 8, "executions": 1, "hit": 0, "miss": 1, "success": 1}, deltas
             for i in others:
