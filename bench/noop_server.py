@@ -4,7 +4,9 @@ It is the yardstick for batchgate's per-call cost: same protocol, same grpc.aio 
 gateway work. ``ModelInfer`` answers one call; ``ModelStreamInfer`` answers each message of a
 stream as it is read (in order, ``id`` echoed), the least a streaming server can do.
 ``ModelMetadata``/``ModelConfig``/``ModelReady`` describe ``ranker`` (the bundled model's inputs and
-outputs) so that clients that ask first, such as Triton's ``perf_analyzer``, run against it too.
+outputs) so that clients that ask first, such as Triton's ``perf_analyzer``, run against it too;
+``ModelStatistics`` counts the requests answered (one integer added per request), so a bench can
+divide the server's CPU time by them whichever client drove it.
 
     python -m batchgate.bench.noop_server PORT
 """
@@ -36,12 +38,23 @@ def _answer(request: pb.ModelInferRequest) -> pb.ModelInferResponse:
 
 
 class Noop(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self) -> None:
+        self.answered = 0
+
     async def ModelInfer(self, request, context):
+        self.answered += 1
         return _answer(request)
 
     async def ModelStreamInfer(self, request_iterator, context):
         async for request in request_iterator:
+            self.answered += 1
             yield pb.ModelStreamInferResponse(infer_response=_answer(request))
+
+    async def ModelStatistics(self, request, context):
+        resp = pb.ModelStatisticsResponse()
+        st = resp.model_stats.add(name=request.name or "ranker", version="1")
+        st.inference_stats.success.count = self.answered
+        return resp
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)
