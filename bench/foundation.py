@@ -18,7 +18,14 @@ import asyncio
 import json
 import sys
 
-from batchgate.bench.loadgen import Workload, batching, model_statistics, run_point, start_batchgate, start_noop
+from batchgate.bench.loadgen import (
+    Workload,
+    batching,
+    model_statistics,
+    run_point,
+    start_batchgate,
+    start_noop,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,18 +64,27 @@ def main(argv: list[str] | None = None) -> int:
 
     ratios = {api: _ratios(r["batchgate"], r["noop"]) for api, r in results.items()}
     if args.json:
-        print(json.dumps({"args": vars(args), "results": results, "ratio_batchgate_over_noop": ratios}, indent=2))
+        print(
+            json.dumps(
+                {"args": vars(args), "results": results, "ratio_batchgate_over_noop": ratios}, indent=2
+            )
+        )
         return 0
-    print(f"{'target':<10} {'api':<7} {'calls/s':>9} {'rows/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6}  batching")
+    print(
+        f"{'target':<10} {'api':<7} {'calls/s':>9} {'rows/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'errors':>6}  batching"
+    )
     for api, by_target in results.items():
         for name, r in by_target.items():
             extra = (
-                f"{r['server_requests_per_batch']:.1f} requests, {r['server_rows_per_batch']:.1f} rows per batch"
+                f"{r['server_requests_per_batch']:.1f} requests, "
+                f"{r['server_rows_per_batch']:.1f} rows per batch"
                 if "server_rows_per_batch" in r
                 else ""
             )
             print(
-                f"{name:<10} {api:<7} {r['throughput_rps']:>9.0f} {r['rows_per_s']:>9.0f} {r['p50_ms']:>8.2f} "
+                f"{name:<10} {api:<7} {r['throughput_rps']:>9.0f} {r['rows_per_s']:>9.0f} "
+                f"{r['p50_ms']:>8.2f} "
                 f"{r['p99_ms']:>8.2f} {r['errors']:>6}  {extra}"
             )
     for api, ratio in ratios.items():

@@ -83,9 +83,9 @@ def _engine(sock: socket.socket, slots: Slots) -> None:
         if n == 0:
             return
         slot, rows, seq = _MSG.unpack(buf)
-        dense, ids = slots.inputs(slot, rows)
+        dense, _ = slots.inputs(slot, rows)  # (a model would read sparse_ids the same way)
         out = slots.outputs(slot, rows)
-        # A stand-in for the model that touches every input row once (so the rows are read).
+        # A stand-in for the model that reads every dense row once.
         np.sum(dense, axis=1, keepdims=True, out=out)
         sock.send(_MSG.pack(slot, rows, seq))
 
@@ -105,7 +105,15 @@ def _spawn_engine(slots: Slots) -> tuple[int, socket.socket]:
 
 def _request_rows(rows: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(rows)
-    return rng.standard_normal((rows, 64), dtype=np.float32), rng.integers(0, 10_000, (rows, 8), dtype=np.int64)
+    return rng.standard_normal((rows, 64), dtype=np.float32), rng.integers(
+        0, 10_000, (rows, 8), dtype=np.int64
+    )
+
+
+def _check(out: np.ndarray, dense: np.ndarray) -> None:
+    """The engine really read the rows the front wrote and its answer came back."""
+    if not np.allclose(out, dense.sum(axis=1, keepdims=True), rtol=1e-4, atol=1e-4):
+        raise AssertionError("the engine's scores do not match the rows handed to it")
 
 
 def _result(name: str, rows: int, n: int, wall: float, front_cpu: float, engine_cpu: float) -> dict:
@@ -138,6 +146,7 @@ def pingpong(n: int, rows: int) -> dict:
                 sock.recv_into(buf)
                 slots.outputs(0, rows).tobytes()  # the front's copy out, into its answer
             t1, f1, e1 = time.perf_counter(), _self_cpu(), _cpu_of(pid)
+        _check(slots.outputs(0, rows), dense)
         return _result("pingpong", rows, n, t1 - t0, f1 - f0, e1 - e0)
     finally:
         sock.close()
@@ -145,7 +154,9 @@ def pingpong(n: int, rows: int) -> dict:
         slots.close(unlink=True)
 
 
-async def _asyncio_front(n: int, rows: int, inflight: int, pid: int, sock: socket.socket, slots: Slots) -> dict:
+async def _asyncio_front(
+    n: int, rows: int, inflight: int, pid: int, sock: socket.socket, slots: Slots
+) -> dict:
     loop = asyncio.get_running_loop()
     sock.setblocking(False)
     dense, ids = _request_rows(rows)
@@ -166,6 +177,8 @@ async def _asyncio_front(n: int, rows: int, inflight: int, pid: int, sock: socke
     loop.add_reader(sock.fileno(), readable)
     seqs = iter(range(1 << 62))
 
+    last: list[np.ndarray] = []
+
     async def one() -> None:
         slot = free.pop()
         d, i = slots.inputs(slot, rows)
@@ -176,7 +189,7 @@ async def _asyncio_front(n: int, rows: int, inflight: int, pid: int, sock: socke
         waiting[seq] = fut
         sock.send(_MSG.pack(slot, rows, seq))
         await fut
-        slots.outputs(slot, rows).tobytes()
+        last[:] = [np.frombuffer(slots.outputs(slot, rows).tobytes(), np.float32).reshape(rows, 1)]
         free.append(slot)
 
     async def sender(count: int) -> None:
@@ -189,6 +202,7 @@ async def _asyncio_front(n: int, rows: int, inflight: int, pid: int, sock: socke
             t0, f0, e0 = time.perf_counter(), _self_cpu(), _cpu_of(pid)
             await asyncio.gather(*(sender(count // inflight) for _ in range(inflight)))
             t1, f1, e1 = time.perf_counter(), _self_cpu(), _cpu_of(pid)
+        _check(last[0], dense)
         done = (n // inflight) * inflight
         return _result(f"asyncio x{inflight}", rows, done, t1 - t0, f1 - f0, e1 - e0)
     finally:

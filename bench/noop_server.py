@@ -18,7 +18,6 @@ import sys
 
 import grpc
 import numpy as np
-
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from batchgate.proto.inference.v2 import model_config_pb2 as mc
@@ -69,7 +68,9 @@ class Noop(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerMetadataResponse(name="noop", version="0")
 
     async def ModelMetadata(self, request, context):
-        resp = pb.ModelMetadataResponse(name=request.name or "ranker", versions=["1"], platform="onnxruntime_onnx")
+        resp = pb.ModelMetadataResponse(
+            name=request.name or "ranker", versions=["1"], platform="onnxruntime_onnx"
+        )
         for name, dt, _, width in _INPUTS:
             resp.inputs.add(name=name, datatype=dt, shape=[-1, width])
         name, dt, _, width = _OUTPUT
@@ -77,7 +78,9 @@ class Noop(pb_grpc.GRPCInferenceServiceServicer):
         return resp
 
     async def ModelConfig(self, request, context):
-        cfg = mc.ModelConfig(name=request.name or "ranker", platform="onnxruntime_onnx", max_batch_size=_MAX_BATCH)
+        cfg = mc.ModelConfig(
+            name=request.name or "ranker", platform="onnxruntime_onnx", max_batch_size=_MAX_BATCH
+        )
         for name, _, t, width in _INPUTS:
             cfg.input.add(name=name, data_type=t, dims=[width])
         name, _, t, width = _OUTPUT

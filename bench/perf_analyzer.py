@@ -16,7 +16,7 @@ and unpacks them under DIR. ``--libs DIR`` then runs the binary through that gli
 perf_analyzer ...``.
 
     .venv/bin/python -m batchgate.bench.perf_analyzer --setup-libs /tmp/pa-libs   # once
-    .venv/bin/python -m batchgate.bench.perf_analyzer --libs /tmp/pa-libs \\
+    .venv/bin/python -m batchgate.bench.perf_analyzer --libs /tmp/pa-libs (or PERF_ANALYZER_LIBS=/tmp/pa-libs)
         [--perf-analyzer PATH] [--targets noop,batchgate] [--apis unary,stream] [--concurrency 64]
 """
 
@@ -149,8 +149,15 @@ def input_data(path: Path, variants: int = 64, seed: int = 0) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--setup-libs", metavar="DIR", help="fetch and unpack Debian 13's libc/libstdc++ into DIR, then exit")
-    ap.add_argument("--libs", metavar="DIR", help="run perf_analyzer through the glibc unpacked in DIR")
+    ap.add_argument(
+        "--setup-libs", metavar="DIR", help="fetch and unpack Debian 13's libc/libstdc++ into DIR, then exit"
+    )
+    ap.add_argument(
+        "--libs",
+        metavar="DIR",
+        default=os.environ.get("PERF_ANALYZER_LIBS"),
+        help="run perf_analyzer through the glibc unpacked in DIR (default $PERF_ANALYZER_LIBS)",
+    )
     ap.add_argument("--perf-analyzer", help="path of the binary (default: the pip wheel's, or PATH)")
     ap.add_argument("--targets", default="noop,batchgate")
     ap.add_argument("--apis", default="unary,stream")
@@ -163,9 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unpacked under {lib}; run with --libs {args.setup_libs}")
         return 0
     base = command(find_binary(args.perf_analyzer, args.libs), args.libs)
-    probe = subprocess.run([*base, "--version"], capture_output=True, text=True, timeout=30)
+    probe = subprocess.run([*base, "--version"], capture_output=True, text=True, timeout=30, check=False)
     if probe.returncode != 0:
-        print(f"perf_analyzer does not start: {(probe.stderr or probe.stdout).strip()[-600:]}", file=sys.stderr)
+        print(
+            f"perf_analyzer does not start: {(probe.stderr or probe.stdout).strip()[-600:]}", file=sys.stderr
+        )
         if "GLIBC" in probe.stderr:
             print("its 2.x wheels need glibc 2.38: try --setup-libs DIR, then --libs DIR", file=sys.stderr)
         return 2
@@ -181,13 +190,16 @@ def main(argv: list[str] | None = None) -> int:
                 cpu0 = process_cpu(server.proc.pid)
                 cmd = [
                     *base, "-m", "ranker", "-u", server.url, "-i", "grpc", "-b", "1",
-                    "--concurrency-range", str(args.concurrency), "--measurement-interval", str(args.interval_ms),
+                    "--concurrency-range", str(args.concurrency),
+                    "--measurement-interval", str(args.interval_ms),
                     "--stability-percentage", "100", "--max-trials", "6", "--input-data", str(data),
                 ]  # fmt: skip
                 if api == "stream":
                     cmd.append("--streaming")
                 with tempfile.TemporaryFile("w+") as log:
-                    rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=300).returncode
+                    rc = subprocess.run(
+                        cmd, stdout=log, stderr=subprocess.STDOUT, timeout=300, check=False
+                    ).returncode
                     log.seek(0)
                     out = log.read()
                 cpu1 = process_cpu(server.proc.pid)
@@ -206,11 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     for api in args.apis.split(","):
         n, b = by.get(("noop", api)), by.get(("batchgate", api))
         if n and b and n.get("throughput_infer_per_s") and b.get("throughput_infer_per_s"):
-            line = f"{api}: batchgate/noop throughput {b['throughput_infer_per_s'] / n['throughput_infer_per_s']:.2f}"
+            tput = b["throughput_infer_per_s"] / n["throughput_infer_per_s"]
+            line = f"{api}: batchgate/noop throughput {tput:.2f}"
             if n.get("server_cpu_us_per_request") and b.get("server_cpu_us_per_request"):
-                line += (
-                    f", server CPU per request {b['server_cpu_us_per_request'] / n['server_cpu_us_per_request']:.2f}x"
-                )
+                cpu = b["server_cpu_us_per_request"] / n["server_cpu_us_per_request"]
+                line += f", server CPU per request {cpu:.2f}x"
             print(line + " (throughput from a shared, loaded machine)")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
@@ -224,7 +236,8 @@ def _print(r: dict) -> None:
     cpu = f"{r['server_cpu_us_per_request']:6.1f} µs/request" if "server_cpu_us_per_request" in r else "n/a"
     print(
         f"{r['target']:<10} {r['api']:<7} {r['throughput_infer_per_s']:8.0f} infer/s  "
-        f"p50 {r.get('p50_us', float('nan')) / 1e3:6.2f} ms  p99 {r.get('p99_us', float('nan')) / 1e3:6.2f} ms  "
+        f"p50 {r.get('p50_us', float('nan')) / 1e3:6.2f} ms  "
+        f"p99 {r.get('p99_us', float('nan')) / 1e3:6.2f} ms  "
         f"server CPU {cpu}"
     )
 

@@ -18,7 +18,14 @@ import argparse
 import asyncio
 import sys
 
-from batchgate.bench.loadgen import Workload, batching, model_statistics, run_point, start_batchgate, start_noop
+from batchgate.bench.loadgen import (
+    Workload,
+    batching,
+    model_statistics,
+    run_point,
+    start_batchgate,
+    start_noop,
+)
 
 
 def verdict(ratios: dict[str, float], min_ratio: float) -> tuple[bool, str]:
@@ -55,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
                     stats = srv.name == "batchgate"
                     before = asyncio.run(model_statistics(srv.url, "ranker")) if stats else None
                     point = asyncio.run(
-                        run_point(srv.url, workload, "closed", api, args.concurrency, args.seconds, args.warmup)
+                        run_point(
+                            srv.url, workload, "closed", api, args.concurrency, args.seconds, args.warmup
+                        )
                     )
                     if before is not None:
                         point.server = batching(before, asyncio.run(model_statistics(srv.url, "ranker")))
@@ -65,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         for s in servers:
             s.stop()
     per_round = [
-        {api: res[("batchgate", api)]["throughput_rps"] / max(res[("noop", api)]["throughput_rps"], 1e-9) for api in apis}
+        {
+            api: res[("batchgate", api)]["throughput_rps"] / max(res[("noop", api)]["throughput_rps"], 1e-9)
+            for api in apis
+        }
         for res in rounds
     ]
     # The best round per API is the one judged and shown.
@@ -76,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             r = rounds[best[api]][(name, api)]
             extra = f", {r['server_rows_per_batch']} rows/batch" if "server_rows_per_batch" in r else ""
             print(
-                f"quick bench {name:>9} {api:<6}: {r['throughput_rps']:7.0f} req/s, p50 {r['p50_ms']:6.2f} ms, "
+                f"quick bench {name:>9} {api:<6}: {r['throughput_rps']:7.0f} req/s, "
+                f"p50 {r['p50_ms']:6.2f} ms, "
                 f"p99 {r['p99_ms']:6.2f} ms, {r['errors']} errors{extra}"
             )
     if len(rounds) > 1:
@@ -91,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     for api in apis:
         if results[("batchgate", api)]["errors"]:
-            print(f"quick bench: batchgate {api} answered {results[('batchgate', api)]['error_codes']}", file=sys.stderr)
+            print(
+                f"quick bench: batchgate {api} answered {results[('batchgate', api)]['error_codes']}",
+                file=sys.stderr,
+            )
     return 0 if ok else 1
 
 
