@@ -183,6 +183,7 @@ class Window:
     threads_s: dict[int, float] = field(default_factory=dict)
     stages: dict[int, Counter] = field(default_factory=dict)  # from py-spy, when it ran
     names: dict[int, str] = field(default_factory=dict)  # Python thread names, from py-spy
+    loop: dict[str, float] = field(default_factory=dict)  # loop turns, callbacks per call (--loop-turns)
 
     def us_per_call(self, seconds: float) -> float:
         return seconds / max(self.calls, 1) * 1e6
@@ -208,15 +209,50 @@ async def _drive(send, concurrency: int, calls: int) -> tuple[int, int]:
     return ok, errors
 
 
+async def read_loop_counts(pid: int, path: str, timeout_s: float = 5.0) -> dict:
+    """Ask the server (run under bench/loopcount.py) for its loop counts so far."""
+    before = json.loads(Path(path).read_text())["signals"] if os.path.exists(path) else 0
+    os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+        if os.path.exists(path):
+            counts = json.loads(Path(path).read_text())
+            if counts["signals"] > before:
+                return counts
+    raise RuntimeError(f"no loop counts in {path}: is the server running under bench/loopcount.py?")
+
+
+def start_server(target: str, serve_args: list[str], loop_counts: str | None) -> Started:
+    """The target, started plainly or under bench/loopcount.py."""
+    server = start_noop() if target == "noop" else start_batchgate(*serve_args)
+    if not loop_counts:
+        return server
+    server.proc.kill()  # only its command line was wanted: start it again under the counter
+    server.proc.wait()
+    cmd = server.proc.args
+    return Started(
+        server.name, [cmd[0], "-m", "batchgate.bench.loopcount", loop_counts, *cmd[1:]], server.url
+    )
+
+
 def _pyspy() -> str | None:
     exe = Path(sys.executable).with_name("py-spy")
     return str(exe) if exe.exists() else shutil.which("py-spy")
 
 
 async def measure(
-    server: Started, api: str, concurrency: int, calls: int, rows: int, py_spy: bool, rate: int
+    server: Started,
+    api: str,
+    concurrency: int,
+    calls: int,
+    rows: int,
+    py_spy: bool,
+    rate: int,
+    loop_counts: str | None = None,
 ) -> list[Window]:
-    """Warm up, then one window without the profiler and (``py_spy``) one with it."""
+    """Warm up, then one window without the profiler and (``py_spy``) one with it. With
+    ``loop_counts`` (the file bench/loopcount.py writes) the first window also counts loop turns."""
     pid = server.proc.pid
     chans = [
         grpc.aio.insecure_channel(server.url, options=[("grpc.use_local_subchannel_pool", 1)])
@@ -249,9 +285,13 @@ async def measure(
                 )  # fmt: skip
                 await _drive(send, concurrency, 300)  # while py-spy attaches
             w = Window()
+            lc0 = await read_loop_counts(pid, loop_counts) if loop_counts and not profiled else None
             t0, c0, s0, th0 = time.perf_counter(), _self_cpu(), process_cpu(pid), thread_cpu(pid)
             w.calls, w.errors = await _drive(send, concurrency, calls)
             t1, c1, s1, th1 = time.perf_counter(), _self_cpu(), process_cpu(pid), thread_cpu(pid)
+            if lc0 is not None:
+                lc1 = await read_loop_counts(pid, loop_counts)
+                w.loop = {k: (lc1[k] - lc0[k]) / max(w.calls, 1) for k in ("turns", "callbacks")}
             w.wall_s, w.client_cpu_s, w.server_cpu_s = t1 - t0, c1 - c0, s1 - s0
             w.threads_s = {tid: th1[tid] - th0.get(tid, 0.0) for tid in th1}
             if spy is not None:
@@ -319,6 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--pin-server", help="taskset CPU list for the server (e.g. 0)")
     ap.add_argument("--pin-client", help="CPU list for this load generator (e.g. 1)")
+    ap.add_argument(
+        "--loop-turns",
+        action="store_true",
+        help="run the servers under bench/loopcount.py and count event-loop turns and callbacks per "
+        "call (the counters cost CPU: take CPU figures from a run without this)",
+    )
     ap.add_argument("--json", help="write the figures to this file too")
     ap.add_argument("serve_args", nargs="*", help="extra `batchgate serve` flags (after --)")
     args = ap.parse_args(argv)
@@ -329,7 +375,12 @@ def main(argv: list[str] | None = None) -> int:
 
     out = []
     for target in args.targets.split(","):
-        server = start_noop() if target == "noop" else start_batchgate(*args.serve_args)
+        loop_counts = None
+        if args.loop_turns:
+            fd, loop_counts = tempfile.mkstemp(suffix=".json", prefix="loopcount-")
+            os.close(fd)
+            os.unlink(loop_counts)
+        server = start_server(target, args.serve_args, loop_counts)
         if args.pin_server:
             subprocess.run(["taskset", "-a", "-p", "-c", args.pin_server, str(server.proc.pid)],
                            check=True, stdout=subprocess.DEVNULL)  # fmt: skip
@@ -337,7 +388,16 @@ def main(argv: list[str] | None = None) -> int:
             server.ready()
             for api in args.apis.split(","):
                 windows = asyncio.run(
-                    measure(server, api, args.concurrency, args.calls, args.rows, args.py_spy, args.rate)
+                    measure(
+                        server,
+                        api,
+                        args.concurrency,
+                        args.calls,
+                        args.rows,
+                        args.py_spy,
+                        args.rate,
+                        loop_counts,
+                    )
                 )
                 names = _thread_names(server.proc.pid)
                 for w in windows:
@@ -362,6 +422,11 @@ def _print_point(target: str, api: str, windows: list[Window], names: dict[int, 
         f"server CPU {w.us_per_call(w.server_cpu_s):7.1f} µs/call   "
         f"client CPU {w.us_per_call(w.client_cpu_s):7.1f} µs/call"
     )
+    if w.loop:
+        print(
+            f"event loop: {w.loop['turns']:.2f} turns and {w.loop['callbacks']:.2f} callbacks per call "
+            "(counted under bench/loopcount.py: CPU figures of this run include its counters)"
+        )
     print(f"{'thread':<28} {'µs/call':>8}")
     for tid, cpu in sorted(w.threads_s.items(), key=lambda kv: -kv[1]):
         if w.us_per_call(cpu) >= 0.5:
@@ -385,12 +450,13 @@ def _print_point(target: str, api: str, windows: list[Window], names: dict[int, 
 
 def _print_summary(out) -> None:
     print("\n## summary (server CPU µs per call; calls/s from a loaded machine)")
-    print(f"{'target':<10} {'api':<7} {'server µs/call':>14} {'client µs/call':>14} {'calls/s':>8}")
+    print(f"{'target':<10} {'api':<7} {'server µs/call':>14} {'client µs/call':>14} {'calls/s':>8}  loop")
     for target, api, windows, _ in out:
         w = windows[0]
+        loop = f"  {w.loop['turns']:.2f} turns, {w.loop['callbacks']:.2f} callbacks/call" if w.loop else ""
         print(
             f"{target:<10} {api:<7} {w.us_per_call(w.server_cpu_s):>14.1f} "
-            f"{w.us_per_call(w.client_cpu_s):>14.1f} {w.calls / w.wall_s:>8.0f}"
+            f"{w.us_per_call(w.client_cpu_s):>14.1f} {w.calls / w.wall_s:>8.0f}{loop}"
         )
     by = {(t, a): ws[0] for t, a, ws, _ in out}
     for api in ("unary", "stream"):
@@ -412,6 +478,7 @@ def _as_dict(target: str, api: str, windows: list[Window], names: dict[int, str]
         "calls_per_s_loaded_machine": w.calls / w.wall_s,
         "server_cpu_us_per_call": w.us_per_call(w.server_cpu_s),
         "client_cpu_us_per_call": w.us_per_call(w.client_cpu_s),
+        **({"loop_per_call": w.loop} if w.loop else {}),
         "threads_us_per_call": {
             names.get(t, str(t)) + f"/{t}": w.us_per_call(c) for t, c in w.threads_s.items()
         },
