@@ -27,6 +27,7 @@ import asyncio
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -130,6 +131,11 @@ def parse(out: str) -> dict:
     return res
 
 
+def _children_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def input_data(path: Path, variants: int = 64, seed: int = 0) -> Path:
     """perf_analyzer's --input-data file: ``variants`` distinct valid ranker rows (its random data
     would put sparse_ids outside [0, 10000), which batchgate refuses, and zeros would be one row)."""
@@ -187,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             server.ready()
             for api in args.apis.split(","):
                 before = asyncio.run(model_statistics(server.url, "ranker"))
-                cpu0 = process_cpu(server.proc.pid)
+                cpu0, kids0 = process_cpu(server.proc.pid), _children_cpu()
                 cmd = [
                     *base, "-m", "ranker", "-u", server.url, "-i", "grpc", "-b", "1",
                     "--concurrency-range", str(args.concurrency),
@@ -202,12 +208,14 @@ def main(argv: list[str] | None = None) -> int:
                     ).returncode
                     log.seek(0)
                     out = log.read()
-                cpu1 = process_cpu(server.proc.pid)
+                cpu1, kids1 = process_cpu(server.proc.pid), _children_cpu()
                 after = asyncio.run(model_statistics(server.url, "ranker"))
                 r = {"target": target, "api": api, "concurrency": args.concurrency, "rc": rc, **parse(out)}
                 if before and after and after["requests"] > before["requests"]:
                     r["requests"] = after["requests"] - before["requests"]
                     r["server_cpu_us_per_request"] = (cpu1 - cpu0) / r["requests"] * 1e6
+                    # perf_analyzer is the only child that ended meanwhile: its CPU, per request
+                    r["client_cpu_us_per_request"] = (kids1 - kids0) / r["requests"] * 1e6
                 if rc != 0 or "throughput_infer_per_s" not in r:
                     r["error"] = out.strip()[-800:]
                 results.append(r)
@@ -233,7 +241,11 @@ def _print(r: dict) -> None:
     if "error" in r:
         print(f"{r['target']:<10} {r['api']:<7} perf_analyzer failed (rc {r['rc']}): {r['error']}")
         return
-    cpu = f"{r['server_cpu_us_per_request']:6.1f} µs/request" if "server_cpu_us_per_request" in r else "n/a"
+    cpu = (
+        f"{r['server_cpu_us_per_request']:6.1f} µs/request (client {r['client_cpu_us_per_request']:.1f})"
+        if "server_cpu_us_per_request" in r
+        else "n/a"
+    )
     print(
         f"{r['target']:<10} {r['api']:<7} {r['throughput_infer_per_s']:8.0f} infer/s  "
         f"p50 {r.get('p50_us', float('nan')) / 1e3:6.2f} ms  "
