@@ -139,6 +139,17 @@ def test_profile_measures_server_cpu_per_call_of_the_noop(tmp_path):
         )
 
 
+def test_loop_turns_are_counted_per_call(tmp_path):
+    out = tmp_path / "p.json"
+    rc = profile.main(["--targets", "noop", "--apis", "unary,stream", "--calls", "1000", "--concurrency", "8",
+                       "--no-py-spy", "--loop-turns", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    loops = {p["api"]: p["loop_per_call"] for p in json.loads(out.read_text())}
+    # grpc.aio wakes the loop per completion: a few turns per unary call, fewer per stream message.
+    assert 1 <= loops["unary"]["turns"] <= 10 and loops["unary"]["callbacks"] >= loops["unary"]["turns"]
+    assert 0 < loops["stream"]["turns"] <= loops["unary"]["turns"]
+
+
 def _may_ptrace() -> bool:
     scope = "/proc/sys/kernel/yama/ptrace_scope"
     return os.geteuid() == 0 or not os.path.exists(scope) or open(scope).read().strip() == "0"
