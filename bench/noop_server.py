@@ -8,7 +8,11 @@ outputs) so that clients that ask first, such as Triton's ``perf_analyzer``, run
 ``ModelStatistics`` counts the requests answered (one integer added per request), so a bench can
 divide the server's CPU time by them whichever client drove it.
 
-    python -m batchgate.bench.noop_server PORT
+``--suspend`` makes each request wait once for a future that another loop callback completes,
+as any batching server's handler must wait for its batch: the floor of a handler that suspends
+(one suspension and resumption of grpc.aio's coroutine chain, one extra callback per request).
+
+    python -m batchgate.bench.noop_server PORT [--suspend]
 """
 
 from __future__ import annotations
@@ -36,17 +40,29 @@ def _answer(request: pb.ModelInferRequest) -> pb.ModelInferResponse:
     return resp
 
 
+async def _suspended() -> None:
+    """Wait for a future another callback completes (what waiting for a batch costs at least)."""
+    fut = asyncio.get_running_loop().create_future()
+    asyncio.get_running_loop().call_soon(fut.set_result, None)
+    await fut
+
+
 class Noop(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self) -> None:
+    def __init__(self, suspend: bool = False) -> None:
         self.answered = 0
+        self.suspend = suspend
 
     async def ModelInfer(self, request, context):
         self.answered += 1
+        if self.suspend:
+            await _suspended()
         return _answer(request)
 
     async def ModelStreamInfer(self, request_iterator, context):
         async for request in request_iterator:
             self.answered += 1
+            if self.suspend:
+                await _suspended()
             yield pb.ModelStreamInferResponse(infer_response=_answer(request))
 
     async def ModelStatistics(self, request, context):
@@ -88,13 +104,13 @@ class Noop(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelConfigResponse(config=cfg)
 
 
-async def main(port: int) -> None:
+async def main(port: int, suspend: bool = False) -> None:
     server = grpc.aio.server()
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(Noop(), server)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(Noop(suspend), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
 
 
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1])))
+    asyncio.run(main(int(sys.argv[1]), "--suspend" in sys.argv[2:]))
