@@ -234,3 +234,12 @@ def test_perf_analyzer_runs_against_the_noop(tmp_path):
                              "--json", str(out)])  # fmt: skip
     (r,) = json.loads(out.read_text())
     assert rc == 0 and r["throughput_infer_per_s"] > 0 and r["server_cpu_us_per_request"] > 0
+
+
+def test_suspending_noop_still_answers_every_request(tmp_path):
+    out = tmp_path / "p.json"
+    rc = profile.main(["--targets", "noop-suspend", "--apis", "unary,stream", "--calls", "800",
+                       "--concurrency", "8", "--no-py-spy", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    for p in json.loads(out.read_text()):
+        assert p["target"] == "noop-suspend" and p["calls"] == 800 and p["errors"] == 0
