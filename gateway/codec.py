@@ -81,6 +81,25 @@ def deserialize_bytes(buf: bytes, count: int, name: str, max_len: int | None = N
     return out
 
 
+def check_utf8(model: str, name: str, values) -> None:
+    """Refuse a BYTES element that is not UTF-8, naming the input and the element.
+
+    onnxruntime's Python API carries strings to and from a model as UTF-8 only (measured; see
+    ``workers/engine.py``): other bytes cannot reach the model unchanged, so they are refused
+    here rather than altered. NUL bytes and empty strings are UTF-8 and pass as they are."""
+    for i, v in enumerate(values):
+        if v.isascii():
+            continue
+        try:
+            v.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise invalid(
+                f"input '{name}': BYTES element {i} is not valid UTF-8 ({exc.reason} at byte {exc.start}); "
+                f"model '{model}' runs on onnxruntime, whose Python API passes strings to a model as UTF-8 "
+                "only, so other bytes cannot reach it unchanged (NUL bytes and empty strings are fine)"
+            ) from None
+
+
 def serialize_bytes(arr: np.ndarray) -> bytes:
     parts = []
     for item in arr.reshape(-1):
@@ -114,6 +133,9 @@ class Codec:
         self.tied = list(spec.tied_dims.items())
         # A text model's input (dims [ 1 ]) also takes shape [N]: one string per row either way.
         self.flat_text = spec.inputs[0].name if tokenized(spec.config) else None
+        # BYTES inputs the ONNX model itself reads (a text model's input goes to its tokeniser,
+        # which takes any bytes): those must be UTF-8 to reach onnxruntime unchanged.
+        self.utf8_inputs = {t.name for t in spec.inputs if t.datatype == "BYTES" and t.name != self.flat_text}
         self.ranges: dict[str, _Range] = {}
         self.max_dim: dict[str, int] = {}
         for t in spec.inputs:
@@ -221,7 +243,10 @@ class Codec:
             if t.HasField("contents"):
                 raise invalid(f"input '{t.name}' has both typed contents and raw_input_contents; send one")
             if spec.datatype == "BYTES":
-                return deserialize_bytes(raw, count, t.name, LIMITS.max_string_bytes).reshape(shape)
+                arr = deserialize_bytes(raw, count, t.name, LIMITS.max_string_bytes)
+                if t.name in self.utf8_inputs:
+                    check_utf8(self.name, t.name, arr)
+                return arr.reshape(shape)
             need = count * dtype.itemsize
             if len(raw) != need:
                 raise invalid(
@@ -243,6 +268,8 @@ class Codec:
             for i, v in enumerate(values):
                 if len(v) > limit:
                     raise _too_long(t.name, i, len(v), limit)
+            if t.name in self.utf8_inputs:
+                check_utf8(self.name, t.name, values)
             arr = np.empty(count, dtype=object)
             arr[:] = list(values)
             return arr.reshape(shape)
