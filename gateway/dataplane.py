@@ -23,7 +23,7 @@ from batchgate.gateway.budgets import Budget, LatencyClass, SchedulePolicy
 from batchgate.gateway.caching import ModelCache, build_cache, model_cache
 from batchgate.gateway.codec import Codec
 from batchgate.gateway.config import Settings
-from batchgate.gateway.errors import not_found, unavailable
+from batchgate.gateway.errors import not_found, unavailable, unknown_model, unknown_version
 from batchgate.gateway.preprocess import TextStage
 from batchgate.gateway.repository import ConfigError, LoadFailure, ModelSpec, load_model, load_repository, tokenized
 from batchgate.gateway.latency import LatencyModel, LoopLag
@@ -268,10 +268,10 @@ class DataPlane:
             failure = self.failures.get(name)
             if failure is not None:
                 raise unavailable(f"model '{name}' is not ready: {failure.reason}")
-            raise not_found(f"unknown model '{name}'; served models: {sorted(self.models)}")
+            raise unknown_model(name)
         rt = versions.get(version or self.latest[name])
         if rt is None:
-            raise not_found(f"model '{name}' has no version '{version}'; served versions: {sorted(versions, key=int)}")
+            raise unknown_version(name, version, sorted(versions, key=int))
         if self.draining:
             raise unavailable("server is draining; retry on another replica")
         return rt
@@ -281,11 +281,11 @@ class DataPlane:
             return [rt for versions in self.models.values() for rt in versions.values()]
         versions = self.models.get(name)
         if versions is None:
-            raise not_found(f"unknown model '{name}'")
+            raise unknown_model(name)
         if not version:
             return list(versions.values())
         if version not in versions:
-            raise not_found(f"model '{name}' has no version '{version}'")
+            raise unknown_version(name, version)
         return [versions[version]]
 
     async def drain(self, timeout_s: float) -> bool:
