@@ -23,7 +23,7 @@ from batchgate.gateway.budgets import Budget, LatencyClass, SchedulePolicy
 from batchgate.gateway.caching import ModelCache, build_cache, model_cache
 from batchgate.gateway.codec import Codec
 from batchgate.gateway.config import Settings
-from batchgate.gateway.errors import not_found, unavailable, unknown_model, unknown_version
+from batchgate.gateway.errors import not_found, parse_version, unavailable, unknown_model, unknown_version
 from batchgate.gateway.preprocess import TextStage
 from batchgate.gateway.repository import ConfigError, LoadFailure, ModelSpec, load_model, load_repository, tokenized
 from batchgate.gateway.latency import LatencyModel, LoopLag
@@ -263,6 +263,7 @@ class DataPlane:
             await asyncio.to_thread(rt.pool.close)
 
     def get(self, name: str, version: str = "") -> ModelRuntime:
+        version = parse_version(version)  # Triton checks the version string before the model
         versions = self.models.get(name)
         if versions is None:
             failure = self.failures.get(name)
@@ -282,6 +283,7 @@ class DataPlane:
         versions = self.models.get(name)
         if versions is None:
             raise unknown_model(name)
+        version = parse_version(version)
         if not version:
             return list(versions.values())
         if version not in versions:

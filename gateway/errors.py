@@ -67,3 +67,23 @@ def unknown_version(name: str, version: str, served: list[str] | None = None) ->
         f"Request for unknown model: '{n}' version {v} is not found "
         f"(model '{n}' has no version '{v}'{versions})"
     )
+
+
+def parse_version(version: str) -> str:
+    """A requested model version as the repository names it ("" = latest). Refuses what is not a
+    whole number >= 0 with Triton's wording (its GetModelVersionFromString), INVALID_ARGUMENT."""
+    text = version.strip()
+    if not text:
+        return ""
+    try:
+        n = int(text, 10)
+    except ValueError:
+        raise invalid(
+            f"failed to get model version from specified version string '{clip(version, 32)}' "
+            "(details: not an integer), version should be an integral value > 0"
+        ) from None
+    if n < 0:
+        raise invalid(
+            f"invalid model version specified '{clip(version, 32)}' , version should be an integral value > 0"
+        )
+    return str(n)

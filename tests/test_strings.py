@@ -294,6 +294,10 @@ def test_unknown_model_and_version_carry_tritons_wording(srv, stub):
         stub.ModelInfer(pb.ModelInferRequest(model_name="str_identity", model_version="7"), timeout=TIMEOUT_S)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert err.value.details().startswith("Request for unknown model: 'str_identity' version 7 is not found")
+    with pytest.raises(grpc.RpcError) as err:  # grpc_explicit_int8_content_client.py matches on this
+        stub.ModelInfer(pb.ModelInferRequest(model_name="str_identity", model_version="wrong"), timeout=TIMEOUT_S)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "failed to get model version from specified version string 'wrong'" in err.value.details()
     long_name = "m" * 5000
     with pytest.raises(grpc.RpcError) as err:
         stub.ModelInfer(pb.ModelInferRequest(model_name=long_name), timeout=TIMEOUT_S)
