@@ -51,6 +51,13 @@ def _too_long(name: str, i: int, n: int, limit: int) -> GatewayError:
     )
 
 
+def _both_forms(name: str, model: str) -> GatewayError:
+    return invalid(
+        f"contents field must not be specified when using raw_input_contents for '{name}' for model '{model}' "
+        f"(input '{name}' has both typed contents and raw_input_contents; send one)"
+    )
+
+
 def deserialize_bytes(buf: bytes, count: int, name: str, max_len: int | None = None) -> np.ndarray:
     """Triton's raw BYTES layout: per element a 4-byte little-endian length, then the bytes.
     ``max_len``: longest element accepted (refused before it is copied)."""
@@ -159,6 +166,10 @@ class Codec:
                 f"model '{self.name}': the request carries {max(len(tensors), len(raw))} inputs; "
                 f"the server accepts at most {limit} (limit max_inputs, BATCHGATE_MAX_INPUTS); expected inputs: {self.expected}"
             )
+        if raw:
+            for t in tensors:  # checked first, as Triton does (its example clients match on the words)
+                if t.HasField("contents"):
+                    raise _both_forms(t.name, self.name)
         if raw and len(raw) != len(tensors):
             raise invalid(
                 f"model '{self.name}': raw_input_contents has {len(raw)} entry(ies) for {len(tensors)} inputs; "
@@ -241,7 +252,7 @@ class Codec:
         dtype = spec.dtype
         if raw is not None:
             if t.HasField("contents"):
-                raise invalid(f"input '{t.name}' has both typed contents and raw_input_contents; send one")
+                raise _both_forms(t.name, self.name)
             if spec.datatype == "BYTES":
                 arr = deserialize_bytes(raw, count, t.name, LIMITS.max_string_bytes)
                 if t.name in self.utf8_inputs:
