@@ -345,3 +345,13 @@ def test_engine_strings_gpu(tmp_path):
 
 def test_raw_layout_is_length_prefixed():
     assert serialize_bytes(strings([b"", b"a\x00"])) == struct.pack("<I", 0) + struct.pack("<I", 2) + b"a\x00"
+
+
+def test_string_rows_of_different_lengths_in_one_window(srv, stub):
+    """Requests whose string tensors differ in their variable dim arrive in one batching window:
+    none may be padded with a made-up string or fail for its neighbour's shape."""
+    reqs = [strings([b"w%d" % i] * (1 + i % 3)) for i in range(6)]
+    with concurrent.futures.ThreadPoolExecutor(len(reqs)) as ex:
+        outs = list(ex.map(lambda x: infer("grpc-raw", srv, stub, "str_batch", {"INPUT0": x}), reqs))
+    for x, out in zip(reqs, outs, strict=True):
+        same(out["OUTPUT0"], x)

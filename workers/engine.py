@@ -499,28 +499,32 @@ class Engine:
 def to_ort_strings(name: str, arr: np.ndarray) -> np.ndarray:
     """An object array of bytes (or str) as the object array of str onnxruntime reads byte for byte."""
     out = np.empty(arr.shape, dtype=object)
-    flat_in, flat_out = arr.reshape(-1), out.reshape(-1)
-    for i, v in enumerate(flat_in):
-        if isinstance(v, str):
-            flat_out[i] = v
-            continue
-        try:
-            flat_out[i] = bytes(v).decode("utf-8")
-        except (UnicodeDecodeError, TypeError):
-            raise ValueError(
-                f"input '{name}': element {i} is not a UTF-8 string; onnxruntime's Python API passes "
-                "strings to a model as UTF-8 only"
-            ) from None
+    try:  # one comprehension: about twice as fast as filling the array element by element
+        out.reshape(-1)[:] = [v if type(v) is str else bytes(v).decode("utf-8") for v in arr.reshape(-1)]
+    except (UnicodeDecodeError, TypeError):
+        i = next(i for i, v in enumerate(arr.reshape(-1)) if not _utf8(v))
+        raise ValueError(
+            f"input '{name}': element {i} is not a UTF-8 string; onnxruntime's Python API passes "
+            "strings to a model as UTF-8 only"
+        ) from None
     return out
+
+
+def _utf8(v) -> bool:
+    if isinstance(v, str):
+        return True
+    try:
+        bytes(v).decode("utf-8")
+    except (UnicodeDecodeError, TypeError):
+        return False
+    return True
 
 
 def from_ort_strings(arr: np.ndarray) -> np.ndarray:
     """A string output of onnxruntime (object array of str) as the object array of bytes the
     gateway sends back."""
     out = np.empty(arr.shape, dtype=object)
-    flat_in, flat_out = arr.reshape(-1), out.reshape(-1)
-    for i, v in enumerate(flat_in):
-        flat_out[i] = v.encode("utf-8") if isinstance(v, str) else v
+    out.reshape(-1)[:] = [v.encode("utf-8") if type(v) is str else v for v in arr.reshape(-1)]
     return out
 
 
