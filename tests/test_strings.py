@@ -355,3 +355,23 @@ def test_string_rows_of_different_lengths_in_one_window(srv, stub):
         outs = list(ex.map(lambda x: infer("grpc-raw", srv, stub, "str_batch", {"INPUT0": x}), reqs))
     for x, out in zip(reqs, outs, strict=True):
         same(out["OUTPUT0"], x)
+
+
+def test_a_model_output_that_is_not_utf8_fails_with_a_reason(tmp_path):
+    import onnx
+    from onnx import helper
+
+    # Concatenates its input to a constant holding a byte that is not UTF-8: ORT's Python API
+    # cannot return that string; the batch fails saying why instead of answering altered bytes.
+    const = helper.make_tensor("c", T.STRING, [1], [b"\xff"])
+    graph = helper.make_graph(
+        [helper.make_node("StringConcat", ["x", "c"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", T.STRING, ["n"])], [helper.make_tensor_value_info("y", T.STRING, ["n"])],
+        initializer=[const],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    model.ir_version = 9
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    engine = Engine(tmp_path / "m.onnx", Device("cpu"), EngineOptions())
+    with pytest.raises(ValueError, match="string output holding bytes that are not UTF-8"):
+        engine.run_batch([{"x": strings([b"a"], (1,))}], [1], False)
