@@ -53,7 +53,8 @@ def _too_long(name: str, i: int, n: int, limit: int) -> GatewayError:
 
 def _both_forms(name: str, model: str) -> GatewayError:
     return invalid(
-        f"contents field must not be specified when using raw_input_contents for '{name}' for model '{model}' "
+        f"contents field must not be specified when using raw_input_contents for '{name}' "
+        f"for model '{model}' "
         f"(input '{name}' has both typed contents and raw_input_contents; send one)"
     )
 

@@ -40,7 +40,8 @@ def _write(
 
     def block(kind: str, tensors) -> str:
         items = ",\n".join(
-            f'  {{ name: "{n}" data_type: {_TYPE[t]} dims: [ {", ".join(map(str, d))} ] }}' for n, t, d in tensors
+            f'  {{ name: "{n}" data_type: {_TYPE[t]} dims: [ {", ".join(map(str, d))} ] }}'
+            for n, t, d in tensors
         )
         return f"{kind} [\n{items}\n]\n"
 
@@ -56,7 +57,9 @@ def _cast(src: str, dst: str, to: int):
     return helper.make_node("Cast", [src], [dst], to=to)
 
 
-def write_add_sub(repo: Path, name: str, elem: int, dims=(16,), max_batch_size: int = 8, extra: str = "") -> Path:
+def write_add_sub(
+    repo: Path, name: str, elem: int, dims=(16,), max_batch_size: int = 8, extra: str = ""
+) -> Path:
     """Triton's ``simple``: OUTPUT0 = INPUT0 + INPUT1, OUTPUT1 = INPUT0 - INPUT1."""
     d = list(dims)
     nodes = [helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
@@ -65,7 +68,9 @@ def write_add_sub(repo: Path, name: str, elem: int, dims=(16,), max_batch_size: 
     return _write(repo, name, nodes, io, [("OUTPUT0", elem, d), ("OUTPUT1", elem, d)], max_batch_size, extra)
 
 
-def write_string_add_sub(repo: Path, name: str = "simple_string", max_batch_size: int = 8, extra: str = "") -> Path:
+def write_string_add_sub(
+    repo: Path, name: str = "simple_string", max_batch_size: int = 8, extra: str = ""
+) -> Path:
     """Triton's ``simple_string``: strings holding integers in, their sum and difference as strings out
     (Cast string -> INT32, Add/Sub, Cast INT32 -> string)."""
     nodes = [
@@ -75,7 +80,8 @@ def write_string_add_sub(repo: Path, name: str = "simple_string", max_batch_size
     ]  # fmt: skip
     s = [16]
     io = [("INPUT0", T.STRING, s), ("INPUT1", T.STRING, s)]
-    return _write(repo, name, nodes, io, [("OUTPUT0", T.STRING, s), ("OUTPUT1", T.STRING, s)], max_batch_size, extra)
+    outs = [("OUTPUT0", T.STRING, s), ("OUTPUT1", T.STRING, s)]
+    return _write(repo, name, nodes, io, outs, max_batch_size, extra)
 
 
 def write_identity(
@@ -83,7 +89,8 @@ def write_identity(
     in_name: str = "INPUT0", out_name: str = "OUTPUT0",
 ) -> Path:
     nodes = [helper.make_node("Identity", [in_name], [out_name])]
-    return _write(repo, name, nodes, [(in_name, elem, list(dims))], [(out_name, elem, list(dims))], max_batch_size, extra)
+    ins, outs = [(in_name, elem, list(dims))], [(out_name, elem, list(dims))]
+    return _write(repo, name, nodes, ins, outs, max_batch_size, extra)
 
 
 def write_mixed(repo: Path, name: str = "str_mixed", max_batch_size: int = 8, extra: str = "") -> Path:
@@ -115,8 +122,8 @@ def write_densenet_standin(repo: Path) -> Path:
         helper.make_node("Reshape", ["scores", "shape"], ["fc6_1"]),
     ]
     return _write(
-        repo, "densenet_onnx", nodes, [("data_0", T.FLOAT, [3, 224, 224])], [("fc6_1", T.FLOAT, [1000, 1, 1])],
-        0, initializers=[w, shape, row, axes],
+        repo, "densenet_onnx", nodes, [("data_0", T.FLOAT, [3, 224, 224])],
+        [("fc6_1", T.FLOAT, [1000, 1, 1])], 0, initializers=[w, shape, row, axes],
     )  # fmt: skip
 
 

@@ -42,7 +42,8 @@ def repo(tmp_path_factory) -> Path:
     write_identity(root, "str_identity", T.STRING)
     write_identity(root, "str_cached", T.STRING, extra="response_cache { enable: true }\n")
     # A long batching window: concurrent requests must share an execution.
-    write_identity(root, "str_batch", T.STRING, extra="dynamic_batching { max_queue_delay_microseconds: 200000 }\n")
+    window = "dynamic_batching { max_queue_delay_microseconds: 200000 }\n"
+    write_identity(root, "str_batch", T.STRING, extra=window)
     write_identity(root, "str_unbatched", T.STRING, max_batch_size=0)
     write_string_add_sub(root, "str_cast")
     write_mixed(root, "str_mixed")
@@ -116,7 +117,8 @@ def infer(enc: str, srv, stub, model: str, inputs: dict[str, np.ndarray]) -> dic
                 out[t.name] = arr.reshape(list(t.shape))
         return out
     binary = enc == "rest-binary"
-    doc: dict = {"inputs": [], "outputs": [{"name": n, "parameters": {"binary_data": binary}} for n in _outputs(stub, model)]}
+    wanted = [{"name": n, "parameters": {"binary_data": binary}} for n in _outputs(stub, model)]
+    doc: dict = {"inputs": [], "outputs": wanted}
     chunks = []
     for name, a in inputs.items():
         item = {"name": name, "datatype": _KSERVE[a.dtype], "shape": list(a.shape)}
@@ -233,7 +235,8 @@ def test_bytes_that_are_not_utf8_are_refused_by_name(enc, bad, srv, stub):
 
 def test_rest_json_cannot_smuggle_a_lone_surrogate(srv, stub):
     # JSON strings are Unicode: the only way to name a non-UTF-8 byte there is a lone surrogate escape.
-    body = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "BYTES", "shape": [1, 1], "data": ["\udcff"]}]})
+    tensor = {"name": "INPUT0", "datatype": "BYTES", "shape": [1, 1], "data": ["\udcff"]}
+    body = json.dumps({"inputs": [tensor]})
     req = urllib.request.Request(
         f"http://127.0.0.1:{srv.http_port}/v2/models/str_identity/infer", data=body.encode(),
         headers={"Content-Type": "application/json"}, method="POST",
@@ -295,7 +298,8 @@ def test_unknown_model_and_version_carry_tritons_wording(srv, stub):
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert err.value.details().startswith("Request for unknown model: 'str_identity' version 7 is not found")
     with pytest.raises(grpc.RpcError) as err:  # grpc_explicit_int8_content_client.py matches on this
-        stub.ModelInfer(pb.ModelInferRequest(model_name="str_identity", model_version="wrong"), timeout=TIMEOUT_S)
+        req = pb.ModelInferRequest(model_name="str_identity", model_version="wrong")
+        stub.ModelInfer(req, timeout=TIMEOUT_S)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "failed to get model version from specified version string 'wrong'" in err.value.details()
     long_name = "m" * 5000
@@ -314,6 +318,10 @@ def test_conversion_helpers_round_trip():
     same(from_ort_strings(s), x)
     with pytest.raises(ValueError, match="input 'INPUT0': element 1 is not a UTF-8 string"):
         to_ort_strings("INPUT0", strings([b"ok", b"\xff"]))
+    with pytest.raises(ValueError, match="input 'INPUT0': element 2 is a int, not a string"):
+        to_ort_strings("INPUT0", strings([b"ok", "fine", 3]))  # never bytes(3): three NULs
+    numpy_scalars = strings([np.bytes_(b"a\x00"), np.str_("b")])
+    same(from_ort_strings(to_ort_strings("x", numpy_scalars)), strings([b"a\x00", b"b"]))
 
 
 def _engine_round_trip(tmp_path: Path, device: Device) -> None:
@@ -326,7 +334,8 @@ def _engine_round_trip(tmp_path: Path, device: Device) -> None:
     for part, out in zip(parts, outs, strict=True):
         same(out["OUTPUT0"], part["INPUT0"])
     engine = Engine(root / "m" / "1" / "model.onnx", device, EngineOptions())
-    feeds = {"TEXT": strings([b"\x00z"], (1, 1)), "NUM": np.array([[4]], np.int32), "OTHER": strings([b""], (1, 1))}
+    feeds = {"TEXT": strings([b"\x00z"], (1, 1)), "NUM": np.array([[4]], np.int32),
+             "OTHER": strings([b""], (1, 1))}  # fmt: skip
     (out,), _ = engine.run_batch([feeds], [1], True)
     same(out["JOINED"], strings([b"\x00z4"], (1, 1)))
     assert out["TWICE"].tolist() == [[8]] and out["SAME"].tolist() == [[False]]
@@ -366,7 +375,8 @@ def test_a_model_output_that_is_not_utf8_fails_with_a_reason(tmp_path):
     const = helper.make_tensor("c", T.STRING, [1], [b"\xff"])
     graph = helper.make_graph(
         [helper.make_node("StringConcat", ["x", "c"], ["y"])], "g",
-        [helper.make_tensor_value_info("x", T.STRING, ["n"])], [helper.make_tensor_value_info("y", T.STRING, ["n"])],
+        [helper.make_tensor_value_info("x", T.STRING, ["n"])],
+        [helper.make_tensor_value_info("y", T.STRING, ["n"])],
         initializer=[const],
     )  # fmt: skip
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])

@@ -65,7 +65,8 @@ def _read(root: Path, name: str) -> str:
 
 
 pytestmark = pytest.mark.skipif(
-    _source() is None, reason="BATCHGATE_TRITON_CLIENT_REPO (a copy of triton-inference-server/client) is not set"
+    _source() is None,
+    reason="BATCHGATE_TRITON_CLIENT_REPO (a copy of triton-inference-server/client) is not set",
 )
 
 
