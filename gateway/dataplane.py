@@ -145,7 +145,8 @@ class DataPlane:
                                 preprocess=text, mode=s.engine_mode, warmup=s.engine_warmup,
                                 cache_dir=(s.engine_cache_dir or default_cache_dir()) if s.engine_cache else None,
                                 cuda_graphs=s.cuda_graphs)  # fmt: skip
-        pool = WorkerPool(f"{spec.name}-v{spec.version}", spec.path, devices, count, options, spec.buckets, spec.fingerprint)
+        name = f"{spec.name}-v{spec.version}"
+        pool = WorkerPool(name, spec.path, devices, count, options, spec.buckets, spec.fingerprint)
         await asyncio.to_thread(pool.start)
         # A text batch over its token budget leaves as several, spread over the workers.
         execute = text.budgeted(pool.submit) if text is not None else pool.submit

@@ -163,34 +163,36 @@ class Declared:
 DECLARED: tuple[Declared, ...] = (
     # text stage (gateway/preprocess.py)
     Declared("tokenizer", "file name", "none", "a file in the model directory", "text stage",
-             "tokenizer.json (Hugging Face tokenizers) relative to the model directory; makes the model a text "
-             "model: one TYPE_STRING input, token inputs made in the workers", _nonempty, "tokenizer"),
+             "tokenizer.json (Hugging Face tokenizers) relative to the model directory; makes the model a "
+             "text model: one TYPE_STRING input, token inputs made in the workers", _nonempty, "tokenizer"),
     Declared("max_tokens", "int", "the tokenizer file's truncation length, else 512", ">= 3", "text stage",
              "longest token sequence the model sees, special tokens included", _int(3), "max_tokens"),
-    Declared("truncate", "'truncate' | 'reject'", "truncate", "one of the two", "text stage",
+    Declared("truncate", "'truncate' or 'reject'", "truncate", "one of the two", "text stage",
              "what happens to a text over max_tokens: cut to it, or refused with INVALID_ARGUMENT",
              _choice("truncate", "reject"), "truncate"),
     Declared("max_text_bytes", "int", str(DEFAULT_MAX_TEXT_BYTES), ">= 1", "text stage",
-             "longest text accepted at all, in UTF-8 bytes (checked before tokenizing)", _int(1), "max_text_bytes"),
+             "longest text accepted at all, in UTF-8 bytes (checked before tokenizing)", _int(1),
+             "max_text_bytes"),
     Declared("length_buckets", "int list", "16,32,64,128,256,512 capped at max_tokens",
              "strictly ascending, >= 1", "text stage, buckets",
-             "token lengths text rows are grouped by; the engines pad to the same lengths unless seq_buckets "
-             "is set", _ascending, "length_buckets"),
+             "token lengths text rows are grouped by; the engines pad to the same lengths unless "
+             "seq_buckets is set", _ascending, "length_buckets"),
     Declared("max_batch_tokens", "int", "0 (no limit)", ">= 0", "text stage, buckets",
              "token budget of one engine run, rows x bucket lengths: a larger batch runs as several "
              "(bounds activation memory and warm-up time)", _int(0), "max_batch_tokens"),
     # shape buckets (workers/buckets.py)
     Declared("batch_buckets", "int list", "powers of two up to max_batch_size, plus preferred_batch_size",
              "each in [1, max_batch_size]", "buckets",
-             "batch sizes a batch is padded up to (max_batch_size is always added)", _sizes, "batch_buckets"),
-    Declared("seq_buckets", "int list | 'none'", "by model: masked dims get powers of two 16..512",
+             "batch sizes a batch is padded up to (max_batch_size is always added)", _sizes,
+             "batch_buckets"),
+    Declared("seq_buckets", "int list or 'none'", "by model: masked dims get powers of two 16..512",
              ">= 1", "buckets",
              "lengths every variable dim group is padded up to; 'none' keeps exact lengths", _seq_sizes,
              "seq_buckets"),
-    Declared("seq_buckets.<dim>", "int list | 'none'", "seq_buckets", ">= 1; <dim> a variable dim group",
+    Declared("seq_buckets.<dim>", "int list or 'none'", "seq_buckets", ">= 1; <dim> a variable dim group",
              "buckets", "the same for one dim group (its ONNX dim_param, or <input>.<axis>)", _seq_sizes,
              "seq_buckets_by_dim"),
-    Declared("mask_input", "input name | 'none'", DEFAULT_MASK_INPUT, "an ONNX input", "buckets",
+    Declared("mask_input", "input name or 'none'", DEFAULT_MASK_INPUT, "an ONNX input", "buckets",
              "the input whose padding (0) masks padded positions; 'none': no mask, so no dim is padded by "
              "default", _mask, "mask_input"),
     Declared("pad_value.<model_input>", "float", "0", "finite; <model_input> an ONNX input", "buckets",
@@ -203,8 +205,9 @@ DECLARED: tuple[Declared, ...] = (
              "every variable (-1) dim of that input at most this; also caps its default length buckets",
              _int(1), "max_dim"),
     # scheduling (gateway/dataplane.py)
-    Declared("scheduling_policy", "'deadline' | 'fifo'", "the server's --scheduling-policy", "one of the two",
-             "queue factory", "this model's queue: earliest deadline first, or Triton's FIFO",
+    Declared("scheduling_policy", "'deadline' or 'fifo'", "the server's --scheduling-policy",
+             "one of the two", "queue factory",
+             "this model's queue: earliest deadline first, or Triton's FIFO",
              _choice("deadline", "fifo"), "scheduling_policy"),
     Declared("learned_batch_limit", "bool", "true", "true/false (1/0, yes/no, on/off)", "queue factory",
              "let the deadline queue learn the largest batch that still meets deadlines", _bool,
@@ -280,14 +283,18 @@ def _unknown(key: str) -> ParameterError:
     candidates = list(_PLAIN) + list(TRITON_HINTS)
     if dot:  # 'max_dims.ids' reads best as 'max_dim.ids'
         candidates += [f"{fam}.{tail}" for fam in _FAMILIES]
-    guess = _closest(key, candidates) or (_closest(head, _FAMILIES) and f"{_closest(head, _FAMILIES)}.{tail}")
+    family = _closest(head, _FAMILIES) if dot else None
+    guess = _closest(key, candidates) or (family and f"{family}.{tail}")
     hint = f" (did you mean '{guess}'?)" if guess else ""
     known = ", ".join(d.key for d in DECLARED)
     return ParameterError(f"unknown parameter '{key}'{hint}; batchgate reads: {known} (docs/model-config.md)")
 
 
 def parse(
-    raw: Mapping[str, str], *, inputs: Iterable[str] | None = None, model_inputs: Iterable[str] | None = None
+    raw: Mapping[str, str],
+    *,
+    inputs: Iterable[str] | None = None,
+    model_inputs: Iterable[str] | None = None,
 ) -> tuple[ModelParameters, list[str]]:
     """Typed parameters from ``raw`` (key -> string_value) and the ignored keys (Triton's ORT
     settings). ``inputs`` (the config's) and ``model_inputs`` (the ONNX graph's) check what a
@@ -329,6 +336,6 @@ def parse(
     return ModelParameters(**values, **families, given=frozenset(raw)), ignored
 
 
-def bucket_config(raw: Mapping[str, str], max_batch_size: int, preferred: tuple[int, ...] = ()) -> BucketConfig:
+def bucket_config(raw: Mapping[str, str], max_batch: int, preferred: tuple[int, ...] = ()) -> BucketConfig:
     """BucketConfig from raw parameter strings, unchecked against a model (tests, benches)."""
-    return parse(raw)[0].bucket_config(max_batch_size, preferred)
+    return parse(raw)[0].bucket_config(max_batch, preferred)

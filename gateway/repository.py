@@ -250,8 +250,12 @@ def _check_reshape(name: str, kind: str, t: mc.ModelInput | mc.ModelOutput) -> N
         )
 
 
-def _reshapes(tensors) -> dict[str, tuple[int, ...]]:
-    return {t.name: tuple(t.reshape.shape) for t in tensors if t.HasField("reshape")}
+def _reshapes(tensors, to_client: bool) -> dict[str, tuple[int, ...]]:
+    """Row shape per reshaped tensor: the model's (inputs go in reshaped) or the client's (outputs
+    come back in the config's dims)."""
+    return {
+        t.name: tuple(t.dims if to_client else t.reshape.shape) for t in tensors if t.HasField("reshape")
+    }
 
 
 def complete_config(config: mc.ModelConfig, model: onnx.ModelProto, default_max_batch_size: int) -> None:
@@ -267,7 +271,7 @@ def complete_config(config: mc.ModelConfig, model: onnx.ModelProto, default_max_
     pairs = [("input", onnx_in, config.input), ("output", onnx_out, config.output)]
     if tokenized(config):  # config inputs are text; the ONNX inputs are checked against the stage
         if any(t.HasField("reshape") for t in config.input):
-            raise ConfigError(f"model '{name}': a text model's input (parameter 'tokenizer') takes no reshape")
+            raise ConfigError(f"model '{name}': the text input (parameter 'tokenizer') takes no reshape")
         _complete_text_input(config, onnx_in)
         pairs = pairs[1:]
     for kind, onnx_list, cfg_list in pairs:
@@ -416,11 +420,14 @@ def load_model(model_dir: Path, default_max_batch_size: int = 64) -> list[ModelS
         model_inputs = tuple(v.name for v in _onnx_tensors(model)[0])
         raw = {k: v.string_value for k, v in cfg.parameters.items()}
         try:
-            params, hints = parse_parameters(raw, inputs=[t.name for t in cfg.input], model_inputs=model_inputs)
-            buckets = params.bucket_config(cfg.max_batch_size, tuple(sorted(cfg.dynamic_batching.preferred_batch_size)))
+            inputs = [t.name for t in cfg.input]
+            params, hints = parse_parameters(raw, inputs=inputs, model_inputs=model_inputs)
+            preferred = tuple(sorted(cfg.dynamic_batching.preferred_batch_size))
+            buckets = params.bucket_config(cfg.max_batch_size, preferred)
         except (ParameterError, ValueError) as exc:
             raise ConfigError(f"model '{config.name}': {exc}") from None
-        buckets = replace(buckets, reshape_inputs=_reshapes(cfg.input), reshape_outputs=_reshapes(cfg.output))
+        buckets = replace(buckets, reshape_inputs=_reshapes(cfg.input, False),
+                          reshape_outputs=_reshapes(cfg.output, True))  # fmt: skip
         ignored = ignored + [f"parameters.{k}" for k in hints if f"parameters.{k}" not in ignored]
         if not cfg.platform and not cfg.backend:
             cfg.platform = "onnxruntime_onnx"

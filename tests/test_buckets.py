@@ -147,7 +147,8 @@ def test_outputs_with_the_seq_dim_are_trimmed_and_unknown_output_dims_are_not_po
 
 
 def test_strings_and_unbatched_models_are_not_pooled():
-    plan = ShapePlan([_t("s", object, "batch", 1)], [_t("y", np.float32, "batch", 1)], bucket_config({}, 8))
+    plan = ShapePlan([_t("s", object, "batch", 1)], [_t("y", np.float32, "batch", 1)],
+                     bucket_config({}, 8))  # fmt: skip
     assert not plan.pooled and "string" in plan.why_not_pooled
     plan = ShapePlan([_t("x", np.float32, 4)], [_t("y", np.float32, 4)], bucket_config({}, 0))
     assert not plan.pooled and not plan.batched

@@ -174,6 +174,21 @@ class DimGroup:
     why: str  # how the buckets were chosen, for the load log
 
 
+Arrays = dict[str, np.ndarray]
+
+
+def _reshaped(items: list[Arrays], rows: Mapping[str, tuple[int, ...]], batched: bool) -> list[Arrays]:
+    if not rows:
+        return items
+    out = []
+    for arrays in items:
+        out.append({
+            k: a.reshape((a.shape[0], *rows[k]) if batched else rows[k]) if k in rows else a
+            for k, a in arrays.items()
+        })  # fmt: skip
+    return out
+
+
 class ShapePlan:
     """The buckets of one model, and the arithmetic of padding a batch into one."""
 
@@ -346,23 +361,13 @@ class ShapePlan:
         out.update({g.name: s for g, s in zip(self.groups, seqs)})
         return out
 
-    def to_model(self, parts: list[dict[str, np.ndarray]], batched: bool) -> list[dict[str, np.ndarray]]:
+    def to_model(self, parts: list[Arrays], batched: bool) -> list[Arrays]:
         """Each request's inputs in the shapes the ONNX model takes (``reshape``): views, no copy."""
-        if not self.reshape_inputs:
-            return parts
-        return [{k: self._reshaped(a, self.reshape_inputs.get(k), batched) for k, a in p.items()} for p in parts]
+        return _reshaped(parts, self.reshape_inputs, batched)
 
-    def to_client(self, outputs: list[dict[str, np.ndarray]], batched: bool) -> list[dict[str, np.ndarray]]:
+    def to_client(self, outputs: list[Arrays], batched: bool) -> list[Arrays]:
         """Each request's outputs back in the config's dims (``reshape``)."""
-        if not self.reshape_outputs:
-            return outputs
-        return [{k: self._reshaped(a, self.reshape_outputs.get(k), batched) for k, a in o.items()} for o in outputs]
-
-    @staticmethod
-    def _reshaped(a: np.ndarray, row: tuple[int, ...] | None, batched: bool) -> np.ndarray:
-        if row is None:
-            return a
-        return a.reshape((a.shape[0], *row) if batched else row)
+        return _reshaped(outputs, self.reshape_outputs, batched)
 
     def describe(self) -> str:
         parts = [f"batch {list(self.batch_sizes)}"]

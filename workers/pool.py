@@ -148,7 +148,8 @@ class _Worker:
                     if plan is None:
                         result = engine.run_batch(job.parts, job.rows, job.batched)
                     else:  # config `reshape`: the model sees its own shapes, the caller the config's
-                        outs, timing = engine.run_batch(plan.to_model(job.parts, job.batched), job.rows, job.batched)
+                        parts = plan.to_model(job.parts, job.batched)
+                        outs, timing = engine.run_batch(parts, job.rows, job.batched)
                         result = (plan.to_client(outs, job.batched), timing)
                 except BaseException as exc:  # one bad batch must not take the worker down
                     job.future.set_exception(exc)
