@@ -219,3 +219,23 @@ def test_server_names_a_misspelled_parameter_and_serves_reshaped_models(tmp_path
             np.testing.assert_array_equal(result.as_numpy("b"), a + 1)
     finally:
         assert srv.stop() == 0
+
+
+def test_serving_path_does_not_import_the_build_tools():
+    """gateway/build/ is offline preparation: only the CLI's build commands import it."""
+    import subprocess
+    import sys
+
+    # Every service module, wherever the other packages move them; the CLI imports build lazily.
+    service = sorted(
+        "batchgate.gateway." + ".".join(p.relative_to(ROOT / "gateway").with_suffix("").parts)
+        for p in (ROOT / "gateway").rglob("*.py")
+        if "build" not in p.relative_to(ROOT / "gateway").parts and p.stem not in ("__init__", "__main__", "cli")
+    )
+    assert "batchgate.gateway.repository" in service
+    code = f"import importlib, sys\nfor m in {service!r}: importlib.import_module(m)\n" + (
+        "print(sorted(m for m in sys.modules if m.startswith('batchgate.gateway.build')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
