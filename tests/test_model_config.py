@@ -4,6 +4,7 @@ repository with a misspelled parameter, a hinted model and reshaped models built
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 from pathlib import Path
@@ -239,3 +240,19 @@ def test_serving_path_does_not_import_the_build_tools():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_reshape_views_batched_and_unbatched():
+    """The worker's reshape is a view each way, with and without a batch dim."""
+    from batchgate.workers.buckets import BucketConfig, ShapePlan, TensorInfo
+
+    f32 = np.dtype(np.float32)
+    cfg = dataclasses.replace(BucketConfig.build(0), reshape_inputs={"x": (2, 3)}, reshape_outputs={"y": (6,)})
+    plan = ShapePlan([TensorInfo("x", f32, (2, 3))], [TensorInfo("y", f32, (3, 2))], cfg)
+    x = np.arange(6, dtype=np.float32)
+    (fed,) = plan.to_model([{"x": x, "other": x}], batched=False)
+    assert fed["x"].shape == (2, 3) and fed["x"].base is x and fed["other"] is x
+    (back,) = plan.to_client([{"y": np.zeros((3, 2), np.float32)}], batched=False)
+    assert back["y"].shape == (6,)
+    (rows,) = plan.to_model([{"x": np.zeros((4, 6), np.float32)}], batched=True)
+    assert rows["x"].shape == (4, 2, 3)
