@@ -212,6 +212,9 @@ DECLARED: tuple[Declared, ...] = (
     Declared("learned_batch_limit", "bool", "true", "true/false (1/0, yes/no, on/off)", "queue factory",
              "let the deadline queue learn the largest batch that still meets deadlines", _bool,
              "learned_batch_limit"),
+    Declared("shed_at_admission", "bool", "true", "true/false (1/0, yes/no, on/off)", "queue factory",
+             "refuse at admission a request whose deadline is already out of reach; false admits it "
+             "(to count false refusals)", _bool, "shed_at_admission"),
 )  # fmt: skip
 
 # Triton's ONNX Runtime backend reads these from the same map (onnxruntime_backend README): they
@@ -246,6 +249,7 @@ class ModelParameters:
     max_dim: Mapping[str, int] = field(default_factory=dict)
     scheduling_policy: str | None = None  # None: the server's
     learned_batch_limit: bool = True
+    shed_at_admission: bool = True
     given: frozenset[str] = frozenset()  # keys the config set, as written
 
     @property
