@@ -312,6 +312,13 @@ def complete_config(config: mc.ModelConfig, model: onnx.ModelProto, default_max_
                     )
                 odims = odims[1:]
             what = f"reshape {want}" if t.HasField("reshape") else f"dims {want}"
+            if t.HasField("reshape") and -1 in odims:
+                # The batcher and the engines plan variable dims on the client's arrays, whose
+                # axes no longer line up with the model's once reshaped.
+                raise ConfigError(
+                    f"model '{name}': {kind} '{t.name}' has reshape {want} but the ONNX model's dims {odims} "
+                    "are not all fixed; batchgate implements reshape onto fixed model dims only"
+                )
             if len(odims) != len(want):
                 raise ConfigError(
                     f"model '{name}': {kind} '{t.name}' has {what} in config.pbtxt but "

@@ -155,6 +155,12 @@ def test_reshape_is_checked_against_the_onnx_model(tmp_path):
         load_model(_reshape_dir(tmp_path, "count", "2, 2"))
     with pytest.raises(ConfigError, match="reshape for fixed dims only"):
         load_model(_reshape_dir(tmp_path, "variable", "-1, 3"))
+    d = _reshape_dir(tmp_path, "symbolic")
+    model = onnx.load(str(d / "1" / "model.onnx"))
+    model.graph.input[0].type.tensor_type.shape.dim[1].dim_param = "rows"  # x [N, rows, 3]
+    onnx.save(model, str(d / "1" / "model.onnx"))
+    with pytest.raises(ConfigError, match="onto fixed model dims only"):
+        load_model(d)
 
 
 # -- a real server ------------------------------------------------------------------------------
