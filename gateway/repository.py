@@ -19,13 +19,12 @@ import onnx
 from google.protobuf import text_format
 from google.protobuf.message import Message
 
-from batchgate.workers.buckets import BucketConfig
-from batchgate.workers.fingerprint import file_fingerprint
-
 from batchgate.gateway import dtypes
 from batchgate.gateway.parameters import ModelParameters, ParameterError
 from batchgate.gateway.parameters import parse as parse_parameters
 from batchgate.proto.inference.v2 import model_config_pb2 as mc
+from batchgate.workers.buckets import BucketConfig
+from batchgate.workers.fingerprint import file_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +237,7 @@ def _check_reshape(name: str, kind: str, t: mc.ModelInput | mc.ModelOutput) -> N
     """Fixed shapes only: with a variable dim on either side the element count of a row is not
     known until a request comes, and which client dim maps to which model dim is ambiguous."""
     dims, shape = list(t.dims), list(t.reshape.shape)
-    if -1 in dims or -1 in shape or any(d < 0 for d in shape):
+    if any(d < 0 for d in dims + shape):
         raise ConfigError(
             f"model '{name}': {kind} '{t.name}' has reshape {shape} for dims {dims}; batchgate implements "
             "reshape for fixed dims only (no -1 on either side)"
