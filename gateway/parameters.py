@@ -252,10 +252,6 @@ class ModelParameters:
     shed_at_admission: bool = True
     given: frozenset[str] = frozenset()  # keys the config set, as written
 
-    @property
-    def tokenized(self) -> bool:
-        return bool(self.tokenizer)
-
     def bucket_config(self, max_batch_size: int, preferred: tuple[int, ...] = ()) -> BucketConfig:
         """The engines' shape settings; ValueError when batch_buckets exceeds max_batch_size."""
         seq = self.seq_buckets

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_defaults_are_the_tables():
     params, ignored = parse({})
     assert ignored == [] and params.max_batch_tokens == 0 and params.learned_batch_limit is True
-    assert params.scheduling_policy is None and params.mask_input == "attention_mask" and not params.tokenized
+    assert params.scheduling_policy is None and params.mask_input == "attention_mask" and not params.tokenizer
 
 
 def test_values_are_typed_once():
