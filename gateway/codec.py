@@ -144,16 +144,9 @@ class Codec:
         # BYTES inputs the ONNX model itself reads (a text model's input goes to its tokeniser,
         # which takes any bytes): those must be UTF-8 to reach onnxruntime unchanged.
         self.utf8_inputs = {t.name for t in spec.inputs if t.datatype == "BYTES" and t.name != self.flat_text}
-        self.ranges: dict[str, _Range] = {}
-        self.max_dim: dict[str, int] = {}
-        for t in spec.inputs:
-            text = spec.parameter(f"input_range.{t.name}")
-            if text:
-                low, _, high = text.partition(":")
-                self.ranges[t.name] = _Range(float(low), float(high))
-            text = spec.parameter(f"max_dim.{t.name}")
-            if text:
-                self.max_dim[t.name] = int(text)
+        # (parsed and checked at load: gateway/parameters.py)
+        self.ranges = {name: _Range(low, high) for name, (low, high) in spec.params.input_range.items()}
+        self.max_dim = dict(spec.params.max_dim)
 
     # -- decode -------------------------------------------------------------------------------
 
