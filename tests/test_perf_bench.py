@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import shutil
 
@@ -134,9 +133,13 @@ def test_profile_measures_server_cpu_per_call_of_the_noop(tmp_path):
         assert p["calls"] == 1500 and p["errors"] == 0
         # A grpc.aio call costs tens to hundreds of µs of CPU; 0 would mean the server's CPU was not read.
         assert 10 < p["server_cpu_us_per_call"] < 5000
-        assert math.isclose(
-            sum(p["threads_us_per_call"].values()), p["server_cpu_us_per_call"], rel_tol=0.2, abs_tol=15
-        )
+        # The live threads' figures add up to the process's, within the rounding of each thread's
+        # clock ticks (1/CLK_TCK s each, spread over the window's calls); grpc's core may end a
+        # thread mid-window, whose time stays in the process's figure only.
+        tick_us = 1e6 / os.sysconf("SC_CLK_TCK") / p["calls"]
+        slack = 2 * tick_us * (len(p["threads_us_per_call"]) + 1)
+        threads = sum(p["threads_us_per_call"].values())
+        assert 0.5 * p["server_cpu_us_per_call"] - slack <= threads <= p["server_cpu_us_per_call"] + slack
 
 
 def test_loop_turns_are_counted_per_call(tmp_path):
