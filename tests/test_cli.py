@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import tritonclient.grpc as tc
-from conftest import start_server
+from tests.conftest import start_server
 
 from batchgate.gateway import cli
 from batchgate.gateway.config import Settings
