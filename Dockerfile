@@ -14,7 +14,7 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN python -m venv /opt/batchgate/venv
 ENV PATH=/opt/batchgate/venv/bin:$PATH
 WORKDIR /src
-COPY pyproject.toml ./
+COPY pyproject.toml LICENSE ./
 COPY batchgate ./batchgate
 COPY proto ./proto
 COPY gateway ./gateway

@@ -37,7 +37,7 @@ $(SERVE_STAMP): pyproject.toml | $(BIN)/python
 
 $(TEST_STAMP): pyproject.toml | $(BIN)/python
 	$(check_runtime)
-	@echo "== installing batchgate[$(RUNTIME),test,reference] into $(VENV) (test tools, torch for the MiniLM reference)"
+	@echo "== installing batchgate[$(RUNTIME),test,reference] into $(VENV) (test tools; torch: the MiniLM reference)"
 	$(BIN)/python -m pip install -e '.[$(RUNTIME),test,reference]'
 	@touch $(SERVE_STAMP) $@
 

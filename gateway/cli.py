@@ -107,7 +107,8 @@ def _missing_runtime(settings: Settings) -> str | None:
     except ImportError:
         first, other = ("gpu", "cpu") if settings.device == "gpu" else ("cpu", "gpu")
         return (
-            f"batchgate serve: no ONNX Runtime is installed; install one with pip install 'batchgate[{first}]' "
+            "batchgate serve: no ONNX Runtime is installed; install one with "
+            f"pip install 'batchgate[{first}]' "
             f"(or 'batchgate[{other}]' {'on a CPU-only machine' if first == 'gpu' else 'for CUDA GPUs'})"
         )
     return None

@@ -146,7 +146,9 @@ def test_serve_without_a_runtime_says_which_extra_to_install(tmp_path, device, f
     (tmp_path / "sitecustomize.py").write_text(BLOCKER)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     env = {k: v for k, v in env.items() if not k.startswith("BATCHGATE_")}
-    probe = subprocess.run([sys.executable, "-c", "import onnxruntime"], env=env, capture_output=True, timeout=60)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import onnxruntime"], env=env, capture_output=True, timeout=60
+    )
     assert probe.returncode != 0, "the blocker did not hide onnxruntime"
     repo = tmp_path / "repo"
     repo.mkdir()

@@ -404,15 +404,18 @@ def _check_service_monitor(doc: dict) -> None:
 
 def _check_certificate(doc: dict) -> None:
     spec = doc["spec"]
-    assert set(spec) <= {"secretName", "duration", "renewBefore", "issuerRef", "privateKey", "usages", "dnsNames"}
+    assert set(spec) <= {
+        "secretName", "duration", "renewBefore", "issuerRef", "privateKey", "usages", "dnsNames"}  # fmt: skip
     assert set(spec["issuerRef"]) == {"name", "kind", "group"} and spec["issuerRef"]["name"]
     assert spec["issuerRef"]["kind"] in ("Issuer", "ClusterIssuer")
     for key in ("duration", "renewBefore"):
         assert re.fullmatch(r"(\d+(\.\d+)?(h|m|s|ms))+", spec[key]), spec
     assert set(spec["privateKey"]) <= {"algorithm", "size", "rotationPolicy", "encoding"}
     assert spec["privateKey"]["rotationPolicy"] in ("Always", "Never")
-    assert all(u in ("server auth", "client auth", "digital signature", "key encipherment") for u in spec["usages"])
-    assert spec["dnsNames"] and all(re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", n) for n in spec["dnsNames"])
+    usages = ("server auth", "client auth", "digital signature", "key encipherment")
+    assert all(u in usages for u in spec["usages"])
+    dns = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+    assert spec["dnsNames"] and all(dns.fullmatch(n) for n in spec["dnsNames"])
 
 
 # -- the chart and the code agree ------------------------------------------------------------------
@@ -520,7 +523,8 @@ def test_probes_are_native_grpc_on_the_grpc_port(rendered):
     name, values, r = rendered
     tls = values["tls"]["enabled"]
     ports = {p["name"]: p["containerPort"] for p in r.gateway["ports"]}
-    assert ports == ({"grpc": 8001, "http": 8000, "metrics": 8002, "health": 8003} if tls else {"grpc": 8001, "http": 8000})
+    want = {"grpc": 8001, "http": 8000} | ({"metrics": 8002, "health": 8003} if tls else {})
+    assert ports == want
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         p = r.gateway[probe]
         assert p["grpc"] == {"port": 8003 if tls else 8001, "service": ""}, (name, probe)
@@ -799,7 +803,8 @@ def test_tls_wiring():
             (cert,) = certs
             spec = cert["spec"]
             assert spec["secretName"] == secret
-            assert spec["issuerRef"] == {"name": "internal-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+            want = {"name": "internal-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+            assert spec["issuerRef"] == want
             for dns in (FULLNAME, f"{FULLNAME}.{NAMESPACE}.svc", f"{FULLNAME}-headless.{NAMESPACE}.svc",
                         "batchgate.example.com"):
                 assert dns in spec["dnsNames"], dns
@@ -976,6 +981,9 @@ def test_dockerfile_copies_every_package(dockerfile):
     _, stages = parse_dockerfile(ROOT / dockerfile)
     copied = {src.rstrip("/") for s in stages[:-1] for arg in s.all("COPY") for src in _copy_sources(arg)[0]}
     assert "pyproject.toml" in copied
+    # PEP 639 license-files: the build fails when a listed file is missing from the context.
+    for lf in pyproject["project"].get("license-files", []):
+        assert lf in copied, f"{dockerfile} does not COPY {lf} (pyproject license-files)"
     assert packages <= copied, f"{dockerfile} does not COPY {sorted(packages - copied)}"
 
 

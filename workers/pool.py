@@ -255,7 +255,8 @@ class WorkerPool:
         graphs = " with CUDA graphs" if getattr(engine, "cuda_graphs", False) else ""
         mode = f", {engine.mode} engines{graphs}" if engine is not None else ""
         dims = [_span(plan.batch_sizes, "batch sizes")]
-        dims += [_span(g.buckets, f"{g.name} lengths") if g.buckets else f"exact {g.name} lengths" for g in plan.groups]
+        for g in plan.groups:
+            dims.append(_span(g.buckets, f"{g.name} lengths") if g.buckets else f"exact {g.name} lengths")
         cap = f", <= {plan.max_batch_tokens} tokens a batch" if plan.max_batch_tokens else ""
         if bound:
             return f"{text}{mode}, {bound} buckets ({' x '.join(dims)}{cap}), {run} warmed in {seconds:.2f}s"
