@@ -23,7 +23,7 @@ from batchgate.gateway.budgets import Budget, LatencyClass, SchedulePolicy
 from batchgate.gateway.caching import ModelCache, build_cache, model_cache
 from batchgate.gateway.codec import Codec
 from batchgate.gateway.config import Settings
-from batchgate.gateway.errors import not_found, unavailable
+from batchgate.gateway.errors import not_found, parse_version, unavailable, unknown_model, unknown_version
 from batchgate.gateway.preprocess import TextStage
 from batchgate.gateway.repository import (
     ConfigError, LoadFailure, ModelSpec, Repository, load_model, load_repository, tokenized,
@@ -32,7 +32,7 @@ from batchgate.gateway.latency import LatencyModel, LoopLag
 from batchgate.gateway.queues import DeadlineQueue, FifoQueue
 from batchgate.gateway.scheduler import Scheduler
 from batchgate.proto.inference.v2 import model_config_pb2 as mc
-from batchgate.workers import BucketConfig, EngineOptions, WorkerPool, default_cache_dir, discover
+from batchgate.workers import EngineOptions, WorkerPool, default_cache_dir, discover
 
 log = logging.getLogger(__name__)
 
@@ -129,10 +129,8 @@ class DataPlane:
                     continue
                 self.models.setdefault(name, {})[version] = rt
                 log.info(
-                    "loaded model %s version %s: max_batch_size=%d, %d worker(s) on %s, inputs %s",
-                    name, version, spec.max_batch_size, len(rt.pool),
-                    ",".join(sorted({str(w.device) for w in rt.pool.workers})),
-                    rt.codec.expected,
+                    "loaded model %s version %s: %s; max_batch_size=%d, inputs %s",
+                    name, version, rt.pool.summary(), spec.max_batch_size, rt.codec.expected,
                 )  # fmt: skip
             if name in self.models:
                 self.latest[name] = max(self.models[name], key=int)
@@ -153,9 +151,8 @@ class DataPlane:
                                 preprocess=text, mode=s.engine_mode, warmup=s.engine_warmup,
                                 cache_dir=(s.engine_cache_dir or default_cache_dir()) if s.engine_cache else None,
                                 cuda_graphs=s.cuda_graphs)  # fmt: skip
-        params = {k: v.string_value for k, v in spec.config.parameters.items()}
-        buckets = BucketConfig.from_parameters(params, spec.max_batch_size, spec.preferred_batch_sizes)
-        pool = WorkerPool(f"{spec.name}-v{spec.version}", spec.path, devices, count, options, buckets, spec.fingerprint)
+        name = f"{spec.name}-v{spec.version}"
+        pool = WorkerPool(name, spec.path, devices, count, options, spec.buckets, spec.fingerprint)
         await asyncio.to_thread(pool.start)
         # A text batch over its token budget leaves as several, spread over the workers.
         execute = text.budgeted(pool.submit) if text is not None else pool.submit
@@ -164,11 +161,7 @@ class DataPlane:
         queue: DeadlineQueue | FifoQueue
         # A model may override the server's policy (parameter scheduling_policy), e.g. to keep
         # Triton's FIFO semantics for one model while the rest are scheduled by deadline.
-        policy = spec.parameter("scheduling_policy", s.scheduling_policy)
-        if policy not in ("deadline", "fifo"):
-            raise ConfigError(
-                f"model '{spec.name}': parameter 'scheduling_policy' must be 'deadline' or 'fifo', got '{policy}'"
-            )
+        policy = spec.params.scheduling_policy or s.scheduling_policy
         if policy == "deadline":
             queue = DeadlineQueue(
                 max_batch_size=spec.max_batch_size,
@@ -182,7 +175,7 @@ class DataPlane:
                 margin_s=s.deadline_margin_ms / 1000,
                 cap_fraction=s.batch_time_cap,
                 row_limit=text.row_limit if text is not None else None,
-                learn_limit=spec.parameter("learned_batch_limit", "true").lower() != "false",
+                learn_limit=spec.params.learned_batch_limit,
             )
         else:
             queue = FifoQueue(
@@ -273,15 +266,16 @@ class DataPlane:
             await asyncio.to_thread(rt.pool.close)
 
     def get(self, name: str, version: str = "") -> ModelRuntime:
+        version = parse_version(version)  # Triton checks the version string before the model
         versions = self.models.get(name)
         if versions is None:
             failure = self.failures.get(name)
             if failure is not None:
                 raise unavailable(f"model '{name}' is not ready: {failure.reason}")
-            raise not_found(f"unknown model '{name}'")  # never the list: a caller may not see it
+            raise unknown_model(name)
         rt = versions.get(version or self.latest[name])
         if rt is None:
-            raise not_found(f"model '{name}' has no version '{version}'; served versions: {sorted(versions, key=int)}")
+            raise unknown_version(name, version, sorted(versions, key=int))
         if self.draining:
             raise unavailable("server is draining; retry on another replica")
         return rt
@@ -291,11 +285,12 @@ class DataPlane:
             return [rt for versions in self.models.values() for rt in versions.values()]
         versions = self.models.get(name)
         if versions is None:
-            raise not_found(f"unknown model '{name}'")
+            raise unknown_model(name)
+        version = parse_version(version)
         if not version:
             return list(versions.values())
         if version not in versions:
-            raise not_found(f"model '{name}' has no version '{version}'")
+            raise unknown_version(name, version)
         return [versions[version]]
 
     async def drain(self, timeout_s: float) -> bool:

@@ -23,7 +23,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from batchgate import proto
-from batchgate.gateway import dtypes
+from batchgate.gateway import dtypes, probes
 from batchgate.gateway.admission import Admission
 from batchgate.gateway.codec import Limits, set_limits
 from batchgate.gateway.config import Settings
@@ -149,6 +149,7 @@ class Server:
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
         self.http_site: web.TCPSite | None = None
+        self.probes: probes.Probes | None = None
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
@@ -207,6 +208,7 @@ class Server:
             if exc.errno == errno.EADDRINUSE:
                 raise address_in_use(s.host, s.http_port, "HTTP") from None
             raise
+        self.probes = await probes.start(self)  # plaintext health/metrics ports, when set (TLS deployments)
         log.info(
             "listening: gRPC %s:%d, HTTP %s:%d%s; messages up to %d bytes%s",
             s.host, self.grpc_port, s.host, self.http_port,
@@ -274,6 +276,8 @@ class Server:
                 extra={"event": "unload", "model": rt.spec.name, "version": rt.spec.version},
             )  # fmt: skip
         await self.admission.close()
+        if self.probes is not None:  # last: probes see the drain through
+            await self.probes.stop()
         log.info("stopped", extra={"event": "stopped"})
         self._stopped.set()
 
