@@ -59,12 +59,7 @@ def unavailable(message: str) -> GatewayError:
 # "... 'm' version 7 is not found", code NOT_FOUND -> gRPC NOT_FOUND / HTTP 404). Triton's own example
 # clients and tools match on its start, so ours comes after it. The caller's strings are clipped, and
 # the models served are not listed: a caller may not be allowed to see them.
-_ECHO_CHARS = 128
-
-
-def clip(text: str, limit: int = _ECHO_CHARS) -> str:
-    """A client-sent string as echoed in an error: at most ``limit`` characters."""
-    return text if len(text) <= limit else text[:limit] + f"...({len(text) - limit} more characters)"
+_ECHO_CHARS = ECHO_MAX  # (clip, above, is the one helper for both)
 
 
 def unknown_model(name: str) -> GatewayError:

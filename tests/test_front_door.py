@@ -454,14 +454,24 @@ def test_concurrent_rpc_cap_refuses_before_python(tmp_path):
     try:
         gate = threading.Event()
 
-        def idle():
+        def one_then_idle():
+            yield ranker_request()
             gate.wait(20)
-            return
-            yield  # noqa: B901
 
         chans = [grpc.insecure_channel(srv.grpc_url) for _ in range(3)]
-        held = [pb_grpc.GRPCInferenceServiceStub(c).ModelStreamInfer(idle(), timeout=30) for c in chans[:2]]
-        time.sleep(0.5)
+        held = []
+        for c in chans[:2]:
+            end = time.monotonic() + 10
+            while True:  # the start-up health checks may still be counted for a moment
+                h = pb_grpc.GRPCInferenceServiceStub(c).ModelStreamInfer(one_then_idle(), timeout=30)
+                try:
+                    next(h)  # answered: this stream is open and holds its slot
+                    break
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > end:
+                        raise
+                    time.sleep(0.05)
+            held.append(h)
         with pytest.raises(grpc.RpcError) as err:
             pb_grpc.GRPCInferenceServiceStub(chans[2]).ModelInfer(ranker_request(), timeout=10)
         gate.set()
@@ -511,6 +521,8 @@ def test_message_limit_follows_the_served_models():
     assert request_bytes(encoder, limits) == 2 * 64 * 512 * 10  # max_dim.<input> bounds the -1 dim
     assert derived_message_bytes([ranker, encoder], limits) == MIN_MESSAGE_BYTES
     # a variable dim without max_dim: the element cap bounds it, and the limit follows
-    del encoder.config.parameters["max_dim.input_ids"]
+    import dataclasses
+
+    encoder = dataclasses.replace(encoder, params=dataclasses.replace(encoder.params, max_dim={"attention_mask": 512}))
     assert request_bytes(encoder, limits) == (1 << 24) * 10 + 64 * 512 * 10
     assert derived_message_bytes([ranker, encoder], limits) > 160 * MiB

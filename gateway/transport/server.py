@@ -48,12 +48,13 @@ def request_bytes(spec: ModelSpec, limits: Limits) -> int:
     every input, a variable dim at its ``max_dim`` (else the element cap), BYTES elements at the
     text stage's ``max_text_bytes`` or the server's ``max_string_bytes``, plus their length prefix."""
     rows = spec.max_batch_size if spec.batched else 1
-    text_bytes = int(spec.parameter("max_text_bytes") or 32768) if tokenized(spec.config) else None
+    params = spec.params
+    text_bytes = params.max_text_bytes if tokenized(spec.config) else None
     total = 0
     for t in spec.inputs:
         per_row = 1
         for d in t.dims:
-            bound = d if d > 0 else int(spec.parameter(f"max_dim.{t.name}") or 0)
+            bound = d if d > 0 else params.max_dim.get(t.name, 0)
             if bound <= 0:
                 per_row = None
                 break
