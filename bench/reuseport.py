@@ -33,7 +33,7 @@ def start(kind: str, n: int) -> list[Started]:
     else:
         cmd = [
             sys.executable, "-m", "batchgate", "serve", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
-            "--http-port", str(http_port), "--log-level", "WARNING",
+            "--http-port", str(http_port), "--log-level", "WARNING", "--reuse-port",  # sharing on purpose
         ]  # fmt: skip
     servers = [Started(f"{kind}-{i}", cmd, url) for i in range(n)]
     for s in servers:
