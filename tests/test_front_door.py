@@ -525,4 +525,4 @@ def test_message_limit_follows_the_served_models():
 
     encoder = dataclasses.replace(encoder, params=dataclasses.replace(encoder.params, max_dim={"attention_mask": 512}))
     assert request_bytes(encoder, limits) == (1 << 24) * 10 + 64 * 512 * 10
-    assert derived_message_bytes([ranker, encoder], limits) > 160 * MiB
+    assert derived_message_bytes([ranker, encoder], limits) == 64 * MiB  # capped: set it for more

@@ -74,11 +74,15 @@ def _itemsize(datatype: str) -> int:
     return dtype.itemsize if dtype is not None else 8
 
 
+MAX_DERIVED_BYTES = 64 * 2**20  # the old fixed default: a model with unbounded dims gets no more
+
+
 def derived_message_bytes(specs: list[ModelSpec], limits: Limits) -> int:
     """The gRPC message limit that lets every served model's largest request in (with room for the
-    message's own framing), and no bigger; at least gRPC's default of 4 MiB."""
+    message's own framing), and no bigger; at least gRPC's default of 4 MiB, at most 64 MiB (a model
+    whose dims are unbounded would otherwise ask for gigabytes: set max_message_bytes for more)."""
     largest = max((request_bytes(s, limits) for s in specs), default=0)
-    return max(MIN_MESSAGE_BYTES, math.ceil(largest * 1.05) + 64 * 1024)
+    return min(MAX_DERIVED_BYTES, max(MIN_MESSAGE_BYTES, math.ceil(largest * 1.05) + 64 * 1024))
 
 
 def _register_for_reflection() -> None:
