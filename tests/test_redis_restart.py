@@ -69,9 +69,9 @@ def test_after_a_redis_restart_the_second_replica_hits(tmp_path, redis_server):
         warm = request(ranker_rows(list(range(100, 108))))
         a.ModelInfer(warm, metadata=md, timeout=TIMEOUT_S)
         assert _wait_keys(r, 8) >= 8
-        before = stats(b)
+        before = stats(b, metadata=md)
         b.ModelInfer(warm, metadata=md, timeout=TIMEOUT_S)
-        assert delta(stats(b), before)["hit"] == 1  # the setup works: B hits what A computed
+        assert delta(stats(b, metadata=md), before)["hit"] == 1  # the setup works: B hits what A computed
 
         redis_server.restart()  # same port, empty (no persistence): every pooled connection is dead
         r.close()
@@ -79,12 +79,12 @@ def test_after_a_redis_restart_the_second_replica_hits(tmp_path, redis_server):
         assert _result_keys(r) == 0
 
         fresh = request(ranker_rows(list(range(200, 208))))
-        before_a, before_b = stats(a), stats(b)
+        before_a, before_b = stats(a, metadata=md), stats(b, metadata=md)
         a.ModelInfer(fresh, metadata=md, timeout=TIMEOUT_S)  # stale lookup and write: retried, fresh
         # A's write went through its dead writer connection's replacement (behind the response).
         assert _wait_keys(r, 8) >= 8, "replica A's rows never reached Redis after the restart"
         b.ModelInfer(fresh, metadata=md, timeout=TIMEOUT_S)  # B's first lookup since the restart
-        da, db = delta(stats(a), before_a), delta(stats(b), before_b)
+        da, db = delta(stats(a, metadata=md), before_a), delta(stats(b, metadata=md), before_b)
         assert da == {"rows": 8, "executions": 1, "hit": 0, "miss": 1, "success": 1}, da
         assert db == {"rows": 0, "executions": 0, "hit": 1, "miss": 0, "success": 1}, db
     finally:
