@@ -158,11 +158,21 @@ async def embed_texts(
     if output is None:
         raise Refused(Kind.INVALID, f"model '{model}' has no FP32 output to return as an embedding", "model")
     max_tokens = stage.settings.max_tokens
+    max_bytes = stage.settings.max_text_bytes
+    fits = max_tokens - stage.specials  # a text of at most this many bytes cannot be over max_tokens
+    long = []
+    for i, t in enumerate(texts):
+        if len(t) * 4 > fits:  # (a character is at most 4 UTF-8 bytes)
+            n = len(t.encode())
+            if n > max_bytes:  # refused before the tokenizer ever sees it (bounds the counting below)
+                raise Refused(
+                    Kind.INVALID, f"input {i}: text is {n} bytes; model '{model}' accepts at most {max_bytes} "
+                    "(parameter max_text_bytes)", "input", too_large=True,
+                )  # fmt: skip
+            if n > fits:
+                long.append(i)
     if exact_limit:
-        # A text of at most max_tokens - specials bytes cannot exceed max_tokens (every token
-        # covers a byte): only longer ones are counted, in a thread, before any other work.
-        fits = max_tokens - stage.specials
-        long = [i for i, t in enumerate(texts) if len(t) > fits and len(t.encode()) > fits]
+        # Only texts that could be over max_tokens are counted, in a thread, before any other work.
         if long:
             counts = await asyncio.to_thread(stage.count_tokens, [texts[i] for i in long])
             for i, n in zip(long, counts, strict=True):
@@ -256,13 +266,14 @@ def _texts(value: Any, field: str) -> list[str]:
             Kind.INVALID, f"'{field}' holds {len(value)} texts; at most {MAX_INPUTS} per request", field,
             too_large=True,
         )  # fmt: skip
+    if all(isinstance(v, int) for v in value) or all(
+        isinstance(v, list) and v and all(isinstance(x, int) for x in v) for v in value
+    ):
+        raise Refused(
+            Kind.INVALID, f"'{field}' holds token ids; this server tokenizes text itself: send strings", field
+        )
     for i, v in enumerate(value):
         if not isinstance(v, str):
-            if isinstance(v, int) or (isinstance(v, list) and all(isinstance(x, int) for x in v)):
-                raise Refused(
-                    Kind.INVALID,
-                    f"'{field}' holds token ids; this server tokenizes text itself: send strings", field,
-                )  # fmt: skip
             raise Refused(Kind.INVALID, f"'{field}[{i}]' must be a string, not {type(v).__name__}", field)
     return value
 
