@@ -251,8 +251,10 @@ def decode_response(resp: pb.ModelInferResponse) -> dict[str, np.ndarray]:
             continue
         dtype = _KSERVE_TO_NUMPY.get(t.datatype)
         if dtype is None:
-            raise ServerError("infer", resp.model_name, grpc.StatusCode.UNIMPLEMENTED,
-                              f"output '{t.name}' has datatype {t.datatype}, which this client cannot decode", "")
+            raise ServerError(
+                "infer", resp.model_name, grpc.StatusCode.UNIMPLEMENTED,
+                f"output '{t.name}' has datatype {t.datatype}, which this client cannot decode", "",
+            )  # fmt: skip
         if raw is not None:
             out[t.name] = np.frombuffer(raw, dtype=dtype).reshape(shape)
         else:  # typed contents (a server that does not answer raw)

@@ -166,8 +166,10 @@ async def embed_texts(
             n = len(t.encode())
             if n > max_bytes:  # refused before the tokenizer ever sees it (bounds the counting below)
                 raise Refused(
-                    Kind.INVALID, f"input {i}: text is {n} bytes; model '{model}' accepts at most {max_bytes} "
-                    "(parameter max_text_bytes)", "input", too_large=True,
+                    Kind.INVALID,
+                    f"input {i}: text is {n} bytes; model '{model}' accepts at most {max_bytes} "
+                    "(parameter max_text_bytes)",
+                    "input", too_large=True,
                 )  # fmt: skip
             if n > fits:
                 long.append(i)
@@ -190,9 +192,10 @@ async def embed_texts(
     if latency_budget_ms is not None:
         params["latency_budget_ms"] = latency_budget_ms
     counting = asyncio.create_task(asyncio.to_thread(stage.count_tokens, texts))
+    name = spec.inputs[0].name
     try:
         parts = await asyncio.gather(*(
-            _infer_chunk(server, model, spec.inputs[0].name, output.name, texts[a : a + chunk], a, params, metadata)
+            _infer_chunk(server, model, name, output.name, texts[a : a + chunk], a, params, metadata)
             for a in range(0, len(texts), chunk)
         ))  # fmt: skip
     except BaseException:
@@ -247,7 +250,9 @@ async def _body(request: web.Request) -> Any:
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
-        raise Refused(Kind.INVALID, f"the request body is larger than {exc.text or 'the limit'}", too_large=True)
+        raise Refused(
+            Kind.INVALID, f"the request body is larger than {exc.text or 'the limit'}", too_large=True
+        ) from None
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -291,7 +296,9 @@ def _latency(request: web.Request, doc: dict) -> tuple[str | None, float | None]
             budget = -1.0
         if isinstance(doc.get("latency_budget_ms"), bool) or not 0 < budget < math.inf:
             raise Refused(
-                Kind.INVALID, "'latency_budget_ms' must be a positive number of milliseconds", "latency_budget_ms"
+                Kind.INVALID,
+                "'latency_budget_ms' must be a positive number of milliseconds",
+                "latency_budget_ms",
             )
     return cls, budget
 
@@ -324,7 +331,9 @@ OPENAI = {
     Kind.UNSUPPORTED: (501, "invalid_request_error", "unsupported"),
     Kind.FAILED: (500, "server_error", None),
 }
-_OPENAI_FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "latency_class", "latency_budget_ms"}
+_OPENAI_FIELDS = {
+    "model", "input", "encoding_format", "dimensions", "user", "latency_class", "latency_budget_ms",
+}  # fmt: skip
 
 
 def openai_error(exc: Refused) -> web.Response:
@@ -361,7 +370,8 @@ class EmbeddingsApi:
             texts = _texts(doc["input"], "input")
             fmt = doc.get("encoding_format") or "float"
             if fmt not in ("float", "base64"):
-                raise Refused(Kind.INVALID, f"'encoding_format' must be 'float' or 'base64', not {fmt!r}", "encoding_format")
+                message = f"'encoding_format' must be 'float' or 'base64', not {fmt!r}"
+                raise Refused(Kind.INVALID, message, "encoding_format")
             if "user" in doc and not isinstance(doc["user"], str):
                 raise Refused(Kind.INVALID, "'user' must be a string", "user")
             cls, budget = _latency(request, doc)
@@ -420,7 +430,9 @@ class EmbeddingsApi:
             names = self._visible(request)
             if name not in names:
                 raise Refused(
-                    Kind.NOT_FOUND, f"The model '{name}' does not exist or you do not have access to it.", "model"
+                    Kind.NOT_FOUND,
+                    f"The model '{name}' does not exist or you do not have access to it.",
+                    "model",
                 )
         except Refused as exc:
             return openai_error(exc)
@@ -445,9 +457,13 @@ class EmbeddingsApi:
             truncate = _flag(doc, "truncate", False)
             direction = doc.get("truncation_direction", "Right")
             if direction not in ("Right", "right"):
-                raise Refused(Kind.INVALID, "'truncation_direction' must be 'Right': texts keep their first tokens")
+                raise Refused(
+                    Kind.INVALID, "'truncation_direction' must be 'Right': texts keep their first tokens"
+                )
             if doc.get("prompt_name") is not None:
-                raise Refused(Kind.INVALID, "'prompt_name' is not supported: send the prompt as part of the text")
+                raise Refused(
+                    Kind.INVALID, "'prompt_name' is not supported: send the prompt as part of the text"
+                )
             model = doc.get("model", DEFAULT_MODEL)
             if not isinstance(model, str):
                 raise Refused(Kind.INVALID, "'model' must be the name of a text model")

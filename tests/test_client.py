@@ -175,7 +175,8 @@ def test_targets_and_service_config():
 
 def _executions(url: str) -> int:
     with grpc.insecure_channel(url) as ch:
-        stats = pb_grpc.GRPCInferenceServiceStub(ch).ModelStatistics(pb.ModelStatisticsRequest(name="ranker"), timeout=5)
+        stub = pb_grpc.GRPCInferenceServiceStub(ch)
+        stats = stub.ModelStatistics(pb.ModelStatisticsRequest(name="ranker"), timeout=5)
     return stats.model_stats[0].inference_stats.success.count
 
 
