@@ -87,6 +87,9 @@ def parser() -> argparse.ArgumentParser:
         "--rows", type=_ints, default=[1], help="rows (texts) per request, a sweep such as 1,32 (default 1)"
     )
     p.add_argument(
+        "--latency-class", help="latency class every request asks for (default: the server's default class)"
+    )
+    p.add_argument(
         "--openai-format", choices=["base64", "float"], default="base64",
         help="encoding_format the openai api asks for (default %(default)s, the openai SDK's)",
     )  # fmt: skip
@@ -145,7 +148,9 @@ def run(args: argparse.Namespace, url: str, http_url: str | None = None) -> list
     levels = args.concurrency if args.mode == "closed" else args.rate
     points = []
     for rows in args.rows:
-        workload = Workload(args.model, rows, args.seq, openai_format=args.openai_format)
+        workload = Workload(
+            args.model, rows, args.seq, openai_format=args.openai_format, latency_class=args.latency_class
+        )
         for api in args.api:
             for level in levels:
                 before = asyncio.run(model_statistics(url, args.model))

@@ -57,6 +57,7 @@ class Workload:
     seq: int = 32
     variants: int = 64  # distinct requests cycled through (distinct inputs, so a cache cannot hide work)
     openai_format: str = "base64"  # encoding_format of the openai api (the SDK's default)
+    latency_class: str | None = None  # the request parameter (openai: the extension field), if set
 
     def texts(self, seed: int = 0) -> list[list[str]]:
         """The text workload's requests: ``rows`` consecutive shipped texts each, from a seeded start."""
@@ -72,8 +73,12 @@ class Workload:
             if self.model != "minilm":
                 raise ValueError("the openai api takes the text workload only (--model minilm)")
             fmt = self.openai_format
-            bodies = ({"model": self.model, "input": t, "encoding_format": fmt} for t in self.texts(seed))
-            return [("/v1/embeddings", json.dumps(b).encode()) for b in bodies]
+            extra = {"latency_class": self.latency_class} if self.latency_class else {}
+            out = []
+            for t in self.texts(seed):
+                body = {"model": self.model, "input": t, "encoding_format": fmt, **extra}
+                out.append(("/v1/embeddings", json.dumps(body).encode()))
+            return out
         out = []
         for req in self.requests(seed):
             inputs = []
@@ -83,10 +88,20 @@ class Workload:
                 else:
                     data = np.frombuffer(raw, dtype=_NUMPY[t.datatype]).tolist()
                 inputs.append({"name": t.name, "shape": list(t.shape), "datatype": t.datatype, "data": data})
-            out.append((f"/v2/models/{self.model}/infer", json.dumps({"inputs": inputs}).encode()))
+            doc: dict = {"inputs": inputs}
+            if self.latency_class:
+                doc["parameters"] = {"latency_class": self.latency_class}
+            out.append((f"/v2/models/{self.model}/infer", json.dumps(doc).encode()))
         return out
 
     def requests(self, seed: int = 0) -> list[pb.ModelInferRequest]:
+        reqs = self._requests(seed)
+        if self.latency_class:
+            for r in reqs:
+                r.parameters["latency_class"].string_param = self.latency_class
+        return reqs
+
+    def _requests(self, seed: int) -> list[pb.ModelInferRequest]:
         if self.model == "minilm":
             out = []
             for texts in self.texts(seed):

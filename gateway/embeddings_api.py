@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 import math
 import re
@@ -31,6 +32,7 @@ from aiohttp import web
 from batchgate.gateway.codec import serialize_bytes
 from batchgate.gateway.errors import GatewayError, Kind
 from batchgate.gateway.logs import REQUEST_ID
+from batchgate.gateway.preprocess import estimate_tokens
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 
 if TYPE_CHECKING:
@@ -64,6 +66,7 @@ class Embedded:
     vectors: np.ndarray  # float32 [n, dim], as the model computed them
     tokens: list[int]  # the tokenizer's count per text (what the model saw: truncated ones capped)
     model: str
+    headers: dict  # response headers from the serving path (x-request-id)
 
 
 # -- the seam ---------------------------------------------------------------------------------------
@@ -103,6 +106,7 @@ class _Context:
         raise _Abort(code, details, trailing_metadata)
 
 
+@functools.cache
 def _code_kind() -> dict:
     from batchgate.gateway.server import STATUS  # server imports the HTTP side, which imports us
 
@@ -136,8 +140,9 @@ async def embed_texts(
 
     ``metadata``: the caller's headers as gRPC metadata (lower-case keys; the API key, x-request-id).
     ``exact_limit``: refuse a text over the model's ``max_tokens`` (413 in TEI) instead of letting
-    the model's ``truncate`` setting decide. A list longer than the model's max_batch_size is sent
-    as several requests, which run (and are batched) side by side."""
+    the model's ``truncate`` setting decide. The list is sent as one request per length bucket
+    (``plan``), each at most max_batch_size texts; they run, and batch with other callers' texts,
+    side by side."""
     adm = server.admission
     if not adm.open:  # before anything says whether the model exists
         try:
@@ -185,7 +190,6 @@ async def embed_texts(
                         "(send truncate: true to embed its first tokens)",
                         "input", too_large=True,
                     )  # fmt: skip
-    chunk = spec.max_batch_size if spec.batched else 1
     params: dict[str, Any] = {}
     if latency_class is not None:
         params["latency_class"] = latency_class
@@ -193,28 +197,58 @@ async def embed_texts(
         params["latency_budget_ms"] = latency_budget_ms
     counting = asyncio.create_task(asyncio.to_thread(stage.count_tokens, texts))
     name = spec.inputs[0].name
+    encoded = [t.encode() for t in texts]
+    specials = stage.specials
+    groups = plan(encoded, lambda b: stage.bucket(estimate_tokens(b, specials)), spec.max_batch_size or 1)
+    tasks = [
+        asyncio.create_task(_infer_chunk(server, model, name, output.name, encoded, rows, params, metadata))
+        for rows in groups
+    ]
     try:
-        parts = await asyncio.gather(*(
-            _infer_chunk(server, model, name, output.name, texts[a : a + chunk], a, params, metadata)
-            for a in range(0, len(texts), chunk)
-        ))  # fmt: skip
+        parts = await asyncio.gather(*tasks)
     except BaseException:
+        for t in tasks:  # one refusal answers the whole request: the other parts stop computing
+            t.cancel()
         counting.cancel()
         raise
     counts = await counting
-    vectors = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    if len(parts) == 1:
+        vectors = parts[0][0]
+    else:
+        vectors = np.empty((len(texts), parts[0][0].shape[1]), dtype=np.float32)
+        for rows, (part, _) in zip(groups, parts, strict=True):
+            vectors[rows] = part
     if stage.settings.truncate:
         counts = [min(n, max_tokens) for n in counts]
-    return Embedded(vectors, counts, spec.name)
+    return Embedded(vectors, counts, spec.name, parts[0][1])
+
+
+def plan(encoded: list[bytes], bucket_of, max_rows: int) -> list[list[int]]:
+    """The KServe requests a list of texts is sent as: row indices grouped by estimated length
+    bucket (the text stage's own estimate and buckets), each group cut at ``max_rows``.
+
+    One request holding every text would run as one batch padded to its longest text (on CPU a
+    padded token costs what a real one does: 8x for 32 mixed texts of the bench's workload), and
+    would share a batch only with texts as long as its longest. Split by length, each group runs
+    at its own length and batches with other callers' texts of that length."""
+    by_bucket: dict[int, list[int]] = {}
+    for i, b in enumerate(encoded):
+        by_bucket.setdefault(bucket_of(b), []).append(i)
+    return [
+        rows[a : a + max_rows]
+        for _, rows in sorted(by_bucket.items())
+        for a in range(0, len(rows), max_rows)
+    ]
 
 
 async def _infer_chunk(
-    server: Server, model: str, input_name: str, output: str, texts: list[str], offset: int,
+    server: Server, model: str, input_name: str, output: str, encoded: list[bytes], rows: list[int],
     params: dict[str, Any], metadata: tuple,
-) -> np.ndarray:  # fmt: skip
+) -> tuple[np.ndarray, dict]:  # fmt: skip
+    """One KServe request of the caller's texts ``rows``; its vectors in that order."""
     req = pb.ModelInferRequest(model_name=model)
-    req.inputs.add(name=input_name, datatype="BYTES", shape=[len(texts), 1])
-    req.raw_input_contents.append(serialize_bytes(np.array([t.encode() for t in texts], dtype=object)))
+    req.inputs.add(name=input_name, datatype="BYTES", shape=[len(rows), 1])
+    req.raw_input_contents.append(serialize_bytes(np.array([encoded[i] for i in rows], dtype=object)))
     for key, value in params.items():
         if isinstance(value, str):
             req.parameters[key].string_param = value
@@ -228,14 +262,15 @@ async def _infer_chunk(
         kind = _code_kind().get(exc.code, Kind.FAILED)
         message = exc.details
         m = _ROW.match(message)
-        if m:  # the text stage names rows of this chunk: say which input of the caller's list
-            message = f"input {offset + int(m.group(1))}: {message[m.end():]}"
+        if m:  # the text stage names rows of this request: say which input of the caller's list
+            message = f"input {rows[int(m.group(1))]}: {message[m.end():]}"
         raise Refused(kind, message, "input" if m else None, _headers_of(exc.trailing)) from None
     finally:
         REQUEST_ID.reset(token)
     for i, t in enumerate(resp.outputs):
         if t.name == output:
-            return np.frombuffer(resp.raw_output_contents[i], dtype="<f4").reshape(len(texts), -1)
+            vectors = np.frombuffer(resp.raw_output_contents[i], dtype="<f4").reshape(len(rows), -1)
+            return vectors, _headers_of(ctx.trailing)
     raise Refused(Kind.FAILED, f"model '{model}' answered without output '{output}'")
 
 
@@ -393,7 +428,9 @@ class EmbeddingsApi:
             "model": out.model,
             "usage": {"prompt_tokens": total, "total_tokens": total},
         }
-        return web.Response(text=json.dumps(body, separators=(",", ":")), content_type="application/json")
+        return web.Response(
+            text=json.dumps(body, separators=(",", ":")), content_type="application/json", headers=out.headers
+        )
 
     def _check_dimensions(self, model: str, dims: Any) -> None:
         try:
@@ -483,7 +520,11 @@ class EmbeddingsApi:
         return web.Response(
             text=json.dumps(vectors.tolist(), separators=(",", ":")),
             content_type="application/json",
-            headers={"x-compute-tokens": str(total), "x-compute-characters": str(sum(map(len, texts)))},
+            headers={
+                **out.headers,
+                "x-compute-tokens": str(total),
+                "x-compute-characters": str(sum(map(len, texts))),
+            },
         )
 
 

@@ -21,6 +21,9 @@ import pytest
 import tritonclient.grpc as tc
 from tokenizers import Tokenizer
 
+from batchgate.gateway.embeddings_api import plan
+from batchgate.gateway.preprocess import TextStage, estimate_tokens
+from batchgate.gateway.repository import load_model
 from batchgate.gateway.tenants import hash_key
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
@@ -103,11 +106,27 @@ def tokenizer(minilm_dir):
     return tok
 
 
+@pytest.fixture(scope="module")
+def stage(minilm_dir) -> TextStage:
+    return TextStage(load_model(minilm_dir)[0])
+
+
 def kserve(triton, texts: list[str], model: str = "minilm") -> np.ndarray:
+    """One KServe request (tritonclient, BYTES [n, 1]) holding ``texts``."""
     arr = np.array([[t.encode()] for t in texts], dtype=object)
     inp = tc.InferInput("text", list(arr.shape), "BYTES")
     inp.set_data_from_numpy(arr)
     return triton.infer(model, [inp], headers={"authorization": f"Bearer {FULL}"}).as_numpy("embedding")
+
+
+def kserve_planned(triton, stage: TextStage, texts: list[str]) -> np.ndarray:
+    """The KServe requests the endpoints send for a list (one per length bucket, ``plan``),
+    reassembled in the caller's order."""
+    groups = plan([t.encode() for t in texts], lambda b: stage.bucket(estimate_tokens(b, stage.specials)), 64)
+    out = np.empty((len(texts), 384), np.float32)
+    for rows in groups:
+        out[rows] = kserve(triton, [texts[i] for i in rows])
+    return out
 
 
 def post(url: str, body, key: str | None = FULL, headers: dict | None = None) -> tuple[int, dict, object]:
@@ -126,18 +145,23 @@ def post(url: str, body, key: str | None = FULL, headers: dict | None = None) ->
 # -- OpenAI -----------------------------------------------------------------------------------------
 
 
-def test_float_many_texts_equal_the_kserve_path_and_usage_counts_real_tokens(oai, triton, tokenizer):
+def test_float_many_texts_equal_the_kserve_path_and_usage_counts_real_tokens(oai, triton, tokenizer, stage):
     resp = oai.embeddings.create(model="minilm", input=TEXTS, encoding_format="float")
     got = np.array([d.embedding for d in resp.data], dtype=np.float32)
     assert [d.index for d in resp.data] == list(range(len(TEXTS)))
     assert resp.model == "minilm" and resp.object == "list" and resp.data[0].object == "embedding"
-    assert np.array_equal(got, kserve(triton, TEXTS))
+    assert len(plan([t.encode() for t in TEXTS], lambda b: stage.bucket(estimate_tokens(b, 2)), 64)) >= 3
+    assert np.array_equal(got, kserve_planned(triton, stage, TEXTS))
+    # and the same texts as a KServe request each (batches of other lengths pad differently, so
+    # equal to float rounding, not bit for bit)
+    single = np.concatenate([kserve(triton, [t]) for t in TEXTS])
+    assert np.abs(got - single).max() < 1e-5
     expected = sum(min(len(e.ids), 256) for e in tokenizer.encode_batch(TEXTS))  # minilm truncates at 256
     assert resp.usage.prompt_tokens == resp.usage.total_tokens == expected
     assert expected > 256 + 5 * 3  # the long text counted as what the model saw
 
 
-def test_base64_one_string_equals_the_kserve_path(oai, triton, base):
+def test_base64_one_string_equals_the_kserve_path(oai, triton, stage):
     resp = oai.embeddings.create(model="minilm", input=TEXTS[0], encoding_format="base64")
     raw = resp.data[0].embedding
     assert isinstance(raw, str)  # the SDK hands base64 back untouched when asked for it
@@ -146,7 +170,7 @@ def test_base64_one_string_equals_the_kserve_path(oai, triton, base):
     # the SDK's own default (encoding_format omitted: base64 on the wire, decoded by the SDK)
     default = oai.embeddings.create(model="minilm", input=TEXTS[:2])
     vectors = np.array([d.embedding for d in default.data], np.float32)
-    assert np.array_equal(vectors, kserve(triton, TEXTS[:2]))
+    assert np.array_equal(vectors, kserve_planned(triton, stage, TEXTS[:2]))
 
 
 def test_float_one_string_and_more_texts_than_max_batch_size(oai, triton):
@@ -274,24 +298,24 @@ def test_oversized_requests_are_refused_before_any_work(base):
 # -- TEI --------------------------------------------------------------------------------------------
 
 
-def test_tei_embed_one_string_and_many_equal_the_kserve_path(base, triton):
+def test_tei_embed_one_string_and_many_equal_the_kserve_path(base, triton, stage):
     status, headers, body = post(base + "/embed", {"inputs": TEXTS[0]})
     assert status == 200 and np.array_equal(np.float32(body), kserve(triton, [TEXTS[0]]))
     many = [t for t in TEXTS if t is not LONG]
     status, headers, body = post(base + "/embed", {"inputs": many, "normalize": True})
-    assert status == 200 and np.array_equal(np.float32(body), kserve(triton, many))
+    assert status == 200 and np.array_equal(np.float32(body), kserve_planned(triton, stage, many))
     assert int(headers["x-compute-tokens"]) > 0
     # minilm's graph normalises: normalize false returns the model's vectors as they are
     status, _, raw = post(base + "/embed", {"inputs": many, "normalize": False})
-    assert status == 200 and np.array_equal(np.float32(raw), kserve(triton, many))
+    assert status == 200 and np.array_equal(np.float32(raw), kserve_planned(triton, stage, many))
 
 
-def test_tei_truncate(base, triton):
+def test_tei_truncate(base, triton, stage):
     status, _, body = post(base + "/embed", {"inputs": ["fine", LONG]})
     assert status == 413 and body["error_type"] == "validation", body
     assert "input 1 is" in body["error"] and "at most 256" in body["error"]
     status, _, body = post(base + "/embed", {"inputs": ["fine", LONG], "truncate": True})
-    assert status == 200 and np.array_equal(np.float32(body), kserve(triton, ["fine", LONG]))
+    assert status == 200 and np.array_equal(np.float32(body), kserve_planned(triton, stage, ["fine", LONG]))
 
 
 @pytest.mark.parametrize(
@@ -317,3 +341,9 @@ def test_tei_overloaded_is_429(base):
     post(base + "/embed", {"inputs": "x"}, key=TIGHT)
     status, headers, body = post(base + "/embed", {"inputs": "x"}, key=TIGHT)
     assert status == 429 and body["error_type"] == "overloaded" and "Retry-After" in headers
+
+
+def test_request_id_is_echoed(base):
+    for path, body in (("/v1/embeddings", {"model": "minilm", "input": "x"}), ("/embed", {"inputs": "x"})):
+        status, headers, _ = post(base + path, body, headers={"X-Request-Id": "embed-test-42"})
+        assert status == 200 and {k.lower(): v for k, v in headers.items()}["x-request-id"] == "embed-test-42"
