@@ -114,16 +114,9 @@ class Codec:
         self.tied = list(spec.tied_dims.items())
         # A text model's input (dims [ 1 ]) also takes shape [N]: one string per row either way.
         self.flat_text = spec.inputs[0].name if tokenized(spec.config) else None
-        self.ranges: dict[str, _Range] = {}
-        self.max_dim: dict[str, int] = {}
-        for t in spec.inputs:
-            text = spec.parameter(f"input_range.{t.name}")
-            if text:
-                low, _, high = text.partition(":")
-                self.ranges[t.name] = _Range(float(low), float(high))
-            text = spec.parameter(f"max_dim.{t.name}")
-            if text:
-                self.max_dim[t.name] = int(text)
+        # (parsed and checked at load: gateway/parameters.py)
+        self.ranges = {name: _Range(low, high) for name, (low, high) in spec.params.input_range.items()}
+        self.max_dim = dict(spec.params.max_dim)
 
     # -- decode -------------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from batchgate.gateway.latency import LatencyModel, LoopLag
 from batchgate.gateway.queues import DeadlineQueue, FifoQueue
 from batchgate.gateway.scheduler import Scheduler
 from batchgate.proto.inference.v2 import model_config_pb2 as mc
-from batchgate.workers import BucketConfig, EngineOptions, WorkerPool, default_cache_dir, discover
+from batchgate.workers import EngineOptions, WorkerPool, default_cache_dir, discover
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +145,8 @@ class DataPlane:
                                 preprocess=text, mode=s.engine_mode, warmup=s.engine_warmup,
                                 cache_dir=(s.engine_cache_dir or default_cache_dir()) if s.engine_cache else None,
                                 cuda_graphs=s.cuda_graphs)  # fmt: skip
-        params = {k: v.string_value for k, v in spec.config.parameters.items()}
-        buckets = BucketConfig.from_parameters(params, spec.max_batch_size, spec.preferred_batch_sizes)
-        pool = WorkerPool(f"{spec.name}-v{spec.version}", spec.path, devices, count, options, buckets, spec.fingerprint)
+        name = f"{spec.name}-v{spec.version}"
+        pool = WorkerPool(name, spec.path, devices, count, options, spec.buckets, spec.fingerprint)
         await asyncio.to_thread(pool.start)
         # A text batch over its token budget leaves as several, spread over the workers.
         execute = text.budgeted(pool.submit) if text is not None else pool.submit
@@ -156,11 +155,7 @@ class DataPlane:
         queue: DeadlineQueue | FifoQueue
         # A model may override the server's policy (parameter scheduling_policy), e.g. to keep
         # Triton's FIFO semantics for one model while the rest are scheduled by deadline.
-        policy = spec.parameter("scheduling_policy", s.scheduling_policy)
-        if policy not in ("deadline", "fifo"):
-            raise ConfigError(
-                f"model '{spec.name}': parameter 'scheduling_policy' must be 'deadline' or 'fifo', got '{policy}'"
-            )
+        policy = spec.params.scheduling_policy or s.scheduling_policy
         if policy == "deadline":
             queue = DeadlineQueue(
                 max_batch_size=spec.max_batch_size,
@@ -174,7 +169,7 @@ class DataPlane:
                 margin_s=s.deadline_margin_ms / 1000,
                 cap_fraction=s.batch_time_cap,
                 row_limit=text.row_limit if text is not None else None,
-                learn_limit=spec.parameter("learned_batch_limit", "true").lower() != "false",
+                learn_limit=spec.params.learned_batch_limit,
             )
         else:
             queue = FifoQueue(

