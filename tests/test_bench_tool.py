@@ -105,7 +105,8 @@ def test_text_workload_on_every_endpoint(server, tmp_path):
     assert len(TEXTS) == 512 and words[0] <= 14 and words[-1] >= 120  # mixed lengths, as shipped
     rc = bench_main(
         ["--url", server.grpc_url, "--http-url", f"127.0.0.1:{server.http_port}", "--model", "minilm",
-         "--api", "unary,stream,rest,openai", "--rows", "1,3", "--concurrency", "2", *SHORT,
+         "--api", "unary,stream,rest,openai", "--rows", "1,3", "--concurrency", "2", "--latency-class", "bulk",
+         "--duration", "1.5", "--warmup", "0.3", "--channels", "2", "--no-progress",
          "--timeout-s", "30", "--json", str(tmp_path / "t.json")]
     )  # fmt: skip
     assert rc == 0
