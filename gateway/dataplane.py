@@ -23,7 +23,7 @@ from batchgate.gateway.budgets import Budget, LatencyClass, SchedulePolicy
 from batchgate.gateway.caching import ModelCache, build_cache, model_cache
 from batchgate.gateway.codec import Codec
 from batchgate.gateway.config import Settings
-from batchgate.gateway.errors import not_found, unavailable
+from batchgate.gateway.errors import not_found, parse_version, unavailable, unknown_model, unknown_version
 from batchgate.gateway.preprocess import TextStage
 from batchgate.gateway.repository import ConfigError, LoadFailure, ModelSpec, load_model, load_repository, tokenized
 from batchgate.gateway.latency import LatencyModel, LoopLag
@@ -121,10 +121,8 @@ class DataPlane:
                     continue
                 self.models.setdefault(name, {})[version] = rt
                 log.info(
-                    "loaded model %s version %s: max_batch_size=%d, %d worker(s) on %s, inputs %s",
-                    name, version, spec.max_batch_size, len(rt.pool),
-                    ",".join(sorted({str(w.device) for w in rt.pool.workers})),
-                    rt.codec.expected,
+                    "loaded model %s version %s: %s; max_batch_size=%d, inputs %s",
+                    name, version, rt.pool.summary(), spec.max_batch_size, rt.codec.expected,
                 )  # fmt: skip
             if name in self.models:
                 self.latest[name] = max(self.models[name], key=int)
@@ -258,15 +256,16 @@ class DataPlane:
             await asyncio.to_thread(rt.pool.close)
 
     def get(self, name: str, version: str = "") -> ModelRuntime:
+        version = parse_version(version)  # Triton checks the version string before the model
         versions = self.models.get(name)
         if versions is None:
             failure = self.failures.get(name)
             if failure is not None:
                 raise unavailable(f"model '{name}' is not ready: {failure.reason}")
-            raise not_found(f"unknown model '{name}'; served models: {sorted(self.models)}")
+            raise unknown_model(name)
         rt = versions.get(version or self.latest[name])
         if rt is None:
-            raise not_found(f"model '{name}' has no version '{version}'; served versions: {sorted(versions, key=int)}")
+            raise unknown_version(name, version, sorted(versions, key=int))
         if self.draining:
             raise unavailable("server is draining; retry on another replica")
         return rt
@@ -276,11 +275,12 @@ class DataPlane:
             return [rt for versions in self.models.values() for rt in versions.values()]
         versions = self.models.get(name)
         if versions is None:
-            raise not_found(f"unknown model '{name}'")
+            raise unknown_model(name)
+        version = parse_version(version)
         if not version:
             return list(versions.values())
         if version not in versions:
-            raise not_found(f"model '{name}' has no version '{version}'")
+            raise unknown_version(name, version)
         return [versions[version]]
 
     async def drain(self, timeout_s: float) -> bool:
