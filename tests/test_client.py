@@ -122,7 +122,7 @@ def test_async_client_equals_tritonclient(srv, triton):
 
 
 def test_exceptions_say_what_went_wrong(srv, bg):
-    with pytest.raises(ModelNotFound, match=r"infer model 'nope' at .*NOT_FOUND: unknown model 'nope'"):
+    with pytest.raises(ModelNotFound, match=r"infer model 'nope' at .*NOT_FOUND: .*'nope'"):
         bg.infer("nope", x=np.zeros((1, 1), np.float32))
     with pytest.raises(InvalidInput, match="dense"):
         bg.score(np.zeros((2, 63), np.float32), np.zeros((2, 8), np.int64))
