@@ -21,6 +21,7 @@ COPY gateway ./gateway
 COPY workers ./workers
 COPY cache ./cache
 COPY bench ./bench
+COPY client ./client
 # A regular (not editable) install, so the runtime stage needs site-packages only. The checks
 # fail the build if both onnxruntime wheels ended up here (each provides the same module) or if
 # the server cannot import.
