@@ -3,11 +3,10 @@ and ``GET /v1/models``, and Hugging Face TEI's ``POST /embed``.
 
 Only translation lives here. ``embed_texts`` is the one seam to the serving path: it turns a list
 of texts into the KServe v2 ``ModelInferRequest``\\s a tritonclient caller would send (BYTES
-``[n, 1]``) and hands them to the servicer's ``ModelInfer``, exactly as KServe REST does — so the
-tenant (``Authorization: Bearer``), rate limits, latency class, result cache, batching with other
-callers' texts, request ids and accounting are the ones every transport gets, not copies. When the
-transports call one pipeline function (gateway/infer.py), that call replaces the body of
-``_infer_chunk`` and nothing else here changes.
+``[n, 1]``) and hands them to the request pipeline (gateway/infer.py), exactly as KServe REST does —
+so the tenant (``Authorization: Bearer``, checked from the headers before the body is read), rate
+limits, latency class, result cache, batching with other callers' texts and accounting are the
+ones every transport gets, not copies.
 
 Errors are each API's own JSON: OpenAI's ``{"error": {"message", "type", "param", "code"}}`` and
 TEI's ``{"error", "error_type"}``, with the statuses those servers use (tables ``OPENAI`` and
@@ -25,18 +24,17 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import grpc
 import numpy as np
 from aiohttp import web
 
 from batchgate.gateway.codec import serialize_bytes
 from batchgate.gateway.errors import GatewayError, Kind
-from batchgate.gateway.logs import REQUEST_ID
+from batchgate.gateway.logs import REQUEST_ID, REQUEST_ID_KEY, clean_request_id
 from batchgate.gateway.preprocess import estimate_tokens
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 
 if TYPE_CHECKING:
-    from batchgate.gateway.server import Server
+    from batchgate.gateway.transport.server import Server
 
 MAX_INPUTS = 2048  # texts per request: OpenAI's own limit; larger bodies are refused before any work
 DEFAULT_MODEL = "minilm"  # what /embed serves when the body names no model
@@ -70,47 +68,6 @@ class Embedded:
 
 
 # -- the seam ---------------------------------------------------------------------------------------
-
-
-class _Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str, trailing=()) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-        self.trailing = tuple(trailing or ())
-
-
-class _Context:
-    """The part of ``grpc.aio.ServicerContext`` that ModelInfer uses, over the HTTP headers
-    (metadata keys lower-cased, as gRPC has them)."""
-
-    __slots__ = ("_metadata", "trailing")
-
-    def __init__(self, metadata: tuple) -> None:
-        self._metadata = metadata
-        self.trailing: tuple = ()
-
-    def invocation_metadata(self) -> tuple:
-        return self._metadata
-
-    def set_trailing_metadata(self, metadata) -> None:
-        self.trailing = tuple(metadata)
-
-    def time_remaining(self) -> float | None:
-        return None  # budgets come from the latency class or latency_budget_ms
-
-    def peer(self) -> str:
-        return "http"
-
-    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
-        raise _Abort(code, details, trailing_metadata)
-
-
-@functools.cache
-def _code_kind() -> dict:
-    from batchgate.gateway.server import STATUS  # server imports the HTTP side, which imports us
-
-    return {code: kind for kind, code in STATUS.items()}
 
 
 def text_models(server: Server) -> list[str]:
@@ -254,23 +211,26 @@ async def _infer_chunk(
             req.parameters[key].string_param = value
         else:
             req.parameters[key].double_param = float(value)
-    ctx = _Context(metadata)
-    token = REQUEST_ID.set("")
+    rid = next((clean_request_id(v) for k, v in metadata if k == REQUEST_ID_KEY), "")
+    echo = {REQUEST_ID_KEY: rid} if rid else {}
+    pipeline = server.pipeline
+    token = REQUEST_ID.set(rid)
     try:
-        resp = await server.servicer.ModelInfer(req, ctx, server.metrics.transport("http"))
-    except _Abort as exc:
-        kind = _code_kind().get(exc.code, Kind.FAILED)
-        message = exc.details
+        caller = pipeline.identify(metadata)
+        resp = await pipeline.infer(req, caller, server.metrics.transport("http"))
+    except GatewayError as exc:
+        message = exc.message
         m = _ROW.match(message)
         if m:  # the text stage names rows of this request: say which input of the caller's list
             message = f"input {rows[int(m.group(1))]}: {message[m.end():]}"
-        raise Refused(kind, message, "input" if m else None, _headers_of(exc.trailing)) from None
+        trailing = (*getattr(exc, "trailing_metadata", ()), *echo.items())
+        raise Refused(exc.kind, message, "input" if m else None, _headers_of(trailing)) from None
     finally:
         REQUEST_ID.reset(token)
     for i, t in enumerate(resp.outputs):
         if t.name == output:
             vectors = np.frombuffer(resp.raw_output_contents[i], dtype="<f4").reshape(len(rows), -1)
-            return vectors, _headers_of(ctx.trailing)
+            return vectors, dict(echo)
     raise Refused(Kind.FAILED, f"model '{model}' answered without output '{output}'")
 
 
@@ -281,7 +241,13 @@ def _metadata(request: web.Request) -> tuple:
 # -- request parsing shared by both APIs ------------------------------------------------------------
 
 
-async def _body(request: web.Request) -> Any:
+async def _body(request: web.Request, server: Server) -> Any:
+    """The JSON body, read only after the API key in the headers is known good (a key-less caller
+    costs its headers, not its body)."""
+    try:
+        server.pipeline.identify(_metadata(request))
+    except GatewayError as exc:
+        raise Refused(exc.kind, exc.message) from None
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
@@ -391,7 +357,7 @@ class EmbeddingsApi:
 
     async def openai_embeddings(self, request: web.Request) -> web.Response:
         try:
-            doc = await _body(request)
+            doc = await _body(request, self.server)
             if not isinstance(doc, dict):
                 raise Refused(Kind.INVALID, "the request body must be a JSON object with 'model' and 'input'")
             unknown = sorted(set(doc) - _OPENAI_FIELDS)
@@ -479,7 +445,7 @@ class EmbeddingsApi:
 
     async def tei_embed(self, request: web.Request) -> web.Response:
         try:
-            doc = await _body(request)
+            doc = await _body(request, self.server)
             if not isinstance(doc, dict):
                 raise Refused(Kind.INVALID, "the request body must be a JSON object with 'inputs'")
             unknown = sorted(set(doc) - _TEI_FIELDS)
