@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import functools
 import json
 import math
 import re

@@ -76,7 +76,8 @@ def _check_parameters(params) -> None:
         if len(key) > ECHO_MAX:
             raise _too_long("parameter name", key)
         if p.WhichOneof("parameter_choice") == "string_param" and len(p.string_param) > ECHO_MAX:
-            raise invalid(f"parameter '{key}' is {len(p.string_param)} characters; at most {ECHO_MAX} are accepted")
+            n = len(p.string_param)
+            raise invalid(f"parameter '{key}' is {n} characters; at most {ECHO_MAX} are accepted")
 
 
 class OverloadGate:
@@ -130,7 +131,8 @@ class OverloadGate:
         self.refused += 1
         raise GatewayError(
             Kind.UNAVAILABLE,
-            f"server overloaded: taking {self.admit:.0%} of new calls; retry with backoff or on another replica",
+            f"server overloaded: taking {self.admit:.0%} of new calls; "
+            "retry with backoff or on another replica",
             outcome="overloaded",
         )
 
@@ -172,7 +174,8 @@ class Pipeline:
         edge.inflight += 1
         self.inflight += 1
         try:
-            if self.gate.shedding and not gated:  # the cheapest refusal there is once a call has reached Python
+            # the cheapest refusal there is once a call has reached Python
+            if self.gate.shedding and not gated:
                 self.gate.check()
             resp = await self._infer(request, caller, time_remaining)
         except BaseException as exc:
@@ -233,7 +236,8 @@ class Pipeline:
         if caller is not None and not caller.tenant.admin:
             raise GatewayError(
                 Kind.PERMISSION,
-                f"tenant '{caller.tenant.name}' may not load or unload models (admin: true in the tenant file)",
+                f"tenant '{caller.tenant.name}' may not load or unload models "
+                "(admin: true in the tenant file)",
             )
 
     @staticmethod
@@ -349,5 +353,7 @@ class Pipeline:
                 resp.models.add(name=name, version=ver, state="READY")
             failure = plane.failures.get(name)
             if failure is not None and not ready:
-                resp.models.add(name=name, version=failure.version, state="UNAVAILABLE", reason=failure.reason)
+                resp.models.add(
+                    name=name, version=failure.version, state="UNAVAILABLE", reason=failure.reason
+                )
         return resp

@@ -20,7 +20,7 @@ from batchgate.gateway.admission import Account
 from batchgate.gateway.errors import GatewayError, Kind, clip
 from batchgate.gateway.infer import Pipeline
 from batchgate.gateway.logs import REQUEST_ID, REQUEST_ID_KEY, clean_request_id
-from batchgate.gateway.metrics import Metrics, Transport
+from batchgate.gateway.metrics import Metrics
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 
@@ -230,7 +230,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             await self._abort(context, exc, rid)
         except Exception as exc:  # a bug, not the client's fault: say so, keep serving
             log.exception("ModelInfer for model '%s' failed", clip(request.model_name))
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {clip(exc, 512)}")
+            message = f"internal error: {type(exc).__name__}: {clip(exc, 512)}"
+            await context.abort(grpc.StatusCode.INTERNAL, message)
 
     async def ModelStreamInfer(self, request_iterator, context):
         """Each request is answered on the stream as soon as it completes (not in order), with its

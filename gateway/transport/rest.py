@@ -143,7 +143,9 @@ def _flatten(data: Any, name: str, limit: int) -> list:
             else:
                 out.append(item)
             if len(out) > limit:
-                raise invalid(f"input '{name}': 'data' holds more than {limit} values (limit max_tensor_elements)")
+                raise invalid(
+                    f"input '{name}': 'data' holds more than {limit} values (limit max_tensor_elements)"
+                )
         else:
             stack.pop()
     return out
@@ -180,7 +182,8 @@ def build_request(
     if not isinstance(doc, dict):
         raise invalid("the request body must be a JSON object with 'inputs'")
     rid = doc.get("id", "")
-    req = pb.ModelInferRequest(model_name=model, model_version=version, id=rid if isinstance(rid, str) else str(rid)[:256])
+    rid = rid if isinstance(rid, str) else str(rid)[:256]
+    req = pb.ModelInferRequest(model_name=model, model_version=version, id=rid)
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         raise invalid("'parameters' must be an object")
@@ -433,7 +436,9 @@ class HttpFrontend:
             raise invalid("the request body must be a JSON object")
         return doc
 
-    async def _answer(self, req: web.Request, make, defaults: bool = False, keyed: bool = False) -> web.Response:
+    async def _answer(
+        self, req: web.Request, make, defaults: bool = False, keyed: bool = False
+    ) -> web.Response:
         """A metadata-style call: ``make()`` gives a protobuf message (or raises GatewayError)."""
         try:
             if keyed:
@@ -466,7 +471,8 @@ class HttpFrontend:
 
     async def statistics(self, req: web.Request) -> web.Response:
         name, version = req.match_info.get("model", ""), req.match_info.get("version", "")
-        return await self._answer(req, lambda: self.pipeline.statistics(name, version), defaults=True, keyed=True)
+        make = lambda: self.pipeline.statistics(name, version)  # noqa: E731
+        return await self._answer(req, make, defaults=True, keyed=True)
 
     async def model_ready(self, req: web.Request) -> web.Response:
         name = req.match_info["model"]

@@ -59,7 +59,8 @@ def request_bytes(spec: ModelSpec, limits: Limits) -> int:
                 per_row = None
                 break
             per_row *= bound
-        elements = limits.max_tensor_elements if per_row is None else min(rows * per_row, limits.max_tensor_elements)
+        cap = limits.max_tensor_elements
+        elements = cap if per_row is None else min(rows * per_row, cap)
         if t.datatype == "BYTES":
             each = 4 + min(text_bytes or limits.max_string_bytes, limits.max_string_bytes)
         else:
@@ -191,12 +192,13 @@ class Server:
         _register_for_reflection()
         _enable_reflection(
             server,
-            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME,
-             REFLECTION_V1],
+            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME, REFLECTION_V1],
         )  # fmt: skip
         try:
             if self.tls is not None:  # TLS only: a plaintext client fails its handshake
-                self.grpc_port = server.add_secure_port(f"{s.host}:{s.grpc_port}", self.tls.grpc_credentials())
+                creds = self.tls.grpc_credentials()
+                self.grpc_port = server.add_secure_port(f"{s.host}:{s.grpc_port}", creds)
             else:
                 self.grpc_port = server.add_insecure_port(f"{s.host}:{s.grpc_port}")
         except RuntimeError:  # grpcio raises "Failed to bind" rather than returning 0
@@ -217,7 +219,8 @@ class Server:
         log.info(
             "listening: gRPC %s:%d, HTTP %s:%d%s; messages up to %d bytes%s",
             s.host, self.grpc_port, s.host, self.http_port,
-            "" if self.tls is None else (" (TLS, client certificates required)" if self.tls.mutual else " (TLS)"),
+            "" if self.tls is None
+            else (" (TLS, client certificates required)" if self.tls.mutual else " (TLS)"),
             self.max_message_bytes, "" if s.max_message_bytes else " (derived from the models)",
         )  # fmt: skip
         await self.plane.load(repo)
@@ -267,7 +270,9 @@ class Server:
         self.servicer.end_streams()
         ok = await self.plane.drain(self.settings.drain_timeout_s)
         if not ok:
-            log.warning("drain timed out after %.1fs; answering what is left UNAVAILABLE", self.settings.drain_timeout_s)
+            log.warning(
+                "drain timed out after %.1fs; answering what is left UNAVAILABLE", self.settings.drain_timeout_s
+            )
         await self._linger()
         if self._grpc is not None:
             await self._grpc.stop(grace=2.0)
