@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from batchgate import proto
 from batchgate.gateway import http as http_side
 from batchgate.gateway.admission import Account, Admission
-from batchgate.gateway.budgets import resolve as resolve_budget
+from batchgate.gateway.scheduling.request import resolve as resolve_budget
 from batchgate.gateway.codec import Limits, set_limits
 from batchgate.gateway.config import Settings
 from batchgate.gateway.dataplane import DataPlane, ModelRuntime, ReloadFailed
@@ -144,7 +144,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             s.compute_input.count, s.compute_input.ns = st.input_count, st.input_ns
             s.compute_infer.count, s.compute_infer.ns = st.infer_count, st.infer_ns
             s.compute_output.count, s.compute_output.ns = st.output_count, st.output_ns
-            # Triton: cache hits are in success but in none of queue/compute (gateway/caching.py).
+            # Triton: cache hits are in success but in none of queue/compute (gateway/result_cache.py).
             if rt.cache is not None:
                 rt.cache.fill_statistics(s)
             for size in sorted(st.by_batch_size):
