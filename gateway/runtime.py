@@ -34,6 +34,7 @@ from batchgate.gateway.scheduling import (
     QueueSettings,
     SchedulePolicy,
     Scheduler,
+    SchedulerSnapshot,
     make_queue,
 )
 from batchgate.gateway.text import TextStage
@@ -42,6 +43,16 @@ from batchgate.workers import BucketConfig, EngineOptions, WorkerPool, default_c
 
 _KIND = {mc.ModelInstanceGroup.KIND_GPU: "gpu", mc.ModelInstanceGroup.KIND_CPU: "cpu"}
 _NO_LIMIT = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeSnapshot:
+    """What metrics read of one runtime (gateway/metrics.py): nothing private."""
+
+    model: str
+    version: str
+    scheduler: SchedulerSnapshot
+    workers: tuple[tuple[str, float], ...]  # (worker name, seconds spent running batches)
 
 
 @dataclass(slots=True)
@@ -56,6 +67,14 @@ class ModelRuntime:
     text: TextStage | None = None  # parameter `tokenizer`: texts in, token inputs made in the workers
     row_limit: Callable[[Hashable], int] | None = None  # the token budget: rows a batch of a bucket takes
     inflight: int = 0  # calls inside ``infer``: a runtime swapped out by a reload is closed at 0
+
+    def snapshot(self) -> RuntimeSnapshot:
+        return RuntimeSnapshot(
+            self.spec.name,
+            self.spec.version,
+            self.scheduler.snapshot(),
+            tuple((w.name, w.busy_ns * 1e-9) for w in self.pool.workers),
+        )
 
     async def infer(
         self, arrays: dict[str, np.ndarray], rows: int, budget: Budget | None = None, *,
@@ -213,6 +232,7 @@ async def build_runtime(
                 margin_s=s.deadline_margin_ms / 1000,
                 cap_fraction=s.batch_time_cap,
                 learn_limit=spec.parameter("learned_batch_limit", "true").lower() != "false",
+                shed=spec.parameter("shed_at_admission", "true").lower() != "false",
                 row_limit=row_limit,
             ),
             latency,

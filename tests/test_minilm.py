@@ -548,3 +548,27 @@ def test_row_limit_is_the_token_budget_over_the_length_bucket(variant_repo):
     assert [stage.row_limit(b) for b in (16, 24, 256, 2000)] == [64, 42, 4, 1]
     unlimited = TextStage(load_model(_variant(variant_repo, "nobudget", max_batch_tokens="0"))[0])
     assert unlimited.row_limit(256) >= 1 << 30
+
+
+# -- rows, not calls, are scheduled (issue 21) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", [MODEL_NAME, "minilm_cached"])
+def test_each_row_of_a_mixed_length_call_equals_the_text_sent_alone_in_order(client, model):
+    """A call's texts go to their own length buckets (batched apart, never padded to the call's
+    longest) and come back in the call's order; the cached variant takes the cache's path."""
+    texts = [
+        "short one",
+        PARAGRAPH * 5,  # cut at 256 tokens
+        MEDIUM[0],
+        "a",
+        PARAGRAPH,
+        MEDIUM[1] + " " + MEDIUM[2],
+        "Hello world.",
+        PARAGRAPH * 3 + " and then some",
+    ] * 2
+    texts[-1] = "the last text of the call, distinct from the others"
+    alone = np.concatenate([embed(client, [t], model) for t in texts])
+    together = embed(client, texts, model)
+    assert together.shape == (len(texts), 384)
+    np.testing.assert_allclose(together, alone, atol=1e-5)

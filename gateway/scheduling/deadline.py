@@ -53,6 +53,7 @@ class DeadlineQueue:
         lag: LoopLag | None = None,
         row_limit: Callable[[Hashable], int] | None = None,
         learn_limit: bool = True,
+        shed: bool = True,
     ) -> None:
         self.max_batch_size = max_batch_size
         self.preferred = frozenset(p for p in preferred if p <= max(max_batch_size, 1))
@@ -72,6 +73,9 @@ class DeadlineQueue:
         # pool, out of deadline order.
         self.row_limit = row_limit
         self.learn_limit = learn_limit  # hold batches to the size the latency model says pays
+        # Off only to measure what shedding costs (bench/text_batches.py: false refusals):
+        # hopeless requests still expire before compute.
+        self.shed = shed
         self._lanes: dict[Hashable, dict[str, _Lane]] = {}
         self._seq = itertools.count()
         self.size = 0
@@ -164,7 +168,7 @@ class DeadlineQueue:
         the rows as they will run), what the running batches still have to do, then its own
         requests' compute, all from the learned latency model, would end past its due time."""
         first = reqs[0]
-        if first.cls is None or first.deadline == math.inf or not self.latency.confident_model():
+        if not self.shed or first.cls is None or first.deadline == math.inf or not self.latency.confident_model():
             return None  # no estimate worth refusing work on yet: admit, the queue still expires it
         wait = (self.work_ahead_s(first) + running_s) / max(slots, 1)
         # Its requests run one after another on one slot at worst; a bucket that has not run
@@ -414,6 +418,9 @@ class DeadlineQueue:
                 else:
                     self._credit[name] = 0.0  # nothing waiting: no debt builds up
         return batch
+
+    def depth_by_class(self) -> dict[str, int]:
+        return dict(self.class_size)
 
     def drain_all(self) -> list[Request]:
         out = []

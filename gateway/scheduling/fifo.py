@@ -153,6 +153,9 @@ class FifoQueue:
                 batch.append(r)
         return batch or None
 
+    def depth_by_class(self) -> dict[str, int]:
+        return {"fifo": self.size}
+
     def drain_all(self) -> list[Request]:
         out = []
         for g in self._groups.values():

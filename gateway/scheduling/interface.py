@@ -57,6 +57,9 @@ class Queue(Protocol):
         that should leave now, or None and when to ask again (None: only on a push or a freed
         slot). The wake-up comes with the answer, so it can never be stale."""
 
+    def depth_by_class(self) -> dict[str, int]:
+        """Requests queued per latency class, for metrics (a policy without classes: one line)."""
+
     def drain_all(self) -> list[Request]:
         """Called on shutdown or when the batcher dies: everything queued, emptied."""
 
@@ -76,6 +79,7 @@ class QueueSettings:
     margin_s: float = 0.0005
     cap_fraction: float = 0.5
     learn_limit: bool = True
+    shed: bool = True  # deadline: refuse at admission a call that cannot make its deadline
     # Most rows a batch of a bucket may take beside max_batch_size: the token budget
     # (max_batch_tokens // tokens per row of the bucket). Both policies hold batches to it.
     row_limit: Callable[[Hashable], int] | None = None
@@ -106,6 +110,7 @@ def make_queue(settings: QueueSettings, latency: LatencyModel, lag: LoopLag | No
             lag=lag,
             row_limit=s.row_limit,
             learn_limit=s.learn_limit,
+            shed=s.shed,
         )
     if s.policy == "fifo":
         return FifoQueue(

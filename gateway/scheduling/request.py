@@ -171,7 +171,9 @@ class Request:
     A call whose rows fall in several buckets (texts of mixed lengths) is several requests with
     one budget; the scheduler answers the call when its last request is done."""
 
-    __slots__ = ("inputs", "rows", "key", "arrival", "future", "deadline", "cls", "level", "queue_deadline", "delay")
+    __slots__ = (
+        "inputs", "rows", "key", "arrival", "future", "deadline", "cls", "level", "queue_deadline", "delay", "call",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -196,6 +198,9 @@ class Request:
         self.level = level
         self.queue_deadline = queue_deadline
         self.delay = delay
+        # The call's requests when it has several (None when it is the whole call): one that
+        # fails drops the others before compute, nobody would read their rows.
+        self.call: list[Request] | None = None
 
     @property
     def class_name(self) -> str:

@@ -111,7 +111,7 @@ class Scheduler:
             stats=self.stats,
             in_flight=self._in_flight,
             queued=self.queue.size,
-            queued_by_class=dict(getattr(self.queue, "class_size", None) or {}),
+            queued_by_class=self.queue.depth_by_class(),
             busy_slots=self._slots - self._free,
             slots=self._slots,
             latency=self.latency.snapshot(),
@@ -164,6 +164,8 @@ class Scheduler:
                 # If our caller is cancelled, awaiting cancels req.future too; the batcher then
                 # skips the request when it forms the next batch (counted as dropped).
                 return [await first.future]
+            for r in reqs:
+                r.call = reqs
             return await self._gather(reqs, loop)
         finally:
             self._in_flight -= 1
@@ -196,6 +198,14 @@ class Scheduler:
             self._abandon(reqs)
             raise
         return [r.future.result() for r in reqs]
+
+    def _fail(self, r: Request, err: BaseException) -> None:
+        """Answer ``r`` with ``err``; the rest of its call is dropped at once, before the batcher
+        forms its next batch (a done-callback would run only after it)."""
+        if not r.future.done():
+            r.future.set_exception(err)
+        if r.call is not None:
+            self._abandon(r.call)
 
     def _abandon(self, reqs: list[Request]) -> None:
         """Drop a failed or cancelled call's requests that have not been answered: nobody reads
@@ -291,13 +301,14 @@ class Scheduler:
         else:
             est_ms = self.latency.estimate_hi(r.key, r.rows) * 1e3
             why = f"{left_ms:.1f} ms were left, less than the estimated {est_ms:.1f} ms compute"
-        r.future.set_exception(
+        self._fail(
+            r,
             GatewayError(
                 Kind.DEADLINE,
                 f"model '{self.name}': dropped from the queue before compute: {why} "
                 f"(waited {(now - r.arrival) * 1e3:.1f} ms)",
                 outcome="expired",
-            )
+            ),
         )
 
     def _dispatch_retry(self, batch: list[Request], now: float) -> None:
@@ -383,8 +394,7 @@ class Scheduler:
                     st.count_class(r.class_name, "failed")
                 st.fail_count += 1
                 st.fail_ns += int((now - r.arrival) * 1e9)
-                if not r.future.done():
-                    r.future.set_exception(err)
+                self._fail(r, err)
             return
         outputs, timing = result
         self.latency.observe(batch[0].key, n_rows, (timing.input_ns + timing.infer_ns + timing.output_ns) / 1e9)

@@ -1,0 +1,257 @@
+"""Many texts in one call: mixed-length texts, served by minilm, against ONNX Runtime alone.
+
+Texts: ``bench/texts/mixed.txt`` (64 lines: most 3-40 tokens, one of ~130, four cut at the model's
+256). The server is pinned to one core (taskset), the load generator to another. In the same run
+ONNX Runtime alone, one thread on the server's core, computes each text unpadded, one at a time:
+the limit every figure is a ratio to. Shapes are callers x texts per call : latency class, closed
+loop (a caller sends its next call as soon as it has an answer or a refusal):
+
+    1x32:bulk  8x32:bulk  4x32:standard  64x1:standard
+
+Printed per shape: texts/s answered and its ratio to the limit, calls answered / refused (by
+status), p50/p99 of answered calls, and the false-refusal rate: the same load with shedding at
+admission off (model parameter ``shed_at_admission: false``); refused calls that the server,
+not shedding, would have answered within their budget, as a share of the refusals. Also one
+32-text call with all four long texts on an idle server, against the unpadded cost of its texts.
+
+    .venv/bin/python -m batchgate.bench.text_batches [--seconds 15] [--shapes 1x32:bulk,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from batchgate.bench.loadgen import free_ports, wait_ready
+from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
+from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pbg
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXTS = Path(__file__).resolve().parent / "texts" / "mixed.txt"
+BUDGET_S = {"realtime": 0.025, "standard": 2.0, "bulk": 10.0}  # the server's default classes
+SHAPES = "1x32:bulk,8x32:bulk,4x32:standard,64x1:standard"
+
+
+def texts() -> list[str]:
+    return [line for line in TEXTS.read_text().splitlines() if line.strip()]
+
+
+def make_repo(src: Path, dst: Path) -> None:
+    """minilm as it ships, and a twin that does not shed at admission (the false-refusal check)."""
+    for name, extra in (("minilm", ""), ("minilm_noshed", 'parameters { key: "shed_at_admission" '
+                                                         'value { string_value: "false" } }\n')):  # fmt: skip
+        d = dst / name
+        (d / "1").mkdir(parents=True)
+        (d / "1" / "model.onnx").symlink_to((src / "1" / "model.onnx").resolve())
+        shutil.copy(src / "tokenizer.json", d / "tokenizer.json")
+        cfg = (src / "config.pbtxt").read_text().replace('name: "minilm"', f'name: "{name}"')
+        (d / "config.pbtxt").write_text(cfg + extra)
+
+
+def ort_limit(src: Path, all_texts: list[str], rounds: int = 3) -> tuple[dict[str, float], float]:
+    """Seconds per text, each run alone at its own length (median of ``rounds``), and the time of
+    the idle-call set as one batch padded to its longest: ONNX Runtime, one thread."""
+    import onnxruntime as ort
+    from tokenizers import Tokenizer
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    session = ort.InferenceSession(str(src / "1" / "model.onnx"), so, providers=["CPUExecutionProvider"])
+    names = {i.name for i in session.get_inputs()}
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    tok.enable_truncation(256)
+
+    def feeds(encs) -> dict:
+        tok_len = max(len(e.ids) for e in encs)
+        ids = np.zeros((len(encs), tok_len), np.int64)
+        mask = np.zeros_like(ids)
+        for i, e in enumerate(encs):
+            ids[i, : len(e.ids)] = e.ids
+            mask[i, : len(e.ids)] = 1
+        f = {"input_ids": ids, "attention_mask": mask}
+        if "token_type_ids" in names:
+            f["token_type_ids"] = np.zeros_like(ids)
+        return f
+
+    per_text: dict[str, float] = {}
+    for t in all_texts:
+        f = feeds([tok.encode(t)])
+        session.run(None, f)
+        samples = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            session.run(None, f)
+            samples.append(time.perf_counter() - t0)
+        per_text[t] = float(np.median(samples))
+    idle = idle_call(all_texts)
+    f = feeds(tok.encode_batch(idle))
+    session.run(None, f)
+    t0 = time.perf_counter()
+    session.run(None, f)
+    return per_text, time.perf_counter() - t0
+
+
+def idle_call(all_texts: list[str]) -> list[str]:
+    """32 texts with every long one in them (the call the issue measured)."""
+    long = sorted(all_texts, key=len)[-4:]
+    return long + [t for t in all_texts if t not in long][:28]
+
+
+def request(model: str, batch: list[str], cls: str) -> pb.ModelInferRequest:
+    req = pb.ModelInferRequest(model_name=model)
+    req.inputs.add(name="text", datatype="BYTES", shape=[len(batch), 1])
+    req.raw_input_contents.append(b"".join(struct.pack("<I", len(b)) + b for b in (t.encode() for t in batch)))
+    req.parameters["latency_class"].string_param = cls
+    return req
+
+
+async def load(url: str, model: str, all_texts: list[str], callers: int, per_call: int, cls: str,
+               seconds: float) -> dict:  # fmt: skip
+    n = len(all_texts)
+    reqs = [request(model, [all_texts[(s + i) % n] for i in range(per_call)], cls) for s in range(n)]
+    answered: list[float] = []
+    refused: dict[str, int] = {}
+    channels = [grpc.aio.insecure_channel(url) for _ in range(min(callers, 4))]
+    stubs = [pbg.GRPCInferenceServiceStub(c) for c in channels]
+    stop = time.perf_counter() + seconds
+
+    async def caller(k: int) -> None:
+        stub = stubs[k % len(stubs)]
+        j = k * 7
+        while time.perf_counter() < stop:
+            t0 = time.perf_counter()
+            try:
+                await stub.ModelInfer(reqs[j % n], timeout=BUDGET_S[cls] + 5)
+                answered.append(time.perf_counter() - t0)
+            except grpc.aio.AioRpcError as exc:
+                refused[exc.code().name] = refused.get(exc.code().name, 0) + 1
+            j += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(caller(k) for k in range(callers)))
+    elapsed = time.perf_counter() - t0
+    for c in channels:
+        await c.close()
+    lat = sorted(answered)
+    in_time = sum(1 for x in lat if x <= BUDGET_S[cls])
+    return {
+        "texts_per_s": len(lat) * per_call / elapsed,
+        "answered": len(lat),
+        "in_time": in_time,
+        "refused": refused,
+        "p50_ms": 1e3 * lat[len(lat) // 2] if lat else float("nan"),
+        "p99_ms": 1e3 * lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else float("nan"),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seconds", type=float, default=15.0, help="measured seconds per shape and mode")
+    p.add_argument("--warmup", type=float, default=3.0, help="seconds of load before each measured stretch")
+    p.add_argument("--shapes", default=SHAPES)
+    p.add_argument("--server-core", type=int, default=0)
+    p.add_argument("--load-core", type=int, default=1)
+    p.add_argument("--no-shed-check", action="store_true", help="skip the shedding-off runs")
+    p.add_argument("--model-dir", type=Path, default=ROOT / "model_repository" / "minilm")
+    args = p.parse_args()
+    src = args.model_dir
+    if not (src / "1" / "model.onnx").is_file():
+        print(f"{src} has no model: run `batchgate prepare-minilm` first", file=sys.stderr)
+        return 2
+    all_texts = texts()
+    shapes = []
+    for item in args.shapes.split(","):
+        dims, _, cls = item.partition(":")
+        callers, per_call = (int(x) for x in dims.split("x"))
+        shapes.append((callers, per_call, cls or "standard"))
+
+    os.sched_setaffinity(0, {args.server_core})  # the limit runs where the server will
+    per_text, padded_s = ort_limit(src, all_texts)
+    limit = len(all_texts) / sum(per_text.values())
+    idle_unpadded = sum(per_text[t] for t in idle_call(all_texts))
+    print(f"ONNX Runtime alone, 1 thread, core {args.server_core}: {limit:.1f} texts/s unpadded one at a time; "
+          f"the 32-text idle call: {idle_unpadded * 1e3:.0f} ms unpadded, {padded_s * 1e3:.0f} ms as one padded batch")
+
+    tmp = Path(tempfile.mkdtemp(prefix="text-batches-"))
+    make_repo(src, tmp)
+    grpc_port, http_port = free_ports(2)
+    url = f"127.0.0.1:{grpc_port}"
+    cmd = ["taskset", "-c", str(args.server_core), sys.executable, "-m", "batchgate", "serve",
+           "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
+           "--model-repository", str(tmp), "--no-build-models", "--log-level", "WARNING"]  # fmt: skip
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log)
+    os.sched_setaffinity(0, {args.load_core})
+    try:
+        asyncio.run(wait_ready(url, timeout_s=180))
+
+        async def idle() -> float:
+            async with grpc.aio.insecure_channel(url) as ch:
+                stub = pbg.GRPCInferenceServiceStub(ch)
+                req = request("minilm", idle_call(all_texts), "bulk")
+                for _ in range(2):
+                    await stub.ModelInfer(req, timeout=60)
+                samples = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    await stub.ModelInfer(req, timeout=60)
+                    samples.append(time.perf_counter() - t0)
+                return float(np.median(samples))
+
+        idle_s = asyncio.run(idle())
+        print(f"idle server, one 32-text call (bulk): {idle_s * 1e3:.0f} ms = x{idle_s / idle_unpadded:.2f} "
+              f"its texts' unpadded cost (goal <= 1.3)\n")
+        header = (f"{'shape':<16} {'texts/s':>8} {'vs limit':>8} {'answered':>8} {'refused':>8} {'p50 ms':>8} "
+                  f"{'p99 ms':>8} {'false-ref':>9}  statuses")  # fmt: skip
+        print(header)
+        for callers, per_call, cls in shapes:
+            label = f"{callers}x{per_call}:{cls}"
+            rows = {}
+            for model in ("minilm",) + (() if args.no_shed_check else ("minilm_noshed",)):
+                asyncio.run(load(url, model, all_texts, callers, per_call, cls, args.warmup))
+                rows[model] = asyncio.run(load(url, model, all_texts, callers, per_call, cls, args.seconds))
+            r = rows["minilm"]
+            n_ref = sum(r["refused"].values())
+            false_ref = "-"
+            if "minilm_noshed" in rows:
+                off = rows["minilm_noshed"]
+                # Calls shedding refused that would have been answered in time without it.
+                would = max(off["in_time"] - r["in_time"], 0)
+                false_ref = f"{min(would, n_ref) / n_ref:.1%}" if n_ref else "0.0%"
+            print(f"{label:<16} {r['texts_per_s']:>8.1f} {r['texts_per_s'] / limit:>8.2f} {r['answered']:>8} "
+                  f"{n_ref:>8} {r['p50_ms']:>8.0f} {r['p99_ms']:>8.0f} {false_ref:>9}  {r['refused'] or ''}")
+            if "minilm_noshed" in rows:
+                off = rows["minilm_noshed"]
+                print(f"{'  shedding off':<16} {off['texts_per_s']:>8.1f} {off['texts_per_s'] / limit:>8.2f} "
+                      f"{off['answered']:>8} {sum(off['refused'].values()):>8} {off['p50_ms']:>8.0f} "
+                      f"{off['p99_ms']:>8.0f} {'':>9}  {off['refused'] or ''}")
+        print("\ngoal: every shape refuses nothing and reaches >= 0.9 of the limit (figures from a shared machine "
+              "are noisy: compare within one run)")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        if proc.returncode not in (0, -15, None):
+            log.seek(0)
+            print(log.read().decode(errors="replace")[-2000:], file=sys.stderr)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
