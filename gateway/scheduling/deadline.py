@@ -171,11 +171,22 @@ class DeadlineQueue:
         if not self.shed or first.cls is None or first.deadline == math.inf or not self.latency.confident_model():
             return None  # no estimate worth refusing work on yet: admit, the queue still expires it
         wait = (self.work_ahead_s(first) + running_s) / max(slots, 1)
-        # Its requests run one after another on one slot at worst; a bucket that has not run
-        # enough yet counts no compute of its own (never over-refuse).
-        own = sum(
-            self.latency.estimate_hi(r.key, r.rows) for r in reqs if self.latency.confident(r.key)
-        )
+        if wait <= 0.0:
+            # Nothing ahead and a slot free: an idle server always tries (the queue still drops
+            # a request that cannot make it). Refusing here on the latency model alone could
+            # refuse for ever: nothing would run to correct an estimate that is too high.
+            return None
+        # Its requests run one after another on one slot at worst: their expected times add up,
+        # plus the largest of their deviations (a sum of high quantiles would be far above the
+        # high quantile of the sum). A bucket that has not run enough yet counts no compute of
+        # its own (never over-refuse).
+        own = spread = 0.0
+        for r in reqs:
+            if self.latency.confident(r.key):
+                mean = self.latency.estimate(r.key, r.rows)
+                own += mean
+                spread = max(spread, self.latency.estimate_hi(r.key, r.rows) - mean)
+        own += spread
         if now + wait + own + self.lag_margin() <= self.due(first):
             return None
         return Refusal(wait, own, max(wait, 0.001))
