@@ -35,7 +35,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from batchgate.workers import BucketConfig, Device, EngineOptions, WorkerPool  # noqa: E402
+from batchgate.gateway.parameters import bucket_config  # noqa: E402
+from batchgate.workers import Device, EngineOptions, WorkerPool  # noqa: E402
 from batchgate.workers.sessions import SessionFactory  # noqa: E402
 
 MODEL_DIR = ROOT / "model_repository" / "encoder"
@@ -142,7 +143,7 @@ class BucketRunner:
     """(c): the WorkerPool with shape buckets and buffer pools."""
 
     def __init__(self, workers: int, cache_dir: Path | None, overrides: dict[str, str]) -> None:
-        cfg = BucketConfig.from_parameters({**encoder_parameters(), **overrides}, MAX_BATCH, (16, 32))
+        cfg = bucket_config({**encoder_parameters(), **overrides}, MAX_BATCH, (16, 32))
         self.pool = WorkerPool("encoder-bench", MODEL_DIR / "1" / "model.onnx", [Device("cpu")], workers,
                                EngineOptions(cache_dir=cache_dir), cfg)  # fmt: skip
         self.pool.start()

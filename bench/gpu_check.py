@@ -87,7 +87,8 @@ def run_pytest() -> dict:
 def check_config(mode: str, graphs: bool, device_id: int, seconds_per_bucket: float, rng) -> dict:
     import cupy
 
-    from batchgate.workers import BucketConfig, Device, EngineOptions, WorkerPool
+    from batchgate.gateway.parameters import bucket_config
+    from batchgate.workers import Device, EngineOptions, WorkerPool
     from batchgate.workers.sessions import SessionFactory
 
     name = f"{mode}{' + CUDA graphs' if graphs else ''}"
@@ -96,7 +97,7 @@ def check_config(mode: str, graphs: bool, device_id: int, seconds_per_bucket: fl
     cache = Path(tempfile.mkdtemp(prefix="bg-gpu-cache-"))
     options = EngineOptions(mode=mode, cuda_graphs=graphs, warmup="all", cache_dir=cache)
     pool = WorkerPool(f"encoder-{mode}", ENCODER, [Device("gpu", device_id)], 1, options,
-                      BucketConfig.from_parameters(PARAMS, 64, (16, 32)))  # fmt: skip
+                      bucket_config(PARAMS, 64, (16, 32)))  # fmt: skip
     t = time.perf_counter()
     pool.start()
     start_s = time.perf_counter() - t

@@ -13,7 +13,10 @@ options such as ``ssl_ca_certs``) and makes and handshakes the connections; this
 its own free list of them and writes the two commands it sends itself. The per-request path
 runs on the gateway's one event loop, where redis-py's general command machinery (pool lock,
 retries, per-argument encoding, observability hooks) cost several times the round trip's own
-CPU. redis-py's retries are off: the breaker and the next request are the retry.
+CPU. redis-py's own retries are off; what this module retries is a kept connection found dead
+(what a Redis restart leaves behind, all of them at once): the lookup or write goes again, once,
+on a fresh connection before a miss or a failure is counted. Beyond that the breaker and the
+next request are the retry.
 """
 
 from __future__ import annotations

@@ -73,12 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "build-models":
-        from batchgate.gateway.bundled_models import build_bundled_models
+        from batchgate.gateway.build.bundled_models import build_bundled_models
 
         build_bundled_models(Path(args.out), force=args.force)
         return 0
     if args.command == "prepare-minilm":
-        from batchgate.gateway.minilm import run as prepare_minilm
+        from batchgate.gateway.build.minilm import run as prepare_minilm
 
         return prepare_minilm(args)
     if args.command == "hash-key":
@@ -111,13 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     repo = Path(settings.model_repository)
     fresh = not repo.exists() or not any(repo.iterdir())
     if settings.build_bundled_models and fresh:
-        from batchgate.gateway.bundled_models import build_bundled_models
+        from batchgate.gateway.build.bundled_models import build_bundled_models
 
         logging.getLogger("batchgate").info("building the bundled models into %s", repo)
         build_bundled_models(repo, log=logging.getLogger("batchgate").info)
     if settings.build_bundled_models and (fresh or all((repo / m).is_dir() for m in ("ranker", "encoder"))):
         # minilm joins the bundled repository on first use, never a user's own repository.
-        from batchgate.gateway.minilm import prepare_missing
+        from batchgate.gateway.build.minilm import prepare_missing
 
         prepare_missing(repo, logging.getLogger("batchgate"))
     from batchgate.gateway.server import serve

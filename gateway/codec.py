@@ -51,6 +51,14 @@ def _too_long(name: str, i: int, n: int, limit: int) -> GatewayError:
     )
 
 
+def _both_forms(name: str, model: str) -> GatewayError:
+    return invalid(
+        f"contents field must not be specified when using raw_input_contents for '{name}' "
+        f"for model '{model}' "
+        f"(input '{name}' has both typed contents and raw_input_contents; send one)"
+    )
+
+
 def deserialize_bytes(buf: bytes, count: int, name: str, max_len: int | None = None) -> np.ndarray:
     """Triton's raw BYTES layout: per element a 4-byte little-endian length, then the bytes.
     ``max_len``: longest element accepted (refused before it is copied)."""
@@ -79,6 +87,25 @@ def deserialize_bytes(buf: bytes, count: int, name: str, max_len: int | None = N
     if pos != len(buf):
         raise invalid(f"input '{name}': raw BYTES contents hold {len(buf) - pos} bytes beyond {count} elements")
     return out
+
+
+def check_utf8(model: str, name: str, values) -> None:
+    """Refuse a BYTES element that is not UTF-8, naming the input and the element.
+
+    onnxruntime's Python API carries strings to and from a model as UTF-8 only (measured; see
+    ``workers/engine.py``): other bytes cannot reach the model unchanged, so they are refused
+    here rather than altered. NUL bytes and empty strings are UTF-8 and pass as they are."""
+    for i, v in enumerate(values):
+        if v.isascii():
+            continue
+        try:
+            v.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise invalid(
+                f"input '{name}': BYTES element {i} is not valid UTF-8 ({exc.reason} at byte {exc.start}); "
+                f"model '{model}' runs on onnxruntime, whose Python API passes strings to a model as UTF-8 "
+                "only, so other bytes cannot reach it unchanged (NUL bytes and empty strings are fine)"
+            ) from None
 
 
 def serialize_bytes(arr: np.ndarray) -> bytes:
@@ -114,16 +141,12 @@ class Codec:
         self.tied = list(spec.tied_dims.items())
         # A text model's input (dims [ 1 ]) also takes shape [N]: one string per row either way.
         self.flat_text = spec.inputs[0].name if tokenized(spec.config) else None
-        self.ranges: dict[str, _Range] = {}
-        self.max_dim: dict[str, int] = {}
-        for t in spec.inputs:
-            text = spec.parameter(f"input_range.{t.name}")
-            if text:
-                low, _, high = text.partition(":")
-                self.ranges[t.name] = _Range(float(low), float(high))
-            text = spec.parameter(f"max_dim.{t.name}")
-            if text:
-                self.max_dim[t.name] = int(text)
+        # BYTES inputs the ONNX model itself reads (a text model's input goes to its tokeniser,
+        # which takes any bytes): those must be UTF-8 to reach onnxruntime unchanged.
+        self.utf8_inputs = {t.name for t in spec.inputs if t.datatype == "BYTES" and t.name != self.flat_text}
+        # (parsed and checked at load: gateway/parameters.py)
+        self.ranges = {name: _Range(low, high) for name, (low, high) in spec.params.input_range.items()}
+        self.max_dim = dict(spec.params.max_dim)
 
     # -- decode -------------------------------------------------------------------------------
 
@@ -137,6 +160,10 @@ class Codec:
                 f"model '{self.name}': the request carries {max(len(tensors), len(raw))} inputs; "
                 f"the server accepts at most {limit} (limit max_inputs, BATCHGATE_MAX_INPUTS); expected inputs: {self.expected}"
             )
+        if raw:
+            for t in tensors:  # checked first, as Triton does (its example clients match on the words)
+                if t.HasField("contents"):
+                    raise _both_forms(t.name, self.name)
         if raw and len(raw) != len(tensors):
             raise invalid(
                 f"model '{self.name}': raw_input_contents has {len(raw)} entry(ies) for {len(tensors)} inputs; "
@@ -219,9 +246,12 @@ class Codec:
         dtype = spec.dtype
         if raw is not None:
             if t.HasField("contents"):
-                raise invalid(f"input '{t.name}' has both typed contents and raw_input_contents; send one")
+                raise _both_forms(t.name, self.name)
             if spec.datatype == "BYTES":
-                return deserialize_bytes(raw, count, t.name, LIMITS.max_string_bytes).reshape(shape)
+                arr = deserialize_bytes(raw, count, t.name, LIMITS.max_string_bytes)
+                if t.name in self.utf8_inputs:
+                    check_utf8(self.name, t.name, arr)
+                return arr.reshape(shape)
             need = count * dtype.itemsize
             if len(raw) != need:
                 raise invalid(
@@ -243,6 +273,8 @@ class Codec:
             for i, v in enumerate(values):
                 if len(v) > limit:
                     raise _too_long(t.name, i, len(v), limit)
+            if t.name in self.utf8_inputs:
+                check_utf8(self.name, t.name, values)
             arr = np.empty(count, dtype=object)
             arr[:] = list(values)
             return arr.reshape(shape)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from batchgate.cache import TieredCache
 from batchgate.gateway.config import Settings
-from batchgate.gateway.errors import not_found, unavailable
+from batchgate.gateway.errors import not_found, parse_version, unavailable, unknown_model, unknown_version
 from batchgate.gateway.repository import ConfigError, LoadFailure, ModelSpec, load_model, load_repository
 from batchgate.gateway.result_cache import build_cache
 from batchgate.gateway.runtime import ModelRuntime, build_runtime
@@ -157,15 +157,16 @@ class DataPlane:
             await asyncio.to_thread(rt.pool.close)
 
     def get(self, name: str, version: str = "") -> ModelRuntime:
+        version = parse_version(version)  # Triton checks the version string before the model
         versions = self.models.get(name)
         if versions is None:
             failure = self.failures.get(name)
             if failure is not None:
                 raise unavailable(f"model '{name}' is not ready: {failure.reason}")
-            raise not_found(f"unknown model '{name}'; served models: {sorted(self.models)}")
+            raise unknown_model(name)
         rt = versions.get(version or self.latest[name])
         if rt is None:
-            raise not_found(f"model '{name}' has no version '{version}'; served versions: {sorted(versions, key=int)}")
+            raise unknown_version(name, version, sorted(versions, key=int))
         if self.draining:
             raise unavailable("server is draining; retry on another replica")
         return rt
@@ -175,11 +176,12 @@ class DataPlane:
             return [rt for versions in self.models.values() for rt in versions.values()]
         versions = self.models.get(name)
         if versions is None:
-            raise not_found(f"unknown model '{name}'")
+            raise unknown_model(name)
+        version = parse_version(version)
         if not version:
             return list(versions.values())
         if version not in versions:
-            raise not_found(f"model '{name}' has no version '{version}'")
+            raise unknown_version(name, version)
         return [versions[version]]
 
     async def drain(self, timeout_s: float) -> bool:

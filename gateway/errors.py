@@ -46,3 +46,54 @@ def not_found(message: str) -> GatewayError:
 
 def unavailable(message: str, retry_after_s: float | None = None) -> GatewayError:
     return GatewayError(Kind.UNAVAILABLE, message, retry_after_s=retry_after_s)
+
+
+
+# Triton's wording for a request to a model or version it does not serve (triton core,
+# model_repository_manager.cc + model_lifecycle.cc: "Request for unknown model: 'm' is not found",
+# "... 'm' version 7 is not found", code NOT_FOUND -> gRPC NOT_FOUND / HTTP 404). Triton's own example
+# clients and tools match on its start, so ours comes after it. The caller's strings are clipped, and
+# the models served are not listed: a caller may not be allowed to see them.
+_ECHO_CHARS = 128
+
+
+def clip(text: str, limit: int = _ECHO_CHARS) -> str:
+    """A client-sent string as echoed in an error: at most ``limit`` characters."""
+    return text if len(text) <= limit else text[:limit] + f"...({len(text) - limit} more characters)"
+
+
+def unknown_model(name: str) -> GatewayError:
+    n = clip(name)
+    return not_found(
+        f"Request for unknown model: '{n}' is not found (unknown model '{n}'; "
+        "RepositoryIndex or POST /v2/repository/index lists the models served)"
+    )
+
+
+def unknown_version(name: str, version: str, served: list[str] | None = None) -> GatewayError:
+    n, v = clip(name), clip(version, 32)
+    versions = f"; served versions: {served}" if served is not None else ""
+    return not_found(
+        f"Request for unknown model: '{n}' version {v} is not found "
+        f"(model '{n}' has no version '{v}'{versions})"
+    )
+
+
+def parse_version(version: str) -> str:
+    """A requested model version as the repository names it ("" = latest). Refuses what is not a
+    whole number >= 0 with Triton's wording (its GetModelVersionFromString), INVALID_ARGUMENT."""
+    text = version.strip()
+    if not text:
+        return ""
+    try:
+        n = int(text, 10)
+    except ValueError:
+        raise invalid(
+            f"failed to get model version from specified version string '{clip(version, 32)}' "
+            "(details: not an integer), version should be an integral value > 0"
+        ) from None
+    if n < 0:
+        raise invalid(
+            f"invalid model version specified '{clip(version, 32)}' , version should be an integral value > 0"
+        )
+    return str(n)

@@ -309,13 +309,19 @@ class RedisLimiter(GlobalLimiter):
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
 
-        # No client-side retries: a decision has one chance within its timeout, and the breaker,
-        # not redis-py, decides when to try again.
+        from redis.exceptions import ConnectionError as RedisConnectionError
+
+        # One client-side retry, on a lost connection only: after a Redis restart every pooled
+        # connection is dead, and its first command fails without having reached Redis; redis-py
+        # then reconnects that connection and sends again, within the same decision's timeout.
+        # (A connection lost after Redis ran the script would charge the decision twice: rare,
+        # and on the safe side.) No retry on timeouts: the decision has one chance within its
+        # timeout, and the breaker, not redis-py, decides when to try a slow Redis again.
         client = aioredis.Redis.from_url(
             url,
             socket_connect_timeout=connect_timeout_s,
             socket_timeout=max(connect_timeout_s, timeout_s),
-            retry=Retry(NoBackoff(), 0),
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             health_check_interval=0,
         )
         return cls(client, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, **kwargs)

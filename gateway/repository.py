@@ -3,14 +3,15 @@
 Loading a repository never fails as a whole: each model either becomes a ``ModelSpec`` or a
 ``LoadFailure`` with the reason, so the rest still serve and RepositoryIndex can say why.
 Config fields batchgate does not implement are reported by name: fields that would change the
-answers fail the load, hints that only tune a peer's runtime are logged as ignored.
+answers fail the load, hints that only tune a peer's runtime are logged as ignored. The same rule
+holds inside ``parameters {}`` (gateway/parameters.py): an undeclared key fails the load by name.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,11 @@ from google.protobuf import text_format
 from google.protobuf.message import Message
 
 from batchgate.gateway import dtypes
+from batchgate.gateway.parameters import ModelParameters, ParameterError
+from batchgate.gateway.parameters import parse as parse_parameters
 from batchgate.proto.inference.v2 import model_config_pb2 as mc
+from batchgate.workers.buckets import BucketConfig
+from batchgate.workers.fingerprint import file_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +40,8 @@ SUPPORTED = {
     "name", "platform", "backend", "max_batch_size", "default_model_filename", "parameters",
     "version_policy", "version_policy.latest", "version_policy.latest.num_versions",
     "version_policy.all", "version_policy.specific", "version_policy.specific.versions",
-    "input", "input.name", "input.data_type", "input.dims",
-    "output", "output.name", "output.data_type", "output.dims",
+    "input", "input.name", "input.data_type", "input.dims", "input.reshape", "input.reshape.shape",
+    "output", "output.name", "output.data_type", "output.dims", "output.reshape", "output.reshape.shape",
     "dynamic_batching", "dynamic_batching.max_queue_delay_microseconds",
     "dynamic_batching.preferred_batch_size", "dynamic_batching.default_queue_policy",
     "dynamic_batching.default_queue_policy.max_queue_size",
@@ -53,10 +58,12 @@ SUPPORTED = {
 # Fields whose absence of support would silently change what the model computes: refuse.
 FATAL = {
     "sequence_batching", "ensemble_scheduling", "batch_input", "batch_output",
-    "input.reshape", "output.reshape", "input.is_shape_tensor", "output.is_shape_tensor",
-    "input.allow_ragged_batch", "input.format", "input.optional", "input.is_non_linear_format_io",
+    "input.is_shape_tensor", "output.is_shape_tensor",
+    "input.allow_ragged_batch", "input.optional", "input.is_non_linear_format_io",
     "output.is_non_linear_format_io", "model_transaction_policy", "instance_group.passive",
 }  # fmt: skip
+# Not listed above, so logged as ignored: `input.format` (FORMAT_NCHW / NHWC) is a hint in Triton
+# too; the tensor's layout is what its dims say, and the ONNX model is checked against those.
 
 
 class ConfigError(Exception):
@@ -92,6 +99,11 @@ class ModelSpec:
     tied_dims: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
     # The ONNX graph's input names; they differ from `inputs` when a tokenizer stage feeds it.
     model_inputs: tuple[str, ...] = ()
+    # config.pbtxt `parameters {}`, typed and checked once at load (gateway/parameters.py)
+    params: ModelParameters = field(default_factory=ModelParameters)
+    # The engines' shape settings (buckets, reshape), from params and the config; None: plain
+    # dynamic-shape engines (specs built by hand in tests).
+    buckets: BucketConfig | None = None
 
     @property
     def max_batch_size(self) -> int:
@@ -112,10 +124,6 @@ class ModelSpec:
     @property
     def max_queue_size(self) -> int:
         return self.config.dynamic_batching.default_queue_policy.max_queue_size
-
-    def parameter(self, key: str, default: str = "") -> str:
-        p = self.config.parameters.get(key)
-        return p.string_value if p is not None else default
 
 
 @dataclass(slots=True)
@@ -139,7 +147,7 @@ def _set_fields(msg: Message, prefix: str = "") -> list[str]:
         paths.append(path)
         if fd.message_type is None or fd.message_type.GetOptions().map_entry:
             continue
-        items = value if fd.label == fd.LABEL_REPEATED else [value]
+        items = value if fd.is_repeated else [value]
         for item in items:
             paths.extend(p for p in _set_fields(item, path + ".") if p not in paths)
     return paths
@@ -194,7 +202,8 @@ def tied_dims(model: onnx.ModelProto, batched: bool) -> dict[str, list[tuple[str
 
 def tokenized(config: mc.ModelConfig) -> bool:
     """A text model: parameter `tokenizer` names a tokenizer.json that turns the config's one
-    TYPE_STRING input into the ONNX model's token inputs (gateway/text.py)."""
+    TYPE_STRING input into the ONNX model's token inputs (gateway/text.py). Read from the
+    raw config because completing the config depends on it, before the parameters are parsed."""
     p = config.parameters.get(TOKENIZER_PARAMETER)
     return p is not None and bool(p.string_value)
 
@@ -224,6 +233,30 @@ def _complete_text_input(config: mc.ModelConfig, onnx_in: list) -> None:
             )
 
 
+def _check_reshape(name: str, kind: str, t: mc.ModelInput | mc.ModelOutput) -> None:
+    """Fixed shapes only: with a variable dim on either side the element count of a row is not
+    known until a request comes, and which client dim maps to which model dim is ambiguous."""
+    dims, shape = list(t.dims), list(t.reshape.shape)
+    if any(d < 0 for d in dims + shape):
+        raise ConfigError(
+            f"model '{name}': {kind} '{t.name}' has reshape {shape} for dims {dims}; batchgate implements "
+            "reshape for fixed dims only (no -1 on either side)"
+        )
+    if math.prod(dims) != math.prod(shape):
+        raise ConfigError(
+            f"model '{name}': {kind} '{t.name}': reshape {shape} holds {math.prod(shape)} values per row "
+            f"but dims {dims} hold {math.prod(dims)}"
+        )
+
+
+def _reshapes(tensors, to_client: bool) -> dict[str, tuple[int, ...]]:
+    """Row shape per reshaped tensor: the model's (inputs go in reshaped) or the client's (outputs
+    come back in the config's dims)."""
+    return {
+        t.name: tuple(t.dims if to_client else t.reshape.shape) for t in tensors if t.HasField("reshape")
+    }
+
+
 def complete_config(config: mc.ModelConfig, model: onnx.ModelProto, default_max_batch_size: int) -> None:
     """Fill what config.pbtxt left out from the ONNX file, and check what it says against it."""
     name = config.name
@@ -236,6 +269,8 @@ def complete_config(config: mc.ModelConfig, model: onnx.ModelProto, default_max_
     batched = config.max_batch_size > 0
     pairs = [("input", onnx_in, config.input), ("output", onnx_out, config.output)]
     if tokenized(config):  # config inputs are text; the ONNX inputs are checked against the stage
+        if any(t.HasField("reshape") for t in config.input):
+            raise ConfigError(f"model '{name}': the text input (parameter 'tokenizer') takes no reshape")
         _complete_text_input(config, onnx_in)
         pairs = pairs[1:]
     for kind, onnx_list, cfg_list in pairs:
@@ -263,6 +298,11 @@ def complete_config(config: mc.ModelConfig, model: onnx.ModelProto, default_max_
                     f"model '{name}': {kind} '{t.name}' is {cfg_type} in config.pbtxt but {onnx_type} in the ONNX model"
                 )
             odims = _onnx_dims(v)
+            # With `reshape` the ONNX model sees reshape.shape and the client the dims (Triton's
+            # semantics); the worker reshapes on the way in and out (workers/buckets.ShapePlan).
+            want = list(t.reshape.shape) if t.HasField("reshape") else list(t.dims)
+            if t.HasField("reshape"):
+                _check_reshape(name, kind, t)
             if batched:
                 if not odims or odims[0] != -1:
                     raise ConfigError(
@@ -270,15 +310,23 @@ def complete_config(config: mc.ModelConfig, model: onnx.ModelProto, default_max_
                         f"batch dim (shape {odims})"
                     )
                 odims = odims[1:]
-            if len(odims) != len(t.dims):
+            what = f"reshape {want}" if t.HasField("reshape") else f"dims {want}"
+            if t.HasField("reshape") and -1 in odims:
+                # The batcher and the engines plan variable dims on the client's arrays, whose
+                # axes no longer line up with the model's once reshaped.
                 raise ConfigError(
-                    f"model '{name}': {kind} '{t.name}' has dims {list(t.dims)} in config.pbtxt but "
+                    f"model '{name}': {kind} '{t.name}' has reshape {want} but the ONNX model's dims {odims} "
+                    "are not all fixed; batchgate implements reshape onto fixed model dims only"
+                )
+            if len(odims) != len(want):
+                raise ConfigError(
+                    f"model '{name}': {kind} '{t.name}' has {what} in config.pbtxt but "
                     f"{odims} in the ONNX model (batch dim excluded)"
                 )
-            for c, o in zip(t.dims, odims):
+            for c, o in zip(want, odims):
                 if c != -1 and o != -1 and c != o:
                     raise ConfigError(
-                        f"model '{name}': {kind} '{t.name}' has dims {list(t.dims)} in config.pbtxt but "
+                        f"model '{name}': {kind} '{t.name}' has {what} in config.pbtxt but "
                         f"{odims} in the ONNX model"
                     )
         if kind == "input":
@@ -349,14 +397,6 @@ def select_versions(model_dir: Path, config: mc.ModelConfig) -> list[str]:
     return [str(v) for v in chosen]
 
 
-def fingerprint(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
-
-
 def load_model(model_dir: Path, default_max_batch_size: int = 64) -> list[ModelSpec]:
     """Parse, complete and check one model directory; one spec per served version."""
     config = mc.ModelConfig()
@@ -383,6 +423,18 @@ def load_model(model_dir: Path, default_max_batch_size: int = 64) -> list[ModelS
             raise ConfigError(f"model '{config.name}' version {version}: cannot read {path.name}: {exc}") from None
         complete_config(cfg, model, default_max_batch_size)
         _validate(cfg)
+        model_inputs = tuple(v.name for v in _onnx_tensors(model)[0])
+        raw = {k: v.string_value for k, v in cfg.parameters.items()}
+        try:
+            inputs = [t.name for t in cfg.input]
+            params, hints = parse_parameters(raw, inputs=inputs, model_inputs=model_inputs)
+            preferred = tuple(sorted(cfg.dynamic_batching.preferred_batch_size))
+            buckets = params.bucket_config(cfg.max_batch_size, preferred)
+        except (ParameterError, ValueError) as exc:
+            raise ConfigError(f"model '{config.name}': {exc}") from None
+        buckets = replace(buckets, reshape_inputs=_reshapes(cfg.input, False),
+                          reshape_outputs=_reshapes(cfg.output, True))  # fmt: skip
+        ignored = ignored + [f"parameters.{k}" for k in hints if f"parameters.{k}" not in ignored]
         if not cfg.platform and not cfg.backend:
             cfg.platform = "onnxruntime_onnx"
         if not cfg.instance_group:
@@ -395,10 +447,12 @@ def load_model(model_dir: Path, default_max_batch_size: int = 64) -> list[ModelS
                 config=cfg,
                 inputs=[TensorSpec(t.name, dtypes.from_config(t.data_type), tuple(t.dims)) for t in cfg.input],
                 outputs=[TensorSpec(t.name, dtypes.from_config(t.data_type), tuple(t.dims)) for t in cfg.output],
-                fingerprint=fingerprint(path),
+                fingerprint=file_fingerprint(path),
                 ignored=ignored,
                 tied_dims={} if tokenized(cfg) else tied_dims(model, cfg.max_batch_size > 0),
-                model_inputs=tuple(v.name for v in _onnx_tensors(model)[0]),
+                model_inputs=model_inputs,
+                params=params,
+                buckets=buckets,
             )
         )
     return specs

@@ -22,10 +22,9 @@ import numpy as np
 from batchgate.cache import TieredCache
 from batchgate.gateway.codec import Codec
 from batchgate.gateway.config import Settings
-from batchgate.gateway.repository import ConfigError, ModelSpec, tokenized
+from batchgate.gateway.repository import ModelSpec, tokenized
 from batchgate.gateway.result_cache import ModelCache, model_cache
 from batchgate.gateway.scheduling import (
-    POLICIES,
     Budget,
     LatencyClass,
     LatencyModel,
@@ -39,7 +38,7 @@ from batchgate.gateway.scheduling import (
 )
 from batchgate.gateway.text import TextStage
 from batchgate.proto.inference.v2 import model_config_pb2 as mc
-from batchgate.workers import BucketConfig, EngineOptions, WorkerPool, default_cache_dir, discover
+from batchgate.workers import EngineOptions, WorkerPool, default_cache_dir, discover
 
 _KIND = {mc.ModelInstanceGroup.KIND_GPU: "gpu", mc.ModelInstanceGroup.KIND_CPU: "cpu"}
 _NO_LIMIT = 1 << 30
@@ -199,9 +198,7 @@ async def build_runtime(
                             preprocess=text, mode=s.engine_mode, warmup=s.engine_warmup,
                             cache_dir=(s.engine_cache_dir or default_cache_dir()) if s.engine_cache else None,
                             cuda_graphs=s.cuda_graphs)  # fmt: skip
-    params = {k: v.string_value for k, v in spec.config.parameters.items()}
-    buckets = BucketConfig.from_parameters(params, spec.max_batch_size, spec.preferred_batch_sizes)
-    pool = WorkerPool(f"{spec.name}-v{spec.version}", spec.path, devices, count, options, buckets, spec.fingerprint)
+    pool = WorkerPool(f"{spec.name}-v{spec.version}", spec.path, devices, count, options, spec.buckets, spec.fingerprint)
     await asyncio.to_thread(pool.start)
     try:
         # The token budget has one owner, the queue: text rows by their length bucket, numeric
@@ -209,15 +206,11 @@ async def build_runtime(
         if text is not None:
             row_limit = text.row_limit if text.settings.max_batch_tokens else None
         else:
-            row_limit = _numeric_row_limit(pool, buckets.max_batch_tokens)
+            row_limit = _numeric_row_limit(pool, spec.params.max_batch_tokens)
         schedule = SchedulePolicy.from_config(spec.config)
         # A model may override the server's policy (parameter scheduling_policy), e.g. to keep
         # Triton's FIFO semantics for one model while the rest are scheduled by deadline.
-        policy = spec.parameter("scheduling_policy", s.scheduling_policy)
-        if policy not in POLICIES:
-            raise ConfigError(
-                f"model '{spec.name}': parameter 'scheduling_policy' must be 'deadline' or 'fifo', got '{policy}'"
-            )
+        policy = spec.params.scheduling_policy or s.scheduling_policy  # checked at load (parameters.py)
         latency = LatencyModel()
         queue = make_queue(
             QueueSettings(
@@ -231,8 +224,8 @@ async def build_runtime(
                 level_queue_sizes={lvl: p.max_queue_size for lvl, p in schedule.policies.items()},
                 margin_s=s.deadline_margin_ms / 1000,
                 cap_fraction=s.batch_time_cap,
-                learn_limit=spec.parameter("learned_batch_limit", "true").lower() != "false",
-                shed=spec.parameter("shed_at_admission", "true").lower() != "false",
+                learn_limit=spec.params.learned_batch_limit,
+                shed=spec.params.shed_at_admission,
                 row_limit=row_limit,
             ),
             latency,

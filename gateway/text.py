@@ -45,11 +45,10 @@ from pathlib import Path
 import numpy as np
 
 from batchgate.gateway.errors import invalid
-from batchgate.gateway.repository import TOKEN_INPUTS, TOKENIZER_PARAMETER, ConfigError, ModelSpec
+from batchgate.gateway.repository import TOKEN_INPUTS, ConfigError, ModelSpec
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
 DEFAULT_MAX_TOKENS = 512
-DEFAULT_MAX_TEXT_BYTES = 32768
 # ASCII punctuation: BERT-style pre-tokenizers make each mark a token of its own.
 _PUNCT = re.compile(rb"[!-/:-@\[-`{-~]")
 
@@ -79,53 +78,24 @@ class TextSettings:
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> TextSettings:
         """Parse and check the model's parameters; ConfigError names the parameter and the fix."""
-        name = spec.name
-
-        def integer(key: str, default: int, low: int) -> int:
-            text = spec.parameter(key)
-            if not text:
-                return default
-            try:
-                value = int(text)
-            except ValueError:
-                value = low - 1
-            if value < low:
-                raise ConfigError(
-                    f"model '{name}': parameter '{key}' must be an integer >= {low}, got '{text}'"
-                )
-            return value
-
-        path = spec.path.parent.parent / spec.parameter(TOKENIZER_PARAMETER)
+        name, p = spec.name, spec.params  # typed and bounded at load (gateway/parameters.py)
+        path = spec.path.parent.parent / p.tokenizer
         if not path.is_file():
             raise ConfigError(f"model '{name}': parameter 'tokenizer' names {path}, which does not exist")
         try:
             file_limit = (json.loads(path.read_text()).get("truncation") or {}).get("max_length")
         except (OSError, ValueError) as exc:
             raise ConfigError(f"model '{name}': cannot read tokenizer {path}: {exc}") from None
-        max_tokens = integer("max_tokens", int(file_limit or DEFAULT_MAX_TOKENS), 3)
-        mode = spec.parameter("truncate", "truncate")
-        if mode not in ("truncate", "reject"):
-            raise ConfigError(
-                f"model '{name}': parameter 'truncate' must be 'truncate' or 'reject', got '{mode}'"
-            )
-        text = spec.parameter("length_buckets")
-        try:
-            buckets = tuple(int(b) for b in text.split(",")) if text else DEFAULT_BUCKETS
-        except ValueError:
-            buckets = ()
-        if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
-            raise ConfigError(
-                f"model '{name}': parameter 'length_buckets' must be ascending positive integers "
-                f"separated by commas, got '{text}'"
-            )
+        max_tokens = p.max_tokens or int(file_limit or DEFAULT_MAX_TOKENS)
+        buckets = p.length_buckets or DEFAULT_BUCKETS
         buckets = tuple(b for b in buckets if b < max_tokens) + (max_tokens,)
         return cls(
             tokenizer_path=path,
             max_tokens=max_tokens,
-            truncate=mode == "truncate",
+            truncate=p.truncate == "truncate",
             length_buckets=buckets,
-            max_text_bytes=integer("max_text_bytes", DEFAULT_MAX_TEXT_BYTES, 1),
-            max_batch_tokens=integer("max_batch_tokens", 0, 0),
+            max_text_bytes=p.max_text_bytes,
+            max_batch_tokens=p.max_batch_tokens,
         )
 
 

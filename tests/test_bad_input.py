@@ -161,10 +161,12 @@ def rejection(send: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
 DENSE, SPARSE = ranker_data()["dense"], ranker_data()["sparse_ids"]
 
 # unknown model / version
-case("unknown-model", NOT_FOUND, "no_such_model", "unknown model", "ranker")(
+case("unknown-model", NOT_FOUND, "Request for unknown model: 'no_such_model' is not found")(
     lambda triton, stub: tc_infer(triton, "no_such_model", ranker_data())
 )
-case("unknown-version", NOT_FOUND, "ranker", "version '7'", "served versions")(
+case(
+    "unknown-version", NOT_FOUND, "Request for unknown model: 'ranker' version 7 is not found", "served versions"
+)(
     lambda triton, stub: tc_infer(triton, "ranker", ranker_data(), version="7")
 )
 

@@ -11,14 +11,15 @@ import pytest
 from onnx import TensorProto, helper
 
 from tests.conftest import REPO
-from batchgate.workers.buckets import BucketConfig, ShapePlan, TensorInfo, powers_of_two, read_model_io
+from batchgate.gateway.parameters import bucket_config
+from batchgate.workers.buckets import ShapePlan, TensorInfo, powers_of_two, read_model_io
 
 ENCODER = REPO / "encoder" / "1" / "model.onnx"
 
 
 def _encoder_plan(**params: str) -> ShapePlan:
     inputs, outputs = read_model_io(ENCODER)
-    return ShapePlan(inputs, outputs, BucketConfig.from_parameters(params, 64, (16, 32)))
+    return ShapePlan(inputs, outputs, bucket_config(params, 64, (16, 32)))
 
 
 def _t(name: str, dtype, *dims) -> TensorInfo:
@@ -29,12 +30,12 @@ def _t(name: str, dtype, *dims) -> TensorInfo:
 
 
 def test_default_batch_buckets_are_powers_of_two_plus_preferred_and_max():
-    cfg = BucketConfig.from_parameters({}, 48, (12,))
+    cfg = bucket_config({}, 48, (12,))
     assert cfg.batch_sizes == (1, 2, 4, 8, 12, 16, 32, 48)
 
 
 def test_configured_batch_buckets_always_end_at_max_batch_size():
-    cfg = BucketConfig.from_parameters({"batch_buckets": "8, 2,32"}, 64)
+    cfg = bucket_config({"batch_buckets": "8, 2,32"}, 64)
     assert cfg.batch_sizes == (2, 8, 32, 64)
 
 
@@ -51,7 +52,7 @@ def test_configured_batch_buckets_always_end_at_max_batch_size():
 )
 def test_bad_parameters_name_the_parameter(params, message):
     with pytest.raises(ValueError, match=message):
-        BucketConfig.from_parameters(params, 64)
+        bucket_config(params, 64)
 
 
 def test_parameters_naming_unknown_inputs_or_dims_are_refused():
@@ -122,33 +123,34 @@ def test_a_single_row_over_the_budget_still_has_a_bucket():
 def test_unmasked_variable_dim_keeps_exact_lengths_unless_configured():
     inputs = [_t("x", np.float32, "batch", "n")]
     outputs = [_t("y", np.float32, "batch", 4)]
-    plan = ShapePlan(inputs, outputs, BucketConfig.from_parameters({}, 8))
+    plan = ShapePlan(inputs, outputs, bucket_config({}, 8))
     assert plan.groups[0].buckets == () and "no mask" in plan.groups[0].why
-    plan = ShapePlan(inputs, outputs, BucketConfig.from_parameters({"seq_buckets": "4,8"}, 8))
+    plan = ShapePlan(inputs, outputs, bucket_config({"seq_buckets": "4,8"}, 8))
     assert plan.groups[0].buckets == (4, 8) and plan.groups[0].paddable
 
 
 def test_unnamed_variable_axes_are_their_own_groups_and_not_static():
     inputs = [_t("a", np.float32, "batch", None), _t("b", np.float32, "batch", None)]
     outputs = [_t("y", np.float32, "batch", 1)]
-    plan = ShapePlan(inputs, outputs, BucketConfig.from_parameters({"seq_buckets": "8"}, 4))
+    plan = ShapePlan(inputs, outputs, bucket_config({"seq_buckets": "8"}, 4))
     assert [g.name for g in plan.groups] == ["a.1", "b.1"]
     assert not plan.static_ok and plan.overrides(4, (8, 8)) is None
 
 
 def test_outputs_with_the_seq_dim_are_trimmed_and_unknown_output_dims_are_not_pooled():
     inputs = [_t("ids", np.int64, "batch", "seq"), _t("attention_mask", np.int64, "batch", "seq")]
-    plan = ShapePlan(inputs, [_t("tokens", np.float32, "batch", "seq", 8)], BucketConfig.from_parameters({}, 8))
+    plan = ShapePlan(inputs, [_t("tokens", np.float32, "batch", "seq", 8)], bucket_config({}, 8))
     assert plan.pooled and plan.output_axes("tokens") == [(1, 0)]
     assert plan.output_shape("tokens", 4, (32,)) == (4, 32, 8)
-    plan = ShapePlan(inputs, [_t("tokens", np.float32, "batch", "other")], BucketConfig.from_parameters({}, 8))
+    plan = ShapePlan(inputs, [_t("tokens", np.float32, "batch", "other")], bucket_config({}, 8))
     assert not plan.pooled and "not tied" in plan.why_not_pooled
 
 
 def test_strings_and_unbatched_models_are_not_pooled():
-    plan = ShapePlan([_t("s", object, "batch", 1)], [_t("y", np.float32, "batch", 1)], BucketConfig.from_parameters({}, 8))
+    plan = ShapePlan([_t("s", object, "batch", 1)], [_t("y", np.float32, "batch", 1)],
+                     bucket_config({}, 8))  # fmt: skip
     assert not plan.pooled and "string" in plan.why_not_pooled
-    plan = ShapePlan([_t("x", np.float32, 4)], [_t("y", np.float32, 4)], BucketConfig.from_parameters({}, 0))
+    plan = ShapePlan([_t("x", np.float32, 4)], [_t("y", np.float32, 4)], bucket_config({}, 0))
     assert not plan.pooled and not plan.batched
 
 

@@ -21,7 +21,8 @@ from onnx import TensorProto, helper
 from tritonclient.grpc import InferInput
 
 from tests.conftest import REPO, start_server
-from batchgate.workers import BucketConfig, Device, EngineOptions, WorkerPool, gpu_count
+from batchgate.gateway.parameters import bucket_config
+from batchgate.workers import Device, EngineOptions, WorkerPool, gpu_count
 from batchgate.workers.buckets import read_model_io
 from batchgate.workers.engine import Engine
 from batchgate.workers.sessions import SessionFactory, default_cache_dir
@@ -45,7 +46,7 @@ def _request(rng: np.random.Generator, rows: int, seq: int) -> dict[str, np.ndar
 
 def _pool(tmp_path: Path, params: dict[str, str] = ENCODER_PARAMS, device: Device = Device("cpu"), **opts) -> WorkerPool:
     options = EngineOptions(cache_dir=tmp_path / "engines", **opts)
-    pool = WorkerPool("encoder-test", ENCODER, [device], 1, options, BucketConfig.from_parameters(params, 64, (16, 32)))
+    pool = WorkerPool("encoder-test", ENCODER, [device], 1, options, bucket_config(params, 64, (16, 32)))
     pool.start()
     return pool
 
@@ -163,7 +164,7 @@ def _token_model(path: Path) -> Path:
 
 def test_outputs_with_a_seq_dim_are_cut_back_to_each_request(tmp_path):
     path = _token_model(tmp_path / "tokens.onnx")
-    cfg = BucketConfig.from_parameters({"seq_buckets": "16"}, 8)
+    cfg = bucket_config({"seq_buckets": "16"}, 8)
     pool = WorkerPool("tokens", path, [Device("cpu")], 1, EngineOptions(), cfg)
     pool.start()
     try:
@@ -187,7 +188,7 @@ def test_outputs_with_a_seq_dim_are_cut_back_to_each_request(tmp_path):
 def test_rows_of_different_lengths_on_an_unmasked_dim_never_share_a_padded_batch(tmp_path):
     path = _token_model(tmp_path / "tokens.onnx")
     # mask_input none: nothing is known to mask padding, so the dim keeps exact lengths.
-    cfg = BucketConfig.from_parameters({"mask_input": "none"}, 8)
+    cfg = bucket_config({"mask_input": "none"}, 8)
     pool = WorkerPool("tokens", path, [Device("cpu")], 1, EngineOptions(), cfg)
     pool.start()
     try:
@@ -405,7 +406,7 @@ def test_gpu_buckets_answer_like_the_model_alone(tmp_path, reference, cuda_graph
 @needs_gpu
 def test_one_worker_per_gpu():
     options = EngineOptions()
-    pool = WorkerPool("x", ENCODER, [Device("gpu", 0)], 4, options, BucketConfig.from_parameters({}, 8))
+    pool = WorkerPool("x", ENCODER, [Device("gpu", 0)], 4, options, bucket_config({}, 8))
     assert len(pool) == 1
 
 

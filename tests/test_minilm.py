@@ -27,11 +27,11 @@ import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tca
 from tritonclient.utils import InferenceServerException
 
-from batchgate.gateway.minilm import MODEL_NAME, build_onnx, load_source
+from batchgate.gateway.build.minilm import MODEL_NAME, build_onnx, load_source
 from batchgate.gateway.text import TextStage
 from batchgate.gateway.repository import ConfigError, load_model
 from tests.conftest import prepare_minilm_or_fail, start_server
-from batchgate.workers import BucketConfig, EngineOptions, WorkerPool, discover
+from batchgate.workers import EngineOptions, WorkerPool, discover
 
 INVALID = "StatusCode.INVALID_ARGUMENT"
 TIMEOUT_S = 60.0
@@ -399,9 +399,9 @@ def variant_repo(minilm_repo, tmp_path) -> Path:
     ],
 )
 def test_bad_stage_parameters_name_the_parameter(variant_repo, params, needle):
-    spec = load_model(_variant(variant_repo, "variant", **params))[0]
+    # values are checked at load (gateway/parameters.py); the tokenizer file when the stage is built
     with pytest.raises(ConfigError, match=needle):
-        TextStage(spec)
+        TextStage(load_model(_variant(variant_repo, "variant", **params))[0])
 
 
 def test_tokenized_config_is_checked_against_the_onnx_inputs(variant_repo):
@@ -482,9 +482,8 @@ def test_static_bucket_engines_take_text_batches_too(variant_repo):
     buckets and pooled buffers, which also hold each run to max_batch_tokens: same answers."""
     spec = load_model(_variant(variant_repo, "variant", seq_buckets=None))[0]
     stage = TextStage(spec)
-    params = {k: v.string_value for k, v in spec.config.parameters.items()}
-    assert "seq_buckets" not in params
-    buckets = BucketConfig.from_parameters(params, spec.max_batch_size, spec.preferred_batch_sizes)
+    assert "seq_buckets" not in spec.params.given
+    buckets = spec.buckets  # parsed once at load, with the text stage's length_buckets
     pool = WorkerPool("budget", spec.path, discover("cpu")[:1], 1, EngineOptions(preprocess=stage), buckets)
     pool.start()
     try:
@@ -503,7 +502,7 @@ def test_build_is_deterministic(minilm_repo):
     src = load_source(None)
     from safetensors.numpy import load
 
-    from batchgate.gateway.minilm import BertConfig
+    from batchgate.gateway.build.minilm import BertConfig
 
     built = build_onnx(load(src.weights), BertConfig.from_files(src.config, src.st_config))
     assert (

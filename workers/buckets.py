@@ -77,23 +77,6 @@ def read_model_io(path: Path) -> tuple[list[TensorInfo], list[TensorInfo]]:
     return inputs, outputs
 
 
-def _int_list(text: str, what: str) -> tuple[int, ...]:
-    try:
-        values = sorted({int(x) for x in text.replace(" ", "").split(",") if x})
-    except ValueError:
-        raise ValueError(f"parameter '{what}' must be integers separated by commas, got '{text}'") from None
-    if any(v < 1 for v in values):
-        raise ValueError(f"parameter '{what}' must hold sizes >= 1, got '{text}'")
-    return tuple(values)
-
-
-def _seq_list(text: str, what: str) -> tuple[int, ...]:
-    """'' / 'none' / 'off' / 'exact' -> () (no padding on this dim); else the bucket lengths."""
-    if text.strip().lower() in ("", "none", "off", "exact"):
-        return ()
-    return _int_list(text, what)
-
-
 def powers_of_two(low: int, high: int) -> tuple[int, ...]:
     """low, 2*low, ... up to high, with high itself as the last value."""
     out = []
@@ -107,7 +90,8 @@ def powers_of_two(low: int, high: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class BucketConfig:
-    """A model's bucket settings from config.pbtxt ``parameters`` (all optional):
+    """A model's bucket settings, from config.pbtxt ``parameters`` (all optional; parsed and
+    declared in gateway/parameters.py, listed in docs/model-config.md):
 
     ``batch_buckets``       "1,2,4,8"    batch sizes a batch is padded up to (max_batch_size is added)
     ``seq_buckets``         "16,32,64"   lengths for every variable dim group; "none" keeps exact lengths
@@ -130,16 +114,31 @@ class BucketConfig:
     mask_explicit: bool = False
     pad_values: Mapping[str, float] = field(default_factory=dict)
     max_dims: Mapping[str, int] = field(default_factory=dict)
+    # config.pbtxt `reshape` (Triton's semantics, fixed dims only): input name -> the row shape the
+    # ONNX model takes; output name -> the row shape the client gets back (the config's dims).
+    reshape_inputs: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    reshape_outputs: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @classmethod
-    def from_parameters(
-        cls, params: Mapping[str, str], max_batch_size: int, preferred: tuple[int, ...] = ()
+    def build(
+        cls,
+        max_batch_size: int,
+        preferred: tuple[int, ...] = (),
+        *,
+        batch_buckets: tuple[int, ...] = (),
+        seq_buckets: tuple[int, ...] | None = None,
+        seq_by_dim: Mapping[str, tuple[int, ...]] | None = None,
+        max_batch_tokens: int = 0,
+        mask_input: str | None = DEFAULT_MASK_INPUT,
+        mask_explicit: bool = False,
+        pad_values: Mapping[str, float] | None = None,
+        max_dims: Mapping[str, int] | None = None,
     ) -> BucketConfig:
-        """Parse and check; a bad value raises ValueError naming the parameter."""
+        """From typed values (the gateway parses config.pbtxt's strings once, gateway/parameters.py):
+        the batch sizes completed and checked against max_batch_size; ValueError names the parameter."""
         if max_batch_size > 0:
-            text = params.get("batch_buckets", "")
-            if text.strip():
-                sizes = set(_int_list(text, "batch_buckets"))
+            if batch_buckets:
+                sizes = set(batch_buckets)
                 bad = [s for s in sizes if s > max_batch_size]
                 if bad:
                     raise ValueError(
@@ -151,49 +150,16 @@ class BucketConfig:
             batch_sizes = tuple(sorted(sizes))
         else:
             batch_sizes = ()
-        seq_sizes = _seq_list(params["seq_buckets"], "seq_buckets") if "seq_buckets" in params else None
-        if seq_sizes is None and params.get("length_buckets", "").strip():
-            # The text stage's name for the same thing (gateway/preprocess.py): its rows are
-            # grouped by these lengths, so the engines use them as their buckets too.
-            seq_sizes = _seq_list(params["length_buckets"], "length_buckets")
-        seq_by_dim = {
-            k.split(".", 1)[1]: _seq_list(v, k) for k, v in params.items() if k.startswith("seq_buckets.")
-        }
-        try:
-            max_batch_tokens = int(params.get("max_batch_tokens", "0") or 0)
-        except ValueError:
-            text = params["max_batch_tokens"]
-            raise ValueError(f"parameter 'max_batch_tokens' must be an integer, got '{text}'") from None
-        if max_batch_tokens < 0:
-            raise ValueError("parameter 'max_batch_tokens' must be >= 0 (0: no limit)")
-        mask_text = params.get("mask_input")
-        mask = DEFAULT_MASK_INPUT if mask_text is None else (mask_text.strip() or None)
-        if mask is not None and mask.lower() == "none":
-            mask = None
-        pad_values = {}
-        for k, v in params.items():
-            if k.startswith("pad_value."):
-                try:
-                    pad_values[k.split(".", 1)[1]] = float(v)
-                except ValueError:
-                    raise ValueError(f"parameter '{k}' must be a number, got '{v}'") from None
-        max_dims = {}
-        for k, v in params.items():
-            if k.startswith("max_dim."):
-                try:
-                    max_dims[k.split(".", 1)[1]] = int(v)
-                except ValueError:
-                    pass  # the codec reports it
         return cls(
             max_batch_size=max_batch_size,
             batch_sizes=batch_sizes,
-            seq_sizes=seq_sizes,
-            seq_by_dim=seq_by_dim,
+            seq_sizes=seq_buckets,
+            seq_by_dim=dict(seq_by_dim or {}),
             max_batch_tokens=max_batch_tokens,
-            mask_input=mask,
-            mask_explicit=mask_text is not None,
-            pad_values=pad_values,
-            max_dims=max_dims,
+            mask_input=mask_input,
+            mask_explicit=mask_explicit,
+            pad_values=dict(pad_values or {}),
+            max_dims=dict(max_dims or {}),
         )
 
 
@@ -208,6 +174,21 @@ class DimGroup:
     why: str  # how the buckets were chosen, for the load log
 
 
+Arrays = dict[str, np.ndarray]
+
+
+def _reshaped(items: list[Arrays], rows: Mapping[str, tuple[int, ...]], batched: bool) -> list[Arrays]:
+    if not rows:
+        return items
+    out = []
+    for arrays in items:
+        out.append({
+            k: a.reshape((a.shape[0], *rows[k]) if batched else rows[k]) if k in rows else a
+            for k, a in arrays.items()
+        })  # fmt: skip
+    return out
+
+
 class ShapePlan:
     """The buckets of one model, and the arithmetic of padding a batch into one."""
 
@@ -218,6 +199,8 @@ class ShapePlan:
         self.batched = bool(config.batch_sizes)
         self.batch_sizes = config.batch_sizes
         self.max_batch_tokens = config.max_batch_tokens
+        self.reshape_inputs = dict(config.reshape_inputs)
+        self.reshape_outputs = dict(config.reshape_outputs)
         names = {t.name for t in inputs}
         for name in config.pad_values:
             if name not in names:
@@ -377,6 +360,14 @@ class ShapePlan:
         out = {self.batch_dim: rows}
         out.update({g.name: s for g, s in zip(self.groups, seqs)})
         return out
+
+    def to_model(self, parts: list[Arrays], batched: bool) -> list[Arrays]:
+        """Each request's inputs in the shapes the ONNX model takes (``reshape``): views, no copy."""
+        return _reshaped(parts, self.reshape_inputs, batched)
+
+    def to_client(self, outputs: list[Arrays], batched: bool) -> list[Arrays]:
+        """Each request's outputs back in the config's dims (``reshape``)."""
+        return _reshaped(outputs, self.reshape_outputs, batched)
 
     def describe(self) -> str:
         parts = [f"batch {list(self.batch_sizes)}"]

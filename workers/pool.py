@@ -144,7 +144,13 @@ class _Worker:
                 if _KILL_AFTER and self.taken > _KILL_AFTER:
                     _test_kill(self.name)
                 try:
-                    result = engine.run_batch(job.parts, job.rows, job.batched)
+                    plan = self.plan
+                    if plan is None:
+                        result = engine.run_batch(job.parts, job.rows, job.batched)
+                    else:  # config `reshape`: the model sees its own shapes, the caller the config's
+                        parts = plan.to_model(job.parts, job.batched)
+                        outs, timing = engine.run_batch(parts, job.rows, job.batched)
+                        result = (plan.to_client(outs, job.batched), timing)
                 except BaseException as exc:  # one bad batch must not take the worker down
                     job.future.set_exception(exc)
                 else:

@@ -21,6 +21,7 @@ from pathlib import Path
 import onnxruntime as ort
 
 from batchgate.workers.devices import Device
+from batchgate.workers.fingerprint import file_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class SessionFactory:
         cuda_graphs: bool = False,
     ) -> None:
         self.model_path = Path(model_path)
-        self.fingerprint = fingerprint or _file_fingerprint(self.model_path)
+        self.fingerprint = fingerprint or file_fingerprint(self.model_path)
         self.device = device
         self.intra_op_threads = intra_op_threads
         self.inter_op_threads = inter_op_threads
@@ -211,14 +212,6 @@ def _unlink(path: Path) -> None:
         path.unlink()
     except OSError:
         pass
-
-
-def _file_fingerprint(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
 
 
 def _gpu_name(device_id: int) -> str:

@@ -210,13 +210,17 @@ class DeadlineQueue:
         cap = self._batch_time_cap(req.arrival)
         total = 0.0
         for key, lanes in self._lanes.items():
-            rows = sum(lane.rows for lane in lanes.values() if self.classes[lane.cls].rank <= rank)
+            ahead = [lane for lane in lanes.values() if self.classes[lane.cls].rank <= rank]
+            rows = sum(lane.rows for lane in ahead)
             if rows:
                 a, b = self.latency.per_row(key)
                 per_batch = self._limit(key)
                 if cap < math.inf and b > 0:  # batches are held under the cap: more, smaller ones
                     per_batch = max(1, min(per_batch, int((cap - a) / b)))
-                total += math.ceil(rows / per_batch) * a + rows * b
+                # A request never splits: there are no more batches than requests, whatever the
+                # limit (a limit of 1 row must not charge a 4-row request four intercepts).
+                batches = min(math.ceil(rows / per_batch), sum(len(lane.heap) for lane in ahead))
+                total += batches * a + rows * b
         return total
 
     # -- bookkeeping ----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Build the two demo models that ship with batchgate: ``ranker`` and ``encoder``.
 
-``python -m batchgate.gateway.bundled_models [--out model_repository] [--force]`` writes a Triton-style
+``python -m batchgate.gateway.build.bundled_models [--out model_repository] [--force]`` writes a Triton-style
 model repository::
 
     <out>/ranker/config.pbtxt    <out>/ranker/1/model.onnx
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,13 +31,9 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
-# Pinned rather than taken from the installed onnx, whose defaults move between releases and
-# would change the bytes (and could exceed what the deployed onnxruntime accepts).
-OPSET = 17
-IR_VERSION = 9
-PRODUCER = "batchgate.bundled_models"
+from batchgate.gateway.build.onnx_graph import GraphBuilder, attend, finish_model, gelu, split_heads, write_atomic
 
 RANKER_SEED = 20240601
 ENCODER_SEED = 20240602
@@ -61,55 +56,6 @@ MASK_PENALTY = -1e9
 LN_EPSILON = 1e-5
 
 Log = Callable[[str], object]
-
-
-class GraphBuilder:
-    """Accumulates nodes and initializers; names are prefixed by the caller for uniqueness.
-    Shared by the bundled models and the MiniLM builder (gateway/minilm.py)."""
-
-    def __init__(self) -> None:
-        self.nodes: list[onnx.NodeProto] = []
-        self.initializers: list[onnx.TensorProto] = []
-
-    def op(self, op_type: str, inputs: Sequence[str], output: str, **attrs: object) -> str:
-        self.nodes.append(helper.make_node(op_type, list(inputs), [output], name=output, **attrs))
-        return output
-
-    def ops(self, op_type: str, inputs: Sequence[str], outputs: Sequence[str], **attrs: object) -> list[str]:
-        """A node with several outputs, named after the first."""
-        self.nodes.append(helper.make_node(op_type, list(inputs), list(outputs), name=outputs[0], **attrs))
-        return list(outputs)
-
-    def const(self, name: str, value: np.ndarray) -> str:
-        self.initializers.append(numpy_helper.from_array(value, name))
-        return name
-
-    def weight(self, name: str, value: np.ndarray, *, fp16: bool = False) -> str:
-        """Add a float32 weight; ``fp16`` stores it half-size and casts it back in the graph.
-
-        The encoder's ~455k parameters are 1.8 MB as float32; stored as float16 the file halves.
-        onnxruntime folds the Cast at session load, so inference still runs in float32 (on
-        weights that happen to be float16-representable).
-        """
-        value = value.astype(np.float32)
-        if not fp16:
-            return self.const(name, value)
-        self.const(f"{name}_fp16", value.astype(np.float16))
-        return self.op("Cast", [f"{name}_fp16"], name, to=TensorProto.FLOAT)
-
-
-def finish_model(graph: GraphBuilder, name: str, inputs: list[onnx.ValueInfoProto],
-                 outputs: list[onnx.ValueInfoProto], producer: str = PRODUCER) -> onnx.ModelProto:
-    """The graph as a checked model at batchgate's opset and IR version."""
-    model = helper.make_model(
-        helper.make_graph(graph.nodes, name, inputs, outputs, graph.initializers),
-        opset_imports=[helper.make_opsetid("", OPSET)],
-        producer_name=producer,
-        producer_version="1",
-    )
-    model.ir_version = IR_VERSION
-    onnx.checker.check_model(model, full_check=True)
-    return model
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,35 +115,17 @@ def _layer_norm(g: GraphBuilder, rng: np.random.Generator, name: str, x: str) ->
     return g.op("LayerNormalization", [x, scale, bias], name, axis=-1, epsilon=LN_EPSILON)
 
 
-def _gelu(g: GraphBuilder, name: str, x: str) -> str:
-    # Exact (erf) GELU spelled out: the Gelu op only exists from opset 20. onnxruntime fuses
-    # this pattern back into its Gelu kernel.
-    inv_sqrt2 = g.const(f"{name}.inv_sqrt2", np.array(1 / math.sqrt(2), np.float32))
-    half = g.const(f"{name}.half", np.array(0.5, np.float32))
-    erf = g.op("Erf", [g.op("Mul", [x, inv_sqrt2], f"{name}.scaled")], f"{name}.erf")
-    one_plus = g.op("Add", [erf, "one_f"], f"{name}.one_plus")
-    return g.op("Mul", [g.op("Mul", [x, half], f"{name}.half_x"), one_plus], name)
-
-
 def _heads(g: GraphBuilder, rng: np.random.Generator, name: str, x: str, perm: list[int]) -> str:
     projected = _linear(g, rng, name, x, ENCODER_HIDDEN, ENCODER_HIDDEN)
-    # Reshape's 0 entries copy batch and seq from the input, so no runtime shape arithmetic.
-    split = g.op("Reshape", [projected, "heads_shape"], f"{name}.heads")
-    return g.op("Transpose", [split], f"{name}.transposed", perm=perm)
+    return split_heads(g, projected, perm, "transposed")
 
 
 def _attention(g: GraphBuilder, rng: np.random.Generator, name: str, x: str, key_bias: str) -> str:
-    q = _heads(g, rng, f"{name}.q", x, [0, 2, 1, 3])  # [batch, heads, seq, head_dim]
-    # K goes straight to [batch, heads, head_dim, seq] so Q @ K needs no extra transpose.
+    # Separate Q, K, V projections (random weights drawn in this order), the core shared.
+    q = _heads(g, rng, f"{name}.q", x, [0, 2, 1, 3])
     k = _heads(g, rng, f"{name}.k", x, [0, 2, 3, 1])
     v = _heads(g, rng, f"{name}.v", x, [0, 2, 1, 3])
-
-    scores = g.op("Mul", [g.op("MatMul", [q, k], f"{name}.qk"), "attn_scale"], f"{name}.scores")
-    masked = g.op("Add", [scores, key_bias], f"{name}.masked")
-    probs = g.op("Softmax", [masked], f"{name}.probs", axis=-1)
-    context = g.op("MatMul", [probs, v], f"{name}.context")
-    merged = g.op("Transpose", [context], f"{name}.context_t", perm=[0, 2, 1, 3])
-    merged = g.op("Reshape", [merged, "merge_shape"], f"{name}.merged")
+    merged = attend(g, name, q, k, v, key_bias, scale="attn_scale")
     return _linear(g, rng, f"{name}.out", merged, ENCODER_HIDDEN, ENCODER_HIDDEN)
 
 
@@ -206,7 +134,7 @@ def _encoder_layer(g: GraphBuilder, rng: np.random.Generator, name: str, x: str,
     attn = _attention(g, rng, f"{name}.attn", _layer_norm(g, rng, f"{name}.ln1", x), key_bias)
     x = g.op("Add", [x, attn], f"{name}.resid1")
     normed = _layer_norm(g, rng, f"{name}.ln2", x)
-    hidden = _gelu(g, f"{name}.gelu", _linear(g, rng, f"{name}.ffn1", normed, ENCODER_HIDDEN, ENCODER_FFN))
+    hidden = gelu(g, f"{name}.gelu", _linear(g, rng, f"{name}.ffn1", normed, ENCODER_HIDDEN, ENCODER_FFN), one="one_f")
     ffn = _linear(g, rng, f"{name}.ffn2", hidden, ENCODER_FFN, ENCODER_HIDDEN)
     return g.op("Add", [x, ffn], f"{name}.resid2")
 
@@ -316,7 +244,7 @@ def _tensor_list(field: str, tensors: Sequence[_Tensor]) -> list[str]:
 def render_config(spec: _ModelSpec) -> str:
     """Triton ModelConfig in protobuf text format (dims exclude the batch dimension)."""
     lines = [
-        "# Generated by gateway/bundled_models.py; edit that script and rerun it instead.",
+        "# Generated by gateway/build/bundled_models.py; edit that script and rerun it instead.",
         f'name: "{spec.name}"',
         'platform: "onnxruntime_onnx"',
         f"max_batch_size: {spec.max_batch_size}",
@@ -387,14 +315,6 @@ MODELS: tuple[_ModelSpec, ...] = (
 # repository
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    # A gateway polling the repository must never load a half-written model.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def build_bundled_models(repo: Path, *, force: bool = False, log: Log = print) -> list[str]:
     """Write ranker and encoder (config.pbtxt + 1/model.onnx) under repo.
 
@@ -409,9 +329,9 @@ def build_bundled_models(repo: Path, *, force: bool = False, log: Log = print) -
             log(f"{spec.name}: exists in {repo}, skipped (use --force to rebuild)")
             continue
         model_bytes = spec.build().SerializeToString(deterministic=True)
-        _write_atomic(model_path, model_bytes)
+        write_atomic(model_path, model_bytes)
         # Config last, so a repository scan never finds a config whose model file is missing.
-        _write_atomic(config_path, render_config(spec).encode())
+        write_atomic(config_path, render_config(spec).encode())
         log(f"{spec.name}: wrote {model_path} ({len(model_bytes) / 1024:.0f} KiB) and {config_path}")
         written.append(spec.name)
     return written

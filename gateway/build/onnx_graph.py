@@ -1,0 +1,128 @@
+"""The ONNX graph builder shared by the bundled models and MiniLM: nodes and initializers
+accumulated by name, the finished model at batchgate's pinned opset and IR version, an atomic
+file write, and the two pieces of transformer arithmetic both graphs spell out (erf GELU and the
+attention core).
+
+Both callers' graphs must stay byte-identical to the files already built (the committed
+``ranker`` and ``encoder``, and MiniLM's deterministic build), so where the two spell the same
+arithmetic differently (GELU's constants and the order of its products; the score scale applied
+in the graph or folded into the query weights) the difference is an argument here, not a second
+copy of the function.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+# Pinned rather than taken from the installed onnx, whose defaults move between releases and
+# would change the bytes (and could exceed what the deployed onnxruntime accepts).
+OPSET = 17
+IR_VERSION = 9
+PRODUCER = "batchgate.bundled_models"  # written into the files: part of their bytes
+
+
+class GraphBuilder:
+    """Accumulates nodes and initializers; names are prefixed by the caller for uniqueness."""
+
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+
+    def op(self, op_type: str, inputs: Sequence[str], output: str, **attrs: object) -> str:
+        self.nodes.append(helper.make_node(op_type, list(inputs), [output], name=output, **attrs))
+        return output
+
+    def ops(self, op_type: str, inputs: Sequence[str], outputs: Sequence[str], **attrs: object) -> list[str]:
+        """A node with several outputs, named after the first."""
+        self.nodes.append(helper.make_node(op_type, list(inputs), list(outputs), name=outputs[0], **attrs))
+        return list(outputs)
+
+    def const(self, name: str, value: np.ndarray) -> str:
+        self.initializers.append(numpy_helper.from_array(value, name))
+        return name
+
+    def weight(self, name: str, value: np.ndarray, *, fp16: bool = False) -> str:
+        """Add a float32 weight; ``fp16`` stores it half-size and casts it back in the graph.
+
+        The encoder's ~455k parameters are 1.8 MB as float32; stored as float16 the file halves.
+        onnxruntime folds the Cast at session load, so inference still runs in float32 (on
+        weights that happen to be float16-representable).
+        """
+        value = value.astype(np.float32)
+        if not fp16:
+            return self.const(name, value)
+        self.const(f"{name}_fp16", value.astype(np.float16))
+        return self.op("Cast", [f"{name}_fp16"], name, to=TensorProto.FLOAT)
+
+
+def finish_model(graph: GraphBuilder, name: str, inputs: list[onnx.ValueInfoProto],
+                 outputs: list[onnx.ValueInfoProto], producer: str = PRODUCER) -> onnx.ModelProto:
+    """The graph as a checked model at batchgate's opset and IR version."""
+    model = helper.make_model(
+        helper.make_graph(graph.nodes, name, inputs, outputs, graph.initializers),
+        opset_imports=[helper.make_opsetid("", OPSET)],
+        producer_name=producer,
+        producer_version="1",
+    )
+    model.ir_version = IR_VERSION
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    # A gateway polling the repository must never load a half-written model.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def gelu(g: GraphBuilder, name: str, x: str, *, one: str, half: str | None = None,
+         sqrt2: str | None = None) -> str:
+    """Exact (erf) GELU, ``x * (1 + erf(x / sqrt 2)) / 2``, spelled out: the Gelu op only exists
+    from opset 20, and onnxruntime fuses this pattern back into its Gelu kernel either way.
+
+    ``one`` names a float 1. With ``sqrt2`` and ``half`` naming shared constants (MiniLM) the
+    graph divides by sqrt 2 and halves last; without them (the bundled encoder) each call adds
+    its own 1/sqrt 2 and 0.5 and halves x first. Same function, two spellings kept for the bytes.
+    """
+    if sqrt2 is not None and half is not None:
+        erf = g.op("Erf", [g.op("Div", [x, sqrt2], f"{name}.scaled")], f"{name}.erf")
+        one_plus = g.op("Add", [erf, one], f"{name}.one_plus")
+        return g.op("Mul", [g.op("Mul", [x, one_plus], f"{name}.x_one_plus"), half], name)
+    inv_sqrt2 = g.const(f"{name}.inv_sqrt2", np.array(1 / math.sqrt(2), np.float32))
+    half = g.const(f"{name}.half", np.array(0.5, np.float32))
+    erf = g.op("Erf", [g.op("Mul", [x, inv_sqrt2], f"{name}.scaled")], f"{name}.erf")
+    one_plus = g.op("Add", [erf, one], f"{name}.one_plus")
+    return g.op("Mul", [g.op("Mul", [x, half], f"{name}.half_x"), one_plus], name)
+
+
+def split_heads(g: GraphBuilder, x: str, perm: list[int], suffix: str, heads_shape: str = "heads_shape") -> str:
+    """[batch, seq, hidden] -> heads, transposed by ``perm`` ([0, 2, 1, 3] for Q and V: [batch,
+    heads, seq, head_dim]; [0, 2, 3, 1] for K, so Q @ K needs no extra transpose). Reshape's 0
+    entries in ``heads_shape`` copy batch and seq from the input: no runtime shape arithmetic."""
+    return g.op("Transpose", [g.op("Reshape", [x, heads_shape], f"{x}.heads")], f"{x}.{suffix}", perm=perm)
+
+
+def attend(g: GraphBuilder, name: str, q: str, k: str, v: str, key_bias: str, *, scale: str | None = None,
+           merge_shape: str = "merge_shape") -> str:
+    """softmax(Q K * scale + key_bias) V, heads merged back to [batch, seq, hidden] (before the
+    output projection). ``key_bias`` is 0 for real keys and a large negative for padding.
+    ``scale`` names the 1/sqrt(head_dim) constant; None when it is folded into the query weights
+    (MiniLM), which saves a Mul over every [heads, seq, seq] score tensor."""
+    scores = g.op("MatMul", [q, k], f"{name}.qk")
+    if scale is not None:
+        scores = g.op("Add", [g.op("Mul", [scores, scale], f"{name}.scores"), key_bias], f"{name}.masked")
+    else:
+        scores = g.op("Add", [scores, key_bias], f"{name}.scores")
+    probs = g.op("Softmax", [scores], f"{name}.probs", axis=-1)
+    context = g.op("MatMul", [probs, v], f"{name}.context")
+    merged = g.op("Transpose", [context], f"{name}.context_t", perm=[0, 2, 1, 3])
+    return g.op("Reshape", [merged, merge_shape], f"{name}.merged")

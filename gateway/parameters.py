@@ -1,0 +1,341 @@
+"""Typed model parameters: every config.pbtxt ``parameters {}`` key batchgate reads, declared once.
+
+A model's parameters are parsed here once, at load (``gateway/repository.py``), into a frozen
+``ModelParameters`` held on its ``ModelSpec``; the codec, the shape buckets (``workers/buckets.py``),
+the text stage and the queue factory read the typed values and never the raw strings. ``DECLARED``
+is the one table: key, type, bounds, default, which stage reads it, and what it does; the docs'
+table (docs/model-config.md) is checked against it by a test.
+
+A key nobody declared fails the load, named, with the closest declared key when it looks like a
+misspelling: a typo in a parameter would otherwise leave a model running with a default its
+author meant to change. The one exception is Triton's own ONNX Runtime backend settings
+(``TRITON_HINTS``): they only tune the runtime, so a repository written for Triton loads, and
+each one is logged as ignored, as unimplemented config fields are.
+
+Values are ``string_value`` (Triton's ModelParameter has nothing else). A key ``max_dim.<input>``
+is a *family*: one key per input, and the part after the dot must name one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchgate.workers.buckets import DEFAULT_MASK_INPUT, BucketConfig
+
+DEFAULT_MAX_TEXT_BYTES = 32768
+
+
+class ParameterError(ValueError):
+    """A parameter is unknown or its value is out of bounds; the message names the key."""
+
+
+# -- value parsers: text -> value, or ValueError saying what was expected ---------------------
+
+
+def _int(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise ValueError(f"an integer >= {low}") from None
+        if value < low:
+            raise ValueError(f"an integer >= {low}")
+        return value
+
+    return parse
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    """'8, 2,32' -> (2, 8, 32): sizes >= 1 in any order, duplicates merged."""
+    try:
+        values = sorted({int(x) for x in text.replace(" ", "").split(",") if x})
+    except ValueError:
+        raise ValueError("integers >= 1 separated by commas") from None
+    if any(v < 1 for v in values):
+        raise ValueError("integers >= 1 separated by commas")
+    return tuple(values)
+
+
+def _seq_sizes(text: str) -> tuple[int, ...]:
+    """'' / 'none' / 'off' / 'exact' -> () (no padding on this dim); else the bucket lengths."""
+    if text.strip().lower() in ("", "none", "off", "exact"):
+        return ()
+    try:
+        return _sizes(text)
+    except ValueError:
+        raise ValueError("integers >= 1 separated by commas, or 'none'") from None
+
+
+def _ascending(text: str) -> tuple[int, ...]:
+    """Strictly ascending positive integers, as written (the text stage groups rows by them)."""
+    try:
+        values = tuple(int(b) for b in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or any(b < 1 for b in values) or list(values) != sorted(set(values)):
+        raise ValueError("ascending positive integers separated by commas")
+    return values
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in options:
+            raise ValueError(" or ".join(f"'{o}'" for o in options))
+        return text
+
+    return parse
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in _TRUE:
+        return True
+    if t in _FALSE:
+        return False
+    raise ValueError("true or false")
+
+
+def _mask(text: str) -> str | None:
+    t = text.strip()
+    return None if not t or t.lower() == "none" else t
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("a number") from None
+    if not math.isfinite(value):
+        raise ValueError("a finite number")
+    return value
+
+
+def _range(text: str) -> tuple[float, float]:
+    low, sep, high = text.partition(":")
+    try:
+        lo, hi = float(low), float(high)
+    except ValueError:
+        lo = hi = math.nan
+    if not sep or not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+        raise ValueError("'low:high', two numbers with low < high")
+    return lo, hi
+
+
+def _nonempty(text: str) -> str:
+    if not text.strip():
+        raise ValueError("a file name")
+    return text
+
+
+# -- the table ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Declared:
+    key: str  # "max_tokens"; "max_dim.<input>" for a family (one key per input)
+    type: str
+    default: str
+    bounds: str
+    reads: str  # the stage that reads it
+    doc: str
+    parse: Callable[[str], Any]
+    field: str  # the ModelParameters attribute it fills
+
+    @property
+    def family(self) -> str | None:
+        """'max_dim' for 'max_dim.<input>'; None for a plain key."""
+        return self.key.split(".<", 1)[0] if ".<" in self.key else None
+
+    @property
+    def names(self) -> str | None:
+        """What a family's suffix must name: 'input', 'model_input' or 'dim' (checked elsewhere)."""
+        return self.key.split(".<", 1)[1].rstrip(">") if ".<" in self.key else None
+
+
+DECLARED: tuple[Declared, ...] = (
+    # text stage (gateway/text.py)
+    Declared("tokenizer", "file name", "none", "a file in the model directory", "text stage",
+             "tokenizer.json (Hugging Face tokenizers) relative to the model directory; makes the model a "
+             "text model: one TYPE_STRING input, token inputs made in the workers", _nonempty, "tokenizer"),
+    Declared("max_tokens", "int", "the tokenizer file's truncation length, else 512", ">= 3", "text stage",
+             "longest token sequence the model sees, special tokens included", _int(3), "max_tokens"),
+    Declared("truncate", "'truncate' or 'reject'", "truncate", "one of the two", "text stage",
+             "what happens to a text over max_tokens: cut to it, or refused with INVALID_ARGUMENT",
+             _choice("truncate", "reject"), "truncate"),
+    Declared("max_text_bytes", "int", str(DEFAULT_MAX_TEXT_BYTES), ">= 1", "text stage",
+             "longest text accepted at all, in UTF-8 bytes (checked before tokenizing)", _int(1),
+             "max_text_bytes"),
+    Declared("length_buckets", "int list", "16,32,64,128,256,512 capped at max_tokens",
+             "strictly ascending, >= 1", "text stage, buckets",
+             "token lengths text rows are grouped by; the engines pad to the same lengths unless "
+             "seq_buckets is set", _ascending, "length_buckets"),
+    Declared("max_batch_tokens", "int", "0 (no limit)", ">= 0", "text stage, buckets",
+             "token budget of one engine run, rows x bucket lengths: a larger batch runs as several "
+             "(bounds activation memory and warm-up time)", _int(0), "max_batch_tokens"),
+    # shape buckets (workers/buckets.py)
+    Declared("batch_buckets", "int list", "powers of two up to max_batch_size, plus preferred_batch_size",
+             "each in [1, max_batch_size]", "buckets",
+             "batch sizes a batch is padded up to (max_batch_size is always added)", _sizes,
+             "batch_buckets"),
+    Declared("seq_buckets", "int list or 'none'", "by model: masked dims get powers of two 16..512",
+             ">= 1", "buckets",
+             "lengths every variable dim group is padded up to; 'none' keeps exact lengths", _seq_sizes,
+             "seq_buckets"),
+    Declared("seq_buckets.<dim>", "int list or 'none'", "seq_buckets", ">= 1; <dim> a variable dim group",
+             "buckets", "the same for one dim group (its ONNX dim_param, or <input>.<axis>)", _seq_sizes,
+             "seq_buckets_by_dim"),
+    Declared("mask_input", "input name or 'none'", DEFAULT_MASK_INPUT, "an ONNX input", "buckets",
+             "the input whose padding (0) masks padded positions; 'none': no mask, so no dim is padded by "
+             "default", _mask, "mask_input"),
+    Declared("pad_value.<model_input>", "float", "0", "finite; <model_input> an ONNX input", "buckets",
+             "value written into padded rows and positions of that input", _number, "pad_value"),
+    # codec (gateway/codec.py)
+    Declared("input_range.<input>", "'low:high'", "none", "low < high; <input> a config input", "codec",
+             "every value of that input must lie in [low, high): one bad row is refused alone",
+             _range, "input_range"),
+    Declared("max_dim.<input>", "int", "none", ">= 1; <input> a config input", "codec, buckets",
+             "every variable (-1) dim of that input at most this; also caps its default length buckets",
+             _int(1), "max_dim"),
+    # scheduling (gateway/dataplane.py)
+    Declared("scheduling_policy", "'deadline' or 'fifo'", "the server's --scheduling-policy",
+             "one of the two", "queue factory",
+             "this model's queue: earliest deadline first, or Triton's FIFO",
+             _choice("deadline", "fifo"), "scheduling_policy"),
+    Declared("learned_batch_limit", "bool", "true", "true/false (1/0, yes/no, on/off)", "queue factory",
+             "let the deadline queue learn the largest batch that still meets deadlines", _bool,
+             "learned_batch_limit"),
+    Declared("shed_at_admission", "bool", "true", "true/false (1/0, yes/no, on/off)", "queue factory",
+             "refuse at admission a request whose deadline is already out of reach; false admits it "
+             "(to count false refusals)", _bool, "shed_at_admission"),
+)  # fmt: skip
+
+# Triton's ONNX Runtime backend reads these from the same map (onnxruntime_backend README): they
+# tune ORT's threads and memory, never an answer, so they are logged as ignored, not refused.
+TRITON_HINTS = frozenset({
+    "intra_op_thread_count", "inter_op_thread_count", "execution_mode", "enable_mem_arena",
+    "enable_mem_pattern", "memory.enable_memory_arena_shrinkage",
+    "session.use_device_allocator_for_initializers", "cudnn_conv_algo_search", "gpu_mem_limit",
+    "arena_extend_strategy", "do_copy_in_default_stream",
+})  # fmt: skip
+
+_PLAIN = {d.key: d for d in DECLARED if d.family is None}
+_FAMILIES = {d.family: d for d in DECLARED if d.family is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelParameters:
+    """One model's parameters, typed; the defaults are the table's."""
+
+    tokenizer: str = ""
+    max_tokens: int | None = None  # None: the tokenizer file's truncation length (text stage)
+    truncate: str = "truncate"
+    max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES
+    length_buckets: tuple[int, ...] | None = None  # None: the text stage's default
+    max_batch_tokens: int = 0
+    batch_buckets: tuple[int, ...] = ()  # (): powers of two + preferred sizes
+    seq_buckets: tuple[int, ...] | None = None  # None: by model (masked groups only)
+    seq_buckets_by_dim: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    mask_input: str | None = DEFAULT_MASK_INPUT
+    pad_value: Mapping[str, float] = field(default_factory=dict)
+    input_range: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    max_dim: Mapping[str, int] = field(default_factory=dict)
+    scheduling_policy: str | None = None  # None: the server's
+    learned_batch_limit: bool = True
+    shed_at_admission: bool = True
+    given: frozenset[str] = frozenset()  # keys the config set, as written
+
+    def bucket_config(self, max_batch_size: int, preferred: tuple[int, ...] = ()) -> BucketConfig:
+        """The engines' shape settings; ValueError when batch_buckets exceeds max_batch_size."""
+        seq = self.seq_buckets
+        if seq is None and self.length_buckets is not None:
+            # The text stage's name for the same thing: its rows are grouped by these lengths,
+            # so the engines use them as their buckets too.
+            seq = self.length_buckets
+        return BucketConfig.build(
+            max_batch_size,
+            preferred,
+            batch_buckets=self.batch_buckets,
+            seq_buckets=seq,
+            seq_by_dim=self.seq_buckets_by_dim,
+            max_batch_tokens=self.max_batch_tokens,
+            mask_input=self.mask_input,
+            mask_explicit="mask_input" in self.given,
+            pad_values=self.pad_value,
+            max_dims=self.max_dim,
+        )
+
+
+def _closest(key: str, choices: Iterable[str]) -> str | None:
+    found = difflib.get_close_matches(key, list(choices), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def _unknown(key: str) -> ParameterError:
+    head, dot, tail = key.partition(".")
+    candidates = list(_PLAIN) + list(TRITON_HINTS)
+    if dot:  # 'max_dims.ids' reads best as 'max_dim.ids'
+        candidates += [f"{fam}.{tail}" for fam in _FAMILIES]
+    family = _closest(head, _FAMILIES) if dot else None
+    guess = _closest(key, candidates) or (family and f"{family}.{tail}")
+    hint = f" (did you mean '{guess}'?)" if guess else ""
+    known = ", ".join(d.key for d in DECLARED)
+    return ParameterError(f"unknown parameter '{key}'{hint}; batchgate reads: {known} (docs/model-config.md)")
+
+
+def parse(
+    raw: Mapping[str, str],
+    *,
+    inputs: Iterable[str] | None = None,
+    model_inputs: Iterable[str] | None = None,
+) -> tuple[ModelParameters, list[str]]:
+    """Typed parameters from ``raw`` (key -> string_value) and the ignored keys (Triton's ORT
+    settings). ``inputs`` (the config's) and ``model_inputs`` (the ONNX graph's) check what a
+    family key names; None skips that check. ParameterError names the first bad key."""
+    names = {"input": None if inputs is None else set(inputs),
+             "model_input": None if model_inputs is None else set(model_inputs)}  # fmt: skip
+    values: dict[str, Any] = {}
+    families: dict[str, dict[str, Any]] = {}
+    ignored: list[str] = []
+    for key in sorted(raw):
+        text = raw[key]
+        decl = _PLAIN.get(key)
+        suffix = None
+        if decl is None:
+            head, dot, suffix = key.partition(".")
+            decl = _FAMILIES.get(head) if dot and suffix else None
+        if decl is None:
+            if key in TRITON_HINTS:
+                ignored.append(key)
+                continue
+            raise _unknown(key)
+        if suffix is not None:
+            allowed = names.get(decl.names or "")
+            if allowed is not None and suffix not in allowed:
+                guess = _closest(suffix, allowed)
+                hint = f" (did you mean '{decl.family}.{guess}'?)" if guess else ""
+                raise ParameterError(
+                    f"parameter '{key}' names no {decl.names.replace('_', ' ')} '{suffix}'{hint}; "
+                    f"the model's: {sorted(allowed)}"
+                )
+        try:
+            value = decl.parse(text)
+        except ValueError as exc:
+            raise ParameterError(f"parameter '{key}' must be {exc}, got '{text}'") from None
+        if suffix is None:
+            values[decl.field] = value
+        else:
+            families.setdefault(decl.field, {})[suffix] = value
+    return ModelParameters(**values, **families, given=frozenset(raw)), ignored
+
+
+def bucket_config(raw: Mapping[str, str], max_batch: int, preferred: tuple[int, ...] = ()) -> BucketConfig:
+    """BucketConfig from raw parameter strings, unchecked against a model (tests, benches)."""
+    return parse(raw)[0].bucket_config(max_batch, preferred)
