@@ -177,3 +177,22 @@ async def test_the_batcher_sleeps_until_its_timer_or_an_event_never_polls():
 async def _until(pred) -> None:
     while not pred():
         await asyncio.sleep(0.001)
+
+
+def test_an_idle_queue_refuses_on_its_estimate_alone_at_most_all_but_one_call_a_second():
+    """Nothing ahead: a call whose expected compute is over its budget is refused, but one a second
+    is let through, so an estimate that has become too high is corrected by a run, never kept for
+    ever by refusing everything."""
+    from batchgate.gateway.scheduling import Request
+
+    q = DeadlineQueue(8, (), 0.0, CLASSES, trained({256: (0.040, 0.0)}))
+
+    def call(now: float, budget_s: float):
+        c = CLASSES["standard"]
+        return [Request({}, 1, 256, now, None, now + budget_s, c)]
+
+    assert q.refuse(call(0.0, 0.100), 0.0, 0.0, 1) is None  # fits: 40 ms of 100
+    assert q.refuse(call(0.0, 0.010), 0.0, 0.0, 1) is None  # over, but the probe of this second
+    assert q.refuse(call(0.5, 0.010), 0.5, 0.0, 1) is not None  # refused
+    assert q.refuse(call(1.1, 0.010), 1.1, 0.0, 1) is None  # the next second's probe
+    assert q.refuse(call(1.2, 0.100), 1.2, 0.0, 1) is None  # a call that fits is never refused

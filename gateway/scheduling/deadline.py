@@ -76,6 +76,7 @@ class DeadlineQueue:
         # Off only to measure what shedding costs (bench/text_batches.py: false refusals):
         # hopeless requests still expire before compute.
         self.shed = shed
+        self._probe_at = -math.inf  # when an idle queue last admitted a call its estimate refused
         self._lanes: dict[Hashable, dict[str, _Lane]] = {}
         self._seq = itertools.count()
         self.size = 0
@@ -171,24 +172,30 @@ class DeadlineQueue:
         if not self.shed or first.cls is None or first.deadline == math.inf or not self.latency.confident_model():
             return None  # no estimate worth refusing work on yet: admit, the queue still expires it
         wait = (self.work_ahead_s(first) + running_s) / max(slots, 1)
-        if wait <= 0.0:
-            # Nothing ahead and a slot free: an idle server always tries (the queue still drops
-            # a request that cannot make it). Refusing here on the latency model alone could
-            # refuse for ever: nothing would run to correct an estimate that is too high.
-            return None
         # Its requests run one after another on one slot at worst: their expected times add up,
         # plus the largest of their deviations (a sum of high quantiles would be far above the
         # high quantile of the sum). A bucket that has not run enough yet counts no compute of
         # its own (never over-refuse).
-        own = spread = 0.0
+        mean_own = spread = 0.0
         for r in reqs:
             if self.latency.confident(r.key):
                 mean = self.latency.estimate(r.key, r.rows)
-                own += mean
+                mean_own += mean
                 spread = max(spread, self.latency.estimate_hi(r.key, r.rows) - mean)
-        own += spread
-        if now + wait + own + self.lag_margin() <= self.due(first):
+        own = mean_own + spread
+        left = self.due(first) - now - self.lag_margin()
+        if wait + own <= left:
             return None
+        if wait <= 0.0:
+            # Nothing ahead and a slot free: only the estimate of its own compute is against it.
+            # Refused when even the expected time is over its budget, but one such call a second
+            # is let through: refusing on the model alone could refuse for ever, since nothing
+            # would run to correct an estimate that has become too high.
+            if mean_own <= left:
+                return None
+            if now - self._probe_at >= 1.0:
+                self._probe_at = now
+                return None
         return Refusal(wait, own, max(wait, 0.001))
 
     def drain_s(self, req: Request, slots: int) -> float | None:
