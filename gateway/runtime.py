@@ -18,7 +18,6 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import numpy as np
-
 from batchgate.cache import TieredCache
 from batchgate.gateway.codec import Codec
 from batchgate.gateway.config import Settings
@@ -137,7 +136,10 @@ class ModelRuntime:
         step = limit(key)
         if not self.spec.batched or rows <= step:
             return await sched.infer(arrays, rows, key, budget)
-        parts = [({n: a[s : s + step] for n, a in arrays.items()}, min(step, rows - s), key) for s in range(0, rows, step)]
+        parts = [
+            ({n: a[s : s + step] for n, a in arrays.items()}, min(step, rows - s), key)
+            for s in range(0, rows, step)
+        ]
         outs = await sched.submit(parts, budget)
         return {n: np.concatenate([o[n] for o in outs]) for n in outs[0]}
 
@@ -156,7 +158,7 @@ def _assemble(outs: list[dict[str, np.ndarray]], index: list[np.ndarray], rows: 
             full = np.empty((rows, *tail), dtype=arrs[0].dtype)
             for a, sel in zip(arrs, index):
                 full[sel] = a
-        else:  # a per-token output, from batches of different lengths: padded to the longest, as one batch would be
+        else:  # a per-token output from batches of different lengths: padded to the longest, as one batch is
             tail = tuple(max(d) for d in zip(*(a.shape[1:] for a in arrs)))
             full = np.zeros((rows, *tail), dtype=arrs[0].dtype)
             for a, sel in zip(arrs, index):
@@ -198,7 +200,9 @@ async def build_runtime(
                             preprocess=text, mode=s.engine_mode, warmup=s.engine_warmup,
                             cache_dir=(s.engine_cache_dir or default_cache_dir()) if s.engine_cache else None,
                             cuda_graphs=s.cuda_graphs)  # fmt: skip
-    pool = WorkerPool(f"{spec.name}-v{spec.version}", spec.path, devices, count, options, spec.buckets, spec.fingerprint)
+    pool = WorkerPool(
+        f"{spec.name}-v{spec.version}", spec.path, devices, count, options, spec.buckets, spec.fingerprint
+    )
     await asyncio.to_thread(pool.start)
     try:
         # The token budget has one owner, the queue: text rows by their length bucket, numeric
@@ -235,7 +239,12 @@ async def build_runtime(
         await asyncio.to_thread(pool.close)
         raise
     scheduler = Scheduler(
-        f"{spec.name}:{spec.version}", queue, pool.submit, slots=len(pool), batched=spec.batched, latency=latency,
+        f"{spec.name}:{spec.version}",
+        queue,
+        pool.submit,
+        slots=len(pool),
+        batched=spec.batched,
+        latency=latency,
         split_failures=True,
     )
     scheduler.start()

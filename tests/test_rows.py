@@ -9,11 +9,11 @@ import asyncio
 
 import numpy as np
 import pytest
-
 from batchgate.gateway.errors import GatewayError, Kind
 from batchgate.gateway.scheduling import INF, Budget, LatencyModel, Scheduler, parse_classes
 from batchgate.gateway.scheduling.deadline import DeadlineQueue
 from batchgate.gateway.scheduling.fifo import FifoQueue
+
 from tests.test_deadlines import FakeEngine
 
 CLASSES = parse_classes("realtime=25ms/64/0,standard=250ms/64/0,bulk=5000ms/64/0")
@@ -70,12 +70,14 @@ async def test_a_refused_call_is_never_computed_and_carries_a_retry_hint():
         assert e.kind is Kind.DEADLINE and e.outcome == "shed"
         assert e.retry_after_s == pytest.approx(0.150, rel=0.2)  # the queue's drain time
         trailers = dict(e.trailing_metadata)
-        assert int(trailers["grpc-retry-pushback-ms"]) == int(trailers["retry-after-ms"]) == round(
-            e.retry_after_s * 1000
+        assert (
+            int(trailers["grpc-retry-pushback-ms"])
+            == int(trailers["retry-after-ms"])
+            == round(e.retry_after_s * 1000)
         )
         assert q.size == size  # none of its parts was queued
         for i in range(4):
-            await asyncio.wait_for(_until(lambda: len(engine.calls) > i), 2)
+            await asyncio.wait_for(_until(lambda i=i: len(engine.calls) > i), 2)
             engine.finish(i)
         await asyncio.wait_for(asyncio.gather(running, *queued), 2)
         await settle()
@@ -129,10 +131,10 @@ async def test_parts_of_one_call_batch_with_other_callers_rows_and_come_back_in_
         await settle()
         engine.finish(0)
         for i in (1, 2):
-            await asyncio.wait_for(_until(lambda: len(engine.calls) > i), 2)
+            await asyncio.wait_for(_until(lambda i=i: len(engine.calls) > i), 2)
             engine.finish(i)
         out = await asyncio.wait_for(mine, 2)
-        await asyncio.wait_for(other, 2)
+        await asyncio.wait_for(asyncio.gather(other, blocker), 2)
         assert [o["y"].shape[0] for o in out] == [2, 1]
         by_rows = sorted(rows for _, rows, _ in engine.calls[1:])
         assert by_rows == [[1], [2, 3]]  # the 16-bucket part shared a batch with the other caller

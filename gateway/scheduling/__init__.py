@@ -1,12 +1,12 @@
 """Scheduling: per model, latency-class queues and the one batcher task that feeds the workers.
 
-    interface.py  the queue contract (``Queue``) and the factory (``make_queue``)
-    request.py    ``Request`` (rows of one bucket), latency classes, budgets, Triton's schedule policy
-    deadline.py   the default policy: earliest deadline first, shedding, deadline-aware closing
-    fifo.py       Triton's dynamic batcher (``scheduling_policy: fifo``)
-    latency.py    the learned compute-time model and the event loop's lag
-    scheduler.py  the batcher task: admission, batches to the pool, answers
-    stats.py      its statistics and the snapshot metrics read
+interface.py  the queue contract (``Queue``) and the factory (``make_queue``)
+request.py    ``Request`` (rows of one bucket), latency classes, budgets, Triton's schedule policy
+deadline.py   the default policy: earliest deadline first, shedding, deadline-aware closing
+fifo.py       Triton's dynamic batcher (``scheduling_policy: fifo``)
+latency.py    the learned compute-time model and the event loop's lag
+scheduler.py  the batcher task: admission, batches to the pool, answers
+stats.py      its statistics and the snapshot metrics read
 """
 
 from batchgate.gateway.scheduling.interface import POLICIES, Queue, QueueSettings, Refusal, make_queue

@@ -33,7 +33,6 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 
 import numpy as np
-
 from batchgate.gateway.errors import GatewayError, Kind, unavailable
 from batchgate.gateway.scheduling.interface import Queue
 from batchgate.gateway.scheduling.latency import LatencyModel
