@@ -14,13 +14,14 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN python -m venv /opt/batchgate/venv
 ENV PATH=/opt/batchgate/venv/bin:$PATH
 WORKDIR /src
-COPY pyproject.toml ./
+COPY pyproject.toml LICENSE ./
 COPY batchgate ./batchgate
 COPY proto ./proto
 COPY gateway ./gateway
 COPY workers ./workers
 COPY cache ./cache
 COPY bench ./bench
+COPY client ./client
 # A regular (not editable) install, so the runtime stage needs site-packages only. The checks
 # fail the build if both onnxruntime wheels ended up here (each provides the same module) or if
 # the server cannot import.
@@ -53,8 +54,9 @@ WORKDIR /opt/batchgate
 USER 10001:10001
 EXPOSE 8001 8000
 # For plain `docker run`; Kubernetes ignores this and uses the chart's gRPC probes.
+# With TLS on (BATCHGATE_TLS_*), the plaintext BATCHGATE_METRICS_PORT answers it when set.
 HEALTHCHECK --interval=15s --timeout=3s --start-period=60s \
-  CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/v2/health/ready' % os.environ.get('BATCHGATE_HTTP_PORT', '8000'), timeout=2)"]
+  CMD ["python", "-c", "import os, urllib.request; e = os.environ.get; urllib.request.urlopen('http://127.0.0.1:%s/v2/health/ready' % (e('BATCHGATE_METRICS_PORT') or e('BATCHGATE_HTTP_PORT', '8000')), timeout=2)"]
 # The server is PID 1: it installs SIGTERM/SIGINT handlers (drain, then exit 0) and starts no
 # child processes, so no init shim is needed.
 ENTRYPOINT ["batchgate"]

@@ -1,21 +1,47 @@
 # The two commands of the README: `make serve` and `make test`. Both create .venv on first use.
+# `make serve` installs what serving needs (batchgate + the runtime extra); `make test` adds the
+# test tooling and the MiniLM reference (torch, transformers) to the same .venv.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
-# CPU install: the `onnxruntime` wheel. For a GPU machine use EXTRAS=gpu,dev on a fresh .venv
-# (onnxruntime and onnxruntime-gpu must never share an environment).
-EXTRAS ?= cpu,dev
+# The ONNX Runtime flavour: cpu (the `onnxruntime` wheel) or gpu (onnxruntime-gpu + CuPy). They
+# must never share an environment (both provide the `onnxruntime` module): switch on a fresh
+# .venv, e.g. `make clean && make serve RUNTIME=gpu`.
+RUNTIME ?= cpu
+# One stamp per install, so `make serve` then `make test` in one checkout installs the rest, and
+# `make serve` after `make test` installs nothing. pyproject.toml changing re-runs them.
+SERVE_STAMP := $(VENV)/.installed-$(RUNTIME)
+TEST_STAMP  := $(VENV)/.installed-$(RUNTIME)-test
+OTHER_ORT   := $(if $(filter gpu,$(RUNTIME)),onnxruntime,onnxruntime-gpu)
 
-.PHONY: serve test proto bench clean redis-server
+.PHONY: serve test lint proto bench clean redis-server
 
-$(STAMP): pyproject.toml
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+
+# Guard: a .venv built for the other runtime keeps its onnxruntime wheel; installing this one on
+# top would leave whichever came last importable as `onnxruntime`.
+define check_runtime
+	@if $(BIN)/python -m pip show --quiet $(OTHER_ORT) 2>/dev/null; then \
+	  echo "$(VENV) has $(OTHER_ORT) (another RUNTIME): run 'make clean' first" >&2; exit 1; fi
+endef
+
+# pip's own progress (Collecting / Downloading / Installing) is left on: the first run takes a
+# minute or more and should not look stuck.
+$(SERVE_STAMP): pyproject.toml | $(BIN)/python
+	$(check_runtime)
+	@echo "== installing batchgate[$(RUNTIME)] into $(VENV) (serving only; make test adds the test tools)"
+	$(BIN)/python -m pip install -e '.[$(RUNTIME)]'
 	@touch $@
 
-serve: $(STAMP)
+$(TEST_STAMP): pyproject.toml | $(BIN)/python
+	$(check_runtime)
+	@echo "== installing batchgate[$(RUNTIME),test,reference] into $(VENV) (test tools; torch: the MiniLM reference)"
+	$(BIN)/python -m pip install -e '.[$(RUNTIME),test,reference]'
+	@touch $(SERVE_STAMP) $@
+
+serve: $(SERVE_STAMP)
 	$(BIN)/batchgate serve $(ARGS)
 
 # The tests start their own redis-server processes (so they can kill them): install the
@@ -23,18 +49,26 @@ serve: $(STAMP)
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 
+# Lint (ruff's rules are chosen in pyproject.toml). The format check is off until the tree has
+# been formatted once (one `ruff format` over everything, done separately so it does not mix with
+# other changes); then make it the default: RUFF_FORMAT ?= 1.
+RUFF_FORMAT ?= 0
+lint: $(TEST_STAMP)
+	$(BIN)/ruff check .
+	@if [ "$(RUFF_FORMAT)" != 0 ]; then $(BIN)/ruff format --check .; fi
+
 # After the tests, the quick benchmark (< 1 min): batchgate/no-op request rate, printed; it fails
 # only on a collapse (ratio < 0.3). QUICK_BENCH=0 skips it.
 QUICK_BENCH ?= 1
-test: $(STAMP) redis-server
+test: $(TEST_STAMP) redis-server lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	@if [ "$(QUICK_BENCH)" != 0 ]; then $(BIN)/python -m batchgate.bench.quick; fi
 
 # The load generator (python -m batchgate.bench -h for its flags), e.g. make bench ARGS="--start-server --api unary,stream"
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(BIN)/python -m batchgate.bench $(ARGS)
 
-proto: $(STAMP)
+proto: $(TEST_STAMP)
 	$(BIN)/python -m batchgate.proto.generate
 
 clean:

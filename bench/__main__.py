@@ -7,6 +7,10 @@ throughput and goodput, as a table, JSON, CSV and PNG plots.
 
     # open loop (Poisson arrivals) at fixed rates against a running server
     python -m batchgate.bench --url 127.0.0.1:8001 --mode open --rate 200,500,1000 --budget-ms 25
+
+    # the text workload (minilm, shipped texts of mixed length) on every endpoint, 1 and 32 texts a request
+    python -m batchgate.bench --start-server --model minilm --api unary,stream,rest,openai --rows 1,32 \
+        --concurrency 16 --duration 10
 """
 
 from __future__ import annotations
@@ -19,7 +23,16 @@ import math
 import sys
 from pathlib import Path
 
-from batchgate.bench.loadgen import Point, Progress, Workload, batching, model_statistics, run_point, start_batchgate
+from batchgate.bench.loadgen import (
+    APIS,
+    Point,
+    Progress,
+    Workload,
+    batching,
+    model_statistics,
+    run_point,
+    start_batchgate,
+)
 
 
 def _floats(text: str) -> list[float]:
@@ -34,9 +47,19 @@ def _floats(text: str) -> list[float]:
 
 def _apis(text: str) -> list[str]:
     apis = [a.strip() for a in text.split(",") if a.strip()]
-    if not apis or any(a not in ("unary", "stream") for a in apis):
-        raise argparse.ArgumentTypeError("api is unary, stream, or unary,stream")
+    if not apis or any(a not in APIS for a in apis):
+        raise argparse.ArgumentTypeError(f"api is one or more of {','.join(APIS)}, separated by commas")
     return apis
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got '{text}'") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError("every value must be >= 1")
+    return values
 
 
 def parser() -> argparse.ArgumentParser:
@@ -53,9 +76,23 @@ def parser() -> argparse.ArgumentParser:
         "--start-server", action="store_true", help="start a batchgate server for this run, stop it after"
     )
     p.add_argument(
-        "--model", default="ranker", choices=["ranker", "encoder"], help="workload (default %(default)s)"
+        "--http-url", default="127.0.0.1:8000",
+        help="REST address for --api rest/openai (default %(default)s; with --start-server, the server's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--model", default="ranker", choices=["ranker", "encoder", "minilm"],
+        help="workload (default %(default)s); minilm: the shipped texts (bench/texts.py), mixed lengths",
+    )  # fmt: skip
+    p.add_argument(
+        "--rows", type=_ints, default=[1], help="rows (texts) per request, a sweep such as 1,32 (default 1)"
     )
-    p.add_argument("--rows", type=int, default=1, help="rows per request (default %(default)s)")
+    p.add_argument(
+        "--latency-class", help="latency class every request asks for (default: the server's default class)"
+    )
+    p.add_argument(
+        "--openai-format", choices=["base64", "float"], default="base64",
+        help="encoding_format the openai api asks for (default %(default)s, the openai SDK's)",
+    )  # fmt: skip
     p.add_argument("--seq", type=int, default=32, help="encoder sequence length (default %(default)s)")
     p.add_argument(
         "--mode",
@@ -64,8 +101,9 @@ def parser() -> argparse.ArgumentParser:
         help="closed: fixed concurrency; open: Poisson rate",
     )
     p.add_argument(
-        "--api", type=_apis, default=["unary"], help="unary, stream, or unary,stream (default unary)"
-    )
+        "--api", type=_apis, default=["unary"],
+        help="unary, stream (gRPC), rest (KServe v2 JSON), openai (/v1/embeddings); e.g. unary,openai",
+    )  # fmt: skip
     p.add_argument(
         "--concurrency", type=_floats, default=[1, 4, 16, 64], help="closed loop sweep, e.g. 1,4,16,64"
     )
@@ -105,34 +143,38 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(args: argparse.Namespace, url: str) -> list[Point]:
-    workload = Workload(args.model, args.rows, args.seq)
+def run(args: argparse.Namespace, url: str, http_url: str | None = None) -> list[Point]:
     progress = Progress(enabled=not args.no_progress)
     levels = args.concurrency if args.mode == "closed" else args.rate
     points = []
-    for api in args.api:
-        for level in levels:
-            before = asyncio.run(model_statistics(url, args.model))
-            point = asyncio.run(
-                run_point(
-                    url, workload, args.mode, api, level, args.duration, args.warmup, args.channels,
-                    args.timeout_s, args.max_outstanding, progress, args.seed,
+    for rows in args.rows:
+        workload = Workload(
+            args.model, rows, args.seq, openai_format=args.openai_format, latency_class=args.latency_class
+        )
+        for api in args.api:
+            for level in levels:
+                before = asyncio.run(model_statistics(url, args.model))
+                point = asyncio.run(
+                    run_point(
+                        url, workload, args.mode, api, level, args.duration, args.warmup, args.channels,
+                        args.timeout_s, args.max_outstanding, progress, args.seed, http_url or args.http_url,
+                    )
+                )  # fmt: skip
+                point.server = batching(before, asyncio.run(model_statistics(url, args.model)))
+                s = point.summary(args.budget_ms)
+                progress.finish(
+                    f"{args.mode} {api} rows={rows} "
+                    f"{'c=' + str(int(level)) if args.mode == 'closed' else f'{level:g}/s'}",
+                    f"{s['throughput_rps']:.0f} ok/s, {s['rows_per_s']:.0f} rows/s, "
+                    f"p50 {s['p50_ms']:.2f} ms, p99 {s['p99_ms']:.2f} ms, {s['errors']} errors",
                 )
-            )  # fmt: skip
-            point.server = batching(before, asyncio.run(model_statistics(url, args.model)))
-            s = point.summary(args.budget_ms)
-            progress.finish(
-                f"{args.mode} {api} {'c=' + str(int(level)) if args.mode == 'closed' else f'{level:g}/s'}",
-                f"{s['throughput_rps']:.0f} ok/s, p50 {s['p50_ms']:.2f} ms, p99 {s['p99_ms']:.2f} ms, "
-                f"{s['errors']} errors",
-            )
-            points.append(point)
+                points.append(point)
     return points
 
 
 def table(summaries: list[dict]) -> str:
     cols = [
-        ("api", "{}", 6), ("level", "{}", 9), ("ok/s", "{:.0f}", 8), ("rows/s", "{:.0f}", 8), ("good/s", "{:.0f}", 8),
+        ("api", "{}", 6), ("rows", "{}", 4), ("level", "{}", 9), ("ok/s", "{:.0f}", 8), ("rows/s", "{:.0f}", 8), ("good/s", "{:.0f}", 8),
         ("p50 ms", "{:.2f}", 8), ("p90 ms", "{:.2f}", 8), ("p99 ms", "{:.2f}", 8), ("p99.9 ms", "{:.2f}", 9),
         ("errors", "{}", 6), ("rows/batch", "{}", 10),
     ]  # fmt: skip
@@ -140,7 +182,7 @@ def table(summaries: list[dict]) -> str:
     for s in summaries:
         level = f"c={s['concurrency']}" if s["mode"] == "closed" else f"{s['offered_rps']:g}/s"
         values = [
-            s["api"], level, s["throughput_rps"], s["rows_per_s"], s["goodput_rps"], s["p50_ms"], s["p90_ms"],
+            s["api"], s["rows_per_request"], level, s["throughput_rps"], s["rows_per_s"], s["goodput_rps"], s["p50_ms"], s["p90_ms"],
             s["p99_ms"], s["p99_9_ms"], s["errors"], s.get("server_rows_per_batch", "-"),
         ]  # fmt: skip
         cells = []
@@ -168,7 +210,7 @@ def write_outputs(args: argparse.Namespace, points: list[Point], summaries: list
 
         args.plot_dir.mkdir(parents=True, exist_ok=True)
         prefix = args.plot_prefix or args.model
-        what = f"{args.model}, {args.rows} row(s)/request, {args.mode} loop"
+        what = f"{args.model}, {','.join(map(str, args.rows))} row(s)/request, {args.mode} loop"
         plots.latency_vs_throughput(
             points,
             args.plot_dir / f"{prefix}-latency-throughput.png",
@@ -182,17 +224,20 @@ def write_outputs(args: argparse.Namespace, points: list[Point], summaries: list
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    if args.rows < 1 or args.seq < 1 or args.duration <= 0 or args.warmup < 0 or args.channels < 1:
-        print("bench: --rows, --seq, --duration and --channels must be >= 1 (warmup >= 0)", file=sys.stderr)
+    if args.seq < 1 or args.duration <= 0 or args.warmup < 0 or args.channels < 1:
+        print("bench: --seq, --duration and --channels must be >= 1 (warmup >= 0)", file=sys.stderr)
+        return 2
+    if "openai" in args.api and args.model != "minilm":
+        print("bench: --api openai takes the text workload only (--model minilm)", file=sys.stderr)
         return 2
     started = None
-    url = args.url
+    url, http_url = args.url, args.http_url
     try:
         if args.start_server:
             started = start_batchgate()
             started.ready()
-            url = started.url
-        points = run(args, url)
+            url, http_url = started.url, started.http_url
+        points = run(args, url, http_url)
     finally:
         if started is not None:
             started.stop()

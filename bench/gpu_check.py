@@ -2,7 +2,7 @@
 
     .venv/bin/python -m batchgate.bench.gpu_check [--device 0] [--seconds-per-bucket 0.15] [--skip-server]
 
-Needs onnxruntime-gpu and CuPy that see a device (``make test EXTRAS=gpu,dev`` on a fresh venv);
+Needs onnxruntime-gpu and CuPy that see a device (``make clean && make test RUNTIME=gpu``);
 exits 2 saying what is missing otherwise. It runs, and prints as it goes:
 
 1. the GPU tests of tests/test_engines.py (pytest -k gpu);

@@ -6,7 +6,9 @@
   ones were answered. Latency is measured from the *scheduled* send time, so a client that falls
   behind does not hide the queueing it caused (no coordinated omission).
 * Unary sends ``ModelInfer`` calls; stream sends every request on a few long-lived
-  ``ModelStreamInfer`` streams and matches answers to requests by ``id``.
+  ``ModelStreamInfer`` streams and matches answers to requests by ``id``; rest posts the same
+  requests as KServe v2 JSON (``/v2/models/<m>/infer``) and openai as ``/v1/embeddings`` (text
+  workload only), one keep-alive HTTP connection per request in flight.
 
 Each measured point runs ``warmup_s`` unrecorded, then ``duration_s`` recorded. Requests are
 built once, before the clock starts (a pool per caller), so the client spends its time on gRPC.
@@ -18,10 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import math
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -44,15 +48,69 @@ PERCENTILES = (50, 90, 99, 99.9)
 @dataclass(frozen=True)
 class Workload:
     """What each request carries: the bundled ``ranker`` (dense FP32 [rows, 64], sparse_ids INT64
-    [rows, 8] in [0, 10000)) or ``encoder`` (input_ids / attention_mask INT64 [rows, seq], ids in
-    [0, 1000))."""
+    [rows, 8] in [0, 10000)), ``encoder`` (input_ids / attention_mask INT64 [rows, seq], ids in
+    [0, 1000)) or ``minilm`` (``rows`` texts, BYTES [rows, 1], consecutive texts of bench/texts.py:
+    mixed lengths, each request different)."""
 
     model: str = "ranker"
     rows: int = 1
     seq: int = 32
     variants: int = 64  # distinct requests cycled through (distinct inputs, so a cache cannot hide work)
+    openai_format: str = "base64"  # encoding_format of the openai api (the SDK's default)
+    latency_class: str | None = None  # the request parameter (openai: the extension field), if set
+
+    def texts(self, seed: int = 0) -> list[list[str]]:
+        """The text workload's requests: ``rows`` consecutive shipped texts each, from a seeded start."""
+        from batchgate.bench.texts import TEXTS
+
+        start = int(np.random.default_rng(seed).integers(len(TEXTS)))
+        n = max(self.variants, -(-len(TEXTS) // self.rows))  # every shipped text at least once
+        return [[TEXTS[(start + k * self.rows + i) % len(TEXTS)] for i in range(self.rows)] for k in range(n)]
+
+    def http_requests(self, api: str, seed: int = 0) -> list[tuple[str, bytes]]:
+        """(path, JSON body) per request, for the rest and openai apis."""
+        if api == "openai":
+            if self.model != "minilm":
+                raise ValueError("the openai api takes the text workload only (--model minilm)")
+            fmt = self.openai_format
+            extra = {"latency_class": self.latency_class} if self.latency_class else {}
+            out = []
+            for t in self.texts(seed):
+                body = {"model": self.model, "input": t, "encoding_format": fmt, **extra}
+                out.append(("/v1/embeddings", json.dumps(body).encode()))
+            return out
+        out = []
+        for req in self.requests(seed):
+            inputs = []
+            for t, raw in zip(req.inputs, req.raw_input_contents, strict=True):
+                if t.datatype == "BYTES":
+                    data: list = _split_bytes(raw)
+                else:
+                    data = np.frombuffer(raw, dtype=_NUMPY[t.datatype]).tolist()
+                inputs.append({"name": t.name, "shape": list(t.shape), "datatype": t.datatype, "data": data})
+            doc: dict = {"inputs": inputs}
+            if self.latency_class:
+                doc["parameters"] = {"latency_class": self.latency_class}
+            out.append((f"/v2/models/{self.model}/infer", json.dumps(doc).encode()))
+        return out
 
     def requests(self, seed: int = 0) -> list[pb.ModelInferRequest]:
+        reqs = self._requests(seed)
+        if self.latency_class:
+            for r in reqs:
+                r.parameters["latency_class"].string_param = self.latency_class
+        return reqs
+
+    def _requests(self, seed: int) -> list[pb.ModelInferRequest]:
+        if self.model == "minilm":
+            out = []
+            for texts in self.texts(seed):
+                req = pb.ModelInferRequest(model_name=self.model)
+                req.inputs.add(name="text", datatype="BYTES", shape=[len(texts), 1])
+                encoded = (t.encode() for t in texts)
+                req.raw_input_contents.append(b"".join(struct.pack("<I", len(b)) + b for b in encoded))
+                out.append(req)
+            return out
         rng = np.random.default_rng(seed)
         out = []
         for _ in range(self.variants):
@@ -70,12 +128,24 @@ class Workload:
                     "attention_mask": ("INT64", mask),
                 }
             else:
-                raise ValueError(f"unknown workload model '{self.model}' (ranker or encoder)")
+                raise ValueError(f"unknown workload model '{self.model}' (ranker, encoder or minilm)")
             for name, (datatype, arr) in arrays.items():
                 req.inputs.add(name=name, datatype=datatype, shape=list(arr.shape))
                 req.raw_input_contents.append(arr.tobytes())
             out.append(req)
         return out
+
+
+_NUMPY = {"FP32": np.float32, "INT64": np.int64}
+
+
+def _split_bytes(raw: bytes) -> list[str]:
+    out, pos = [], 0
+    while pos < len(raw):
+        (n,) = struct.unpack_from("<I", raw, pos)
+        out.append(raw[pos + 4 : pos + 4 + n].decode())
+        pos += 4 + n
+    return out
 
 
 # -- results --------------------------------------------------------------------------------------
@@ -252,12 +322,21 @@ class _StreamError(Exception):
     code_name = "STREAM_ERROR"
 
 
+class _HttpError(Exception):
+    def __init__(self, status: int) -> None:
+        super().__init__(f"HTTP {status}")
+        self.code_name = f"HTTP_{status}"
+
+
+APIS = ("unary", "stream", "rest", "openai")
+
+
 def _code(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         return exc.code().name
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
         return "CLIENT_TIMEOUT"
-    if isinstance(exc, _StreamError):
+    if isinstance(exc, (_StreamError, _HttpError)):
         return exc.code_name
     return type(exc).__name__
 
@@ -275,10 +354,11 @@ async def run_point(
     max_outstanding: int = 4096,
     progress: Progress | None = None,
     seed: int = 0,
+    http_url: str = "127.0.0.1:8000",
 ) -> Point:
     """Measure one point: ``level`` is the concurrency (closed) or the rate in requests/s (open)."""
-    if mode not in ("closed", "open") or api not in ("unary", "stream"):
-        raise ValueError(f"mode must be closed|open and api unary|stream, not {mode}/{api}")
+    if mode not in ("closed", "open") or api not in APIS:
+        raise ValueError(f"mode must be closed|open and api one of {APIS}, not {mode}/{api}")
     if level <= 0:
         raise ValueError("concurrency and rate must be > 0")
     # Separate subchannel pools: `channels` real HTTP/2 connections, as a fleet of clients has.
@@ -291,16 +371,35 @@ async def run_point(
     rec = _Recorder()
     ids = itertools.count()
     clock = time.perf_counter
-    pool = workload.requests(seed)
+    http = api in ("rest", "openai")
+    pool = workload.http_requests(api, seed) if http else workload.requests(seed)
     n_pool = len(pool)
+    session = None
+    if http:
+        import aiohttp
+
+        session = aiohttp.ClientSession(
+            base_url=f"http://{http_url}",
+            connector=aiohttp.TCPConnector(limit=0),  # one keep-alive connection per caller in flight
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+            headers={"Content-Type": "application/json"},
+        )
+
+    async def post(path: str, body: bytes) -> None:
+        async with session.post(path, data=body) as r:
+            await r.read()
+            if r.status != 200:
+                raise _HttpError(r.status)
 
     async def send(slot: int, k: int, t_sent: float) -> None:
         req = pool[k % n_pool]
         try:
             if api == "unary":
                 await stubs[slot % channels].ModelInfer(req, timeout=timeout_s)
-            else:
+            elif api == "stream":
                 await streams[slot % channels].infer(req, str(next(ids)))
+            else:
+                await post(*req)
         except Exception as exc:
             rec.error(t_sent, _code(exc))
             return
@@ -361,6 +460,8 @@ async def run_point(
             await s.close()
         for ch in chans:
             await ch.close()
+        if session is not None:
+            await session.close()
     return Point(
         mode=mode,
         api=api,
@@ -442,9 +543,10 @@ def free_ports(n: int) -> list[int]:
 class Started:
     """A server process this run started (and stops, SIGTERM then SIGKILL)."""
 
-    def __init__(self, name: str, cmd: list[str], url: str) -> None:
+    def __init__(self, name: str, cmd: list[str], url: str, http_url: str = "") -> None:
         self.name = name
         self.url = url
+        self.http_url = http_url  # host:port of the REST listener, when it has one
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.log = tempfile.TemporaryFile()  # a pipe nobody reads would block a chatty server
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
@@ -474,7 +576,7 @@ def start_batchgate(*extra: str) -> Started:
         sys.executable, "-m", "batchgate", "serve", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
         "--http-port", str(http_port), "--log-level", "WARNING", *extra,
     ]  # fmt: skip
-    return Started("batchgate", cmd, f"127.0.0.1:{grpc_port}")
+    return Started("batchgate", cmd, f"127.0.0.1:{grpc_port}", f"127.0.0.1:{http_port}")
 
 
 def start_noop() -> Started:

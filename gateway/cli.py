@@ -5,46 +5,87 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
+import types
+import typing
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from batchgate.gateway.config import Settings
 
-# flag -> settings field; every flag is also BATCHGATE_<FIELD> in the environment.
-SERVE_FLAGS = {
-    "--model-repository": ("model_repository", str),
-    "--host": ("host", str),
-    "--grpc-port": ("grpc_port", int),
-    "--http-port": ("http_port", int),
-    "--workers-per-device": ("workers_per_device", int),
-    "--intra-op-threads": ("intra_op_threads", int),
-    "--device": ("device", str),
-    "--max-message-bytes": ("max_message_bytes", int),
-    "--drain-timeout-s": ("drain_timeout_s", float),
-    "--log-level": ("log_level", str),
-    "--log-format": ("log_format", str),
-    "--redis-url": ("redis_url", str),
-    "--api-keys-file": ("api_keys_file", str),
-    "--tls-cert-file": ("tls_cert_file", str),
-    "--tls-key-file": ("tls_key_file", str),
-    "--tls-client-ca-file": ("tls_client_ca_file", str),
-}
+
+def flag_name(field: str) -> str:
+    """The ``serve`` flag of a settings field: ``cache_tiers`` -> ``--cache-tiers``."""
+    return "--" + field.replace("_", "-")
+
+
+def _scalar(annotation):
+    """The annotation without ``| None``; (it, whether None was allowed)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return annotation, False
+
+
+def _default_text(info) -> str:
+    if info.default_factory is not None:
+        return "computed"
+    d = info.default
+    if d is None:
+        return "unset"
+    if isinstance(d, bool):
+        return "on" if d else "off"
+    return repr(d) if isinstance(d, str) and (not d or " " in d) else str(d)
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per field of ``Settings``, generated (so a field added there is a flag at once),
+    help from the field's description. Values go to ``Settings`` as given, so pydantic parses and
+    bounds-checks them in one place for flags and env alike. Unset flags are absent (SUPPRESS), so
+    the environment and the defaults apply; a flag that is given wins over ``BATCHGATE_<FIELD>``."""
+    for field, info in Settings.model_fields.items():
+        ann, _ = _scalar(info.annotation)
+        env = f"BATCHGATE_{field.upper()}"
+        help_text = f"{info.description or field} (env {env}; default {_default_text(info)})"
+        help_text = help_text.replace("%", "%%")
+        kwargs: dict = {"dest": field, "default": argparse.SUPPRESS, "help": help_text}
+        if ann is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction  # --x / --no-x
+        elif typing.get_origin(ann) is typing.Literal:
+            kwargs["choices"] = [str(c) for c in typing.get_args(ann)]
+            kwargs["metavar"] = "{" + ",".join(kwargs["choices"]) + "}"
+        elif typing.get_origin(ann) in (list, dict, set, tuple) or ann in (list, dict, set, tuple):
+            kwargs["type"] = json.loads  # structured settings: JSON, as pydantic-settings reads env
+            kwargs["metavar"] = "JSON"
+        else:
+            kwargs["metavar"] = getattr(ann, "__name__", "VALUE").upper()
+        parser.add_argument(flag_name(field), **kwargs)
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    """``Settings`` from the parsed ``serve`` flags, over env, over defaults."""
+    given = {field: getattr(args, field) for field in Settings.model_fields if hasattr(args, field)}
+    return Settings(**given)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="batchgate", description="Dynamic-batching inference gateway (KServe v2 gRPC)")
     sub = p.add_subparsers(dest="command")
-    serve = sub.add_parser("serve", help="serve a model repository (default command)")
-    for flag, (field, typ) in SERVE_FLAGS.items():
-        info = Settings.model_fields[field]
-        serve.add_argument(
-            flag, type=typ, default=None,
-            help=f"{info.description} (env BATCHGATE_{field.upper()}, default {info.default})",
-        )  # fmt: skip
-    serve.add_argument("--no-build-models", action="store_true", help="do not build missing bundled models")
+    serve = sub.add_parser(
+        "serve", help="serve a model repository (default command)",
+        description="Serve a model repository. Every setting is a flag and a BATCHGATE_<NAME> "
+        "environment variable; a flag wins over the environment.",
+    )  # fmt: skip
+    add_settings_flags(serve)
+    # The first release's spelling of --no-build-bundled-models.
+    serve.add_argument(
+        "--no-build-models", dest="build_bundled_models", action="store_false", default=argparse.SUPPRESS,
+        help="same as --no-build-bundled-models",
+    )  # fmt: skip
     build = sub.add_parser("build-models", help="(re)build the bundled ranker and encoder models")
     build.add_argument("--out", default="model_repository", help="repository folder to write into")
     build.add_argument("--force", action="store_true", help="overwrite existing model files")
@@ -56,6 +97,21 @@ def _parser() -> argparse.ArgumentParser:
     hk = sub.add_parser("hash-key", help="print the tenant-file hash of an API key (read from stdin)")
     hk.add_argument("--generate", action="store_true", help="make a new random key; print it, then its hash")
     return p
+
+
+def _missing_runtime(settings: Settings) -> str | None:
+    """The one line to print when no ONNX Runtime is installed (a plain ``pip install batchgate``
+    has none: the CPU and GPU wheels exclude each other, so each is an extra)."""
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        first, other = ("gpu", "cpu") if settings.device == "gpu" else ("cpu", "gpu")
+        return (
+            "batchgate serve: no ONNX Runtime is installed; install one with "
+            f"pip install 'batchgate[{first}]' "
+            f"(or 'batchgate[{other}]' {'on a CPU-only machine' if first == 'gpu' else 'for CUDA GPUs'})"
+        )
+    return None
 
 
 def _bench(argv: list[str]) -> int:
@@ -93,17 +149,16 @@ def main(argv: list[str] | None = None) -> int:
             print(key)
         print(hash_key(key))
         return 0
-    overrides = {}
-    for flag, (field, _) in SERVE_FLAGS.items():
-        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
-        if value is not None:
-            overrides[field] = value
-    if getattr(args, "no_build_models", False):
-        overrides["build_bundled_models"] = False
+    if args.command is None:  # `batchgate` alone: serve, with every setting at its env/default
+        args = _parser().parse_args(["serve"])
     try:
-        settings = Settings(**overrides)
+        settings = settings_from(args)
     except ValidationError as exc:
         print(f"batchgate: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    missing = _missing_runtime(settings)
+    if missing:
+        print(missing, file=sys.stderr)
         return 2
     from batchgate.gateway.logs import setup as setup_logging
 

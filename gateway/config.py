@@ -22,6 +22,15 @@ class Settings(BaseSettings):
     host: str = Field("0.0.0.0", description="address to listen on (gRPC and HTTP)")
     grpc_port: int = Field(8001, ge=0, le=65535, description="gRPC port; 0 picks a free one")
     http_port: int = Field(8000, ge=0, le=65535, description="HTTP port (health, metrics); 0 picks a free one")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="plaintext HTTP port for /metrics and /v2/health/live, /v2/health/ready "
+        "only (Triton's --metrics-port), so scrapers and probes need no certificate when TLS is on; unset = none, "
+        "0 picks a free one"
+    )
+    health_port: int | None = Field(
+        None, ge=0, le=65535, description="plaintext gRPC port serving grpc.health.v1 only (Kubernetes' native "
+        "gRPC probes, which speak no TLS); unset = none, 0 picks a free one"
+    )
     workers_per_device: int | None = Field(
         None, ge=1, description="workers per device for every model; default: instance_group count"
     )
@@ -191,6 +200,9 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"default_latency_class '{self.default_latency_class}' is not one of the latency classes {sorted(classes)}"
             )
-        if self.grpc_port and self.grpc_port == self.http_port:
-            raise ValueError(f"grpc_port and http_port are both {self.grpc_port}; give them different ports")
+        ports = [(n, getattr(self, n)) for n in ("grpc_port", "http_port", "metrics_port", "health_port")]
+        for i, (a, pa) in enumerate(ports):
+            for b, pb in ports[i + 1 :]:
+                if pa and pa == pb:  # 0 (a free port each) and None (off) never clash
+                    raise ValueError(f"{a} and {b} are both {pa}; give them different ports")
         return self

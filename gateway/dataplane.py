@@ -73,10 +73,8 @@ class DataPlane:
                     continue
                 self.models.setdefault(name, {})[version] = rt
                 log.info(
-                    "loaded model %s version %s: max_batch_size=%d, %d worker(s) on %s, inputs %s",
-                    name, version, spec.max_batch_size, len(rt.pool),
-                    ",".join(sorted({str(w.device) for w in rt.pool.workers})),
-                    rt.codec.expected,
+                    "loaded model %s version %s: %s; max_batch_size=%d, inputs %s",
+                    name, version, rt.pool.summary(), spec.max_batch_size, rt.codec.expected,
                 )  # fmt: skip
             if name in self.models:
                 self.latest[name] = max(self.models[name], key=int)

@@ -364,6 +364,9 @@ class HttpFrontend:
             r.add_get(base + "/config", self.model_config)
             r.add_get(base + "/stats", self.statistics)
             r.add_post(base + "/infer", self.infer)
+        from batchgate.gateway.embeddings_api import add_routes  # OpenAI /v1/embeddings, TEI /embed
+
+        add_routes(app, self.server)
         return app
 
     def _status(self, exc: _Abort) -> int:

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from batchgate import proto
 from batchgate.gateway import http as http_side
+from batchgate.gateway import probes
 from batchgate.gateway.admission import Account, Admission
 from batchgate.gateway.scheduling.request import resolve as resolve_budget
 from batchgate.gateway.codec import Limits, set_limits
@@ -370,6 +371,7 @@ class Server:
         self.http_port = 0
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
+        self.probes: probes.Probes | None = None
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
@@ -406,6 +408,7 @@ class Server:
         await server.start()
         self._grpc = server
         self._http, self.http_port = await http_side.start(self)
+        self.probes = await probes.start(self)  # plaintext health/metrics ports, when set (TLS deployments)
         log.info(
             "listening: gRPC %s:%d, HTTP %s:%d%s", s.host, self.grpc_port, s.host, self.http_port,
             "" if self.tls is None else (" (TLS, client certificates required)" if self.tls.mutual else " (TLS)"),
@@ -463,6 +466,8 @@ class Server:
         await self.admission.close()
         if self._http is not None:
             await self._http.cleanup()
+        if self.probes is not None:  # last: probes see the drain through
+            await self.probes.stop()
         log.info("stopped", extra={"event": "stopped"})
         self._stopped.set()
 

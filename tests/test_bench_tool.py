@@ -94,3 +94,39 @@ def test_every_benchmark_module_imports(module):
     # The benchmarks run outside the test suite (and on a GPU machine); an import that broke in a
     # refactor would only show there. Importing runs nothing: each keeps its work under main().
     importlib.import_module(f"batchgate.bench.{module}")
+
+
+def test_text_workload_on_every_endpoint(server, tmp_path):
+    """minilm's shipped texts over gRPC unary/stream, KServe REST and /v1/embeddings, 1 and 3 texts
+    a request, in one run; every request answered 200/OK and counted as its texts."""
+    from batchgate.bench.texts import TEXTS
+
+    words = sorted(len(t.split()) for t in TEXTS)
+    assert len(TEXTS) == 512 and words[0] <= 14 and words[-1] >= 120  # mixed lengths, as shipped
+    rc = bench_main(
+        ["--url", server.grpc_url, "--http-url", f"127.0.0.1:{server.http_port}", "--model", "minilm",
+         "--api", "unary,stream,rest,openai", "--rows", "1,3", "--concurrency", "2", "--latency-class", "bulk",
+         "--duration", "1.5", "--warmup", "0.3", "--channels", "2", "--no-progress",
+         "--timeout-s", "30", "--json", str(tmp_path / "t.json")]
+    )  # fmt: skip
+    assert rc == 0
+    points = json.loads((tmp_path / "t.json").read_text())["points"]
+    assert [(p["api"], p["rows_per_request"]) for p in points] == [
+        (api, rows) for rows in (1, 3) for api in ("unary", "stream", "rest", "openai")
+    ]
+    for p in points:
+        assert p["errors"] == 0 and p["ok"] > 0, p
+        assert p["rows_per_s"] == pytest.approx(p["throughput_rps"] * p["rows_per_request"])
+
+
+def test_text_workload_requests_carry_the_same_texts_on_every_api():
+    w = Workload("minilm", rows=3)
+    grpc_req = w.requests()[5]
+    (path, body), (opath, obody) = w.http_requests("rest")[5], w.http_requests("openai")[5]
+    texts = json.loads(obody)["input"]
+    assert opath == "/v1/embeddings" and len(texts) == 3 and json.loads(obody)["encoding_format"] == "base64"
+    (inp,) = json.loads(body)["inputs"]
+    assert path == "/v2/models/minilm/infer" and inp["data"] == texts and inp["shape"] == [3, 1]
+    assert list(grpc_req.inputs[0].shape) == [3, 1] and texts[0].encode() in grpc_req.raw_input_contents[0]
+    with pytest.raises(ValueError, match="text workload only"):
+        Workload("ranker").http_requests("openai")

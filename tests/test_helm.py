@@ -56,9 +56,14 @@ MANAGED = {
     "drain_linger_s": "drain.lingerSeconds",
     "redis_url": "redis",
     "api_keys_file": "auth",
+    "tls_cert_file": "tls",
+    "tls_key_file": "tls",
+    "tls_client_ca_file": "tls.clientAuth",
+    "metrics_port": "containerPorts.metrics",
+    "health_port": "containerPorts.health",
 }
 # Kinds kubernetes-validate has no schema for (CRDs); each gets its own shape check below.
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("cert-manager.io/v1", "Certificate")}
 
 # Stand-ins for secrets: the tests assert they never appear in clear in any rendered file.
 PASSWORD = "Pw-9d2Xq7vLr"
@@ -111,6 +116,18 @@ VALUE_SETS: dict[str, dict] = {
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
         "service": {"headless": {"enabled": True}},
     },
+    "tls-existing-secret": {
+        "tls": {"enabled": True, "existingSecret": "gateway-tls", "clientAuth": True},
+        "metrics": {"serviceMonitor": {"enabled": True}},
+        "service": {"headless": {"enabled": True}},
+    },
+    "tls-cert-manager": {
+        "tls": {"enabled": True, "certManager": {
+            "enabled": True, "issuerRef": {"name": "internal-ca", "kind": "ClusterIssuer"},
+            "dnsNames": ["batchgate.example.com"]}},
+        "metrics": {"serviceMonitor": {"enabled": True}},
+        "service": {"headless": {"enabled": True}},
+    },
     "custom-drain": {"drain": {"timeoutSeconds": 90.5, "lingerSeconds": 4, "preStopSleepSeconds": 10,
                                "preStopMode": "sleep"}},
     "everything": {
@@ -123,6 +140,7 @@ VALUE_SETS: dict[str, dict] = {
         "modelRepository": {"source": "pvc", "pvc": {"existingClaim": "models"}},
         "config": {"log_level": "DEBUG", "max_message_bytes": 134217728, "strict_readiness": True},
         "terminationGracePeriodSeconds": 120,
+        "tls": {"enabled": True, "certManager": {"enabled": True, "issuerRef": {"name": "ca"}}},
     },
 }
 
@@ -316,6 +334,8 @@ def test_schema_accepts_value_set(chart, name):
         ({"drain": {"preStopMode": "http"}}, "preStopMode"),
         ({"extraEnv": [{"name": "BATCHGATE_LOG_LEVEL", "value": "DEBUG"}]}, "extraEnv"),
         ({"unknownTopLevel": 1}, "unknownTopLevel"),
+        ({"tls": {"certManager": {"issuerRef": {"kind": "Vault"}}}}, "kind"),
+        ({"config": {"tls_cert_file": "/x.crt"}}, "tls_cert_file"),  # managed: tls.*
     ],
 )
 def test_schema_refuses(chart, values, needle):
@@ -340,6 +360,12 @@ def test_schema_refuses(chart, values, needle):
         ({"terminationGracePeriodSeconds": 10}, "shorter than the drain"),
         ({"containerPorts": {"grpc": 8000, "http": 8000}}, "same port"),
         ({"podDisruptionBudget": {"minAvailable": 1}}, "exactly one"),
+        ({"tls": {"enabled": True}}, "exactly one of tls.existingSecret"),
+        ({"tls": {"enabled": True, "existingSecret": "s", "certManager": {"enabled": True,
+                  "issuerRef": {"name": "ca"}}}}, "exactly one of tls.existingSecret"),
+        ({"tls": {"enabled": True, "certManager": {"enabled": True}}}, "issuerRef.name"),
+        ({"tls": {"enabled": True, "existingSecret": "s"}, "containerPorts": {"health": 8001}},
+         "four different ports"),
         ({"autoscaling": {"enabled": True}, "resources": {"requests": {"cpu": None}}}, "requests.cpu"),
     ],
 )
@@ -355,7 +381,7 @@ def test_every_manifest_validates_strictly(rendered):
         if (doc["apiVersion"], doc["kind"]) in CRD_KINDS:
             with pytest.raises(SchemaNotFoundError):  # if it ever ships one, validate with it instead
                 kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
-            _check_service_monitor(doc)
+            (_check_service_monitor if doc["kind"] == "ServiceMonitor" else _check_certificate)(doc)
             continue
         for version in K8S_VERSIONS:
             try:
@@ -374,6 +400,22 @@ def _check_service_monitor(doc: dict) -> None:
         assert set(ep) <= {"port", "path", "interval", "scrapeTimeout"}
         for key in ("interval", "scrapeTimeout"):
             assert re.fullmatch(r"\d+(ms|s|m|h)", ep[key]), ep
+
+
+def _check_certificate(doc: dict) -> None:
+    spec = doc["spec"]
+    assert set(spec) <= {
+        "secretName", "duration", "renewBefore", "issuerRef", "privateKey", "usages", "dnsNames"}  # fmt: skip
+    assert set(spec["issuerRef"]) == {"name", "kind", "group"} and spec["issuerRef"]["name"]
+    assert spec["issuerRef"]["kind"] in ("Issuer", "ClusterIssuer")
+    for key in ("duration", "renewBefore"):
+        assert re.fullmatch(r"(\d+(\.\d+)?(h|m|s|ms))+", spec[key]), spec
+    assert set(spec["privateKey"]) <= {"algorithm", "size", "rotationPolicy", "encoding"}
+    assert spec["privateKey"]["rotationPolicy"] in ("Always", "Never")
+    usages = ("server auth", "client auth", "digital signature", "key encipherment")
+    assert all(u in usages for u in spec["usages"])
+    dns = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+    assert spec["dnsNames"] and all(dns.fullmatch(n) for n in spec["dnsNames"])
 
 
 # -- the chart and the code agree ------------------------------------------------------------------
@@ -476,12 +518,16 @@ def test_null_and_empty_settings_are_left_to_the_server(chart):
 
 
 def test_probes_are_native_grpc_on_the_grpc_port(rendered):
+    """... or, while the service ports speak TLS, on the plaintext health port (the kubelet's gRPC
+    probes speak no TLS)."""
     name, values, r = rendered
+    tls = values["tls"]["enabled"]
     ports = {p["name"]: p["containerPort"] for p in r.gateway["ports"]}
-    assert ports == {"grpc": 8001, "http": 8000}
+    want = {"grpc": 8001, "http": 8000} | ({"metrics": 8002, "health": 8003} if tls else {})
+    assert ports == want
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         p = r.gateway[probe]
-        assert p["grpc"] == {"port": 8001, "service": ""}, (name, probe)
+        assert p["grpc"] == {"port": 8003 if tls else 8001, "service": ""}, (name, probe)
         assert not {"httpGet", "exec", "tcpSocket"} & set(p), (name, probe)
     # The startup probe is the warm-up budget: minutes, not the liveness probe's seconds.
     st = r.gateway["startupProbe"]
@@ -569,8 +615,10 @@ def test_services(rendered):
     gateway_labels = r.deployment["spec"]["template"]["metadata"]["labels"]
     main = r.one("Service", FULLNAME)
     assert main["spec"]["type"] == "ClusterIP"
-    assert {p["name"]: (p["port"], p["targetPort"]) for p in main["spec"]["ports"]} == {
-        "grpc": (8001, "grpc"), "http": (8000, "http")}
+    want = {"grpc": (8001, "grpc"), "http": (8000, "http")}
+    if values["tls"]["enabled"]:  # the plaintext metrics port, for the ServiceMonitor
+        want["metrics"] = (8002, "metrics")
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in main["spec"]["ports"]} == want
     headless = r.of("Service", f"{FULLNAME}-headless")
     assert bool(headless) == values["service"]["headless"]["enabled"], name
     for svc in [main, *headless]:
@@ -721,6 +769,47 @@ def test_autoscaling_disruption_budget_and_service_monitor():
     # It must pick the main Service only, not the headless one too (that would scrape every pod twice).
     selected = [s for s in r.of("Service") if _selects(sm["spec"]["selector"], s["metadata"]["labels"])]
     assert [s["metadata"]["name"] for s in selected] == [FULLNAME]
+
+
+def test_tls_wiring():
+    """TLS on: the server gets the mounted files and the plaintext ports; the probes, the Service's
+    metrics port and the ServiceMonitor use those; cert-manager's Secret is the one mounted."""
+    plain = _cached("defaults")
+    assert not any(k.startswith("BATCHGATE_TLS_") or k in ("BATCHGATE_METRICS_PORT", "BATCHGATE_HEALTH_PORT")
+                   for k in plain.config)
+    assert not plain.of("Certificate") and not any(v["name"] == "tls" for v in plain.pod["volumes"])
+    for set_name, secret, mutual in (("tls-existing-secret", "gateway-tls", True),
+                                     ("tls-cert-manager", f"{FULLNAME}-tls", False)):
+        r = _cached(set_name)
+        cfg = r.config
+        assert cfg["BATCHGATE_TLS_CERT_FILE"] == "/etc/batchgate/tls/tls.crt"
+        assert cfg["BATCHGATE_TLS_KEY_FILE"] == "/etc/batchgate/tls/tls.key"
+        assert ("BATCHGATE_TLS_CLIENT_CA_FILE" in cfg) == mutual
+        assert (cfg["BATCHGATE_METRICS_PORT"], cfg["BATCHGATE_HEALTH_PORT"]) == ("8002", "8003")
+        (vol,) = [v for v in r.pod["volumes"] if v["name"] == "tls"]
+        assert vol["secret"]["secretName"] == secret
+        keys = [i["key"] for i in vol["secret"]["items"]]
+        assert keys == ["tls.crt", "tls.key", "ca.crt"] if mutual else keys == ["tls.crt", "tls.key"]
+        (mount,) = [m for m in r.gateway["volumeMounts"] if m["name"] == "tls"]
+        # A directory mount (no subPath): Kubernetes updates it in place when the Secret is renewed.
+        assert mount == {"name": "tls", "mountPath": "/etc/batchgate/tls", "readOnly": True}
+        sm = r.one("ServiceMonitor")
+        assert [ep["port"] for ep in sm["spec"]["endpoints"]] == ["metrics"]
+        selected = [s for s in r.of("Service") if _selects(sm["spec"]["selector"], s["metadata"]["labels"])]
+        (svc,) = selected
+        assert {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]}["metrics"] == "metrics"
+        certs = r.of("Certificate")
+        if set_name == "tls-cert-manager":
+            (cert,) = certs
+            spec = cert["spec"]
+            assert spec["secretName"] == secret
+            want = {"name": "internal-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+            assert spec["issuerRef"] == want
+            for dns in (FULLNAME, f"{FULLNAME}.{NAMESPACE}.svc", f"{FULLNAME}-headless.{NAMESPACE}.svc",
+                        "batchgate.example.com"):
+                assert dns in spec["dnsNames"], dns
+        else:
+            assert not certs
 
 
 def _selects(selector: dict, labels: dict) -> bool:
@@ -875,7 +964,9 @@ def test_dockerfile(dockerfile, extra, other):
     assert final.all("ENTRYPOINT") and "batchgate" in final.all("ENTRYPOINT")[-1]
     exposed = {int(p.split("/")[0]) for e in final.all("EXPOSE") for p in e.split()}
     chart_values = yaml.safe_load((CHART / "values.yaml").read_text())
-    assert exposed == set(chart_values["containerPorts"].values())
+    # The service ports; the plaintext metrics/health ports open only when configured (TLS).
+    ports = chart_values["containerPorts"]
+    assert exposed == {ports["grpc"], ports["http"]}
     assert _dockerfile_model_path(path) == chart_values["modelRepository"]["path"]
     assert not _dockerignore_excludes("model_repository/ranker/1/model.onnx")
 
@@ -890,6 +981,9 @@ def test_dockerfile_copies_every_package(dockerfile):
     _, stages = parse_dockerfile(ROOT / dockerfile)
     copied = {src.rstrip("/") for s in stages[:-1] for arg in s.all("COPY") for src in _copy_sources(arg)[0]}
     assert "pyproject.toml" in copied
+    # PEP 639 license-files: the build fails when a listed file is missing from the context.
+    for lf in pyproject["project"].get("license-files", []):
+        assert lf in copied, f"{dockerfile} does not COPY {lf} (pyproject license-files)"
     assert packages <= copied, f"{dockerfile} does not COPY {sorted(packages - copied)}"
 
 

@@ -20,7 +20,7 @@ import pytest
 from batchgate.bench.loadgen import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
-TOP_LEVEL = ["gateway", "workers", "cache", "bench", "proto"]
+TOP_LEVEL = ["gateway", "workers", "cache", "bench", "client", "proto"]
 
 
 def test_every_package_folder_is_packaged():
@@ -38,7 +38,7 @@ def test_every_package_folder_is_packaged():
 
 def test_no_bare_top_level_imports():
     """Every import of our own code goes through ``batchgate.`` (a bare ``proto`` is proto-plus's)."""
-    bare = re.compile(r"^\s*(from|import)\s+(proto|gateway|workers|cache|bench)(\.|\s|$)", re.M)
+    bare = re.compile(r"^\s*(from|import)\s+(proto|gateway|workers|cache|bench|client)(\.|\s|$)", re.M)
     offenders = []
     for top in [*TOP_LEVEL, "batchgate", "tests"]:
         for path in (ROOT / top).rglob("*.py"):

@@ -247,7 +247,9 @@ class Engine:
                 a.fill(self.plan.pad_values[name])
             for _ in range(runs):
                 slot.run()
-        log.info(
+        # (buckets bound, buckets run, seconds): the pool puts it in the model's one startup line.
+        self.warmed = (len(slots), len(to_run), time.perf_counter() - t0)
+        log.debug(
             "%s: %d bucket(s) bound, %d run in %.2fs (%s mode, warm-up %s, cache %d hit / %d built, "
             "%.1f MiB host buffers%s)",
             self.device, len(slots), len(to_run), time.perf_counter() - t0, self.mode, policy,

@@ -170,6 +170,14 @@ class _Worker:
             self.on_death(self, held, exc)
 
 
+def _span(sizes, what: str) -> str:
+    """``[1, 2, 4, ..., 64]`` as ``7 batch sizes 1-64``."""
+    sizes = list(sizes)
+    if len(sizes) == 1:
+        return f"{what} {sizes[0]}"
+    return f"{len(sizes)} {what} {sizes[0]}-{sizes[-1]}"
+
+
 def _test_kill(name: str) -> None:
     global _killed
     with _kill_lock:
@@ -224,10 +232,10 @@ class WorkerPool:
         if self.buckets is not None and self.plan is None:
             inputs, outputs = read_model_io(self.model_path)
             self.plan = ShapePlan(inputs, outputs, self.buckets)
-            if self.plan.pooled:
-                log.info("%s: buckets %s", self.name, self.plan.describe())
+            if self.plan.pooled:  # summary() puts this in the model's one startup line
+                log.debug("%s: buckets %s", self.name, self.plan.describe())
             else:
-                log.info("%s: dynamic shapes, no buffer pools (%s)", self.name, self.plan.why_not_pooled)
+                log.debug("%s: dynamic shapes, no buffer pools (%s)", self.name, self.plan.why_not_pooled)
         for w in self.workers:
             w.plan = self.plan
             w.fingerprint = self.fingerprint
@@ -238,6 +246,28 @@ class WorkerPool:
         except BaseException:
             self.close()
             raise
+
+    def summary(self) -> str:
+        """One phrase for the model's startup line: workers, devices, engines and shape buckets.
+        Every worker builds the same buckets, so the first live one speaks for all."""
+        devices = ",".join(sorted({str(w.device) for w in self.workers}))
+        text = f"{len(self.workers)} worker(s) on {devices}"
+        plan = self.plan
+        if plan is None or not plan.pooled:
+            why = f" ({plan.why_not_pooled})" if plan is not None and plan.why_not_pooled else ""
+            return f"{text}, dynamic shapes{why}"
+        engine = next((w.engine for w in self.workers if w.engine is not None), None)
+        bound, run, seconds = getattr(engine, "warmed", (0, 0, 0.0))
+        graphs = " with CUDA graphs" if getattr(engine, "cuda_graphs", False) else ""
+        mode = f", {engine.mode} engines{graphs}" if engine is not None else ""
+        dims = [_span(plan.batch_sizes, "batch sizes")]
+        for g in plan.groups:
+            dims.append(_span(g.buckets, f"{g.name} lengths") if g.buckets else f"exact {g.name} lengths")
+        cap = f", <= {plan.max_batch_tokens} tokens a batch" if plan.max_batch_tokens else ""
+        if bound:
+            return f"{text}{mode}, {bound} buckets ({' x '.join(dims)}{cap}), {run} warmed in {seconds:.2f}s"
+        # Exact (unbucketed) lengths: an engine binds each length the first time a batch has it.
+        return f"{text}{mode}, {' x '.join(dims)} (bound on first use{cap})"
 
     def submit(self, parts: list[dict[str, np.ndarray]], rows: list[int], batched: bool) -> Future:
         """Queue one batch on the least-loaded worker; the future yields ``(outputs, timing)``."""

@@ -175,3 +175,17 @@ already stored (so an upgrade does not rotate it under running pods) or a new ra
 {{- end }}
 {{- toYaml $res }}
 {{- end }}
+
+{{/* TLS: where the certificate Secret is mounted (a directory, never subPath, so renewals reach the pod). */}}
+{{- define "batchgate.tlsMountDir" -}}
+/etc/batchgate/tls
+{{- end }}
+
+{{- define "batchgate.tlsSecretName" -}}
+{{- .Values.tls.existingSecret | default (printf "%s-tls" (include "batchgate.fullname" .)) }}
+{{- end }}
+
+{{/* The port the probes ask: the plaintext health port while the service ports speak TLS. */}}
+{{- define "batchgate.probePort" -}}
+{{- ternary .Values.containerPorts.health .Values.containerPorts.grpc .Values.tls.enabled | int64 }}
+{{- end }}

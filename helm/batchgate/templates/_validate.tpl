@@ -7,6 +7,18 @@ from the Deployment, so a bad combination fails the whole render.
 {{- if eq (int64 $v.containerPorts.grpc) (int64 $v.containerPorts.http) }}
 {{- fail "containerPorts.grpc and containerPorts.http are the same port; give them different ones" }}
 {{- end }}
+{{- if $v.tls.enabled }}
+{{- $ports := list (int64 $v.containerPorts.grpc) (int64 $v.containerPorts.http) (int64 $v.containerPorts.metrics) (int64 $v.containerPorts.health) }}
+{{- if ne (len (uniq $ports)) 4 }}
+{{- fail "tls.enabled: containerPorts.grpc, http, metrics and health must be four different ports" }}
+{{- end }}
+{{- if eq (not $v.tls.existingSecret) (not $v.tls.certManager.enabled) }}
+{{- fail "tls.enabled needs exactly one of tls.existingSecret (a kubernetes.io/tls Secret) and tls.certManager.enabled" }}
+{{- end }}
+{{- if and $v.tls.certManager.enabled (not $v.tls.certManager.issuerRef.name) }}
+{{- fail "tls.certManager.enabled needs tls.certManager.issuerRef.name (an Issuer or ClusterIssuer)" }}
+{{- end }}
+{{- end }}
 {{- if and (eq $v.modelRepository.source "pvc") (not $v.modelRepository.pvc.existingClaim) }}
 {{- fail "modelRepository.source=pvc needs modelRepository.pvc.existingClaim (a claim holding the Triton-layout repository)" }}
 {{- end }}

@@ -1,0 +1,91 @@
+"""The Makefile's install steps, run for real by make against a stand-in .venv whose python, ruff
+and batchgate only record how they were called (no network, no install): `make serve` installs the
+runtime extra only, `make test` adds the rest, and nothing is installed twice."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+STAND_IN = """#!/bin/sh
+echo "$(basename "$0") $*" >> "$CALLS"
+case "$*" in
+  *"pip show"*) exit 1 ;;  # the other runtime's wheel is not installed
+esac
+exit 0
+"""
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+
+
+@pytest.fixture
+def checkout(tmp_path) -> Path:
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("python", "ruff", "batchgate"):
+        (bin_dir / name).write_text(STAND_IN)
+        (bin_dir / name).chmod(0o755)
+    # `make test` installs redis-server with apt when it is not on PATH: give it one.
+    (tmp_path / "path").mkdir()
+    (tmp_path / "path" / "redis-server").write_text(STAND_IN)
+    (tmp_path / "path" / "redis-server").chmod(0o755)
+    return tmp_path
+
+
+def _make(checkout: Path, *targets: str) -> list[str]:
+    calls = checkout / "calls.log"
+    calls.write_text("")
+    env = {**os.environ, "CALLS": str(calls), "PATH": f"{checkout / 'path'}{os.pathsep}{os.environ['PATH']}"}
+    out = subprocess.run(
+        ["make", "--no-print-directory", *targets, "QUICK_BENCH=0"], cwd=checkout, env=env,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    return calls.read_text().splitlines()
+
+
+def _installs(calls: list[str]) -> list[str]:
+    return [c for c in calls if "pip install" in c]
+
+
+def test_serve_then_test_installs_each_part_once(checkout):
+    calls = _make(checkout, "serve")
+    assert _installs(calls) == ["python -m pip install -e .[cpu]"], calls
+    assert "batchgate serve" in calls
+    assert not any("--quiet" in c or " -q" in c for c in _installs(calls))  # pip's progress stays on
+
+    calls = _make(checkout, "test")
+    assert _installs(calls) == ["python -m pip install -e .[cpu,test,reference]"], calls
+    assert "ruff check ." in calls and "python -m pytest" in calls
+    assert calls.index("ruff check .") < calls.index("python -m pytest")
+    assert not any(c.startswith("ruff format") for c in calls)  # off until the tree is formatted
+
+    assert _installs(_make(checkout, "serve")) == []  # nothing left to install
+    assert _installs(_make(checkout, "test")) == []
+
+
+def test_test_first_leaves_nothing_for_serve(checkout):
+    assert _installs(_make(checkout, "test")) == ["python -m pip install -e .[cpu,test,reference]"]
+    assert _installs(_make(checkout, "serve")) == []
+
+
+def test_a_changed_pyproject_installs_again(checkout):
+    _make(checkout, "serve")
+    later = time.time() + 2
+    os.utime(checkout / "pyproject.toml", (later, later))
+    assert _installs(_make(checkout, "serve")) == ["python -m pip install -e .[cpu]"]
+
+
+def test_gpu_runtime_and_format_check(checkout):
+    assert _installs(_make(checkout, "serve", "RUNTIME=gpu")) == ["python -m pip install -e .[gpu]"]
+    calls = _make(checkout, "lint", "RUNTIME=gpu", "RUFF_FORMAT=1")
+    assert "ruff format --check ." in calls
