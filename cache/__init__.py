@@ -1,6 +1,6 @@
 """Result cache: per-row keys, an in-process LRU (L1), Redis (L2), in-flight coalescing.
 
-Nothing here knows about models or requests beyond bytes: ``gateway/caching.py`` turns a
+Nothing here knows about models or requests beyond bytes: ``gateway/result_cache.py`` turns a
 request's rows into keys and values and back. Event-loop only; no locks.
 """
 

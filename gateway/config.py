@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from batchgate.gateway.budgets import DEFAULT_CLASSES, LatencyClass, parse_classes
+from batchgate.gateway.scheduling.request import DEFAULT_CLASSES, LatencyClass, parse_classes
 
 
 class Settings(BaseSettings):

@@ -1,4 +1,5 @@
-"""The data plane behind every transport: the loaded models, their schedulers and worker pools.
+"""The data plane behind every transport: the registry of loaded model runtimes (runtime.py):
+get, load, reload, unload, drain.
 
 Transports (gRPC servicer, HTTP) stay thin: they decode with a model's ``Codec``, call
 ``ModelRuntime.infer`` and encode the answer.
@@ -16,73 +17,24 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from batchgate.cache import TieredCache
-from batchgate.gateway.budgets import Budget, LatencyClass, SchedulePolicy
-from batchgate.gateway.caching import ModelCache, build_cache, model_cache
-from batchgate.gateway.codec import Codec
 from batchgate.gateway.config import Settings
 from batchgate.gateway.errors import not_found, parse_version, unavailable, unknown_model, unknown_version
-from batchgate.gateway.preprocess import TextStage
 from batchgate.gateway.repository import (
-    ConfigError, LoadFailure, ModelSpec, Repository, load_model, load_repository, tokenized,
+    ConfigError, LoadFailure, ModelSpec, Repository, load_model, load_repository,
 )
-from batchgate.gateway.latency import LatencyModel, LoopLag
-from batchgate.gateway.queues import DeadlineQueue, FifoQueue
-from batchgate.gateway.scheduler import Scheduler
-from batchgate.proto.inference.v2 import model_config_pb2 as mc
-from batchgate.workers import EngineOptions, WorkerPool, default_cache_dir, discover
+from batchgate.gateway.result_cache import build_cache
+from batchgate.gateway.runtime import ModelRuntime, build_runtime
+from batchgate.gateway.scheduling import LatencyClass, LoopLag
+
+__all__ = ["DataPlane", "ModelRuntime", "ReloadFailed"]
 
 log = logging.getLogger(__name__)
-
-_KIND = {mc.ModelInstanceGroup.KIND_GPU: "gpu", mc.ModelInstanceGroup.KIND_CPU: "cpu"}
 
 
 class ReloadFailed(Exception):
     """A model's directory could not be loaded (config, model file, engine start); the message
     says why. Whatever served before keeps serving."""
-
-
-@dataclass(slots=True)
-class ModelRuntime:
-    spec: ModelSpec
-    codec: Codec
-    pool: WorkerPool
-    scheduler: Scheduler
-    variable_inputs: tuple[str, ...]  # inputs with a -1 non-batch dim: part of the batching key
-    schedule: SchedulePolicy  # Triton's priority levels and queue policies from config.pbtxt
-    cache: ModelCache | None = None  # config.pbtxt response_cache on and the server's cache on
-    text: TextStage | None = None  # parameter `tokenizer`: texts in, token inputs made in the workers
-    inflight: int = 0  # calls inside ``infer``: a runtime swapped out by a reload is closed at 0
-
-    async def infer(
-        self, arrays: dict[str, np.ndarray], rows: int, budget: Budget | None = None, *,
-        wanted: list[tuple[str, bool]] | None = None, namespace: str | None = None,
-    ) -> dict[str, np.ndarray]:  # fmt: skip
-        """``wanted`` (Codec.requested) and ``namespace`` (the tenant's) only shape cache keys."""
-        # Counted from the first line: callers get the runtime and call this with no await in
-        # between, so a reload never closes a runtime that a call is about to enter.
-        self.inflight += 1
-        try:
-            return await self._infer(arrays, rows, budget, wanted, namespace)
-        finally:
-            self.inflight -= 1
-
-    async def _infer(self, arrays, rows, budget, wanted, namespace) -> dict[str, np.ndarray]:
-        if self.text is not None:  # checks the texts; the key is their estimated length bucket
-            key = batch_key = await self.text.admit(arrays)
-        else:
-            key = tuple(arrays[n].shape[1:] for n in self.variable_inputs) if self.variable_inputs else None
-            # The batcher groups by length bucket (lengths 20 and 30 share a batch padded to 32);
-            # the cache keeps the exact shapes, which its keys describe.
-            batch_key = self.pool.shape_key(arrays) if key is not None else None
-        if self.cache is None:
-            return await self.scheduler.infer(arrays, rows, batch_key, budget)
-        sched = self.scheduler
-        return await self.cache.infer(
-            arrays, rows, lambda a, n: sched.infer(a, n, batch_key, budget), wanted, namespace
-        )
 
 
 @dataclass(slots=True)
@@ -137,62 +89,9 @@ class DataPlane:
         self.loaded = True
 
     async def _start(self, spec: ModelSpec) -> ModelRuntime:
-        s = self.settings
-        devices = []
-        count = 1
-        for group in spec.config.instance_group:
-            kind = "cpu" if s.device == "cpu" else _KIND.get(group.kind, "auto")
-            devices.extend(d for d in discover(kind, tuple(group.gpus)) if d not in devices)
-            count = max(count, group.count or 1)
-        if s.workers_per_device:
-            count = s.workers_per_device
-        text = await asyncio.to_thread(TextStage, spec) if tokenized(spec.config) else None
-        options = EngineOptions(intra_op_threads=s.intra_op_threads, inter_op_threads=s.inter_op_threads,
-                                preprocess=text, mode=s.engine_mode, warmup=s.engine_warmup,
-                                cache_dir=(s.engine_cache_dir or default_cache_dir()) if s.engine_cache else None,
-                                cuda_graphs=s.cuda_graphs)  # fmt: skip
-        name = f"{spec.name}-v{spec.version}"
-        pool = WorkerPool(name, spec.path, devices, count, options, spec.buckets, spec.fingerprint)
-        await asyncio.to_thread(pool.start)
-        # A text batch over its token budget leaves as several, spread over the workers.
-        execute = text.budgeted(pool.submit) if text is not None else pool.submit
-        schedule = SchedulePolicy.from_config(spec.config)
-        latency = LatencyModel()
-        queue: DeadlineQueue | FifoQueue
-        # A model may override the server's policy (parameter scheduling_policy), e.g. to keep
-        # Triton's FIFO semantics for one model while the rest are scheduled by deadline.
-        policy = spec.params.scheduling_policy or s.scheduling_policy
-        if policy == "deadline":
-            queue = DeadlineQueue(
-                max_batch_size=spec.max_batch_size,
-                preferred=spec.preferred_batch_sizes,
-                max_delay_s=spec.max_queue_delay_s,
-                classes=self.classes,
-                latency=latency,
-                level_queue_sizes={lvl: p.max_queue_size for lvl, p in schedule.policies.items()},
-                default_class=s.default_latency_class,
-                lag=self.lag,
-                margin_s=s.deadline_margin_ms / 1000,
-                cap_fraction=s.batch_time_cap,
-                row_limit=text.row_limit if text is not None else None,
-                learn_limit=spec.params.learned_batch_limit,
-            )
-        else:
-            queue = FifoQueue(
-                max_batch_size=spec.max_batch_size,
-                preferred=spec.preferred_batch_sizes,
-                max_delay_s=spec.max_queue_delay_s,
-                max_queue_size=spec.max_queue_size,
-            )
-        scheduler = Scheduler(
-            f"{spec.name}:{spec.version}", queue, execute, slots=len(pool), batched=spec.batched, latency=latency,
-            split_failures=True,
-        )
-        scheduler.start()
-        variable = tuple(t.name for t in spec.inputs if -1 in t.dims)
         if spec.config.response_cache.enable and self.cache is None:
-            self.cache = await build_cache(s)  # built when the first model asks for it
-        return ModelRuntime(spec, Codec(spec), pool, scheduler, variable, schedule, model_cache(spec, self.cache), text)
+            self.cache = await build_cache(self.settings)  # built when the first model asks for it
+        return await build_runtime(spec, self.settings, self.classes, self.lag, self.cache)
 
     async def reload(self, name: str) -> None:
         """Load model ``name`` again from its directory (config, versions, model files): start and

@@ -29,7 +29,7 @@ from aiohttp import web
 from batchgate.gateway.codec import serialize_bytes
 from batchgate.gateway.errors import GatewayError, Kind
 from batchgate.gateway.logs import REQUEST_ID, REQUEST_ID_KEY, clean_request_id
-from batchgate.gateway.preprocess import estimate_tokens
+from batchgate.gateway.text import estimate_tokens
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 
 if TYPE_CHECKING:

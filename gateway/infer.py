@@ -23,7 +23,7 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 
 from batchgate.gateway.admission import Account, Admission
-from batchgate.gateway.budgets import resolve as resolve_budget
+from batchgate.gateway.scheduling.request import resolve as resolve_budget
 from batchgate.gateway.dataplane import DataPlane, ReloadFailed
 from batchgate.gateway.errors import ECHO_MAX, GatewayError, Kind, clip, invalid, not_found
 from batchgate.gateway.metrics import Transport
@@ -334,7 +334,7 @@ class Pipeline:
             s.compute_input.count, s.compute_input.ns = st.input_count, st.input_ns
             s.compute_infer.count, s.compute_infer.ns = st.infer_count, st.infer_ns
             s.compute_output.count, s.compute_output.ns = st.output_count, st.output_ns
-            # Triton: cache hits are in success but in none of queue/compute (gateway/caching.py).
+            # Triton: cache hits are in success but in none of queue/compute (gateway/result_cache.py).
             if rt.cache is not None:
                 rt.cache.fill_statistics(s)
             for size in sorted(st.by_batch_size):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator
 
@@ -196,14 +195,11 @@ class BatchObserver:
         self.compute.observe((timing.input_ns + timing.infer_ns + timing.output_ns) * 1e-9)
         self.rows.observe(rows)
         # The engine reports what the requests sent (`tokens`) and what it computed after padding
-        # the batch up to a static shape bucket (`padded_tokens`); older engines report neither.
-        tokens = getattr(timing, "tokens", 0)
+        # the batch up to a shape bucket (`padded_tokens`).
+        tokens = timing.tokens
         if self.token_input is not None:
-            if not tokens:
-                ti = self.token_input
-                tokens = sum(r.rows * math.prod(r.inputs[ti].shape[1:]) for r in batch)
             self.tokens.observe(tokens)
-        padded = getattr(timing, "padded_tokens", 0)
+        padded = timing.padded_tokens
         if padded and tokens:
             self.padding.observe(1.0 - tokens / padded)
 
@@ -233,7 +229,7 @@ class Metrics:
         each scrape so models loaded later are covered)."""
         for rt in self.plane.runtimes():
             stats = rt.scheduler.stats
-            if getattr(stats, "observer", False) is None:  # a Stats without the hook: skip
+            if stats.observer is None:
                 key = (rt.spec.name, rt.spec.version)
                 obs = self.observers.get(key)
                 if obs is None:
@@ -246,23 +242,14 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def _queue_depths(scheduler) -> dict[str, int]:
-    """Queued requests per latency class: the deadline queue keeps ``class_size`` (class name ->
-    queued requests); the FIFO queue has one line, reported as class "fifo"."""
-    by_class = getattr(scheduler.queue, "class_size", None)
-    if isinstance(by_class, dict):
-        return dict(by_class)
-    return {"fifo": len(scheduler.queue)}
-
-
 def _caches(plane) -> Iterator[tuple[str, str, object]]:
-    """(model, version, cache) for each distinct cache object with a ``stats()`` method: the
-    data plane's shared tiers (model and version empty) and each model's own view of them."""
+    """(model, version, cache) for each distinct cache: the data plane's shared tiers (model and
+    version empty) and each model's own view of them."""
     seen: set[int] = set()
-    candidates = [("", "", getattr(plane, "cache", None))]
-    candidates += [(rt.spec.name, rt.spec.version, getattr(rt, "cache", None)) for rt in plane.runtimes()]
+    candidates = [("", "", plane.cache)]
+    candidates += [(rt.spec.name, rt.spec.version, rt.cache) for rt in plane.runtimes()]
     for model, version, cache in candidates:
-        if cache is not None and callable(getattr(cache, "stats", None)) and id(cache) not in seen:
+        if cache is not None and id(cache) not in seen:
             seen.add(id(cache))
             yield model, version, cache
 
@@ -276,6 +263,9 @@ def _cache_tiers(stats: dict) -> dict[str, dict]:
 
 
 class _PlaneCollector:
+    """Collected fresh at each scrape from public state only: the data plane's registry, each
+    runtime's ``snapshot()`` and the transports' counters; one function per family group."""
+
     def __init__(self, metrics: Metrics) -> None:
         self.m = metrics
 
@@ -284,182 +274,195 @@ class _PlaneCollector:
 
     def collect(self):
         m, plane = self.m, self.m.plane
-        P = "batchgate_"
-        mv = ["model", "version"]
+        snaps = [rt.snapshot() for rt in plane.runtimes()]
+        yield from _server_families(m, plane)
+        yield from _edge_families(m)
+        yield from _batch_families(m)
+        yield from _scheduler_families(snaps)
+        yield from _worker_families(snaps)
+        yield _loop_lag_family(plane)
+        yield from _cache_families(plane)
 
-        info = GaugeMetricFamily(P + "build_info", "batchgate version of this process", labels=["version"])
-        info.add_metric([m.version], 1)
-        yield info
-        ready = GaugeMetricFamily(P + "server_ready", "1 while the server reports ready (ServerReady)")
-        ready.add_metric([], 1 if plane.ready else 0)
-        yield ready
-        model_ready = GaugeMetricFamily(
-            P + "model_ready", "1 for a served model version, 0 for one that failed to load", labels=mv
-        )
-        for rt in plane.runtimes():
-            model_ready.add_metric([rt.spec.name, rt.spec.version], 1)
-        for name, failure in plane.failures.items():
-            if name not in plane.models:
-                model_ready.add_metric([name, failure.version], 0)
-        yield model_ready
 
-        # -- the edge
-        requests = CounterMetricFamily(
-            P + "requests",
-            "inference requests answered, by outcome",
-            labels=["model", "version", "transport", "outcome"],
-        )
-        duration = HistogramMetricFamily(
-            P + "request_duration_seconds",
-            "time from receipt of a successful inference request to its encoded answer",
-            labels=["model", "version", "transport"],
-        )
-        inflight = GaugeMetricFamily(
-            P + "inflight_requests", "inference requests being served now", labels=["transport"]
-        )
-        for t in m.transports.values():
-            inflight.add_metric([t.name], t.inflight)
-            for e in t.edges():
-                if e.success:
-                    requests.add_metric([e.model, e.version, t.name, "success"], e.success)
-                for outcome, n in e.outcomes.items():
-                    requests.add_metric([e.model, e.version, t.name, outcome], n)
-                if e.latency.count:
-                    duration.add_metric([e.model, e.version, t.name], e.latency.buckets(), e.latency.sum)
-        yield requests
-        yield duration
-        yield inflight
+P = "batchgate_"
+MV = ["model", "version"]
 
-        # -- per batch (BatchObserver)
-        fams = {
-            "queue": HistogramMetricFamily(
-                P + "queue_duration_seconds", "time a request waited in the scheduler before its batch ran", labels=mv
-            ),
-            "compute": HistogramMetricFamily(
-                P + "compute_duration_seconds", "time one batch took in the worker (input + infer + output)", labels=mv
-            ),
-            "rows": HistogramMetricFamily(P + "batch_size_rows", "rows per executed batch", labels=mv),
-            "tokens": HistogramMetricFamily(
-                P + "batch_size_tokens", "rows x variable-length elements per executed batch (models with -1 dims)", labels=mv
-            ),
-            "padding": HistogramMetricFamily(
-                P + "batch_padding_ratio", "share of a batch's computed elements that was padding (static-shape engines)",
-                labels=mv,
-            ),
-        }  # fmt: skip
-        for (name, ver), obs in m.observers.items():
-            for attr, fam in fams.items():
-                h: Histogram = getattr(obs, attr)
-                if h.count or attr in ("queue", "compute", "rows"):
-                    fam.add_metric([name, ver], h.buckets(), h.sum)
-        yield from fams.values()
 
-        # -- scheduler and workers (read from Stats, queues and pools)
-        rows = CounterMetricFamily(P + "inference_rows", "rows inferred (Triton inference_count)", labels=mv)
-        batches = CounterMetricFamily(P + "batches", "batches executed (Triton execution_count)", labels=mv)
-        failed = CounterMetricFamily(
-            P + "batch_failed_requests", "requests in batches that failed to execute", labels=mv
-        )
-        rejected = CounterMetricFamily(
-            P + "queue_rejected", "requests refused because the queue was full", labels=mv
-        )
-        dropped = CounterMetricFamily(
-            P + "queue_dropped", "requests whose caller left while queued (dropped before compute)", labels=mv
-        )
-        depth = GaugeMetricFamily(
-            P + "queue_depth", "requests queued now", labels=["model", "version", "class"]
-        )
-        sched_inflight = GaugeMetricFamily(
-            P + "scheduler_inflight_requests",
-            "requests accepted by the scheduler and not yet answered",
-            labels=mv,
-        )
-        by_class = CounterMetricFamily(
-            P + "class_requests",
-            "requests that reached the scheduler, by latency class and outcome (success, late = answered after "
-            "its deadline, shed, expired, rejected, failed)",
-            labels=["model", "version", "class", "outcome"],
-        )
-        busy = CounterMetricFamily(
-            P + "worker_busy_seconds",
-            "time a worker spent running batches",
-            labels=["model", "version", "worker"],
-        )
-        workers = GaugeMetricFamily(P + "workers", "worker threads serving the model version", labels=mv)
-        est = GaugeMetricFamily(
-            P + "batch_time_estimate_seconds",
-            "the scheduler's latency model: recent compute time of one batch (EWMA), per shape bucket and "
-            "batch-size class (batch_size = the largest size in the class: 1, 2, 4, 8, ...)",
-            labels=["model", "version", "bucket", "batch_size"],
-        )
-        fit = GaugeMetricFamily(
-            P + "batch_time_fit_seconds",
-            "the scheduler's latency model: least-squares line of batch time = intercept + per_row x rows, "
-            "per shape bucket",
-            labels=["model", "version", "bucket", "term"],
-        )
-        lag = GaugeMetricFamily(
-            P + "event_loop_lag_seconds",
-            "how late the event loop runs timers (EWMA + 2 deviations); kept free before every deadline",
-        )
-        lag.add_metric([], getattr(getattr(plane, "lag", None), "s", 0.0))
-        for rt in plane.runtimes():
-            lv = [rt.spec.name, rt.spec.version]
-            sched = rt.scheduler
-            st = sched.stats
-            rows.add_metric(lv, st.inference_count)
-            batches.add_metric(lv, st.execution_count)
-            failed.add_metric(lv, st.fail_count)
-            rejected.add_metric(lv, getattr(st, "rejected_full", 0))
-            dropped.add_metric(lv, getattr(st, "dropped", 0))
-            for cls, outcomes in getattr(st, "by_class", {}).items():
-                for outcome, n in outcomes.items():
-                    by_class.add_metric(lv + [cls, outcome], n)
-            for cls, n in _queue_depths(sched).items():
-                depth.add_metric(lv + [cls], n)
-            n_inflight = getattr(sched, "_in_flight", None)
-            if n_inflight is not None:
-                sched_inflight.add_metric(lv, n_inflight)
-            latency = getattr(sched, "latency", None)
-            for bucket, model in (latency.snapshot() if latency is not None else {}).items():
-                fit.add_metric(lv + [bucket, "intercept"], model["intercept_s"])
-                fit.add_metric(lv + [bucket, "per_row"], model["per_row_s"])
-                for size, figures in model["sizes"].items():
-                    est.add_metric(lv + [bucket, str(size)], figures["mean_s"])
-            pool_workers = getattr(rt.pool, "workers", None)
-            if pool_workers is not None:
-                workers.add_metric(lv, len(pool_workers))
-                for w in pool_workers:
-                    busy.add_metric(lv + [w.name], w.busy_ns * 1e-9)
-            else:
-                busy.add_metric(lv + ["all"], rt.pool.busy_ns() * 1e-9)
-        yield from (rows, batches, failed, rejected, dropped, by_class, depth, sched_inflight, busy, workers, est,
-                    fit, lag)
+def _server_families(m: Metrics, plane) -> Iterator:
+    info = GaugeMetricFamily(P + "build_info", "batchgate version of this process", labels=["version"])
+    info.add_metric([m.version], 1)
+    yield info
+    ready = GaugeMetricFamily(P + "server_ready", "1 while the server reports ready (ServerReady)")
+    ready.add_metric([], 1 if plane.ready else 0)
+    yield ready
+    model_ready = GaugeMetricFamily(
+        P + "model_ready", "1 for a served model version, 0 for one that failed to load", labels=MV
+    )
+    for rt in plane.runtimes():
+        model_ready.add_metric([rt.spec.name, rt.spec.version], 1)
+    for name, failure in plane.failures.items():
+        if name not in plane.models:
+            model_ready.add_metric([name, failure.version], 0)
+    yield model_ready
 
-        # -- result cache (absent until the cache is configured)
-        lookups = CounterMetricFamily(
-            P + "cache_lookups",
-            "result cache lookups in rows, by tier and result (hit, miss)",
-            labels=["model", "version", "tier", "result"],
-        )
-        other = GaugeMetricFamily(
-            P + "cache_stat",
-            "other figures the cache reports (entries, bytes, evictions, breaker state ...)",
-            labels=["model", "version", "tier", "stat"],
-        )
-        for model, version, cache in _caches(plane):
-            try:
-                tiers = _cache_tiers(cache.stats())
-            except Exception:  # a scrape must not fail because the cache could not say
-                log.debug("cache stats() failed", exc_info=True)
-                continue
-            for tier, figures in tiers.items():
-                for key, value in figures.items():
-                    if isinstance(value, bool) or not isinstance(value, (int, float)):
-                        continue  # e.g. breaker_state "closed": its numeric twin is exported
-                    if key in ("hits", "misses"):
-                        lookups.add_metric([model, version, tier, "hit" if key == "hits" else "miss"], value)
-                    else:
-                        other.add_metric([model, version, tier, str(key)], value)
-        yield lookups
-        yield other
+
+def _edge_families(m: Metrics) -> Iterator:
+    requests = CounterMetricFamily(
+        P + "requests",
+        "inference requests answered, by outcome",
+        labels=["model", "version", "transport", "outcome"],
+    )
+    duration = HistogramMetricFamily(
+        P + "request_duration_seconds",
+        "time from receipt of a successful inference request to its encoded answer",
+        labels=["model", "version", "transport"],
+    )
+    inflight = GaugeMetricFamily(P + "inflight_requests", "inference requests being served now", labels=["transport"])
+    for t in m.transports.values():
+        inflight.add_metric([t.name], t.inflight)
+        for e in t.edges():
+            if e.success:
+                requests.add_metric([e.model, e.version, t.name, "success"], e.success)
+            for outcome, n in e.outcomes.items():
+                requests.add_metric([e.model, e.version, t.name, outcome], n)
+            if e.latency.count:
+                duration.add_metric([e.model, e.version, t.name], e.latency.buckets(), e.latency.sum)
+    yield from (requests, duration, inflight)
+
+
+def _batch_families(m: Metrics) -> Iterator:
+    """The BatchObservers' histograms."""
+    fams = {
+        "queue": HistogramMetricFamily(
+            P + "queue_duration_seconds", "time a request waited in the scheduler before its batch ran", labels=MV
+        ),
+        "compute": HistogramMetricFamily(
+            P + "compute_duration_seconds", "time one batch took in the worker (input + infer + output)", labels=MV
+        ),
+        "rows": HistogramMetricFamily(P + "batch_size_rows", "rows per executed batch", labels=MV),
+        "tokens": HistogramMetricFamily(
+            P + "batch_size_tokens", "rows x variable-length elements per executed batch (models with -1 dims)", labels=MV
+        ),
+        "padding": HistogramMetricFamily(
+            P + "batch_padding_ratio", "share of a batch's computed elements that was padding (static-shape engines)",
+            labels=MV,
+        ),
+    }  # fmt: skip
+    for (name, ver), obs in m.observers.items():
+        for attr, fam in fams.items():
+            h: Histogram = getattr(obs, attr)
+            if h.count or attr in ("queue", "compute", "rows"):
+                fam.add_metric([name, ver], h.buckets(), h.sum)
+    yield from fams.values()
+
+
+def _scheduler_families(snaps) -> Iterator:
+    """Each scheduler's statistics, queue depths and latency model, from its snapshot."""
+    rows = CounterMetricFamily(P + "inference_rows", "rows inferred (Triton inference_count)", labels=MV)
+    batches = CounterMetricFamily(P + "batches", "batches executed (Triton execution_count)", labels=MV)
+    failed = CounterMetricFamily(P + "batch_failed_requests", "requests in batches that failed to execute", labels=MV)
+    rejected = CounterMetricFamily(P + "queue_rejected", "requests refused because the queue was full", labels=MV)
+    dropped = CounterMetricFamily(
+        P + "queue_dropped", "requests whose caller left while queued (dropped before compute)", labels=MV
+    )
+    abandoned = CounterMetricFamily(
+        P + "abandoned_rows",
+        "rows dropped before compute because another part of their call had failed (e.g. expired)",
+        labels=MV,
+    )
+    depth = GaugeMetricFamily(P + "queue_depth", "requests queued now", labels=["model", "version", "class"])
+    sched_inflight = GaugeMetricFamily(
+        P + "scheduler_inflight_requests", "requests accepted by the scheduler and not yet answered", labels=MV
+    )
+    by_class = CounterMetricFamily(
+        P + "class_requests",
+        "requests that reached the scheduler, by latency class and outcome (success, late = answered after "
+        "its deadline, shed, expired, rejected, failed)",
+        labels=["model", "version", "class", "outcome"],
+    )
+    est = GaugeMetricFamily(
+        P + "batch_time_estimate_seconds",
+        "the scheduler's latency model: recent compute time of one batch (EWMA), per shape bucket and "
+        "batch-size class (batch_size = the largest size in the class: 1, 2, 4, 8, ...)",
+        labels=["model", "version", "bucket", "batch_size"],
+    )
+    fit = GaugeMetricFamily(
+        P + "batch_time_fit_seconds",
+        "the scheduler's latency model: least-squares line of batch time = intercept + per_row x rows, "
+        "per shape bucket",
+        labels=["model", "version", "bucket", "term"],
+    )
+    for snap in snaps:
+        lv = [snap.model, snap.version]
+        sched = snap.scheduler
+        st = sched.stats
+        rows.add_metric(lv, st.inference_count)
+        batches.add_metric(lv, st.execution_count)
+        failed.add_metric(lv, st.fail_count)
+        rejected.add_metric(lv, st.rejected_full)
+        dropped.add_metric(lv, st.dropped)
+        abandoned.add_metric(lv, st.abandoned_rows)
+        for cls, outcomes in st.by_class.items():
+            for outcome, n in outcomes.items():
+                by_class.add_metric(lv + [cls, outcome], n)
+        for cls, n in sched.queued_by_class.items():
+            depth.add_metric(lv + [cls], n)
+        sched_inflight.add_metric(lv, sched.in_flight)
+        for bucket, model in sched.latency.items():
+            fit.add_metric(lv + [bucket, "intercept"], model["intercept_s"])
+            fit.add_metric(lv + [bucket, "per_row"], model["per_row_s"])
+            for size, figures in model["sizes"].items():
+                est.add_metric(lv + [bucket, str(size)], figures["mean_s"])
+    yield from (rows, batches, failed, rejected, dropped, abandoned, by_class, depth, sched_inflight, est, fit)
+
+
+def _worker_families(snaps) -> Iterator:
+    busy = CounterMetricFamily(
+        P + "worker_busy_seconds", "time a worker spent running batches", labels=["model", "version", "worker"]
+    )
+    workers = GaugeMetricFamily(P + "workers", "worker threads serving the model version", labels=MV)
+    for snap in snaps:
+        lv = [snap.model, snap.version]
+        workers.add_metric(lv, len(snap.workers))
+        for name, busy_s in snap.workers:
+            busy.add_metric(lv + [name], busy_s)
+    yield from (busy, workers)
+
+
+def _loop_lag_family(plane) -> GaugeMetricFamily:
+    lag = GaugeMetricFamily(
+        P + "event_loop_lag_seconds",
+        "how late the event loop runs timers (EWMA + 2 deviations); kept free before every deadline",
+    )
+    lag.add_metric([], plane.lag.s)
+    return lag
+
+
+def _cache_families(plane) -> Iterator:
+    """The result cache (absent until the cache is configured)."""
+    lookups = CounterMetricFamily(
+        P + "cache_lookups",
+        "result cache lookups in rows, by tier and result (hit, miss)",
+        labels=["model", "version", "tier", "result"],
+    )
+    other = GaugeMetricFamily(
+        P + "cache_stat",
+        "other figures the cache reports (entries, bytes, evictions, breaker state ...)",
+        labels=["model", "version", "tier", "stat"],
+    )
+    for model, version, cache in _caches(plane):
+        try:
+            tiers = _cache_tiers(cache.stats())
+        except Exception:  # a scrape must not fail because the cache could not say
+            log.debug("cache stats() failed", exc_info=True)
+            continue
+        for tier, figures in tiers.items():
+            for key, value in figures.items():
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    continue  # e.g. breaker_state "closed": its numeric twin is exported
+                if key in ("hits", "misses"):
+                    lookups.add_metric([model, version, tier, "hit" if key == "hits" else "miss"], value)
+                else:
+                    other.add_metric([model, version, tier, str(key)], value)
+    yield lookups
+    yield other

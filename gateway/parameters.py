@@ -161,7 +161,7 @@ class Declared:
 
 
 DECLARED: tuple[Declared, ...] = (
-    # text stage (gateway/preprocess.py)
+    # text stage (gateway/text.py)
     Declared("tokenizer", "file name", "none", "a file in the model directory", "text stage",
              "tokenizer.json (Hugging Face tokenizers) relative to the model directory; makes the model a "
              "text model: one TYPE_STRING input, token inputs made in the workers", _nonempty, "tokenizer"),

@@ -202,7 +202,7 @@ def tied_dims(model: onnx.ModelProto, batched: bool) -> dict[str, list[tuple[str
 
 def tokenized(config: mc.ModelConfig) -> bool:
     """A text model: parameter `tokenizer` names a tokenizer.json that turns the config's one
-    TYPE_STRING input into the ONNX model's token inputs (gateway/preprocess.py). Read from the
+    TYPE_STRING input into the ONNX model's token inputs (gateway/text.py). Read from the
     raw config because completing the config depends on it, before the parameters are parsed."""
     p = config.parameters.get(TOKENIZER_PARAMETER)
     return p is not None and bool(p.string_value)

@@ -1,4 +1,4 @@
-"""The per-row flow of gateway/caching.py driven without sockets: a hand-made model spec, a fake
+"""The per-row flow of gateway/result_cache.py driven without sockets: a hand-made model spec, a fake
 compute the test gates with events, the real memory tier and single-flight."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from batchgate.cache import MemoryCache, TieredCache
-from batchgate.gateway.caching import ModelCache
+from batchgate.gateway.result_cache import ModelCache
 from batchgate.gateway.errors import GatewayError, Kind
 from batchgate.gateway.repository import ModelSpec, TensorSpec
 from batchgate.proto.inference.v2 import model_config_pb2 as mc
@@ -275,7 +275,7 @@ async def test_statistics_follow_triton():
 async def test_server_settings_choose_the_tiers(tmp_path):
     from pydantic import ValidationError
 
-    from batchgate.gateway.caching import build_cache
+    from batchgate.gateway.result_cache import build_cache
     from batchgate.gateway.config import Settings
 
     def tiers(**kw):

@@ -10,11 +10,10 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from batchgate.gateway.budgets import INF, SchedulePolicy, parse_classes, resolve
 from batchgate.gateway.errors import GatewayError, Kind
-from batchgate.gateway.latency import LatencyModel, LoopLag
-from batchgate.gateway.queues import DeadlineQueue, Request
-from batchgate.gateway.scheduler import Scheduler
+from batchgate.gateway.scheduling import INF, LatencyModel, LoopLag, Request, SchedulePolicy, Scheduler
+from batchgate.gateway.scheduling import parse_classes, resolve
+from batchgate.gateway.scheduling.deadline import DeadlineQueue
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import model_config_pb2 as mc
 from batchgate.workers.engine import BatchTiming
@@ -70,28 +69,28 @@ def test_latency_model_clips_a_one_off_spike():
 
 def test_edf_across_classes_earliest_deadline_first():
     q = queue(max_bs=1)
-    q.push(make_req("bulk", "bulk", 0.0))
-    q.push(make_req("std", "standard", 0.0))
-    q.push(make_req("rt", "realtime", 0.001))
-    assert [names(q.pop_batch(1.0)) for _ in range(3)] == [["rt"], ["std"], ["bulk"]]
+    q.push([make_req("bulk", "bulk", 0.0)])
+    q.push([make_req("std", "standard", 0.0)])
+    q.push([make_req("rt", "realtime", 0.001)])
+    assert [names(q.pop_batch(1.0)[0]) for _ in range(3)] == [["rt"], ["std"], ["bulk"]]
 
 
 def test_edf_within_a_class_by_budget_parameter():
     q = queue(max_bs=1)
-    q.push(make_req("late", "standard", 0.0, budget_s=0.200))
-    q.push(make_req("soon", "standard", 0.0, budget_s=0.050))
-    assert names(q.pop_batch(1.0)) == ["soon"]
+    q.push([make_req("late", "standard", 0.0, budget_s=0.200)])
+    q.push([make_req("soon", "standard", 0.0, budget_s=0.050)])
+    assert names(q.pop_batch(1.0)[0]) == ["soon"]
 
 
 def test_bulk_keeps_its_guaranteed_share_under_sustained_realtime_load():
     q = queue(max_bs=1)
     for i in range(5):
-        q.push(make_req(f"b{i}", "bulk", 0.0))
+        q.push([make_req(f"b{i}", "bulk", 0.0)])
     served = []
     now = 0.0
     for i in range(100):
-        q.push(make_req(f"r{i}", "realtime", now))  # one new realtime request per step, forever
-        served.extend(names(q.pop_batch(now)))
+        q.push([make_req(f"r{i}", "realtime", now)])  # one new realtime request per step, forever
+        served.extend(names(q.pop_batch(now)[0]))
         now += 0.0001
     bulk = [n for n in served if n.startswith("b")]
     assert len(bulk) == 5  # without the share, realtime (earlier deadlines) would starve bulk
@@ -100,57 +99,57 @@ def test_bulk_keeps_its_guaranteed_share_under_sustained_realtime_load():
 
 def test_expired_requests_never_reach_a_batch():
     q = queue(max_bs=8)
-    q.push(make_req("hopeless", "realtime", 0.0))
-    q.push(make_req("fine", "standard", 0.0))
-    expired = q.take_expired(0.030)  # realtime's 25 ms has passed
+    q.push([make_req("hopeless", "realtime", 0.0)])
+    q.push([make_req("fine", "standard", 0.0)])
+    expired = q.take_expired(0.030)[0]  # realtime's 25 ms has passed
     assert names(expired) == ["hopeless"]
-    assert names(q.pop_batch(1.0)) == ["fine"]
+    assert names(q.pop_batch(1.0)[0]) == ["fine"]
 
 
 def test_expiry_uses_the_compute_estimate_not_just_the_clock():
     q = queue(max_bs=8, latency=trained(a=0.020, b=0.0))  # every batch takes 20 ms
-    q.push(make_req("rt", "realtime", 0.0))  # deadline 25 ms
-    assert q.take_expired(0.001) == []
-    assert names(q.take_expired(0.006)) == ["rt"]  # 19 ms left < 20 ms of compute
+    q.push([make_req("rt", "realtime", 0.0)])  # deadline 25 ms
+    assert q.take_expired(0.001)[0] == []
+    assert names(q.take_expired(0.006)[0]) == ["rt"]  # 19 ms left < 20 ms of compute
 
 
 def test_batch_closes_when_waiting_longer_would_miss_the_most_urgent_deadline():
     q = queue(max_bs=8, delay=1.0, latency=trained(a=0.010, b=0.0))  # a long max-wait timer
-    q.push(make_req("rt", "realtime", 0.0))
+    q.push([make_req("rt", "realtime", 0.0)])
     q._arrivals_per_s = 1e6  # busy model: holding would normally pay
-    assert q.pop_batch(0.001, idle=True) is None
-    wake = q.next_wakeup(0.001)
+    batch, wake = q.pop_batch(0.001, idle=True)  # the wake-up comes with the answer
+    assert batch is None
     assert wake == pytest.approx(0.025 - 0.010 - q.margin_s, abs=1e-6)
-    assert names(q.pop_batch(wake, idle=True)) == ["rt"]
+    assert names(q.pop_batch(wake, idle=True)[0]) == ["rt"]
 
 
 def test_idle_worker_does_not_hold_a_lone_request_when_nobody_is_coming():
     q = queue(max_bs=8, delay=1.0)
-    q.push(make_req("lone", "standard", 0.0))
+    q.push([make_req("lone", "standard", 0.0)])
     q._arrivals_per_s = 0.1  # one request every 10 s
-    assert names(q.pop_batch(0.0, idle=True)) == ["lone"]
+    assert names(q.pop_batch(0.0, idle=True)[0]) == ["lone"]
 
 
 def test_idle_worker_does_not_hold_when_batching_buys_nothing():
     q = queue(max_bs=8, delay=1.0, latency=trained(a=0.0, b=0.001))  # pure per-row cost
-    q.push(make_req("x", "standard", 0.0))
+    q.push([make_req("x", "standard", 0.0)])
     q._arrivals_per_s = 1e4
-    assert names(q.pop_batch(0.0, idle=True)) == ["x"]
+    assert names(q.pop_batch(0.0, idle=True)[0]) == ["x"]
 
 
 def test_busy_model_holds_for_the_timer_when_batching_pays():
     q = queue(max_bs=8, delay=0.005, latency=trained(a=0.010, b=0.0001))
-    q.push(make_req("x", "bulk", 0.0))
+    q.push([make_req("x", "bulk", 0.0)])
     q._arrivals_per_s = 1e4
-    assert q.pop_batch(0.001, idle=True) is None
-    assert names(q.pop_batch(0.005, idle=True)) == ["x"]
+    assert q.pop_batch(0.001, idle=True)[0] is None
+    assert names(q.pop_batch(0.005, idle=True)[0]) == ["x"]
 
 
 def test_full_batch_leaves_at_once_and_merges_classes_in_edf_order():
     q = queue(max_bs=4, delay=1.0)
     for i, cls in enumerate(["bulk", "standard", "realtime", "standard"]):
-        q.push(make_req(f"{cls}{i}", cls, 0.0))
-    assert names(q.pop_batch(0.0)) == ["realtime2", "standard1", "standard3", "bulk0"]
+        q.push([make_req(f"{cls}{i}", cls, 0.0)])
+    assert names(q.pop_batch(0.0)[0]) == ["realtime2", "standard1", "standard3", "bulk0"]
 
 
 def test_class_queue_bound():
@@ -160,30 +159,30 @@ def test_class_queue_bound():
     def r(name: str) -> Request:
         return Request({"name": name}, 1, None, 0.0, Done(), 0.025, small["realtime"])
 
-    assert q.push(r("a")) and q.push(r("b"))
-    assert not q.push(r("c"))
+    assert q.push([r("a")]) and q.push([r("b")])
+    assert not q.push([r("c")])
 
 
 def test_triton_priority_levels_are_strict_before_deadlines():
     q = queue(max_bs=1)
-    q.push(make_req("low-urgent", "realtime", 0.0, level=2))
-    q.push(make_req("high-relaxed", "bulk", 0.0, level=1))
-    assert names(q.pop_batch(0.0)) == ["high-relaxed"]
+    q.push([make_req("low-urgent", "realtime", 0.0, level=2)])
+    q.push([make_req("high-relaxed", "bulk", 0.0, level=1)])
+    assert names(q.pop_batch(0.0)[0]) == ["high-relaxed"]
 
 
 def test_triton_delay_action_moves_timed_out_request_behind_the_rest():
     q = queue(max_bs=1)
-    q.push(make_req("delayed", "bulk", 0.0, queue_deadline=0.001, delay=True))
-    q.push(make_req("other", "bulk", 0.0005))
-    assert q.take_expired(0.002) == []  # DELAY: not rejected...
-    assert names(q.pop_batch(0.002)) == ["other"]  # ...but served after everyone else
-    assert names(q.pop_batch(0.002)) == ["delayed"]
+    q.push([make_req("delayed", "bulk", 0.0, queue_deadline=0.001, delay=True)])
+    q.push([make_req("other", "bulk", 0.0005)])
+    assert q.take_expired(0.002)[0] == []  # DELAY: not rejected...
+    assert names(q.pop_batch(0.002)[0]) == ["other"]  # ...but served after everyone else
+    assert names(q.pop_batch(0.002)[0]) == ["delayed"]
 
 
 def test_triton_reject_action_expires_at_the_queue_timeout():
     q = queue(max_bs=1)
-    q.push(make_req("rejected", "bulk", 0.0, queue_deadline=0.001))
-    assert names(q.take_expired(0.002)) == ["rejected"]
+    q.push([make_req("rejected", "bulk", 0.0, queue_deadline=0.001)])
+    assert names(q.take_expired(0.002)[0]) == ["rejected"]
 
 
 # -- budget resolution -----------------------------------------------------------------------
@@ -260,7 +259,7 @@ class Clock:
 
 
 def budget(cls: str, now: float, budget_s: float | None = None):
-    from batchgate.gateway.budgets import Budget
+    from batchgate.gateway.scheduling import Budget
 
     c = CLASSES[cls]
     return Budget(c, now + (budget_s or c.budget_s), 0, INF, False)
@@ -414,16 +413,16 @@ def test_non_finite_parameters_are_refused_not_crashed():
 def test_fill_stops_before_the_batch_would_make_its_most_urgent_request_late():
     # 10 ms per batch plus 2 ms per row: a realtime request (25 ms) can share with a few rows only.
     q = queue(max_bs=64, delay=0.0, latency=trained(a=0.010, b=0.002), cap_fraction=0.75)
-    q.push(make_req("rt", "realtime", 0.0))
+    q.push([make_req("rt", "realtime", 0.0)])
     for i in range(20):
-        q.push(make_req(f"bulk{i}", "bulk", 0.0))
-    batch = names(q.pop_batch(0.0))
+        q.push([make_req(f"bulk{i}", "bulk", 0.0)])
+    batch = names(q.pop_batch(0.0)[0])
     assert batch[0] == "rt"
     # rt + n rows must finish by 25 ms: 10 + 2*(n+1) <= 25 - margin -> n <= 6; and the batch-time
     # cap (0.75 of realtime's 25 ms less the margin while realtime is active) allows
     # 10 + 2*rows <= 18.4 -> 4 rows.
     assert len(batch) == 4
-    rest = names(q.pop_batch(0.0))
+    rest = names(q.pop_batch(0.0)[0])
     assert rest and all(n.startswith("bulk") for n in rest)
 
 
@@ -431,22 +430,22 @@ def test_default_batch_time_cap_is_half_the_tightest_budget():
     # At the default 0.5, a realtime request that arrives as a batch starts waits at most the cap,
     # then runs in a batch of at most the cap: 10 + 2*rows <= 12.25 ms -> it leaves alone.
     q = queue(max_bs=64, delay=0.0, latency=trained(a=0.010, b=0.002))
-    q.push(make_req("rt", "realtime", 0.0))
+    q.push([make_req("rt", "realtime", 0.0)])
     for i in range(20):
-        q.push(make_req(f"bulk{i}", "bulk", 0.0))
+        q.push([make_req(f"bulk{i}", "bulk", 0.0)])
     assert q._batch_time_cap(0.0) == pytest.approx(0.5 * (0.025 - q.margin_s))
-    assert names(q.pop_batch(0.0)) == ["rt"]
-    assert len(q.pop_batch(0.0)) == 1  # bulk too, while realtime was seen within the last second
-    assert len(q.pop_batch(2.0)) == 19  # realtime quiet for 1 s: no cap, the rest in one batch
+    assert names(q.pop_batch(0.0)[0]) == ["rt"]
+    assert len(q.pop_batch(0.0)[0]) == 1  # bulk too, while realtime was seen within the last second
+    assert len(q.pop_batch(2.0)[0]) == 19  # realtime quiet for 1 s: no cap, the rest in one batch
 
 
 def test_loop_lag_widens_the_margin_of_every_deadline_decision():
     lag = LoopLag()
     q = queue(max_bs=8, latency=trained(a=0.010, b=0.0), lag=lag)
-    q.push(make_req("rt", "realtime", 0.0))  # deadline 25 ms, 10 ms compute
-    assert q.take_expired(0.010) == []  # 15 ms left
+    q.push([make_req("rt", "realtime", 0.0)])  # deadline 25 ms, 10 ms compute
+    assert q.take_expired(0.010)[0] == []  # 15 ms left
     lag.s = 0.004  # the loop runs 4 ms late: 8 ms of the 15 go to getting in and out
-    assert names(q.take_expired(0.010)) == ["rt"]
+    assert names(q.take_expired(0.010)[0]) == ["rt"]
 
 
 def test_loop_lag_monitor_sees_a_blocked_loop():
@@ -471,18 +470,18 @@ def test_least_laxity_first_a_slow_bucket_starts_before_a_fast_one_with_the_same
         m.observe("long", rows, 0.060 * rows)  # 60 ms a row
         m.observe("short", rows, 0.004 * rows)  # 4 ms a row
     q = queue(max_bs=1, latency=m)
-    q.push(make_req("short", "standard", 0.000, key="short"))
-    q.push(make_req("long", "standard", 0.010, key="long"))  # 10 ms later, same 250 ms budget
+    q.push([make_req("short", "standard", 0.000, key="short")])
+    q.push([make_req("long", "standard", 0.010, key="long")])  # 10 ms later, same 250 ms budget
     # EDF alone would run "short" first (deadline 250 < 260 ms); the long one must start by
     # 260 - 60 = 200 ms, the short one by 246 ms: the long one goes first and both make it.
-    assert [names(q.pop_batch(0.02)) for _ in range(2)] == [["long"], ["short"]]
+    assert [names(q.pop_batch(0.02)[0]) for _ in range(2)] == [["long"], ["short"]]
 
 
 def test_row_limit_holds_a_batch_to_the_token_budget_of_its_bucket():
     q = queue(max_bs=64, delay=0.0, row_limit=lambda key: 1024 // key, learn_limit=False)
     for i in range(20):
-        q.push(make_req(f"t{i}", "standard", 0.0, key=256))
-    sizes = [len(q.pop_batch(0.0)) for _ in range(5)]
+        q.push([make_req(f"t{i}", "standard", 0.0, key=256)])
+    sizes = [len(q.pop_batch(0.0)[0]) for _ in range(5)]
     assert sizes == [4, 4, 4, 4, 4]  # 4 rows x 256 tokens = the 1024-token budget
 
 
@@ -518,21 +517,21 @@ def test_learned_limit_runs_slow_bucket_rows_one_by_one():
             m.observe(256, rows, 0.060 * rows)
     q = queue(max_bs=64, delay=0.0, latency=m)
     for i in range(3):
-        q.push(make_req(f"t{i}", "bulk", 0.0, key=256))
-    assert [len(q.pop_batch(0.0)) for _ in range(3)] == [1, 1, 1]
+        q.push([make_req(f"t{i}", "bulk", 0.0, key=256)])
+    assert [len(q.pop_batch(0.0)[0]) for _ in range(3)] == [1, 1, 1]
     off = queue(max_bs=64, delay=0.0, latency=m, learn_limit=False)
     for i in range(3):
-        off.push(make_req(f"t{i}", "bulk", 0.0, key=256))
-    assert len(off.pop_batch(0.0)) == 3
+        off.push([make_req(f"t{i}", "bulk", 0.0, key=256)])
+    assert len(off.pop_batch(0.0)[0]) == 3
 
 
 def test_fixed_margin_never_takes_more_than_a_fifth_of_a_budget():
     q = queue(max_bs=8, latency=trained(a=0.0015, b=0.0), margin_s=0.004)
-    q.push(make_req("tight", "realtime", 0.0, budget_s=0.005))  # 5 ms budget, 1.5 ms compute
-    q.push(make_req("rt", "realtime", 0.0))  # 25 ms budget
+    q.push([make_req("tight", "realtime", 0.0, budget_s=0.005)])  # 5 ms budget, 1.5 ms compute
+    q.push([make_req("rt", "realtime", 0.0)])  # 25 ms budget
     # 5 ms keeps 1 ms (not 4) for the network and the caller: 1.5 ms of compute still fits
     assert q.due(q._lanes[None]["realtime"].heap[0][3]) == pytest.approx(0.004)
-    assert q.take_expired(0.0) == []
-    assert names(q.take_expired(0.0026)) == ["tight"]  # 2.6 + 1.5 > 4
+    assert q.take_expired(0.0)[0] == []
+    assert names(q.take_expired(0.0026)[0]) == ["tight"]  # 2.6 + 1.5 > 4
     # the 25 ms request keeps the full 4 ms: due at 21 ms
-    assert q.take_expired(0.0194) == [] and names(q.take_expired(0.0196)) == ["rt"]
+    assert q.take_expired(0.0194)[0] == [] and names(q.take_expired(0.0196)[0]) == ["rt"]

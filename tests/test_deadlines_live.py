@@ -62,6 +62,11 @@ def test_hopeless_budget_is_refused_at_once_and_never_computed(tmp_path):
                 elapsed = time.perf_counter() - t0
                 assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.details()
                 assert "cannot be met" in err.details()
+                # The refusal says when to come back: the queue's drain time, as gRPC's retry
+                # policy reads it and as retry-after-ms (REST turns that into Retry-After).
+                trailers = dict(err.trailing_metadata())
+                assert int(trailers["grpc-retry-pushback-ms"]) >= 1
+                assert trailers["retry-after-ms"] == trailers["grpc-retry-pushback-ms"]
             for t in threads:
                 t.join(120)
             after = _stats(stub)

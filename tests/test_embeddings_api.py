@@ -22,7 +22,7 @@ import tritonclient.grpc as tc
 from tokenizers import Tokenizer
 
 from batchgate.gateway.embeddings_api import plan
-from batchgate.gateway.preprocess import TextStage, estimate_tokens
+from batchgate.gateway.text import TextStage, estimate_tokens
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.tenants import hash_key
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb

@@ -30,7 +30,8 @@ import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
 from batchgate.gateway.errors import GatewayError, Kind
-from batchgate.gateway.scheduler import BatchQueue, Scheduler
+from batchgate.gateway.scheduling import Scheduler
+from batchgate.gateway.scheduling.fifo import FifoQueue
 from tests.conftest import REPO, start_server
 from tests.test_scheduler import FakeClock, FakeEngine, answer, assert_own_output, inputs_for, until
 from batchgate.workers import pool as pool_mod
@@ -68,7 +69,7 @@ class PoisonEngine(FakeEngine):
 async def _run_batch(poisoned: set[int], n: int, rows: int = 2, exc: BaseException | None = None):
     """n requests merged into one batch (it closes on size), against a PoisonEngine."""
     engine = PoisonEngine(poisoned, exc)
-    queue = BatchQueue(max_batch_size=n * rows, max_delay_s=60.0)
+    queue = FifoQueue(max_batch_size=n * rows, max_delay_s=60.0)
     sched = Scheduler(MODEL, queue, engine.execute, slots=1, clock=FakeClock(), split_failures=True)
     sched.start()
     try:
@@ -114,7 +115,7 @@ async def test_a_gateway_error_is_final_and_not_split():
 
 async def test_without_split_failures_a_batch_fails_whole():
     engine = PoisonEngine({0})
-    sched = Scheduler(MODEL, BatchQueue(max_batch_size=4, max_delay_s=60.0), engine.execute, 1, clock=FakeClock())
+    sched = Scheduler(MODEL, FifoQueue(max_batch_size=4, max_delay_s=60.0), engine.execute, 1, clock=FakeClock())
     sched.start()
     try:
         tasks = [asyncio.create_task(sched.infer(inputs_for(i, 1), 1, "k")) for i in range(4)]
@@ -127,7 +128,7 @@ async def test_without_split_failures_a_batch_fails_whole():
 async def test_halves_waiting_for_a_slot_are_answered_on_close():
     """A closing scheduler answers the halves it had not yet re-run (nobody hangs)."""
     engine = FakeEngine()
-    sched = Scheduler(MODEL, BatchQueue(max_batch_size=4, max_delay_s=60.0), engine.execute, 1,
+    sched = Scheduler(MODEL, FifoQueue(max_batch_size=4, max_delay_s=60.0), engine.execute, 1,
                       clock=FakeClock(), split_failures=True)  # fmt: skip
     sched.start()
     tasks = [asyncio.create_task(sched.infer(inputs_for(i, 1), 1, "k")) for i in range(4)]

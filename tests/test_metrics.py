@@ -248,8 +248,8 @@ def test_batch_observer_fills_time_size_token_and_padding_histograms():
     assert obs.queue.count == 2 and obs.queue.sum == pytest.approx(1.5)
     assert obs.compute.sum == pytest.approx(0.003)
     assert obs.rows.sum == 3 and obs.tokens.sum == 24 and obs.padding.sum == pytest.approx(0.25)
-    # an engine that reports no token counts: they come from the inputs, and no padding figure
-    obs(batch, 1.0, 3, SimpleNamespace(input_ns=0, infer_ns=0, output_ns=0))
+    # a batch with no padding (exact lengths): tokens counted, no padding figure
+    obs(batch, 1.0, 3, SimpleNamespace(input_ns=0, infer_ns=0, output_ns=0, tokens=24, padded_tokens=0))
     assert obs.tokens.sum == 48 and obs.padding.count == 1
 
 
@@ -278,7 +278,10 @@ class _Cache:
 
 
 def _plane(**extra):
-    fields = {"models": {}, "latest": {}, "failures": {}, "ready": True, "runtimes": lambda *a: [], **extra}
+    fields = {
+        "models": {}, "latest": {}, "failures": {}, "ready": True, "runtimes": lambda *a: [], "cache": None,
+        "lag": SimpleNamespace(s=0.0), **extra,
+    }  # fmt: skip
     return SimpleNamespace(**fields)
 
 

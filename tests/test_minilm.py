@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import shutil
-from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -29,10 +28,10 @@ import tritonclient.grpc.aio as tca
 from tritonclient.utils import InferenceServerException
 
 from batchgate.gateway.build.minilm import MODEL_NAME, build_onnx, load_source
-from batchgate.gateway.preprocess import TextStage
+from batchgate.gateway.text import TextStage
 from batchgate.gateway.repository import ConfigError, load_model
 from tests.conftest import prepare_minilm_or_fail, start_server
-from batchgate.workers import BatchTiming, EngineOptions, WorkerPool, discover
+from batchgate.workers import EngineOptions, WorkerPool, discover
 
 INVALID = "StatusCode.INVALID_ARGUMENT"
 TIMEOUT_S = 60.0
@@ -426,18 +425,22 @@ def test_tokenized_config_is_checked_against_the_onnx_inputs(variant_repo):
         load_model(d)
 
 
-def test_admit_buckets_by_estimated_length_and_the_worker_pads_to_the_longest(minilm_repo):
+def test_check_buckets_each_row_by_its_estimated_length_and_the_worker_pads_to_the_longest(minilm_repo):
     stage = TextStage(load_model(minilm_repo / MODEL_NAME)[0])
     assert stage.settings.length_buckets == (16, 24, 32, 48, 64, 96, 128, 192, 256)
     assert stage.outputs == ("input_ids", "attention_mask", "token_type_ids")
 
-    def key(*texts: str) -> int:
-        return asyncio.run(stage.admit({"text": np.array([[t.encode()] for t in texts], dtype=object)}))
+    def keys(*texts: str) -> list[int]:
+        arrays = {"text": np.array([[t.encode()] for t in texts], dtype=object)}
+        out, decoded = asyncio.run(stage.check(arrays))
+        assert decoded == list(texts)  # decoded once, here, for the worker
+        assert stage.row_keys(arrays) == out  # the result cache's misses get the same buckets
+        return out
 
-    assert key("Hello world.") == 16
-    assert key(MEDIUM[0]) == 32  # 26 tokens
-    assert key("Hello world.", PARAGRAPH) == 96  # a request's key is its longest text's (79 tokens)
-    assert key(PARAGRAPH * 5) == 256  # capped at max_tokens
+    assert keys("Hello world.") == [16]
+    assert keys(MEDIUM[0]) == [32]  # 26 tokens
+    assert keys("Hello world.", PARAGRAPH) == [16, 96]  # each row its own (79 tokens)
+    assert keys(PARAGRAPH * 5) == [256]  # capped at max_tokens
     # the worker side: padded to the batch's longest, masks and type ids as the model wants
     feeds = stage({"text": np.array([[b"Hello world."], [b"A man is eating food."]], dtype=object)})
     assert feeds["input_ids"].shape == feeds["attention_mask"].shape == (2, 8)
@@ -446,32 +449,32 @@ def test_admit_buckets_by_estimated_length_and_the_worker_pads_to_the_longest(mi
     assert stage({"text": np.array([[PARAGRAPH.encode() * 5]], dtype=object)})["input_ids"].shape == (1, 256)
 
 
-def test_token_budget_splits_a_batch_over_the_workers(variant_repo):
+def test_the_queue_holds_text_batches_to_the_token_budget_for_both_policies(variant_repo):
+    """One owner of the budget: the queue forms batches within max_batch_tokens; nothing splits
+    them after it."""
+    from batchgate.gateway.scheduling import LatencyModel, QueueSettings, Request, make_queue, parse_classes
+
     stage = TextStage(load_model(variant_repo / MODEL_NAME)[0])
     assert stage.settings.max_batch_tokens == 1024
-    long_part = {"text": np.array([[PARAGRAPH.encode() * 5]], dtype=object)}  # bucket 256
-    short_part = {"text": np.array([[b"hi"]] * 8, dtype=object)}  # bucket 16, 8 rows
-    assert stage.chunks([long_part] * 9, [1] * 9) == [(0, 4), (4, 8), (8, 9)]  # 4 x 256 = 1024
-    assert stage.chunks([short_part] * 8, [8] * 8) == [(0, 8)]  # 64 rows x 16 = 1024
-    assert stage.chunks([short_part] * 9, [8] * 9) == [(0, 8), (8, 9)]
-    assert stage.chunks([short_part, long_part], [8, 1]) == [(0, 1), (1, 2)]  # 9 x 256 > 1024
 
-    calls = []
+    class Live:  # a caller still waiting
+        def done(self) -> bool:
+            return False
 
-    def submit(parts, rows, batched):
-        calls.append(len(parts))
-        f: Future = Future()
-        f.set_result(
-            (
-                [{"embedding": np.full((n, 1), len(calls), np.float32)} for n in rows],
-                BatchTiming(input_ns=1, infer_ns=2, output_ns=3, rows=sum(rows), runs=1),
-            )
-        )
-        return f
-
-    outputs, timing = stage.budgeted(submit)([long_part] * 9, [1] * 9, True).result()
-    assert calls == [4, 4, 1] and [int(o["embedding"][0, 0]) for o in outputs] == [1] * 4 + [2] * 4 + [3]
-    assert (timing.input_ns, timing.infer_ns, timing.rows, timing.runs) == (3, 6, 9, 3)
+    for policy in ("deadline", "fifo"):
+        q = make_queue(
+            QueueSettings(policy, max_batch_size=64, classes=parse_classes("standard=2000ms/0/0"),
+                          learn_limit=False, row_limit=stage.row_limit),
+            LatencyModel(),
+        )  # fmt: skip
+        for _ in range(9):
+            assert q.push([Request({}, 1, 256, 0.0, Live())])
+        for _ in range(8):
+            assert q.push([Request({}, 8, 16, 0.0, Live())])
+        sizes = []
+        while (batch := q.pop_batch(1.0, idle=True)[0]) is not None:
+            sizes.append((batch[0].key, sum(r.rows for r in batch)))
+        assert sorted(sizes) == [(16, 64), (256, 1), (256, 4), (256, 4)], policy  # 4 x 256, 64 x 16 = 1024
 
 
 def test_static_bucket_engines_take_text_batches_too(variant_repo):
@@ -544,3 +547,27 @@ def test_row_limit_is_the_token_budget_over_the_length_bucket(variant_repo):
     assert [stage.row_limit(b) for b in (16, 24, 256, 2000)] == [64, 42, 4, 1]
     unlimited = TextStage(load_model(_variant(variant_repo, "nobudget", max_batch_tokens="0"))[0])
     assert unlimited.row_limit(256) >= 1 << 30
+
+
+# -- rows, not calls, are scheduled (issue 21) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", [MODEL_NAME, "minilm_cached"])
+def test_each_row_of_a_mixed_length_call_equals_the_text_sent_alone_in_order(client, model):
+    """A call's texts go to their own length buckets (batched apart, never padded to the call's
+    longest) and come back in the call's order; the cached variant takes the cache's path."""
+    texts = [
+        "short one",
+        PARAGRAPH * 5,  # cut at 256 tokens
+        MEDIUM[0],
+        "a",
+        PARAGRAPH,
+        MEDIUM[1] + " " + MEDIUM[2],
+        "Hello world.",
+        PARAGRAPH * 3 + " and then some",
+    ] * 2
+    texts[-1] = "the last text of the call, distinct from the others"
+    alone = np.concatenate([embed(client, [t], model) for t in texts])
+    together = embed(client, texts, model)
+    assert together.shape == (len(texts), 384)
+    np.testing.assert_allclose(together, alone, atol=1e-5)

@@ -1,7 +1,7 @@
-"""Unit tests for the dynamic batcher in ``gateway/scheduler.py``.
+"""Unit tests for the dynamic batcher in ``gateway/scheduling/scheduler.py``.
 
 What is tested
-  * ``BatchQueue`` -- the pure batching policy: the max-delay timer, max_batch_size (exact fit
+  * ``FifoQueue`` -- the pure batching policy: the max-delay timer, max_batch_size (exact fit
     and overflow), preferred sizes, shape keys, max_queue_size, callers that left, and
     unbatched models (max_batch_size 0).
   * ``Scheduler`` -- the asyncio driver: outputs split back per caller, statistics, batches
@@ -12,7 +12,7 @@ How
   * No sockets, threads or ONNX. ``FakeEngine.execute`` stands in for ``WorkerPool.submit``: it
     records each call and returns a ``concurrent.futures.Future`` that the *test* completes, so
     the test decides exactly when (and in which order) batches finish.
-  * Time is a ``FakeClock`` (a float the test advances). ``BatchQueue`` tests pass ``now``
+  * Time is a ``FakeClock`` (a float the test advances). ``FifoQueue`` tests pass ``now``
     explicitly. Scheduler tests mostly avoid the timer altogether: either max_queue_delay is 0
     (a batch leaves as soon as a slot is free) or it is huge and batches close on size. The one
     Scheduler timer test advances the fake clock and lets the scheduler's real ``call_later``
@@ -31,7 +31,8 @@ import numpy as np
 import pytest
 
 from batchgate.gateway.errors import GatewayError, Kind
-from batchgate.gateway.scheduler import BatchQueue, Request, Scheduler
+from batchgate.gateway.scheduling import Request, Scheduler
+from batchgate.gateway.scheduling.fifo import FifoQueue
 from batchgate.workers.engine import BatchTiming
 
 MODEL = "fake_model"
@@ -39,12 +40,12 @@ TIMEOUT = 1.0  # seconds any single await may take before the test fails instead
 
 
 # ================================================================================================
-# BatchQueue: pure state machine, explicit `now`
+# FifoQueue: pure state machine, explicit `now`
 # ================================================================================================
 
 
 class Waiter:
-    """Stands in for the caller's asyncio.Future: BatchQueue only ever asks ``done()``."""
+    """Stands in for the caller's asyncio.Future: FifoQueue only ever asks ``done()``."""
 
     def __init__(self) -> None:
         self.left = False
@@ -64,9 +65,9 @@ def names(batch: list[Request] | None) -> list[str] | None:
     return None if batch is None else [r.inputs["name"] for r in batch]
 
 
-def pushed(q: BatchQueue, *reqs: Request) -> BatchQueue:
+def pushed(q: FifoQueue, *reqs: Request) -> FifoQueue:
     for r in reqs:
-        assert q.push(r)
+        assert q.push([r])
     return q
 
 
@@ -74,71 +75,71 @@ def pushed(q: BatchQueue, *reqs: Request) -> BatchQueue:
 
 
 def test_queue_lone_request_leaves_when_max_delay_expires():
-    q = pushed(BatchQueue(max_batch_size=8, max_delay_s=0.002), req("a", arrival=1.0))
+    q = pushed(FifoQueue(max_batch_size=8, max_delay_s=0.002), req("a", arrival=1.0))
 
-    assert q.next_deadline() == 1.0 + 0.002
-    assert q.pop_batch(1.0) is None  # just arrived
-    assert q.pop_batch(1.001) is None  # 1 ms in: still waiting for company
+    assert q.pop_batch(0.0)[1] == 1.0 + 0.002
+    assert q.pop_batch(1.0)[0] is None  # just arrived
+    assert q.pop_batch(1.001)[0] is None  # 1 ms in: still waiting for company
     assert q.size == 1
-    assert names(q.pop_batch(1.0 + 0.002)) == ["a"]  # the timer fires at arrival + delay
+    assert names(q.pop_batch(1.0 + 0.002)[0]) == ["a"]  # the timer fires at arrival + delay
     assert q.size == 0
-    assert q.next_deadline() is None  # nothing left to wake up for
+    assert q.pop_batch(0.0)[1] is None  # nothing left to wake up for
 
 
 def test_queue_deadline_follows_the_oldest_request():
-    q = pushed(BatchQueue(max_batch_size=8, max_delay_s=0.5), req("a", arrival=2.0), req("b", arrival=3.0))
-    assert q.next_deadline() == 2.5
-    assert names(q.pop_batch(2.5)) == ["a", "b"]  # the expired batch takes the younger one along
+    q = pushed(FifoQueue(max_batch_size=8, max_delay_s=0.5), req("a", arrival=2.0), req("b", arrival=3.0))
+    assert q.pop_batch(0.0)[1] == 2.5
+    assert names(q.pop_batch(2.5)[0]) == ["a", "b"]  # the expired batch takes the younger one along
 
 
 # -- 2. max_batch_size ---------------------------------------------------------------------------
 
 
 def test_queue_exactly_full_batch_leaves_before_the_timer():
-    q = pushed(BatchQueue(max_batch_size=4, max_delay_s=10.0), req("a", 1), req("b", 3))
-    assert names(q.pop_batch(0.0)) == ["a", "b"]
+    q = pushed(FifoQueue(max_batch_size=4, max_delay_s=10.0), req("a", 1), req("b", 3))
+    assert names(q.pop_batch(0.0)[0]) == ["a", "b"]
     assert q.size == 0
 
 
 def test_queue_overflowing_request_waits_at_the_head_for_the_next_batch():
-    q = pushed(BatchQueue(max_batch_size=4, max_delay_s=10.0), req("a", 2), req("b", 1), req("c", 2))
+    q = pushed(FifoQueue(max_batch_size=4, max_delay_s=10.0), req("a", 2), req("b", 1), req("c", 2))
     # a+b = 3 rows; c would make 5 > 4, so the batch leaves now with what fits ...
-    assert names(q.pop_batch(0.0)) == ["a", "b"]
+    assert names(q.pop_batch(0.0)[0]) == ["a", "b"]
     # ... and c is kept, first in line, for a later batch (which is not full, so it waits).
     assert q.size == 1
-    assert q.pop_batch(0.0) is None
+    assert q.pop_batch(0.0)[0] is None
     pushed(q, req("d", 1, arrival=1.0))
-    assert names(q.pop_batch(10.0)) == ["c", "d"]  # arrival order kept when the timer fires
+    assert names(q.pop_batch(10.0)[0]) == ["c", "d"]  # arrival order kept when the timer fires
 
 
 # -- 3. preferred sizes --------------------------------------------------------------------------
 
 
 def test_queue_reaching_a_preferred_size_closes_the_batch():
-    q = BatchQueue(max_batch_size=16, preferred=(4, 8), max_delay_s=10.0)
+    q = FifoQueue(max_batch_size=16, preferred=(4, 8), max_delay_s=10.0)
     pushed(q, req("a"), req("b"), req("c"))
-    assert q.pop_batch(0.0) is None  # 3 rows: no preferred size reached, timer far away
+    assert q.pop_batch(0.0)[0] is None  # 3 rows: no preferred size reached, timer far away
     pushed(q, req("d"))
-    assert names(q.pop_batch(0.0)) == ["a", "b", "c", "d"]  # 4 rows == preferred 4
+    assert names(q.pop_batch(0.0)[0]) == ["a", "b", "c", "d"]  # 4 rows == preferred 4
 
 
 def test_queue_largest_reachable_preferred_prefix_wins():
-    q = BatchQueue(max_batch_size=16, preferred=(4, 8), max_delay_s=10.0)
+    q = FifoQueue(max_batch_size=16, preferred=(4, 8), max_delay_s=10.0)
     pushed(q, req("a", 2), req("b", 2), req("c", 4), req("d", 3))
     # Prefix row sums are 2, 4, 8, 11: both 4 and 8 are reachable, the larger one is taken and
     # d (which would make 11, not preferred) stays behind.
-    assert names(q.pop_batch(0.0)) == ["a", "b", "c"]
+    assert names(q.pop_batch(0.0)[0]) == ["a", "b", "c"]
     assert q.size == 1
 
 
 def test_queue_rows_past_preferred_without_exact_prefix_wait_for_timer():
-    q = pushed(BatchQueue(max_batch_size=16, preferred=(4,), max_delay_s=1.0), req("a", 3), req("b", 3))
-    assert q.pop_batch(0.0) is None  # 6 rows >= 4, but no prefix sums to exactly 4
-    assert names(q.pop_batch(1.0)) == ["a", "b"]
+    q = pushed(FifoQueue(max_batch_size=16, preferred=(4,), max_delay_s=1.0), req("a", 3), req("b", 3))
+    assert q.pop_batch(0.0)[0] is None  # 6 rows >= 4, but no prefix sums to exactly 4
+    assert names(q.pop_batch(1.0)[0]) == ["a", "b"]
 
 
 def test_queue_preferred_sizes_above_max_batch_size_are_ignored():
-    q = BatchQueue(max_batch_size=4, preferred=(2, 32), max_delay_s=1.0)
+    q = FifoQueue(max_batch_size=4, preferred=(2, 32), max_delay_s=1.0)
     assert q.preferred == {2}
 
 
@@ -147,46 +148,46 @@ def test_queue_preferred_sizes_above_max_batch_size_are_ignored():
 
 def test_queue_different_shape_keys_never_share_a_batch():
     q = pushed(
-        BatchQueue(max_batch_size=8, max_delay_s=1.0),
+        FifoQueue(max_batch_size=8, max_delay_s=1.0),
         req("a1", key="A", arrival=0.0),
         req("b1", key="B", arrival=0.1),
         req("a2", key="A", arrival=0.2),
     )
     # Everything has expired and 3 rows would fit in one batch, but A and B do not mix.
-    assert names(q.pop_batch(5.0)) == ["a1", "a2"]
-    assert names(q.pop_batch(5.0)) == ["b1"]
-    assert q.pop_batch(5.0) is None
+    assert names(q.pop_batch(5.0)[0]) == ["a1", "a2"]
+    assert names(q.pop_batch(5.0)[0]) == ["b1"]
+    assert q.pop_batch(5.0)[0] is None
 
 
 def test_queue_group_of_the_oldest_request_goes_first():
     # B's head is older than A's, even though A was pushed first and B is smaller.
     q = pushed(
-        BatchQueue(max_batch_size=8, max_delay_s=1.0),
+        FifoQueue(max_batch_size=8, max_delay_s=1.0),
         req("a1", key="A", arrival=0.5),
         req("b1", key="B", arrival=0.2),
         req("a2", key="A", arrival=0.6),
     )
-    assert q.next_deadline() == 0.2 + 1.0
-    assert names(q.pop_batch(5.0)) == ["b1"]
-    assert names(q.pop_batch(5.0)) == ["a1", "a2"]
+    assert q.pop_batch(0.0)[1] == 0.2 + 1.0
+    assert names(q.pop_batch(5.0)[0]) == ["b1"]
+    assert names(q.pop_batch(5.0)[0]) == ["a1", "a2"]
 
 
 # -- 5. max_queue_size ---------------------------------------------------------------------------
 
 
 def test_queue_push_refuses_when_max_queue_size_is_reached():
-    q = BatchQueue(max_batch_size=8, max_delay_s=1.0, max_queue_size=2)
-    assert q.push(req("a"))
-    assert q.push(req("b"))
-    assert not q.push(req("c"))
+    q = FifoQueue(max_batch_size=8, max_delay_s=1.0, max_queue_size=2)
+    assert q.push([req("a")])
+    assert q.push([req("b")])
+    assert not q.push([req("c")])
     assert q.size == 2
-    assert names(q.pop_batch(1.0)) == ["a", "b"]  # the refused one was really not queued
-    assert q.push(req("d"))  # room again once the batch left
+    assert names(q.pop_batch(1.0)[0]) == ["a", "b"]  # the refused one was really not queued
+    assert q.push([req("d")])  # room again once the batch left
 
 
 def test_queue_max_queue_size_zero_means_unbounded():
-    q = BatchQueue(max_batch_size=8, max_delay_s=1.0, max_queue_size=0)
-    assert all(q.push(req(str(i))) for i in range(1000))
+    q = FifoQueue(max_batch_size=8, max_delay_s=1.0, max_queue_size=0)
+    assert all(q.push([req(str(i))]) for i in range(1000))
     assert q.size == 1000
 
 
@@ -195,31 +196,31 @@ def test_queue_max_queue_size_zero_means_unbounded():
 
 def test_queue_cancelled_request_is_skipped_and_counted_as_dropped():
     a, b, c = req("a", 2), req("b", 2), req("c", 2)
-    q = pushed(BatchQueue(max_batch_size=4, max_delay_s=10.0), a, b, c)
+    q = pushed(FifoQueue(max_batch_size=4, max_delay_s=10.0), a, b, c)
     b.future.cancel()
     # b's 2 rows do not count: a + c = 4 is a full batch, and b is not in it.
-    assert names(q.pop_batch(0.0)) == ["a", "c"]
+    assert names(q.pop_batch(0.0)[0]) == ["a", "c"]
     assert q.dropped == 1
     assert q.size == 0
 
 
 def test_queue_cancelled_head_does_not_set_the_deadline():
     a, b = req("a", arrival=0.0), req("b", arrival=3.0)
-    q = pushed(BatchQueue(max_batch_size=8, max_delay_s=1.0), a, b)
+    q = pushed(FifoQueue(max_batch_size=8, max_delay_s=1.0), a, b)
     a.future.cancel()
-    assert q.next_deadline() == 4.0  # b's deadline, not the departed a's
+    assert q.pop_batch(0.0)[1] == 4.0  # b's deadline, not the departed a's
     assert q.dropped == 1
-    assert q.pop_batch(2.0) is None  # and a's expired timer does not push b out early
-    assert names(q.pop_batch(4.0)) == ["b"]
+    assert q.pop_batch(2.0)[0] is None  # and a's expired timer does not push b out early
+    assert names(q.pop_batch(4.0)[0]) == ["b"]
 
 
 def test_queue_all_cancelled_yields_no_batch():
     a, b = req("a"), req("b")
-    q = pushed(BatchQueue(max_batch_size=8, max_delay_s=0.0), a, b)
+    q = pushed(FifoQueue(max_batch_size=8, max_delay_s=0.0), a, b)
     a.future.cancel()
     b.future.cancel()
-    assert q.pop_batch(10.0) is None
-    assert q.next_deadline() is None
+    assert q.pop_batch(10.0)[0] is None
+    assert q.pop_batch(0.0)[1] is None
     assert (q.size, q.dropped) == (0, 2)
 
 
@@ -227,23 +228,23 @@ def test_queue_all_cancelled_yields_no_batch():
 
 
 def test_queue_max_batch_size_zero_sends_one_request_per_batch():
-    q = pushed(BatchQueue(max_batch_size=0, max_delay_s=10.0), req("a"), req("b"), req("c"))
+    q = pushed(FifoQueue(max_batch_size=0, max_delay_s=10.0), req("a"), req("b"), req("c"))
     # No waiting for the timer: there is nothing to batch with.
-    assert names(q.pop_batch(0.0)) == ["a"]
-    assert names(q.pop_batch(0.0)) == ["b"]
-    assert names(q.pop_batch(0.0)) == ["c"]
-    assert q.pop_batch(0.0) is None
+    assert names(q.pop_batch(0.0)[0]) == ["a"]
+    assert names(q.pop_batch(0.0)[0]) == ["b"]
+    assert names(q.pop_batch(0.0)[0]) == ["c"]
+    assert q.pop_batch(0.0)[0] is None
 
 
 # -- regression: oversize request ----------------------------------------------------------------------------------
 
 
 def test_queue_oversize_request_does_not_wedge_the_queue():
-    q = BatchQueue(max_batch_size=4, max_delay_s=0.001)
+    q = FifoQueue(max_batch_size=4, max_delay_s=0.001)
     big = req("big", rows=5)
-    accepted = q.push(big)
+    accepted = q.push([big])
     # Either refuse it up front, or send it (alone) once its timer has expired.
-    assert not accepted or names(q.pop_batch(1.0)) == ["big"]
+    assert not accepted or names(q.pop_batch(1.0)[0]) == ["big"]
 
 
 # ================================================================================================
@@ -350,7 +351,7 @@ class Rig:
     def __init__(self, *, slots: int = 1, batched: bool = True, **queue_kw) -> None:
         self.clock = FakeClock()
         self.engine = FakeEngine()
-        self.queue = BatchQueue(**queue_kw)
+        self.queue = FifoQueue(**queue_kw)
         self.scheduler = Scheduler(MODEL, self.queue, self.engine.execute, slots, batched, clock=self.clock)
         self.tasks: list[asyncio.Task] = []
         self.scheduler.start()

@@ -1,19 +1,9 @@
-"""Request queues behind one contract, used by the scheduler's single batcher task.
+"""batchgate's default queue policy: latency classes, earliest deadline first (strict Triton
+priority levels above that), guaranteed shares, expiry before compute, batches that close as soon
+as waiting longer would make their most urgent request late, and shedding at admission of calls
+whose deadline is out of reach given the work ahead (the queue is what knows that work).
 
-* ``FifoQueue`` — Triton's dynamic batcher: FIFO per shape key; a batch closes when full, at a
-  preferred size, or when its oldest request has waited max_queue_delay. Deadlines play no part.
-  Kept as ``scheduling_policy=fifo`` for comparison.
-* ``DeadlineQueue`` — batchgate's default: latency classes, earliest deadline first (strict
-  Triton priority levels above that), guaranteed shares, expiry before compute, and batches that
-  close as soon as waiting longer would make their most urgent request late.
-
-Contract (all called on the event loop, never concurrently):
-  push(req)                 -> False when the request's queue is full
-  pop_batch(now, idle)      -> the batch that should leave now, or None
-  take_expired(now)         -> requests that can no longer make their deadline (answered by the
-                               caller with DEADLINE_EXCEEDED, never computed)
-  next_wakeup(now)          -> when to call pop_batch/take_expired again (None: only on push)
-  drain_all()               -> everything queued, for shutdown
+The contract is ``interface.Queue``; ``fifo.FifoQueue`` is the Triton-like alternative.
 """
 
 from __future__ import annotations
@@ -21,188 +11,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import deque
 from collections.abc import Callable, Hashable
 
-from batchgate.gateway.budgets import INF, LatencyClass
-from batchgate.gateway.latency import LatencyModel, LoopLag
-
-
-class Request:
-    __slots__ = ("inputs", "rows", "key", "arrival", "future", "deadline", "cls", "level", "queue_deadline", "delay")
-
-    def __init__(
-        self,
-        inputs,
-        rows: int,
-        key: Hashable,
-        arrival: float,
-        future,
-        deadline: float = INF,
-        cls: LatencyClass | None = None,
-        level: int = 0,
-        queue_deadline: float = INF,
-        delay: bool = False,
-    ) -> None:
-        self.inputs = inputs
-        self.rows = rows
-        self.key = key
-        self.arrival = arrival
-        self.future = future  # asyncio.Future; done() early means the caller went away
-        self.deadline = deadline
-        self.cls = cls
-        self.level = level
-        self.queue_deadline = queue_deadline
-        self.delay = delay
-
-    @property
-    def class_name(self) -> str:
-        return self.cls.name if self.cls is not None else ""
-
-
-# ---------------------------------------------------------------------------------------------
-# FIFO + timer (Triton-like)
-# ---------------------------------------------------------------------------------------------
-
-
-class _Group:
-    __slots__ = ("requests", "rows")
-
-    def __init__(self) -> None:
-        self.requests: deque[Request] = deque()
-        self.rows = 0
-
-
-class FifoQueue:
-    """Pending requests of one model, grouped by shape key, oldest first."""
-
-    def __init__(
-        self,
-        max_batch_size: int,
-        preferred: tuple[int, ...] = (),
-        max_delay_s: float = 0.0,
-        max_queue_size: int = 0,
-    ) -> None:
-        self.max_batch_size = max_batch_size
-        self.preferred = frozenset(p for p in preferred if p <= max(max_batch_size, 1))
-        self.min_preferred = min(self.preferred) if self.preferred else None
-        self.max_delay_s = max_delay_s
-        self.max_queue_size = max_queue_size
-        self._groups: dict[Hashable, _Group] = {}
-        self.size = 0  # requests queued (including ones whose caller left, until popped)
-        self.dropped = 0  # callers that left before their request was batched
-
-    def __len__(self) -> int:
-        return self.size
-
-    def push(self, req: Request) -> bool:
-        """Queue ``req``; False when max_queue_size is reached (the caller answers UNAVAILABLE)."""
-        if self.max_queue_size and self.size >= self.max_queue_size:
-            return False
-        group = self._groups.get(req.key)
-        if group is None:
-            group = self._groups[req.key] = _Group()
-        group.requests.append(req)
-        group.rows += req.rows
-        self.size += 1
-        return True
-
-    def _live_groups(self) -> list[_Group]:
-        """Groups with a live request, oldest head first (cancelled heads are dropped here)."""
-        groups = []
-        for key in list(self._groups):
-            g = self._groups[key]
-            self._drop_cancelled_head(g)
-            if not g.requests:
-                del self._groups[key]
-            else:
-                groups.append(g)
-        if len(groups) > 1:
-            groups.sort(key=lambda g: g.requests[0].arrival)
-        return groups
-
-    def _drop_cancelled_head(self, g: _Group) -> None:
-        while g.requests and g.requests[0].future.done():
-            r = g.requests.popleft()
-            g.rows -= r.rows
-            self.size -= 1
-            self.dropped += 1
-
-    def next_deadline(self) -> float | None:
-        """When the oldest request's max-wait timer fires; None when nothing is queued."""
-        groups = self._live_groups()
-        return None if not groups else groups[0].requests[0].arrival + self.max_delay_s
-
-    def next_wakeup(self, now: float) -> float | None:
-        return self.next_deadline()
-
-    def take_expired(self, now: float) -> list[Request]:
-        return []
-
-    def pop_batch(self, now: float, idle: bool = False) -> list[Request] | None:
-        """The batch that should leave at ``now``: the oldest group's when its timer expired, else
-        the first group (oldest first) that is full or at a preferred size."""
-        for g in self._live_groups():
-            batch = self._ready(g, now)
-            if batch is not None:
-                return batch
-        return None
-
-    def _ready(self, g: _Group, now: float) -> list[Request] | None:
-        if self.max_batch_size == 0:  # the model does not batch: one request per execution
-            return self._take(g, 1)
-        expired = now >= g.requests[0].arrival + self.max_delay_s
-        if not expired and g.rows < self.max_batch_size and (self.min_preferred is None or g.rows < self.min_preferred):
-            return None  # fast path: nothing can close this batch yet
-        taken_rows = 0
-        n = 0
-        best_preferred = 0
-        full = False
-        for req in g.requests:
-            if req.future.done():  # left while queued: skipped now, removed by _take
-                n += 1
-                continue
-            if taken_rows + req.rows > self.max_batch_size:
-                full = True
-                if taken_rows == 0:  # one request larger than a batch: it goes alone, never stuck
-                    n += 1
-                break
-            taken_rows += req.rows
-            n += 1
-            if taken_rows in self.preferred:
-                best_preferred = n
-        if taken_rows == self.max_batch_size:
-            full = True
-        if full or expired:
-            return self._take(g, n)
-        if best_preferred:
-            return self._take(g, best_preferred)
-        return None
-
-    def _take(self, g: _Group, n: int) -> list[Request] | None:
-        batch = []
-        for _ in range(n):
-            r = g.requests.popleft()
-            g.rows -= r.rows
-            self.size -= 1
-            if r.future.done():
-                self.dropped += 1
-            else:
-                batch.append(r)
-        return batch or None
-
-    def drain_all(self) -> list[Request]:
-        out = []
-        for g in self._groups.values():
-            out.extend(g.requests)
-        self._groups.clear()
-        self.size = 0
-        return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Deadline-aware (batchgate's default)
-# ---------------------------------------------------------------------------------------------
+from batchgate.gateway.scheduling.interface import Refusal
+from batchgate.gateway.scheduling.latency import LatencyModel, LoopLag
+from batchgate.gateway.scheduling.request import LatencyClass, Request
 
 _DELAYED_LEVEL = 1 << 30  # Triton DELAY: after every live request of every level
 
@@ -240,6 +53,7 @@ class DeadlineQueue:
         lag: LoopLag | None = None,
         row_limit: Callable[[Hashable], int] | None = None,
         learn_limit: bool = True,
+        shed: bool = True,
     ) -> None:
         self.max_batch_size = max_batch_size
         self.preferred = frozenset(p for p in preferred if p <= max(max_batch_size, 1))
@@ -259,6 +73,10 @@ class DeadlineQueue:
         # pool, out of deadline order.
         self.row_limit = row_limit
         self.learn_limit = learn_limit  # hold batches to the size the latency model says pays
+        # Off only to measure what shedding costs (bench/text_batches.py: false refusals):
+        # hopeless requests still expire before compute.
+        self.shed = shed
+        self._probe_at = -math.inf  # when an idle queue last admitted a call its estimate refused
         self._lanes: dict[Hashable, dict[str, _Lane]] = {}
         self._seq = itertools.count()
         self.size = 0
@@ -303,37 +121,87 @@ class DeadlineQueue:
 
     # -- admission ----------------------------------------------------------------------------
 
-    def push(self, req: Request) -> bool:
-        if req.cls is None:  # a caller that resolved no budget (internal use): the default class
-            req.cls = self.default_class
-            req.deadline = min(req.deadline, req.arrival + req.cls.budget_s)
-        cls = req.cls.name
-        bound = req.cls.max_queue
-        if bound and self.class_size[cls] >= bound:
+    def push(self, reqs: list[Request]) -> bool:
+        """Queue all of one call's requests (they share its class and level), or none."""
+        first = reqs[0]
+        if first.cls is None:  # a caller that resolved no budget (internal use): the default class
+            for req in reqs:
+                req.cls = self.default_class
+                req.deadline = min(req.deadline, req.arrival + req.cls.budget_s)
+        cls = first.cls.name
+        bound = first.cls.max_queue
+        n = len(reqs)
+        if bound and self.class_size[cls] + n > bound:
             return False
-        level_bound = self.level_queue_sizes.get(req.level)
-        if level_bound and self.level_size.get(req.level, 0) >= level_bound:
+        level_bound = self.level_queue_sizes.get(first.level)
+        if level_bound and self.level_size.get(first.level, 0) + n > level_bound:
             return False
-        lanes = self._lanes.get(req.key)
-        if lanes is None:
-            lanes = self._lanes[req.key] = {}
-        lane = lanes.get(cls)
-        if lane is None:
-            lane = lanes[cls] = _Lane(cls)
-        # Least laxity first: order by when the request must start, not when it must end, so a long
-        # text (a slow bucket) is not made to wait as long as a short one with the same budget,
-        # which would put all the long ones in the tail.
-        latest_start = req.deadline
-        if self.latency.confident(req.key):
-            latest_start -= self.latency.estimate(req.key, req.rows)
-        heapq.heappush(lane.heap, (req.level, latest_start, next(self._seq), req))
-        lane.rows += req.rows
-        self.size += 1
-        self.class_size[cls] += 1
-        self.level_size[req.level] = self.level_size.get(req.level, 0) + 1
-        self._note_arrival(req.arrival)
-        self._class_seen[cls] = req.arrival
+        for req in reqs:
+            lanes = self._lanes.get(req.key)
+            if lanes is None:
+                lanes = self._lanes[req.key] = {}
+            lane = lanes.get(cls)
+            if lane is None:
+                lane = lanes[cls] = _Lane(cls)
+            # Least laxity first: order by when the request must start, not when it must end, so
+            # a long text (a slow bucket) is not made to wait as long as a short one with the same
+            # budget, which would put all the long ones in the tail.
+            latest_start = req.deadline
+            if self.latency.confident(req.key):
+                latest_start -= self.latency.estimate(req.key, req.rows)
+            heapq.heappush(lane.heap, (req.level, latest_start, next(self._seq), req))
+            lane.rows += req.rows
+        self.size += n
+        self.class_size[cls] += n
+        self.level_size[first.level] = self.level_size.get(first.level, 0) + n
+        self._note_arrival(first.arrival)
+        self._class_seen[cls] = first.arrival
         return True
+
+    def full_reason(self, req: Request) -> str:
+        where = f"queue for latency class '{req.class_name}' is full ({req.cls.max_queue} requests"
+        if self.level_queue_sizes.get(req.level):
+            where += f", or priority level {req.level} reached max_queue_size"
+        return where + ")"
+
+    def refuse(self, reqs: list[Request], now: float, running_s: float, slots: int) -> Refusal | None:
+        """A call whose deadline is out of reach: the compute queued ahead of it (bucket by bucket,
+        the rows as they will run), what the running batches still have to do, then its own
+        requests' compute, all from the learned latency model, would end past its due time."""
+        first = reqs[0]
+        if not self.shed or first.cls is None or first.deadline == math.inf or not self.latency.confident_model():
+            return None  # no estimate worth refusing work on yet: admit, the queue still expires it
+        wait = (self.work_ahead_s(first) + running_s) / max(slots, 1)
+        # Its requests run one after another on one slot at worst: their expected times add up,
+        # plus the largest of their deviations (a sum of high quantiles would be far above the
+        # high quantile of the sum). A bucket that has not run enough yet counts no compute of
+        # its own (never over-refuse).
+        mean_own = spread = 0.0
+        for r in reqs:
+            if self.latency.confident(r.key):
+                mean = self.latency.estimate(r.key, r.rows)
+                mean_own += mean
+                spread = max(spread, self.latency.estimate_hi(r.key, r.rows) - mean)
+        own = mean_own + spread
+        left = self.due(first) - now - self.lag_margin()
+        if wait + own <= left:
+            return None
+        if wait <= 0.0:
+            # Nothing ahead and a slot free: only the estimate of its own compute is against it.
+            # Refused when even the expected time is over its budget, but one such call a second
+            # is let through: refusing on the model alone could refuse for ever, since nothing
+            # would run to correct an estimate that has become too high.
+            if mean_own <= left:
+                return None
+            if now - self._probe_at >= 1.0:
+                self._probe_at = now
+                return None
+        return Refusal(wait, own, max(wait, 0.001))
+
+    def drain_s(self, req: Request, slots: int) -> float | None:
+        if req.cls is None or not self.latency.confident_model():
+            return None
+        return self.work_ahead_s(req) / max(slots, 1)
 
     def _note_arrival(self, now: float) -> None:
         if self._last_arrival is not None:
@@ -349,13 +217,17 @@ class DeadlineQueue:
         cap = self._batch_time_cap(req.arrival)
         total = 0.0
         for key, lanes in self._lanes.items():
-            rows = sum(lane.rows for lane in lanes.values() if self.classes[lane.cls].rank <= rank)
+            ahead = [lane for lane in lanes.values() if self.classes[lane.cls].rank <= rank]
+            rows = sum(lane.rows for lane in ahead)
             if rows:
                 a, b = self.latency.per_row(key)
                 per_batch = self._limit(key)
                 if cap < math.inf and b > 0:  # batches are held under the cap: more, smaller ones
                     per_batch = max(1, min(per_batch, int((cap - a) / b)))
-                total += math.ceil(rows / per_batch) * a + rows * b
+                # A request never splits: there are no more batches than requests, whatever the
+                # limit (a limit of 1 row must not charge a 4-row request four intercepts).
+                batches = min(math.ceil(rows / per_batch), sum(len(lane.heap) for lane in ahead))
+                total += batches * a + rows * b
         return total
 
     # -- bookkeeping ----------------------------------------------------------------------------
@@ -372,24 +244,27 @@ class DeadlineQueue:
             self._remove(lane, r)
             self.dropped += 1
 
-    def take_expired(self, now: float) -> list[Request]:
-        """Requests that cannot finish in time even if they ran alone right now; Triton DELAY
-        requests past their queue timeout are moved behind everything instead."""
+    def take_expired(self, now: float) -> tuple[list[Request], float | None]:
+        """Requests that cannot finish in time even if they ran alone right now (Triton DELAY
+        requests past their queue timeout are moved behind everything instead), and when the
+        most urgent one left becomes hopeless, by the same test, so that wake-up is never early."""
         out: list[Request] = []
         lag = self.lag_margin()
+        wake = math.inf
         for key, lanes in self._lanes.items():
+            confident = self.latency.confident(key)  # no estimate until the bucket is known
             for lane in lanes.values():
                 self._clean_head(lane)
-                if not lane.heap:
-                    continue
                 # Deadlines are only ordered within a level, so scan the (few) heads per level
                 # lazily: pop from the top while the top is hopeless.
                 while lane.heap:
                     level, start_by, _, r = lane.heap[0]
-                    est = self.latency.estimate_hi(key, r.rows) if self.latency.confident(key) else 0.0
-                    late = now + est + lag > self.due(r)
+                    est = self.latency.estimate_hi(key, r.rows) if confident else 0.0
+                    hopeless_at = self.due(r) - est - lag
+                    late = now > hopeless_at
                     timed_out = now >= r.queue_deadline
                     if not (late or timed_out):
+                        wake = min(wake, hopeless_at, r.queue_deadline)
                         break
                     heapq.heappop(lane.heap)
                     if timed_out and r.delay and not late and level != _DELAYED_LEVEL:
@@ -400,7 +275,7 @@ class DeadlineQueue:
                         self.dropped += 1
                     else:
                         out.append(r)
-        return out
+        return out, (None if wake == math.inf else wake)
 
     # -- batch formation ------------------------------------------------------------------------
 
@@ -522,15 +397,15 @@ class DeadlineQueue:
                 return now
         return close
 
-    def pop_batch(self, now: float, idle: bool = False) -> list[Request] | None:
+    def pop_batch(self, now: float, idle: bool = False) -> tuple[list[Request] | None, float | None]:
         heads = self._heads()
         if not heads:
-            return None
+            return None, None
         starving = self._starving()
         order = heads
         if starving is not None:
             order = sorted(heads, key=lambda h: (h[2].cls != starving, h[0]))
-        self._wakeup = math.inf
+        wake = math.inf
         seen = set()
         for _, key, lane in order:
             if key in seen and starving != lane.cls:
@@ -543,25 +418,10 @@ class DeadlineQueue:
                 continue
             at = self._close_at(key, plan, rows, best_pref, now, idle)
             if at <= now:
-                return self._take(plan)
+                return self._take(plan), None
             self._restore(plan)
-            self._wakeup = min(self._wakeup, at)
-        return None
-
-    def next_wakeup(self, now: float) -> float | None:
-        heads = self._heads()
-        if not heads:
-            return None
-        wake = getattr(self, "_wakeup", math.inf)
-        lag = self.lag_margin()
-        # Also wake when the most urgent queued request would become hopeless.
-        for _, key, lane in heads:
-            r = lane.heap[0][3]
-            # The same estimate take_expired uses (none until the bucket is known), so a wake-up
-            # never lands on a moment when there is nothing to do.
-            est = self.latency.estimate_hi(key, r.rows) if self.latency.confident(key) else 0.0
-            wake = min(wake, self.due(r) - est - lag, r.queue_deadline)
-        return None if wake == math.inf else wake
+            wake = min(wake, at)
+        return None, (None if wake == math.inf else wake)
 
     def _take(self, plan: list[tuple[_Lane, tuple]]) -> list[Request]:
         batch = []
@@ -580,6 +440,9 @@ class DeadlineQueue:
                 else:
                     self._credit[name] = 0.0  # nothing waiting: no debt builds up
         return batch
+
+    def depth_by_class(self) -> dict[str, int]:
+        return dict(self.class_size)
 
     def drain_all(self) -> list[Request]:
         out = []

@@ -5,20 +5,18 @@ A model whose config.pbtxt sets parameter ``tokenizer`` takes one TYPE_STRING in
 ``attention_mask``, ``token_type_ids``) with a Hugging Face ``tokenizers`` tokenizer. The work is
 split so the event loop never tokenizes on the common path:
 
-* on the event loop, per request (``TextStage.admit``): check every text (UTF-8, not empty, not
-  over ``max_text_bytes``; over ``max_tokens`` when ``truncate`` is ``reject``) and return the
-  batching key, the length bucket of the request's longest text, *estimated* from its words.
-  Exact counts need a tokenizer pass (~65 us for a short text here, ~1 ms for a long one), too
-  dear for a loop that answers thousands of calls a second; the estimate only decides which
-  rows share a batch, and a batch is still padded by its real token counts.
-* in the worker thread, per merged batch (``TextStage.__call__``, handed to the engine as its
+* on the event loop, per call (``TextStage.check``): check every text (UTF-8, not empty, not
+  over ``max_text_bytes``; over ``max_tokens`` when ``truncate`` is ``reject``) and give each
+  row its own batching key, the length bucket of that text *estimated* from its words. Exact
+  counts need a tokenizer pass (~65 us for a short text here, ~1 ms for a long one), too dear
+  for a loop that answers thousands of calls a second; the estimate only decides which rows
+  share a batch, and a batch is still padded by its real token counts. The runtime queues a
+  call's rows by bucket, so a call of mixed lengths never pays padding to its longest text.
+* in the worker thread, per batch (``TextStage.__call__``, handed to the engine as its
   ``preprocess`` hook): one ``encode_batch`` (truncation to ``max_tokens``, padding to the
-  batch's longest real text). ``tokenizers`` releases the GIL while it encodes.
-* between the scheduler and the workers (``TextStage.budgeted``): a batch over
-  ``max_batch_tokens`` (rows x length bucket) leaves as several smaller batches, which the pool
-  runs side by side on its workers. Then, in the engine (workers/): the token inputs go through
-  its length buckets and pooled buffers like any batch (which also hold a run to the budget),
-  or, with ``seq_buckets`` "none", run at the batch's own length.
+  batch's longest real text) of texts decoded once, on the loop. ``tokenizers`` releases the GIL
+  while it encodes. The scheduler's queue already holds each batch to ``max_batch_tokens``
+  (``row_limit``); the engine's own limit stays only as a guard.
 
 Parameters (all ``string_value``):
 
@@ -30,8 +28,8 @@ Parameters (all ``string_value``):
   max_text_bytes    longest text accepted at all, in UTF-8 bytes (default 32768)
   length_buckets    ascending token lengths rows are grouped by (default 16,32,64,128,256,512,
                     capped at max_tokens); the engines pad to the same buckets
-  max_batch_tokens  token budget of one batch, rows x length bucket; 0 = none (the engine's
-                    bucketed path also holds each run to it, workers/buckets.py)
+  max_batch_tokens  token budget of one batch, rows x length bucket; 0 = none (the queue
+                    forms batches within it; workers/buckets.py keeps it as a guard)
 """
 
 from __future__ import annotations
@@ -41,8 +39,6 @@ import bisect
 import json
 import re
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,10 +132,12 @@ class TextStage:
 
     # -- event loop side -------------------------------------------------------------------------
 
-    async def admit(self, arrays: dict[str, np.ndarray]) -> int:
-        """Check the request's texts; return its batching key (a length bucket)."""
+    async def check(self, arrays: dict[str, np.ndarray]) -> tuple[list[int], list[str]]:
+        """Check the call's texts; return each row's batching key (its length bucket) and its
+        text, decoded here once for the worker's tokenizer."""
         texts = arrays[self.input].reshape(-1)
-        estimate = 0
+        keys: list[int] = []
+        decoded: list[str] = []
         unsure = []
         s = self.settings
         for i, b in enumerate(texts):
@@ -166,7 +164,8 @@ class TextStage:
                 )
             if not s.truncate and n > self._surely_fits:
                 unsure.append((i, text))
-            estimate = max(estimate, estimate_tokens(b, self.specials))
+            keys.append(self.bucket(estimate_tokens(b, self.specials)))
+            decoded.append(text)
         if unsure:
             counts = await asyncio.to_thread(self.count_tokens, [t for _, t in unsure])
             for (i, _), count in zip(unsure, counts, strict=True):
@@ -176,8 +175,13 @@ class TextStage:
                         f"model '{self.model}' takes at most "
                         f"{s.max_tokens} (parameter max_tokens; truncate is 'reject')"
                     )
-            estimate = max(estimate, max(counts))
-        return self.bucket(estimate)
+                keys[i] = self.bucket(count)  # exact where it was counted
+        return keys, decoded
+
+    def row_keys(self, arrays: dict[str, np.ndarray]) -> list[int]:
+        """Each row's length bucket for texts ``check`` already passed (the rows the result cache
+        did not answer)."""
+        return [self.bucket(estimate_tokens(b, self.specials)) for b in arrays[self.input].reshape(-1)]
 
     def bucket(self, tokens: int) -> int:
         buckets = self.settings.length_buckets
@@ -209,7 +213,7 @@ class TextStage:
 
         Truncation is on in reject mode too: texts were counted at admission, so it only ever
         guards the model against a count that disagreed."""
-        texts = [b.decode() for b in feeds[self.input].reshape(-1)]
+        texts = [t if isinstance(t, str) else t.decode() for t in feeds[self.input].reshape(-1)]
         encodings = self._tokenizer(True).encode_batch(texts)
         out = {"input_ids": np.array([e.ids for e in encodings], dtype=np.int64)}
         if "attention_mask" in self.outputs:
@@ -222,80 +226,6 @@ class TextStage:
 
     def row_limit(self, bucket: int) -> int:
         """Rows of length bucket ``bucket`` (the batching key) that fit max_batch_tokens; the
-        deadline queue holds each batch to it (a request over it alone still runs, alone)."""
+        queue holds each batch to it, and the runtime never queues a request larger."""
         budget = self.settings.max_batch_tokens
         return max(1, budget // bucket) if budget and isinstance(bucket, int) and bucket > 0 else 1 << 30
-
-    def chunks(self, parts: list[dict[str, np.ndarray]], rows: list[int]) -> list[tuple[int, int]]:
-        """[start, end) ranges of ``parts`` whose rows x longest estimated bucket fit
-        max_batch_tokens; a request over the budget on its own runs alone."""
-        budget = self.settings.max_batch_tokens
-        if not budget or len(parts) == 1:
-            return [(0, len(parts))]
-        out = []
-        start = n_rows = longest = 0
-        for i, (part, n) in enumerate(zip(parts, rows, strict=True)):
-            bucket = self.bucket(max(estimate_tokens(b, self.specials) for b in part[self.input].reshape(-1)))
-            if i > start and (n_rows + n) * max(longest, bucket) > budget:
-                out.append((start, i))
-                start, n_rows, longest = i, 0, 0
-            n_rows += n
-            longest = max(longest, bucket)
-        out.append((start, len(parts)))
-        return out
-
-    def budgeted(self, submit: Callable[..., Future]) -> Callable[..., Future]:
-        """Wrap the pool's ``submit``: a batch over the token budget leaves as several batches,
-        which the pool spreads over its workers, so they run side by side instead of in turn."""
-
-        def execute(parts: list[dict[str, np.ndarray]], rows: list[int], batched: bool) -> Future:
-            ranges = self.chunks(parts, rows)
-            if len(ranges) == 1:
-                return submit(parts, rows, batched)
-            return _join([submit(parts[a:b], rows[a:b], batched) for a, b in ranges])
-
-        return execute
-
-
-def _join(futures: list[Future]) -> Future:
-    """One future for several sub-batches: outputs in order, timings summed, first error wins."""
-    joined: Future = Future()
-    joined.set_running_or_notify_cancel()
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def done(_f: Future) -> None:
-        with lock:
-            remaining[0] -= 1
-            if remaining[0]:
-                return
-        for f in futures:
-            exc = RuntimeError("a sub-batch was cancelled") if f.cancelled() else f.exception()
-            if exc is not None:
-                joined.set_exception(exc)
-                return
-        outputs: list[dict[str, np.ndarray]] = []
-        timing = None
-        for f in futures:
-            part_outputs, t = f.result()
-            outputs.extend(part_outputs)
-            if timing is None:
-                timing = t
-            else:  # every counter adds up (phases, rows, tokens, runs); the bucket is the last's
-                for name in (
-                    "input_ns",
-                    "infer_ns",
-                    "output_ns",
-                    "rows",
-                    "padded_rows",
-                    "tokens",
-                    "padded_tokens",
-                    "runs",
-                ):
-                    if hasattr(t, name):
-                        setattr(timing, name, getattr(timing, name) + getattr(t, name))
-        joined.set_result((outputs, timing))
-
-    for f in futures:
-        f.add_done_callback(done)
-    return joined

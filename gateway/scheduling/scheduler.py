@@ -1,18 +1,21 @@
-"""The dynamic batcher: one scheduler per served model version.
+"""The dynamic batcher: one scheduler per served model version, its one batcher task.
 
 Two layers, so the policy can be tested without sockets, threads or real time:
 
-* the queues (``gateway/queues.py``: ``FifoQueue``, alias ``BatchQueue``, and ``DeadlineQueue``)
-  are pure state machines: ``push`` adds a request, ``pop_batch(now, idle)`` returns the batch that
-  should leave at ``now`` (or None), ``take_expired``/``next_wakeup`` say what is hopeless and
-  when to ask again.
+* the queue (``interface.Queue``: ``deadline.DeadlineQueue`` or ``fifo.FifoQueue``, built by
+  ``interface.make_queue``) is a pure state machine that owns every decision about its requests;
 * ``Scheduler`` drives it on the event loop. It is the single owner of the queue: requests are
   pushed from handlers on the same loop, and one task forms batches and hands them to the
   worker pool; completions come back through ``call_soon_threadsafe``. A batch is only formed
   when a worker slot is free, so under load requests accumulate and batches grow by themselves.
+  The task sleeps until a push, a freed slot, or the wake-up time the queue returned with its
+  last answer: it never polls.
 
-When batches leave is the queue's policy (docs/scheduling.md). Rows are merged only when every
-input's non-batch dims agree, up to the engine's shape bucket (the request's ``key``).
+A call is one or more requests (``submit``): the rows of a call that fall in different shape
+buckets (texts of mixed lengths) are queued apart, each batching with other callers' rows of its
+bucket, and the call is answered when its last request is done. Admission is decided once per
+call, before anything is queued: a refused call leaves nothing behind. When one request of a call
+fails (its deadline passed part-way), the call's other requests are dropped before compute.
 
 With ``split_failures`` an engine error on a batch of several requests is not final: the batch is
 split in two halves that run again (ahead of the queue, each in a slot of its own), recursively,
@@ -25,74 +28,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import math
 from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import numpy as np
-
-from batchgate.gateway.budgets import Budget
 from batchgate.gateway.errors import GatewayError, Kind, unavailable
-from batchgate.gateway.latency import LatencyModel
-from batchgate.gateway.queues import DeadlineQueue, FifoQueue, Request
+from batchgate.gateway.scheduling.interface import Queue
+from batchgate.gateway.scheduling.latency import LatencyModel
+from batchgate.gateway.scheduling.request import Budget, Request
+from batchgate.gateway.scheduling.stats import BatchStats, SchedulerSnapshot, Stats
 
-__all__ = ["BatchQueue", "DeadlineQueue", "FifoQueue", "Request", "Scheduler", "Stats"]
+__all__ = ["Part", "Scheduler"]
 
 log = logging.getLogger(__name__)
 
 Execute = Callable[[list[dict[str, np.ndarray]], list[int], bool], Future]
-
-# The FIFO queue was born here; tests and callers still import it by its first name.
-BatchQueue = FifoQueue
-Queue = FifoQueue | DeadlineQueue
-
-
-@dataclass(slots=True)
-class BatchStats:
-    count: int = 0
-    input_ns: int = 0
-    infer_ns: int = 0
-    output_ns: int = 0
-
-
-@dataclass(slots=True)
-class Stats:
-    """Triton's ModelStatistics semantics; updated on the event loop only."""
-
-    last_inference_ms: int = 0
-    inference_count: int = 0  # rows inferred
-    execution_count: int = 0  # batches executed
-    success_count: int = 0
-    success_ns: int = 0
-    fail_count: int = 0
-    fail_ns: int = 0
-    queue_count: int = 0
-    queue_ns: int = 0
-    input_count: int = 0
-    input_ns: int = 0
-    infer_count: int = 0
-    infer_ns: int = 0
-    output_count: int = 0
-    output_ns: int = 0
-    dropped: int = 0  # callers that cancelled before compute
-    rejected_full: int = 0
-    shed: int = 0  # refused at admission: the deadline was out of reach
-    expired: int = 0  # dropped from the queue before compute: the deadline passed
-    retries: int = 0  # sub-batches run again after their batch failed (split_failures)
-    by_batch_size: dict[int, BatchStats] = field(default_factory=dict)
-    # latency class -> outcome -> count (success, shed, expired, rejected, failed)
-    by_class: dict[str, dict[str, int]] = field(default_factory=dict)
-    # Called once per executed batch as observer(batch, start, rows, timing): the metrics'
-    # histograms (gateway/metrics.py BatchObserver); None costs one test per batch.
-    observer: Callable | None = None
-
-    def count_class(self, cls: str, outcome: str, n: int = 1) -> None:
-        d = self.by_class.get(cls)
-        if d is None:
-            d = self.by_class[cls] = {}
-        d[outcome] = d.get(outcome, 0) + n
+Part = tuple[dict[str, np.ndarray], int, Hashable]  # (inputs, rows, shape bucket) of one request
 
 
 class Scheduler:
@@ -105,14 +57,11 @@ class Scheduler:
         batched: bool = True,
         clock: Callable[[], float] = time.monotonic,
         latency: LatencyModel | None = None,
-        shed: bool | None = None,
         split_failures: bool = False,
     ) -> None:
         self.name = name
         self.queue = queue
         self.latency = latency or getattr(queue, "latency", None) or LatencyModel()
-        # Shedding at admission belongs to the deadline policy; FIFO (Triton-like) never sheds.
-        self.shed = isinstance(queue, DeadlineQueue) if shed is None else shed
         self._running: dict[int, tuple[float, float]] = {}  # batch id -> (start, estimated seconds)
         self.execute = execute
         self.batched = batched
@@ -124,7 +73,7 @@ class Scheduler:
         self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task | None = None
         self._closing = False
-        self._in_flight = 0  # requests accepted and not yet answered
+        self._in_flight = 0  # calls accepted and not yet answered
         self._idle = asyncio.Event()
         self._idle.set()
         self.split_failures = split_failures
@@ -156,70 +105,135 @@ class Scheduler:
                 pass
         self._fail_queued(unavailable(f"model '{self.name}' is shutting down"))
 
+    def snapshot(self) -> SchedulerSnapshot:
+        return SchedulerSnapshot(
+            stats=self.stats,
+            in_flight=self._in_flight,
+            queued=self.queue.size,
+            queued_by_class=self.queue.depth_by_class(),
+            busy_slots=self._slots - self._free,
+            slots=self._slots,
+            latency=self.latency.snapshot(),
+        )
+
     # -- request side ---------------------------------------------------------------------------
 
     async def infer(
         self, inputs: dict[str, np.ndarray], rows: int, key: Hashable, budget: Budget | None = None
     ) -> dict[str, np.ndarray]:
+        """One request's outputs: ``submit`` for a call that is one part."""
+        return (await self.submit([(inputs, rows, key)], budget))[0]
+
+    async def submit(self, parts: list[Part], budget: Budget | None = None) -> list[dict[str, np.ndarray]]:
+        """Admit one call of one or more parts (rows of one bucket each), queue them, and return
+        their outputs in order once the last is done. Raises DEADLINE_EXCEEDED (refused: nothing
+        queued, with a retry hint), UNAVAILABLE (queue full or draining), or a part's failure."""
         if self._closing:
             raise unavailable(f"model '{self.name}' is draining; retry on another replica")
         loop = asyncio.get_running_loop()
         now = self.clock()
         if budget is None:
-            req = Request(inputs, rows, key, now, loop.create_future())
+            reqs = [Request(inputs, rows, key, now, loop.create_future()) for inputs, rows, key in parts]
         else:
-            req = Request(
-                inputs, rows, key, now, loop.create_future(),
-                budget.deadline, budget.cls, budget.level, budget.queue_deadline, budget.delay,
-            )  # fmt: skip
-        if self.shed and req.cls is not None:
-            self._admit_or_shed(req, now)
-        if not self.queue.push(req):
+            reqs = [
+                Request(
+                    inputs, rows, key, now, loop.create_future(),
+                    budget.deadline, budget.cls, budget.level, budget.queue_deadline, budget.delay,
+                )  # fmt: skip
+                for inputs, rows, key in parts
+            ]
+        first = reqs[0]
+        if first.cls is not None:
+            refusal = self.queue.refuse(reqs, now, self._running_s(now), self._slots)
+            if refusal is not None:
+                raise self._shed(first, refusal, now)
+        if not self.queue.push(reqs):
             self.stats.rejected_full += 1
-            if req.cls is not None:
-                self.stats.count_class(req.class_name, "rejected")
-            if isinstance(self.queue, DeadlineQueue):
-                where = f"queue for latency class '{req.class_name}' is full ({req.cls.max_queue} requests"
-                if self.queue.level_queue_sizes.get(req.level):
-                    where += f", or priority level {req.level} reached max_queue_size"
-                where += ")"
-            else:
-                where = f"queue is full (max_queue_size={self.queue.max_queue_size})"
-            raise unavailable(f"model '{self.name}' {where}; retry later")
+            if first.cls is not None:
+                self.stats.count_class(first.class_name, "rejected")
+            drain = self.queue.drain_s(first, self._slots)
+            raise unavailable(
+                f"model '{self.name}' {self.queue.full_reason(first)}; retry later", retry_after_s=drain
+            )
         self._in_flight += 1
         self._idle.clear()
         self._wake()
         try:
-            # If our caller is cancelled, awaiting cancels req.future too; the batcher then
-            # skips the request when it forms the next batch (counted as dropped).
-            return await req.future
+            if len(reqs) == 1:
+                # If our caller is cancelled, awaiting cancels req.future too; the batcher then
+                # skips the request when it forms the next batch (counted as dropped).
+                return [await first.future]
+            for r in reqs:
+                r.call = reqs
+            return await self._gather(reqs, loop)
         finally:
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
 
-    def _admit_or_shed(self, req: Request, now: float) -> None:
-        """Refuse at once a request whose deadline is out of reach given the work ahead of it."""
-        if req.deadline == math.inf or not self.latency.confident_model():
-            return  # no estimate worth refusing work on yet: admit, the queue still expires it
-        ahead = self.queue.work_ahead_s(req)
-        if self._free == 0:  # every worker is busy: add what the running batches still have to do
-            ahead += sum(max(start + est - now, 0.0) for start, est in self._running.values())
-        wait = ahead / self._slots
-        # A bucket that has not run enough yet counts no compute of its own (never over-refuse).
-        own = self.latency.estimate_hi(req.key, req.rows) if self.latency.confident(req.key) else 0.0
-        if now + wait + own + self.queue.lag_margin() > self.queue.due(req):
-            self.stats.fail_count += 1  # Triton counts refused requests as failed
-            self.stats.shed += 1
-            self.stats.count_class(req.class_name, "shed")
-            budget_ms = (req.deadline - now) * 1e3
-            raise GatewayError(
-                Kind.DEADLINE,
-                f"model '{self.name}': the request's budget of {budget_ms:.1f} ms cannot be met "
-                f"(estimated {wait * 1e3:.1f} ms of queued work ahead plus {own * 1e3:.1f} ms compute); "
-                "shed before queueing",
-                outcome="shed",
-            )
+    async def _gather(self, reqs: list[Request], loop: asyncio.AbstractEventLoop) -> list[dict[str, np.ndarray]]:
+        """The outputs of a call's requests in order; the first failure fails the call and drops
+        the requests not yet computed (their futures cancelled: the queue skips them)."""
+        call = loop.create_future()
+        left = [len(reqs)]
+
+        def part_done(f: asyncio.Future) -> None:
+            if call.done() or f.cancelled():
+                return
+            exc = f.exception()
+            if exc is None:
+                left[0] -= 1
+                if left[0] == 0:
+                    call.set_result(None)
+                return
+            call.set_exception(exc)
+            self._abandon(reqs)
+
+        for r in reqs:
+            r.future.add_done_callback(part_done)
+        try:
+            await call
+        except asyncio.CancelledError:
+            self._abandon(reqs)
+            raise
+        return [r.future.result() for r in reqs]
+
+    def _fail(self, r: Request, err: BaseException) -> None:
+        """Answer ``r`` with ``err``; the rest of its call is dropped at once, before the batcher
+        forms its next batch (a done-callback would run only after it)."""
+        if not r.future.done():
+            r.future.set_exception(err)
+        if r.call is not None:
+            self._abandon(r.call)
+
+    def _abandon(self, reqs: list[Request]) -> None:
+        """Drop a failed or cancelled call's requests that have not been answered: nobody reads
+        their rows, so none of them is computed (counted in ``abandoned_rows``)."""
+        for r in reqs:
+            if not r.future.done():
+                self.stats.abandoned_rows += r.rows
+                r.future.cancel()
+
+    def _running_s(self, now: float) -> float:
+        """What the running batches still have to do, when every slot is busy (else 0: a free
+        slot starts the call's work at once)."""
+        if self._free:
+            return 0.0
+        return sum(max(start + est - now, 0.0) for start, est in self._running.values())
+
+    def _shed(self, req: Request, refusal, now: float) -> GatewayError:
+        self.stats.fail_count += 1  # Triton counts refused requests as failed
+        self.stats.shed += 1
+        self.stats.count_class(req.class_name, "shed")
+        budget_ms = (req.deadline - now) * 1e3
+        return GatewayError(
+            Kind.DEADLINE,
+            f"model '{self.name}': the request's budget of {budget_ms:.1f} ms cannot be met "
+            f"(estimated {refusal.wait_s * 1e3:.1f} ms of queued work ahead plus {refusal.own_s * 1e3:.1f} ms "
+            f"compute); shed before queueing, retry in {refusal.retry_after_s * 1e3:.0f} ms",
+            outcome="shed",
+            retry_after_s=refusal.retry_after_s,
+        )
 
     def _wake(self) -> None:
         w = self._wakeup
@@ -233,18 +247,19 @@ class Scheduler:
             queue = self.queue
             while True:
                 now = self.clock()
-                for r in queue.take_expired(now):
+                expired, expiry_at = queue.take_expired(now)
+                for r in expired:
                     self._expire(r, now)
-                if self._free == 0:
-                    await self._wait(queue.next_wakeup(now) if self.shed else None)
+                if self._free == 0:  # a freed slot wakes us; meanwhile only expiry needs a timer
+                    await self._wait(expiry_at)
                     continue
                 if self._retry:
                     self._dispatch_retry(self._retry.popleft(), now)
                     continue
-                batch = queue.pop_batch(now, self._free == self._slots)
+                batch, close_at = queue.pop_batch(now, self._free == self._slots)
                 self.stats.dropped = queue.dropped
                 if batch is None:
-                    await self._wait(queue.next_wakeup(now))
+                    await self._wait(close_at if expiry_at is None else min(expiry_at, close_at or expiry_at))
                     continue
                 self._dispatch(batch)
         except asyncio.CancelledError:
@@ -256,16 +271,12 @@ class Scheduler:
             raise
 
     async def _wait(self, deadline: float | None) -> None:
-        """Sleep until pushed to, a slot frees, or ``deadline`` (clock time) passes."""
+        """Sleep until pushed to, a slot frees, or ``deadline`` (clock time) passes. The queue's
+        wake-up times come from the same tests that act on them, so a timer never fires on a
+        moment with nothing to do; one at or before now still yields to the loop once."""
         self._wakeup = self._loop.create_future()
         if deadline is not None:
-            # Never return without yielding: the queue can report a wake-up already past that
-            # take_expired/pop_batch do not act on (next_wakeup counts a not-yet-confident
-            # estimate, take_expired does not), and returning at once spun _run without ever
-            # letting the loop deliver the completions that free a slot (bench/soak.py: 15 s
-            # stalls until the callers' deadlines expired them). A past wake-up waits 1 ms.
-            delay = max(deadline - self.clock(), 0.001)
-            self._timer = self._loop.call_later(delay, self._wake)
+            self._timer = self._loop.call_later(max(deadline - self.clock(), 0.0), self._wake)
         try:
             await self._wakeup
         finally:
@@ -289,13 +300,14 @@ class Scheduler:
         else:
             est_ms = self.latency.estimate_hi(r.key, r.rows) * 1e3
             why = f"{left_ms:.1f} ms were left, less than the estimated {est_ms:.1f} ms compute"
-        r.future.set_exception(
+        self._fail(
+            r,
             GatewayError(
                 Kind.DEADLINE,
                 f"model '{self.name}': dropped from the queue before compute: {why} "
                 f"(waited {(now - r.arrival) * 1e3:.1f} ms)",
                 outcome="expired",
-            )
+            ),
         )
 
     def _dispatch_retry(self, batch: list[Request], now: float) -> None:
@@ -381,8 +393,7 @@ class Scheduler:
                     st.count_class(r.class_name, "failed")
                 st.fail_count += 1
                 st.fail_ns += int((now - r.arrival) * 1e9)
-                if not r.future.done():
-                    r.future.set_exception(err)
+                self._fail(r, err)
             return
         outputs, timing = result
         self.latency.observe(batch[0].key, n_rows, (timing.input_ns + timing.infer_ns + timing.output_ns) / 1e9)

@@ -1,4 +1,5 @@
-"""Latency budgets: which class a request belongs to and the absolute deadline it must meet.
+"""What the scheduler queues: ``Request`` (one part of a call: rows of one shape bucket), and the
+latency budget that says which class it belongs to and the absolute deadline it must meet.
 
 Resolution, first that applies:
   deadline  = gRPC deadline  >  parameter ``latency_budget_ms``  >  the class's budget
@@ -10,6 +11,7 @@ Triton's schedule-policy parameters are honoured too: ``priority`` (1 = highest 
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from batchgate.gateway.errors import invalid
@@ -161,3 +163,45 @@ def resolve(
             timeout = value / 1e6
     queue_deadline = now + timeout if timeout else INF
     return Budget(cls, now + budget, level, queue_deadline, policy.delay)
+
+
+class Request:
+    """Rows of one call that share a shape bucket (``key``): what a queue holds and a batch takes.
+
+    A call whose rows fall in several buckets (texts of mixed lengths) is several requests with
+    one budget; the scheduler answers the call when its last request is done."""
+
+    __slots__ = (
+        "inputs", "rows", "key", "arrival", "future", "deadline", "cls", "level", "queue_deadline", "delay", "call",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        inputs,
+        rows: int,
+        key: Hashable,
+        arrival: float,
+        future,
+        deadline: float = INF,
+        cls: LatencyClass | None = None,
+        level: int = 0,
+        queue_deadline: float = INF,
+        delay: bool = False,
+    ) -> None:
+        self.inputs = inputs
+        self.rows = rows
+        self.key = key
+        self.arrival = arrival
+        self.future = future  # asyncio.Future; done() early means the caller went away
+        self.deadline = deadline
+        self.cls = cls
+        self.level = level
+        self.queue_deadline = queue_deadline
+        self.delay = delay
+        # The call's requests when it has several (None when it is the whole call): one that
+        # fails drops the others before compute, nobody would read their rows.
+        self.call: list[Request] | None = None
+
+    @property
+    def class_name(self) -> str:
+        return self.cls.name if self.cls is not None else ""

@@ -1,0 +1,254 @@
+"""One served model version: its codec, text stage, result cache, scheduler and worker pool,
+built from its spec (``build_runtime``), and the path of one call through them.
+
+A call's rows are what gets scheduled, not the call: ``ModelRuntime.infer`` gives each row the
+shape bucket it will run in (a text's own length bucket; a numeric call's one bucket), cuts the
+call into requests of one bucket each, none larger than the token budget allows a batch, and
+hands them to the scheduler as one call (admitted or refused as a whole). Each request batches
+with other callers' rows of its bucket; the answer is put back together in row order when the
+last one is done. So a call never pays the padding of its longest text, and the queue is the one
+place batches are formed within the budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import numpy as np
+from batchgate.cache import TieredCache
+from batchgate.gateway.codec import Codec
+from batchgate.gateway.config import Settings
+from batchgate.gateway.repository import ModelSpec, tokenized
+from batchgate.gateway.result_cache import ModelCache, model_cache
+from batchgate.gateway.scheduling import (
+    Budget,
+    LatencyClass,
+    LatencyModel,
+    LoopLag,
+    Part,
+    QueueSettings,
+    SchedulePolicy,
+    Scheduler,
+    SchedulerSnapshot,
+    make_queue,
+)
+from batchgate.gateway.text import TextStage
+from batchgate.proto.inference.v2 import model_config_pb2 as mc
+from batchgate.workers import EngineOptions, WorkerPool, default_cache_dir, discover
+
+_KIND = {mc.ModelInstanceGroup.KIND_GPU: "gpu", mc.ModelInstanceGroup.KIND_CPU: "cpu"}
+_NO_LIMIT = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeSnapshot:
+    """What metrics read of one runtime (gateway/metrics.py): nothing private."""
+
+    model: str
+    version: str
+    scheduler: SchedulerSnapshot
+    workers: tuple[tuple[str, float], ...]  # (worker name, seconds spent running batches)
+
+
+@dataclass(slots=True)
+class ModelRuntime:
+    spec: ModelSpec
+    codec: Codec
+    pool: WorkerPool
+    scheduler: Scheduler
+    variable_inputs: tuple[str, ...]  # inputs with a -1 non-batch dim: part of the batching key
+    schedule: SchedulePolicy  # Triton's priority levels and queue policies from config.pbtxt
+    cache: ModelCache | None = None  # config.pbtxt response_cache on and the server's cache on
+    text: TextStage | None = None  # parameter `tokenizer`: texts in, token inputs made in the workers
+    row_limit: Callable[[Hashable], int] | None = None  # the token budget: rows a batch of a bucket takes
+    inflight: int = 0  # calls inside ``infer``: a runtime swapped out by a reload is closed at 0
+
+    def snapshot(self) -> RuntimeSnapshot:
+        return RuntimeSnapshot(
+            self.spec.name,
+            self.spec.version,
+            self.scheduler.snapshot(),
+            tuple((w.name, w.busy_ns * 1e-9) for w in self.pool.workers),
+        )
+
+    async def infer(
+        self, arrays: dict[str, np.ndarray], rows: int, budget: Budget | None = None, *,
+        wanted: list[tuple[str, bool]] | None = None, namespace: str | None = None,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
+        """``wanted`` (Codec.requested) and ``namespace`` (the tenant's) only shape cache keys."""
+        # Counted from the first line: callers get the runtime and call this with no await in
+        # between, so a reload never closes a runtime that a call is about to enter.
+        self.inflight += 1
+        try:
+            return await self._infer(arrays, rows, budget, wanted, namespace)
+        finally:
+            self.inflight -= 1
+
+    async def _infer(self, arrays, rows, budget, wanted, namespace) -> dict[str, np.ndarray]:
+        keys = texts = None
+        if self.text is not None:  # checks the texts; each row's key is its estimated length bucket
+            keys, texts = await self.text.check(arrays)
+        if self.cache is None:
+            return await self._schedule(arrays, rows, budget, keys, texts)
+        # The cache hands on only the rows it could not answer; their buckets are estimated again
+        # (microseconds a text), their texts decoded in the worker.
+        return await self.cache.infer(
+            arrays, rows, lambda a, n: self._schedule(a, n, budget), wanted, namespace
+        )
+
+    async def _schedule(
+        self, arrays: dict[str, np.ndarray], rows: int, budget: Budget | None,
+        keys: list[int] | None = None, texts: list[str] | None = None,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
+        """The call's rows as requests of one bucket each, scheduled as one call, reassembled."""
+        sched = self.scheduler
+        limit = self.row_limit or _no_limit
+        if self.text is not None and self.spec.batched:
+            name = self.text.input
+            if keys is None:
+                keys = self.text.row_keys(arrays)
+            column = arrays[name]
+            if texts is not None:  # decoded once, on the loop: the worker tokenizes them as they are
+                column = np.empty(rows, dtype=object)
+                column[:] = texts
+                column = column.reshape(arrays[name].shape)
+            first = keys[0]
+            if rows <= limit(first) and all(k == first for k in keys):  # the common case: one request
+                return await sched.infer({name: column}, rows, first, budget)
+            groups: dict[int, list[int]] = {}
+            for i, k in enumerate(keys):
+                groups.setdefault(k, []).append(i)
+            parts: list[Part] = []
+            index: list[np.ndarray] = []
+            for k, rows_of in groups.items():
+                step = limit(k)
+                for s in range(0, len(rows_of), step):
+                    sel = np.array(rows_of[s : s + step], dtype=np.intp)
+                    parts.append(({name: column[sel]}, len(sel), k))
+                    index.append(sel)
+            return _assemble(await sched.submit(parts, budget), index, rows)
+        # Numeric: every row of a call has the call's shape, so one bucket; the batcher groups by
+        # length bucket (lengths 20 and 30 share a batch padded to 32), the cache keeps exact shapes.
+        key = self.pool.shape_key(arrays) if self.variable_inputs else None
+        step = limit(key)
+        if not self.spec.batched or rows <= step:
+            return await sched.infer(arrays, rows, key, budget)
+        parts = [
+            ({n: a[s : s + step] for n, a in arrays.items()}, min(step, rows - s), key)
+            for s in range(0, rows, step)
+        ]
+        outs = await sched.submit(parts, budget)
+        return {n: np.concatenate([o[n] for o in outs]) for n in outs[0]}
+
+
+def _no_limit(_key: Hashable) -> int:
+    return _NO_LIMIT
+
+
+def _assemble(outs: list[dict[str, np.ndarray]], index: list[np.ndarray], rows: int) -> dict[str, np.ndarray]:
+    """One call's outputs in its row order from its requests' (``index``: their rows)."""
+    result = {}
+    for name in outs[0]:
+        arrs = [o[name] for o in outs]
+        tail = arrs[0].shape[1:]
+        if all(a.shape[1:] == tail for a in arrs):
+            full = np.empty((rows, *tail), dtype=arrs[0].dtype)
+            for a, sel in zip(arrs, index):
+                full[sel] = a
+        else:  # a per-token output from batches of different lengths: padded to the longest, as one batch is
+            tail = tuple(max(d) for d in zip(*(a.shape[1:] for a in arrs)))
+            full = np.zeros((rows, *tail), dtype=arrs[0].dtype)
+            for a, sel in zip(arrs, index):
+                full[(sel, *(slice(0, d) for d in a.shape[1:]))] = a
+        result[name] = full
+    return result
+
+
+def _numeric_row_limit(pool: WorkerPool, max_batch_tokens: int) -> Callable[[Hashable], int] | None:
+    """Rows of a bucket (a tuple of lengths) within max_batch_tokens, as the engine runs them."""
+    plan = pool.plan
+    if not max_batch_tokens or plan is None:
+        return None
+
+    def limit(key: Hashable) -> int:
+        if not isinstance(key, tuple) or not key or not all(isinstance(k, int) for k in key):
+            return _NO_LIMIT
+        if plan.seq_buckets_for(key) is not None:
+            return plan.max_rows(key)  # exactly what one engine run takes
+        return max(1, max_batch_tokens // max(math.prod(key), 1))
+
+    return limit
+
+
+async def build_runtime(
+    spec: ModelSpec, s: Settings, classes: dict[str, LatencyClass], lag: LoopLag, cache: TieredCache | None
+) -> ModelRuntime:
+    """Start one model version: text stage, worker pool (engines warmed), queue and scheduler."""
+    devices = []
+    count = 1
+    for group in spec.config.instance_group:
+        kind = "cpu" if s.device == "cpu" else _KIND.get(group.kind, "auto")
+        devices.extend(d for d in discover(kind, tuple(group.gpus)) if d not in devices)
+        count = max(count, group.count or 1)
+    if s.workers_per_device:
+        count = s.workers_per_device
+    text = await asyncio.to_thread(TextStage, spec) if tokenized(spec.config) else None
+    options = EngineOptions(intra_op_threads=s.intra_op_threads, inter_op_threads=s.inter_op_threads,
+                            preprocess=text, mode=s.engine_mode, warmup=s.engine_warmup,
+                            cache_dir=(s.engine_cache_dir or default_cache_dir()) if s.engine_cache else None,
+                            cuda_graphs=s.cuda_graphs)  # fmt: skip
+    pool = WorkerPool(
+        f"{spec.name}-v{spec.version}", spec.path, devices, count, options, spec.buckets, spec.fingerprint
+    )
+    await asyncio.to_thread(pool.start)
+    try:
+        # The token budget has one owner, the queue: text rows by their length bucket, numeric
+        # rows by their bucket's lengths, as the engine would run them.
+        if text is not None:
+            row_limit = text.row_limit if text.settings.max_batch_tokens else None
+        else:
+            row_limit = _numeric_row_limit(pool, spec.params.max_batch_tokens)
+        schedule = SchedulePolicy.from_config(spec.config)
+        # A model may override the server's policy (parameter scheduling_policy), e.g. to keep
+        # Triton's FIFO semantics for one model while the rest are scheduled by deadline.
+        policy = spec.params.scheduling_policy or s.scheduling_policy  # checked at load (parameters.py)
+        latency = LatencyModel()
+        queue = make_queue(
+            QueueSettings(
+                policy=policy,
+                max_batch_size=spec.max_batch_size,
+                preferred=spec.preferred_batch_sizes,
+                max_delay_s=spec.max_queue_delay_s,
+                max_queue_size=spec.max_queue_size,
+                classes=classes,
+                default_class=s.default_latency_class,
+                level_queue_sizes={lvl: p.max_queue_size for lvl, p in schedule.policies.items()},
+                margin_s=s.deadline_margin_ms / 1000,
+                cap_fraction=s.batch_time_cap,
+                learn_limit=spec.params.learned_batch_limit,
+                shed=spec.params.shed_at_admission,
+                row_limit=row_limit,
+            ),
+            latency,
+            lag,
+        )
+    except BaseException:
+        await asyncio.to_thread(pool.close)
+        raise
+    scheduler = Scheduler(
+        f"{spec.name}:{spec.version}",
+        queue,
+        pool.submit,
+        slots=len(pool),
+        batched=spec.batched,
+        latency=latency,
+        split_failures=True,
+    )
+    scheduler.start()
+    variable = tuple(t.name for t in spec.inputs if -1 in t.dims)
+    return ModelRuntime(
+        spec, Codec(spec), pool, scheduler, variable, schedule, model_cache(spec, cache), text, row_limit
+    )
