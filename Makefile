@@ -49,10 +49,9 @@ serve: $(SERVE_STAMP)
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 
-# Lint (ruff's rules are chosen in pyproject.toml). The format check is off until the tree has
-# been formatted once (one `ruff format` over everything, done separately so it does not mix with
-# other changes); then make it the default: RUFF_FORMAT ?= 1.
-RUFF_FORMAT ?= 0
+# Lint and format check (ruff's rules are chosen in pyproject.toml); RUFF_FORMAT=0 skips the
+# format check.
+RUFF_FORMAT ?= 1
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	@if [ "$(RUFF_FORMAT)" != 0 ]; then $(BIN)/ruff format --check .; fi

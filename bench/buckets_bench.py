@@ -265,12 +265,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for m in modes:  # short warm-up of each mode's code paths, not measured
             runner = buckets if m == "buckets" else plain
-            _, index = run_mode(m, runner, args.workers, args.concurrency, 0.5, requests, key, index, args.max_batch)
+            _, index = run_mode(
+                m, runner, args.workers, args.concurrency, 0.5, requests, key, index, args.max_batch
+            )
         for _ in range(args.rounds):
             for m in modes:
                 runner = buckets if m == "buckets" else plain
                 r, index = run_mode(
-                    m, runner, args.workers, args.concurrency, args.seconds, requests, key, index, args.max_batch
+                    m,
+                    runner,
+                    args.workers,
+                    args.concurrency,
+                    args.seconds,
+                    requests,
+                    key,
+                    index,
+                    args.max_batch,
                 )
                 results[m].add(r)
     finally:

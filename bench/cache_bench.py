@@ -164,7 +164,9 @@ async def _interleaved(urls: dict[str, str], make, seconds: float) -> dict[str, 
 def _repo(tmp: Path) -> Path:
     repo = tmp / "repo"
     (repo / "ranker" / "1").mkdir(parents=True)
-    shutil.copy(ROOT / "model_repository" / "ranker" / "1" / "model.onnx", repo / "ranker" / "1" / "model.onnx")
+    shutil.copy(
+        ROOT / "model_repository" / "ranker" / "1" / "model.onnx", repo / "ranker" / "1" / "model.onnx"
+    )
     config = (ROOT / "model_repository" / "ranker" / "config.pbtxt").read_text()
     (repo / "ranker" / "config.pbtxt").write_text(config + "response_cache { enable: true }\n")
     return repo
@@ -249,13 +251,19 @@ def _cpu_s(pid: int) -> float | None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", default="off,memory,redis,memory+redis", help="comma list of: " + ",".join(TIERS))
+    ap.add_argument(
+        "--configs", default="off,memory,redis,memory+redis", help="comma list of: " + ",".join(TIERS)
+    )
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rows", type=int, default=32, help="rows per client batch")
     ap.add_argument("--alpha", type=float, default=1.1)
     ap.add_argument("--seconds", type=float, default=8.0, help="Zipf run per configuration")
-    ap.add_argument("--slices", type=int, default=4, help="the Zipf run of each configuration in this many turns")
-    ap.add_argument("--miss-seconds", type=float, default=4.0, help="all-miss run, per configuration (0: skip)")
+    ap.add_argument(
+        "--slices", type=int, default=4, help="the Zipf run of each configuration in this many turns"
+    )
+    ap.add_argument(
+        "--miss-seconds", type=float, default=4.0, help="all-miss run, per configuration (0: skip)"
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = ap.parse_args()
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -296,12 +304,18 @@ def main() -> int:
                 asyncio.run(_interleaved({c: urls[c] for c in miss_configs}, miss_request, 0.5))  # warm-up
                 before = {c: asyncio.run(_stats(urls[c])) for c in miss_configs}
                 miss = asyncio.run(
-                    _interleaved({c: urls[c] for c in miss_configs}, miss_request, args.miss_seconds * len(miss_configs))
+                    _interleaved(
+                        {c: urls[c] for c in miss_configs},
+                        miss_request,
+                        args.miss_seconds * len(miss_configs),
+                    )
                 )
                 for c in miss_configs:
                     after = asyncio.run(_stats(urls[c]))
                     n = after["miss"] - before[c]["miss"]
-                    miss[c]["cache_us_per_request"] = (after["miss_ns"] - before[c]["miss_ns"]) / n / 1e3 if n else None
+                    miss[c]["cache_us_per_request"] = (
+                        (after["miss_ns"] - before[c]["miss_ns"]) / n / 1e3 if n else None
+                    )
             admin.flushall()  # the Zipf runs start cold
             # Zipf: the configurations take turns in short slices, so each sees the machine's load
             # at the same moments; each keeps its cache, its callers' draws and its counters
@@ -352,7 +366,9 @@ def main() -> int:
 
     base = results.get("off")
     keys = ("calls_per_s", "p50_ms", "p99_ms", "server_cpu_ms_per_call")
-    ratios = {c: {k: r[k] / base[k] for k in keys if base and base.get(k) and r.get(k)} for c, r in results.items()}
+    ratios = {
+        c: {k: r[k] / base[k] for k in keys if base and base.get(k) and r.get(k)} for c, r in results.items()
+    }
     added = {}
     if "off" in miss:
         for c in ("memory", "redis"):
@@ -381,8 +397,12 @@ def main() -> int:
         if r.get("redis"):
             print(f"  {c} Redis tier: " + ", ".join(f"{k} {v:.0f}" for k, v in r["redis"].items()))
     if miss:
-        print(f"\nall-miss (every row new), 1 caller x {args.rows} rows, configurations interleaved request by request")
-        print(f"{'config':<13} {'calls':>8} {'p50 ms':>7} {'p99 ms':>7} {'added p50':>10} {'cache us/req (server)':>22}")
+        print(
+            f"\nall-miss (every row new), 1 caller x {args.rows} rows, configurations interleaved request by request"
+        )
+        print(
+            f"{'config':<13} {'calls':>8} {'p50 ms':>7} {'p99 ms':>7} {'added p50':>10} {'cache us/req (server)':>22}"
+        )
         for c, r in miss.items():
             a = added.get(c)
             us = r.get("cache_us_per_request")
@@ -392,7 +412,9 @@ def main() -> int:
             )
         if "redis" in added:
             verdict = "meets" if added["redis"] <= 1.0 else "misses"
-            print(f"Redis tier adds {added['redis']:+.3f} ms p50 on all-miss requests ({verdict} the <= 1 ms goal)")
+            print(
+                f"Redis tier adds {added['redis']:+.3f} ms p50 on all-miss requests ({verdict} the <= 1 ms goal)"
+            )
     return 0
 
 

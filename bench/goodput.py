@@ -275,11 +275,17 @@ def main() -> int:
             if capacity is None:  # measured once, on the first server, and used for both
                 asyncio.run(_capacity(url, args.seq, args.rows, 1.0))  # warm-up
                 capacity = asyncio.run(_capacity(url, args.seq, args.rows, 3.0))
-                print(f"capacity: {capacity:.0f} requests/s ({args.rows} rows x {args.seq} tokens)", file=sys.stderr)
+                print(
+                    f"capacity: {capacity:.0f} requests/s ({args.rows} rows x {args.seq} tokens)",
+                    file=sys.stderr,
+                )
             results[policy] = []
             for load in loads:
                 rate = capacity * load
-                print(f"  {policy}: offering {load}x = {rate:.0f} req/s for {args.seconds:.0f}s ...", file=sys.stderr)
+                print(
+                    f"  {policy}: offering {load}x = {rate:.0f} req/s for {args.seconds:.0f}s ...",
+                    file=sys.stderr,
+                )
                 before = _server_outcomes(http_port)
                 point = _offer(url, rate, args.seconds, args.seq, args.rows, int(load * 100), args.client_procs,
                                args.mix, client_cpus)  # fmt: skip

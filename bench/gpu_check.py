@@ -54,7 +54,11 @@ def log(msg: str) -> None:
 def environment() -> dict:
     import onnxruntime as ort
 
-    env = {"onnxruntime": ort.__version__, "providers": ort.get_available_providers(), "python": sys.version.split()[0]}
+    env = {
+        "onnxruntime": ort.__version__,
+        "providers": ort.get_available_providers(),
+        "python": sys.version.split()[0],
+    }
     try:
         import cupy
 
@@ -116,11 +120,13 @@ def check_config(mode: str, graphs: bool, device_id: int, seconds_per_bucket: fl
             prev_s = seqs_all[seqs_all.index(seq) - 1] if seq != seqs_all[0] else 0
             n, length = prev_b + 1, prev_s + 1
             parts = []
-            for k in ([n] if n == 1 else [n // 2, n - n // 2]):
+            for k in [n] if n == 1 else [n // 2, n - n // 2]:
                 L = length if not parts else max(1, length - 3)
                 mask = np.ones((k, L), np.int64)
                 mask[:, max(1, L // 2) :] = rng.integers(0, 2, (k, L - max(1, L // 2)))
-                parts.append({"input_ids": rng.integers(0, 1000, (k, L), dtype=np.int64), "attention_mask": mask})
+                parts.append(
+                    {"input_ids": rng.integers(0, 1000, (k, L), dtype=np.int64), "attention_mask": mask}
+                )
             outs, timing = pool.submit(parts, [p["input_ids"].shape[0] for p in parts], True).result()
             if timing.bucket != (rows, seq):
                 failures.append(f"bucket {(rows, seq)}: ran as {timing.bucket}")
@@ -201,7 +207,9 @@ def server_check(device_id: int, rng) -> dict:
     shutil.copytree(ENCODER_DIR, repo / "encoder")
     cfg = repo / "encoder" / "config.pbtxt"
     # One worker on the GPU; power-of-two buckets (39 static sessions) keep the start short.
-    lines = [ln for ln in cfg.read_text().splitlines() if '"seq_buckets"' not in ln and '"batch_buckets"' not in ln]
+    lines = [
+        ln for ln in cfg.read_text().splitlines() if '"seq_buckets"' not in ln and '"batch_buckets"' not in ln
+    ]
     text = "\n".join(lines).replace("kind: KIND_CPU", f"kind: KIND_GPU\n    gpus: [ {device_id} ]")
     seq = PARAMS["seq_buckets"]
     text += f'\nparameters {{ key: "seq_buckets" value {{ string_value: "{seq}" }} }}\n'
@@ -219,6 +227,7 @@ def server_check(device_id: int, rng) -> dict:
         async def run_all():
             client = tca.InferenceServerClient(srv.grpc_url)
             try:
+
                 async def one(a):
                     ins = []
                     for n, arr in a.items():
@@ -294,7 +303,11 @@ def main(argv: list[str] | None = None) -> int:
             summary["server"] = {"error": repr(exc)}
     summary["seconds"] = round(time.perf_counter() - t_all, 1)
     ok = all(r.get("agreement", {}).get("ok") for r in results)
-    ok = ok and summary.get("pytest", {"rc": 0})["rc"] == 0 and summary.get("server", {"ok": True}).get("ok", False)
+    ok = (
+        ok
+        and summary.get("pytest", {"rc": 0})["rc"] == 0
+        and summary.get("server", {"ok": True}).get("ok", False)
+    )
     log(f"\nGPU check {'PASSED' if ok else 'FAILED'} in {summary['seconds']}s")
     _write(summary)
     return 0 if ok else 1

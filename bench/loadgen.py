@@ -581,4 +581,6 @@ def start_batchgate(*extra: str) -> Started:
 
 def start_noop() -> Started:
     (port,) = free_ports(1)
-    return Started("noop", [sys.executable, "-m", "batchgate.bench.noop_server", str(port)], f"127.0.0.1:{port}")
+    return Started(
+        "noop", [sys.executable, "-m", "batchgate.bench.noop_server", str(port)], f"127.0.0.1:{port}"
+    )

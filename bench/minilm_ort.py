@@ -91,14 +91,18 @@ def main() -> int:
         tok.enable_truncation(256)
     texts = workload("mixed")[:256]
     lengths = [len(tok.encode(t).ids) if tok else min(256, len(t.split()) + 2) for t in texts]
-    print("\npadding, mixed workload: batches of B texts padded to their longest vs the same texts one by one")
+    print(
+        "\npadding, mixed workload: batches of B texts padded to their longest vs the same texts one by one"
+    )
     for b in (8, 16, 32):
         padded = alone = 0.0
         for start in range(0, 64, b):
             chunk = lengths[start : start + b]
             padded += _time(session, _feeds(session, len(chunk), max(chunk), rng, chunk), args.seconds / 10)
             alone += sum(_time(session, _feeds(session, 1, n, rng), args.seconds / 20) for n in chunk)
-        print(f"  B={b:<3} padded {padded * 1e3:8.1f} ms, one by one {alone * 1e3:8.1f} ms: padded x{padded / alone:.2f} slower")
+        print(
+            f"  B={b:<3} padded {padded * 1e3:8.1f} ms, one by one {alone * 1e3:8.1f} ms: padded x{padded / alone:.2f} slower"
+        )
     return 0
 
 

@@ -174,7 +174,9 @@ class Tally:
         self.samples: dict[str, str] = {}  # one message per error status
         self.latencies: list[float] = []
         self.t0 = time.monotonic()
-        self.error_windows: dict[str, list[float]] = {}  # status -> [first, last] second it was seen (answer time)
+        self.error_windows: dict[
+            str, list[float]
+        ] = {}  # status -> [first, last] second it was seen (answer time)
 
 
 def _check(resp: pb.ModelInferResponse, rows: int, out_bytes: int) -> bool:
@@ -184,7 +186,9 @@ def _check(resp: pb.ModelInferResponse, rows: int, out_bytes: int) -> bool:
     return len(raw) == out_bytes
 
 
-async def _traffic(url: str, models: list[str], seconds: float, concurrency: int, tally: Tally, seed: int) -> None:
+async def _traffic(
+    url: str, models: list[str], seconds: float, concurrency: int, tally: Tally, seed: int
+) -> None:
     pools = _pools(models, seed)
     names = list(pools)
     weights = [MIX[m] for m in names]
@@ -229,7 +233,9 @@ async def _traffic(url: str, models: list[str], seconds: float, concurrency: int
 
 async def _statistics(url: str) -> dict:
     async with grpc.aio.insecure_channel(url) as ch:
-        resp = await pb_grpc.GRPCInferenceServiceStub(ch).ModelStatistics(pb.ModelStatisticsRequest(), timeout=5)
+        resp = await pb_grpc.GRPCInferenceServiceStub(ch).ModelStatistics(
+            pb.ModelStatisticsRequest(), timeout=5
+        )
     out = {}
     for m in resp.model_stats:
         s = m.inference_stats
@@ -250,7 +256,12 @@ async def _soak(args: argparse.Namespace, work: Path) -> dict:
     redis.start()
     log_path = work / "server.log"
     proc, url = _start_server(repo, redis.url, log_path, args.workers)
-    report: dict = {"models": models, "seconds": args.seconds, "concurrency": args.concurrency, "log": str(log_path)}
+    report: dict = {
+        "models": models,
+        "seconds": args.seconds,
+        "concurrency": args.concurrency,
+        "log": str(log_path),
+    }
     try:
         await wait_ready(url, 180, proc)
         report["rss_ready_mb"] = _rss_mb(proc.pid)
@@ -267,8 +278,12 @@ async def _soak(args: argparse.Namespace, work: Path) -> dict:
                 t_kill = time.monotonic() - t_start
                 await asyncio.sleep(args.redis_down_s)
                 await asyncio.to_thread(redis.start)
-                restarts.append({"killed_at_s": round(t_kill, 1), "up_at_s": round(time.monotonic() - t_start, 1)})
-                print(f"  redis killed at {t_kill:.0f}s, back at {time.monotonic() - t_start:.0f}s", flush=True)
+                restarts.append(
+                    {"killed_at_s": round(t_kill, 1), "up_at_s": round(time.monotonic() - t_start, 1)}
+                )
+                print(
+                    f"  redis killed at {t_kill:.0f}s, back at {time.monotonic() - t_start:.0f}s", flush=True
+                )
 
         async def sampler() -> None:
             while not traffic.done():
@@ -324,7 +339,9 @@ def _verdict(r: dict) -> list[str]:
     if fatal:
         problems.append(f"statuses that must never happen: {fatal}")
     if r["rss_end_mb"] > bound:
-        problems.append(f"RSS grew from {r['rss_start_mb']:.0f} to {r['rss_end_mb']:.0f} MiB (bound {bound:.0f})")
+        problems.append(
+            f"RSS grew from {r['rss_start_mb']:.0f} to {r['rss_end_mb']:.0f} MiB (bound {bound:.0f})"
+        )
     if r["server_exit"] != 0:
         problems.append(f"server exit code {r['server_exit']}")
     if len(r["redis_restarts"]) != 2:
@@ -347,7 +364,10 @@ def main() -> int:
         print("soak: redis-server is not installed", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="batchgate-soak-"))
-    print(f"soak: {args.seconds:.0f}s, {args.concurrency} callers, Redis restarted twice; work dir {work}", flush=True)
+    print(
+        f"soak: {args.seconds:.0f}s, {args.concurrency} callers, Redis restarted twice; work dir {work}",
+        flush=True,
+    )
     try:
         report = asyncio.run(_soak(args, work))
     finally:

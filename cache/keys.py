@@ -70,7 +70,9 @@ def prefix_rows(prefix: bytes, rows: int) -> np.ndarray:
     return np.tile(np.frombuffer(prefix, np.uint8), (max(rows, 1), 1))
 
 
-def row_keys(prefix: bytes, columns: Sequence[np.ndarray], rows: int, tiled: np.ndarray | None = None) -> list[bytes]:
+def row_keys(
+    prefix: bytes, columns: Sequence[np.ndarray], rows: int, tiled: np.ndarray | None = None
+) -> list[bytes]:
     """Keys of ``rows`` rows whose inputs are fixed-size numbers.
 
     ``columns`` holds each input (first dim = rows; no BYTES) in the model's input order. The

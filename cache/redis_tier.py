@@ -224,7 +224,11 @@ class RedisTier:
         except (TimeoutError, RedisError, OSError) as exc:
             for conn in conns:
                 self._drop(conn)
-            log.warning("redis %s did not answer at start (%s); lookups will miss until it does", redact_url(self.url), exc)
+            log.warning(
+                "redis %s did not answer at start (%s); lookups will miss until it does",
+                redact_url(self.url),
+                exc,
+            )
             return False
         self._idle.extend(conns)
         return True
@@ -366,7 +370,9 @@ class RedisTier:
         self._pending_rows += n
         if self._writer is None:
             self._wake = asyncio.Event()
-            self._writer = asyncio.get_running_loop().create_task(self._write_loop(), name="cache-redis-writer")
+            self._writer = asyncio.get_running_loop().create_task(
+                self._write_loop(), name="cache-redis-writer"
+            )
         self._wake.set()
 
     @property

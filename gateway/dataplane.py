@@ -21,7 +21,12 @@ from batchgate.cache import TieredCache
 from batchgate.gateway.config import Settings
 from batchgate.gateway.errors import not_found, parse_version, unavailable, unknown_model, unknown_version
 from batchgate.gateway.repository import (
-    ConfigError, LoadFailure, ModelSpec, Repository, load_model, load_repository,
+    ConfigError,
+    LoadFailure,
+    ModelSpec,
+    Repository,
+    load_model,
+    load_repository,
 )
 from batchgate.gateway.result_cache import build_cache
 from batchgate.gateway.runtime import ModelRuntime, build_runtime
@@ -49,7 +54,9 @@ class DataPlane:
     classes: dict[str, LatencyClass] = field(default_factory=dict)
     cache: TieredCache | None = None  # result cache tiers shared by every model that enables it
     lag: LoopLag = field(default_factory=LoopLag)  # the event loop's lag, a margin for every deadline
-    _reload_locks: dict[str, asyncio.Lock] = field(default_factory=dict)  # one load/unload per model at a time
+    _reload_locks: dict[str, asyncio.Lock] = field(
+        default_factory=dict
+    )  # one load/unload per model at a time
 
     def __post_init__(self) -> None:
         self.classes = self.settings.classes
@@ -115,14 +122,18 @@ class DataPlane:
                     fresh[spec.version] = await self._start(spec)
                 except Exception as exc:
                     await self._retire(list(fresh.values()), wait=False)
-                    raise self._reload_failed(name, f"model '{name}' version {spec.version} failed to start: {exc}") from None
+                    raise self._reload_failed(
+                        name, f"model '{name}' version {spec.version} failed to start: {exc}"
+                    ) from None
             old = self.models.get(name, {})
             # The swap: one step on the event loop, so every call sees either the old runtimes or the new.
             self.models[name] = fresh
             self.latest[name] = max(fresh, key=int)
             self.failures.pop(name, None)
             for path in specs[0].ignored:
-                log.warning("model %s: config field '%s' is not implemented by batchgate and is ignored", name, path)
+                log.warning(
+                    "model %s: config field '%s' is not implemented by batchgate and is ignored", name, path
+                )
             log.info(
                 "reloaded model %s: version(s) %s serving (were %s), fingerprint %s",
                 name, sorted(fresh, key=int), sorted(old, key=int) or "none", specs[-1].fingerprint,
@@ -151,7 +162,9 @@ class DataPlane:
             )  # fmt: skip
             return ReloadFailed(f"{reason} (the previous load keeps serving)")
         self.failures[name] = LoadFailure(name, "", reason)  # not serving: RepositoryIndex says why
-        log.error("model %s failed to load: %s", name, reason, extra={"event": "model_load_failed", "model": name})
+        log.error(
+            "model %s failed to load: %s", name, reason, extra={"event": "model_load_failed", "model": name}
+        )
         return ReloadFailed(reason)
 
     async def _retire(self, rts: list[ModelRuntime], wait: bool = True) -> None:
@@ -206,4 +219,3 @@ class DataPlane:
             await asyncio.to_thread(rt.pool.close)
         if self.cache is not None:
             await self.cache.close()  # sends what is queued for Redis, briefly
-

@@ -191,9 +191,7 @@ def plan(encoded: list[bytes], bucket_of, max_rows: int) -> list[list[int]]:
     for i, b in enumerate(encoded):
         by_bucket.setdefault(bucket_of(b), []).append(i)
     return [
-        rows[a : a + max_rows]
-        for _, rows in sorted(by_bucket.items())
-        for a in range(0, len(rows), max_rows)
+        rows[a : a + max_rows] for _, rows in sorted(by_bucket.items()) for a in range(0, len(rows), max_rows)
     ]
 
 
@@ -221,7 +219,7 @@ async def _infer_chunk(
         message = exc.message
         m = _ROW.match(message)
         if m:  # the text stage names rows of this request: say which input of the caller's list
-            message = f"input {rows[int(m.group(1))]}: {message[m.end():]}"
+            message = f"input {rows[int(m.group(1))]}: {message[m.end() :]}"
         trailing = (*getattr(exc, "trailing_metadata", ()), *echo.items())
         raise Refused(exc.kind, message, "input" if m else None, _headers_of(trailing)) from None
     finally:

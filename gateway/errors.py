@@ -63,7 +63,6 @@ def unavailable(message: str, retry_after_s: float | None = None) -> GatewayErro
     return GatewayError(Kind.UNAVAILABLE, message, retry_after_s=retry_after_s)
 
 
-
 # Triton's wording for a request to a model or version it does not serve (triton core,
 # model_repository_manager.cc + model_lifecycle.cc: "Request for unknown model: 'm' is not found",
 # "... 'm' version 7 is not found", code NOT_FOUND -> gRPC NOT_FOUND / HTTP 404). Triton's own example

@@ -317,7 +317,9 @@ def _edge_families(m: Metrics) -> Iterator:
         "time from receipt of a successful inference request to its encoded answer",
         labels=["model", "version", "transport"],
     )
-    inflight = GaugeMetricFamily(P + "inflight_requests", "inference requests being served now", labels=["transport"])
+    inflight = GaugeMetricFamily(
+        P + "inflight_requests", "inference requests being served now", labels=["transport"]
+    )
     for t in m.transports.values():
         inflight.add_metric([t.name], t.inflight)
         for e in t.edges():
@@ -360,8 +362,12 @@ def _scheduler_families(snaps) -> Iterator:
     """Each scheduler's statistics, queue depths and latency model, from its snapshot."""
     rows = CounterMetricFamily(P + "inference_rows", "rows inferred (Triton inference_count)", labels=MV)
     batches = CounterMetricFamily(P + "batches", "batches executed (Triton execution_count)", labels=MV)
-    failed = CounterMetricFamily(P + "batch_failed_requests", "requests in batches that failed to execute", labels=MV)
-    rejected = CounterMetricFamily(P + "queue_rejected", "requests refused because the queue was full", labels=MV)
+    failed = CounterMetricFamily(
+        P + "batch_failed_requests", "requests in batches that failed to execute", labels=MV
+    )
+    rejected = CounterMetricFamily(
+        P + "queue_rejected", "requests refused because the queue was full", labels=MV
+    )
     dropped = CounterMetricFamily(
         P + "queue_dropped", "requests whose caller left while queued (dropped before compute)", labels=MV
     )
@@ -372,7 +378,9 @@ def _scheduler_families(snaps) -> Iterator:
     )
     depth = GaugeMetricFamily(P + "queue_depth", "requests queued now", labels=["model", "version", "class"])
     sched_inflight = GaugeMetricFamily(
-        P + "scheduler_inflight_requests", "requests accepted by the scheduler and not yet answered", labels=MV
+        P + "scheduler_inflight_requests",
+        "requests accepted by the scheduler and not yet answered",
+        labels=MV,
     )
     by_class = CounterMetricFamily(
         P + "class_requests",
@@ -413,12 +421,26 @@ def _scheduler_families(snaps) -> Iterator:
             fit.add_metric(lv + [bucket, "per_row"], model["per_row_s"])
             for size, figures in model["sizes"].items():
                 est.add_metric(lv + [bucket, str(size)], figures["mean_s"])
-    yield from (rows, batches, failed, rejected, dropped, abandoned, by_class, depth, sched_inflight, est, fit)
+    yield from (
+        rows,
+        batches,
+        failed,
+        rejected,
+        dropped,
+        abandoned,
+        by_class,
+        depth,
+        sched_inflight,
+        est,
+        fit,
+    )
 
 
 def _worker_families(snaps) -> Iterator:
     busy = CounterMetricFamily(
-        P + "worker_busy_seconds", "time a worker spent running batches", labels=["model", "version", "worker"]
+        P + "worker_busy_seconds",
+        "time a worker spent running batches",
+        labels=["model", "version", "worker"],
     )
     workers = GaugeMetricFamily(P + "workers", "worker threads serving the model version", labels=MV)
     for snap in snaps:

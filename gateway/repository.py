@@ -211,10 +211,16 @@ def tokenized(config: mc.ModelConfig) -> bool:
 def _complete_text_input(config: mc.ModelConfig, onnx_in: list) -> None:
     name = config.name
     if config.max_batch_size < 1:
-        raise ConfigError(f"model '{name}': parameter 'tokenizer' needs a batching model (max_batch_size >= 1)")
+        raise ConfigError(
+            f"model '{name}': parameter 'tokenizer' needs a batching model (max_batch_size >= 1)"
+        )
     if not config.input:
         config.input.add(name="text", data_type=mc.TYPE_STRING, dims=[1])
-    if len(config.input) != 1 or config.input[0].data_type != mc.TYPE_STRING or list(config.input[0].dims) != [1]:
+    if (
+        len(config.input) != 1
+        or config.input[0].data_type != mc.TYPE_STRING
+        or list(config.input[0].dims) != [1]
+    ):
         raise ConfigError(
             f"model '{name}': with parameter 'tokenizer', config.pbtxt must declare exactly one input, "
             "TYPE_STRING with dims [ 1 ] (one text per row)"
@@ -252,9 +258,7 @@ def _check_reshape(name: str, kind: str, t: mc.ModelInput | mc.ModelOutput) -> N
 def _reshapes(tensors, to_client: bool) -> dict[str, tuple[int, ...]]:
     """Row shape per reshaped tensor: the model's (inputs go in reshaped) or the client's (outputs
     come back in the config's dims)."""
-    return {
-        t.name: tuple(t.dims if to_client else t.reshape.shape) for t in tensors if t.HasField("reshape")
-    }
+    return {t.name: tuple(t.dims if to_client else t.reshape.shape) for t in tensors if t.HasField("reshape")}
 
 
 def complete_config(config: mc.ModelConfig, model: onnx.ModelProto, default_max_batch_size: int) -> None:
@@ -378,7 +382,11 @@ def _validate(config: mc.ModelConfig) -> None:
 def select_versions(model_dir: Path, config: mc.ModelConfig) -> list[str]:
     filename = config.default_model_filename or DEFAULT_MODEL_FILE
     found = sorted(
-        (int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit() and (p / filename).is_file()),
+        (
+            int(p.name)
+            for p in model_dir.iterdir()
+            if p.is_dir() and p.name.isdigit() and (p / filename).is_file()
+        ),
     )
     policy = config.version_policy
     which = policy.WhichOneof("policy_choice")
@@ -387,7 +395,9 @@ def select_versions(model_dir: Path, config: mc.ModelConfig) -> list[str]:
     elif which == "specific":
         missing = [v for v in policy.specific.versions if v not in found]
         if missing:
-            raise ConfigError(f"model '{config.name}': version_policy.specific names missing versions {missing}")
+            raise ConfigError(
+                f"model '{config.name}': version_policy.specific names missing versions {missing}"
+            )
         chosen = sorted(policy.specific.versions)
     else:
         n = policy.latest.num_versions if which == "latest" else 1
@@ -420,7 +430,9 @@ def load_model(model_dir: Path, default_max_batch_size: int = 64) -> list[ModelS
         try:
             model = onnx.load(str(path), load_external_data=False)
         except Exception as exc:
-            raise ConfigError(f"model '{config.name}' version {version}: cannot read {path.name}: {exc}") from None
+            raise ConfigError(
+                f"model '{config.name}' version {version}: cannot read {path.name}: {exc}"
+            ) from None
         complete_config(cfg, model, default_max_batch_size)
         _validate(cfg)
         model_inputs = tuple(v.name for v in _onnx_tensors(model)[0])
@@ -445,8 +457,12 @@ def load_model(model_dir: Path, default_max_batch_size: int = 64) -> list[ModelS
                 version=version,
                 path=path,
                 config=cfg,
-                inputs=[TensorSpec(t.name, dtypes.from_config(t.data_type), tuple(t.dims)) for t in cfg.input],
-                outputs=[TensorSpec(t.name, dtypes.from_config(t.data_type), tuple(t.dims)) for t in cfg.output],
+                inputs=[
+                    TensorSpec(t.name, dtypes.from_config(t.data_type), tuple(t.dims)) for t in cfg.input
+                ],
+                outputs=[
+                    TensorSpec(t.name, dtypes.from_config(t.data_type), tuple(t.dims)) for t in cfg.output
+                ],
                 fingerprint=file_fingerprint(path),
                 ignored=ignored,
                 tied_dims={} if tokenized(cfg) else tied_dims(model, cfg.max_batch_size > 0),
@@ -470,6 +486,10 @@ def load_repository(root: Path, default_max_batch_size: int = 64) -> Repository:
             log.error("model %s failed to load: %s", model_dir.name, exc)
             continue
         for path in specs[0].ignored:
-            log.warning("model %s: config field '%s' is not implemented by batchgate and is ignored", specs[0].name, path)
+            log.warning(
+                "model %s: config field '%s' is not implemented by batchgate and is ignored",
+                specs[0].name,
+                path,
+            )
         repo.models[model_dir.name] = {s.version: s for s in specs}
     return repo

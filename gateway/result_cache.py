@@ -102,7 +102,9 @@ class _Layout:
     __slots__ = ("prefix", "names", "batched", "inputs", "bytes_inputs", "tiled")
     width: int | None = None  # every value's length, when fixed
 
-    def __init__(self, prefix: bytes, names: tuple[str, ...], batched: bool, inputs: list[TensorSpec]) -> None:
+    def __init__(
+        self, prefix: bytes, names: tuple[str, ...], batched: bool, inputs: list[TensorSpec]
+    ) -> None:
         self.prefix = prefix
         self.names = names
         self.batched = batched
@@ -149,7 +151,9 @@ class _Fixed(_Layout):
         for name, dtype, dims in zip(self.names, self.dtypes, self.dims):
             a = out[name]
             if a.dtype != dtype or a.shape != ((n, *dims) if self.batched else dims):
-                raise _Uncacheable(f"output '{name}' is {a.dtype} {list(a.shape)}, expected {dtype} {list(dims)} per row")
+                raise _Uncacheable(
+                    f"output '{name}' is {a.dtype} {list(a.shape)}, expected {dtype} {list(dims)} per row"
+                )
             parts.append(np.ascontiguousarray(a).reshape(n, -1).view(np.uint8))
         buf = (parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)).tobytes()
         w = self.width
@@ -287,7 +291,9 @@ class ModelCache:
                 self._plain = layout
         return layout
 
-    def _make_layout(self, arrays: dict[str, np.ndarray], names: tuple[str, ...] | None, namespace: str | None) -> _Layout:
+    def _make_layout(
+        self, arrays: dict[str, np.ndarray], names: tuple[str, ...] | None, namespace: str | None
+    ) -> _Layout:
         spec = self.spec
         keep = set(names) if names is not None else set(self._all)
         outputs = [t for t in self._outputs if t.name in keep]  # model order: one layout per set
@@ -432,7 +438,9 @@ class ModelCache:
                 if n == rows:  # every row, in order, none repeated: send the request as it came
                     sub = arrays
                 else:
-                    idx = np.array(rows_of if n == len(rows_of) else list(map(rows_of.__getitem__, todo)), np.intp)
+                    idx = np.array(
+                        rows_of if n == len(rows_of) else list(map(rows_of.__getitem__, todo)), np.intp
+                    )
                     sub = {name: a.take(idx, axis=0) for name, a in arrays.items()}
                 t = _now()
                 try:
@@ -455,7 +463,9 @@ class ModelCache:
                     packed = layout.pack(out, n)
                 except _Uncacheable:
                     if sub is arrays:  # answer this request with what was computed, uncached
-                        log.warning("model %s: outputs do not fit the cache layout; not cached", self.spec.name)
+                        log.warning(
+                            "model %s: outputs do not fit the cache layout; not cached", self.spec.name
+                        )
                         self.stat.uncacheable += 1
                         return out, spent
                     raise
@@ -486,7 +496,12 @@ class ModelCache:
         """Flat counters for metrics: ``hits`` rows from a tier, ``misses`` rows from none of them
         (computed or coalesced), and the ``ModelCacheStats`` fields."""
         s = self.stat
-        return {"hits": s.hit_rows, "misses": s.computed_rows + s.coalesced_rows, **asdict(s), "in_flight_rows": len(self.flights)}
+        return {
+            "hits": s.hit_rows,
+            "misses": s.computed_rows + s.coalesced_rows,
+            **asdict(s),
+            "in_flight_rows": len(self.flights),
+        }
 
     def fill_statistics(self, stats) -> None:
         """Triton's ModelStatistics ``inference_stats``: cache_hit / cache_miss, and requests

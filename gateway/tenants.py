@@ -190,7 +190,9 @@ class _Tenant(BaseModel):
     limits: _Limits = _Limits()
     global_limits: _GlobalLimits = _GlobalLimits()
     model_limits: dict[str, _Override] = {}
-    admin: bool = Field(False, description="may load/unload models (only when the server's model_control is on)")
+    admin: bool = Field(
+        False, description="may load/unload models (only when the server's model_control is on)"
+    )
 
     @field_validator("key_hashes")
     @classmethod

@@ -36,7 +36,9 @@ def _generate(out: Path) -> list[Path]:
             path = out / (stem + suffix)
             # protoc names imports by the source path (``proto.inference.v2``); installed, these
             # modules live under ``batchgate.proto`` (a bare ``proto`` is proto-plus's name).
-            text = path.read_text().replace("from proto.inference.v2 import", "from batchgate.proto.inference.v2 import")
+            text = path.read_text().replace(
+                "from proto.inference.v2 import", "from batchgate.proto.inference.v2 import"
+            )
             path.write_text(text)
             if suffix == "_pb2.py":
                 text = text.replace(

@@ -45,13 +45,20 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-                raise AssertionError(f"server did not exit within {timeout}s after signal {sig}\n{self.log()}")
+                raise AssertionError(
+                    f"server did not exit within {timeout}s after signal {sig}\n{self.log()}"
+                )
         return self.proc.returncode
 
 
 def start_server(
-    tmp: Path, *args: str, repo: Path = REPO, env: dict | None = None, ready_timeout: float = 60.0,
-    credentials: grpc.ChannelCredentials | None = None, ports: tuple[int, int] | None = None,
+    tmp: Path,
+    *args: str,
+    repo: Path = REPO,
+    env: dict | None = None,
+    ready_timeout: float = 60.0,
+    credentials: grpc.ChannelCredentials | None = None,
+    ports: tuple[int, int] | None = None,
 ) -> ServerProcess:
     """Serve ``repo`` on free ports (or ``ports``: gRPC, HTTP) and wait until gRPC health says
     SERVING (over TLS with ``credentials``)."""
@@ -68,7 +75,9 @@ def start_server(
     server = ServerProcess(proc, grpc_port, http_port, log_path, env or {})
     deadline = time.monotonic() + ready_timeout
     channel = (
-        grpc.secure_channel(server.grpc_url, credentials) if credentials else grpc.insecure_channel(server.grpc_url)
+        grpc.secure_channel(server.grpc_url, credentials)
+        if credentials
+        else grpc.insecure_channel(server.grpc_url)
     )
     with channel as ch:
         stub = health_pb2_grpc.HealthStub(ch)

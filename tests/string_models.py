@@ -19,8 +19,14 @@ _TYPE = {T.STRING: "TYPE_STRING", T.INT32: "TYPE_INT32", T.INT8: "TYPE_INT8", T.
 
 
 def _write(
-    repo: Path, name: str, nodes: list, inputs: list[tuple[str, int, list[int]]],
-    outputs: list[tuple[str, int, list[int]]], max_batch_size: int, extra: str = "", initializers=(),
+    repo: Path,
+    name: str,
+    nodes: list,
+    inputs: list[tuple[str, int, list[int]]],
+    outputs: list[tuple[str, int, list[int]]],
+    max_batch_size: int,
+    extra: str = "",
+    initializers=(),
 ) -> Path:
     """``inputs``/``outputs``: (name, ONNX element type, dims without the batch dim)."""
     lead = ["batch"] if max_batch_size else []
@@ -85,8 +91,14 @@ def write_string_add_sub(
 
 
 def write_identity(
-    repo: Path, name: str, elem: int, dims=(-1,), max_batch_size: int = 8, extra: str = "",
-    in_name: str = "INPUT0", out_name: str = "OUTPUT0",
+    repo: Path,
+    name: str,
+    elem: int,
+    dims=(-1,),
+    max_batch_size: int = 8,
+    extra: str = "",
+    in_name: str = "INPUT0",
+    out_name: str = "OUTPUT0",
 ) -> Path:
     nodes = [helper.make_node("Identity", [in_name], [out_name])]
     ins, outs = [(in_name, elem, list(dims))], [(out_name, elem, list(dims))]

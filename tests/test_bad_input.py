@@ -165,10 +165,11 @@ case("unknown-model", NOT_FOUND, "Request for unknown model: 'no_such_model' is 
     lambda triton, stub: tc_infer(triton, "no_such_model", ranker_data())
 )
 case(
-    "unknown-version", NOT_FOUND, "Request for unknown model: 'ranker' version 7 is not found", "served versions"
-)(
-    lambda triton, stub: tc_infer(triton, "ranker", ranker_data(), version="7")
-)
+    "unknown-version",
+    NOT_FOUND,
+    "Request for unknown model: 'ranker' version 7 is not found",
+    "served versions",
+)(lambda triton, stub: tc_infer(triton, "ranker", ranker_data(), version="7"))
 
 # the set of inputs
 case("missing-input", INVALID, "missing input", "sparse_ids", "INT64", "[-1, 8]")(
@@ -236,16 +237,22 @@ case("raw-bytes-long", INVALID, "'sparse_ids'", "holds 256 bytes", "needs 128")(
 )
 case("typed-value-count", INVALID, "'dense'", "fp32_contents holds 127 values", "needs 128")(
     lambda triton, stub: stub_infer(
-        stub, "ranker",
-        [In("dense", DENSE.reshape(-1)[:-1], shape=(2, 64), typed=True),
-         In("sparse_ids", SPARSE, typed=True)],
+        stub,
+        "ranker",
+        [
+            In("dense", DENSE.reshape(-1)[:-1], shape=(2, 64), typed=True),
+            In("sparse_ids", SPARSE, typed=True),
+        ],
     )  # fmt: skip
 )
 case("typed-wrong-field", INVALID, "'dense'", "fp32_contents holds 0 values", "needs 128")(
     lambda triton, stub: stub_infer(  # FP32 declared, values sent in fp64_contents
-        stub, "ranker",
-        [In("dense", DENSE.astype(np.float64), datatype="FP32", typed=True),
-         In("sparse_ids", SPARSE, typed=True)],
+        stub,
+        "ranker",
+        [
+            In("dense", DENSE.astype(np.float64), datatype="FP32", typed=True),
+            In("sparse_ids", SPARSE, typed=True),
+        ],
     )  # fmt: skip
 )
 case("raw-count-too-few", INVALID, "raw_input_contents has 1 entr", "2 inputs")(
@@ -258,7 +265,9 @@ case("raw-count-too-many", INVALID, "raw_input_contents has 3 entr", "2 inputs")
 )
 case("typed-and-raw", INVALID, "'dense'", "both typed contents and raw_input_contents")(
     lambda triton, stub: stub_infer(
-        stub, "ranker", [In("dense", DENSE, typed=True), In("sparse_ids", SPARSE)],
+        stub,
+        "ranker",
+        [In("dense", DENSE, typed=True), In("sparse_ids", SPARSE)],
         raw=[DENSE.tobytes(), SPARSE.tobytes()],
     )  # fmt: skip
 )

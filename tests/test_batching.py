@@ -48,6 +48,7 @@ DTYPES = {"dense": "FP32", "sparse_ids": "INT64", "input_ids": "INT64", "attenti
 async def _run_concurrently(url: str, jobs: list[tuple[str, dict[str, np.ndarray]]]) -> list[np.ndarray]:
     client = tca.InferenceServerClient(url)
     try:
+
         async def one(model: str, arrays: dict[str, np.ndarray]) -> np.ndarray:
             # A burst of 500 from one client on a busy 2-core box can queue for seconds: this test
             # is about correctness, so the requests say they are bulk work (10 s budget).
@@ -101,7 +102,9 @@ def test_500_concurrent_requests_match_the_model_run_alone(server, triton):
 def test_requests_of_different_lengths_are_not_merged_wrongly(server):
     """Rows only merge where non-batch dims agree; mixed lengths still all come back right."""
     rng = np.random.default_rng(11)
-    jobs = [("encoder", _encoder_request(rng, int(rng.integers(1, 5)), seq)) for seq in (3, 5, 7, 3, 5, 7, 64, 1)]
+    jobs = [
+        ("encoder", _encoder_request(rng, int(rng.integers(1, 5)), seq)) for seq in (3, 5, 7, 3, 5, 7, 64, 1)
+    ]
     results = asyncio.run(_run_concurrently(server.grpc_url, jobs))
     sess = _session("encoder")
     for (_, arrays), got in zip(jobs, results):

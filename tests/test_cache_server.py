@@ -51,14 +51,20 @@ def ranker_rows(seeds: list[int]) -> dict[str, np.ndarray]:
     """One row per seed: the same seed, the same row."""
     return {
         "dense": np.stack([np.random.default_rng(s).standard_normal(64, dtype=np.float32) for s in seeds]),
-        "sparse_ids": np.stack([np.random.default_rng(s + 1).integers(0, 10_000, 8, dtype=np.int64) for s in seeds]),
+        "sparse_ids": np.stack(
+            [np.random.default_rng(s + 1).integers(0, 10_000, 8, dtype=np.int64) for s in seeds]
+        ),
     }
 
 
-def request(arrays: dict[str, np.ndarray], model: str = "ranker", version: str = "1", typed: bool = False) -> pb.ModelInferRequest:
+def request(
+    arrays: dict[str, np.ndarray], model: str = "ranker", version: str = "1", typed: bool = False
+) -> pb.ModelInferRequest:
     req = pb.ModelInferRequest(model_name=model, model_version=version, id="r")
     for name, a in arrays.items():
-        t = req.inputs.add(name=name, datatype="FP32" if a.dtype == np.float32 else "INT64", shape=list(a.shape))
+        t = req.inputs.add(
+            name=name, datatype="FP32" if a.dtype == np.float32 else "INT64", shape=list(a.shape)
+        )
         if typed:
             field = "fp32_contents" if a.dtype == np.float32 else "int64_contents"
             getattr(t.contents, field).extend(a.reshape(-1).tolist())
@@ -144,7 +150,9 @@ def test_cached_response_is_byte_identical_to_the_computed_one(cstub, typed_out)
     assert (d["rows"], d["executions"], d["hit"], d["miss"], d["success"]) == (3, 1, 2, 1, 3)
     assert cached_resp.SerializeToString(deterministic=True) == computed.SerializeToString(deterministic=True)
     if not typed_out:
-        assert typed_in.raw_output_contents == computed.raw_output_contents  # typed inputs: same rows, same keys
+        assert (
+            typed_in.raw_output_contents == computed.raw_output_contents
+        )  # typed inputs: same rows, same keys
         np.testing.assert_allclose(score(computed), reference(arrays), rtol=1e-5, atol=1e-6)
 
 
@@ -199,7 +207,9 @@ def test_variable_length_inputs_are_cached_per_shape(cstub):
     mask = np.ones((3, 12), np.int64)
     mask[1, 8:] = 0
     before = stats(cstub, "encoder")
-    first = cstub.ModelInfer(request({"input_ids": ids, "attention_mask": mask}, "encoder"), timeout=TIMEOUT_S)
+    first = cstub.ModelInfer(
+        request({"input_ids": ids, "attention_mask": mask}, "encoder"), timeout=TIMEOUT_S
+    )
     again = cstub.ModelInfer(request({"input_ids": ids[::-1].copy(), "attention_mask": mask[::-1].copy()}, "encoder"),
                              timeout=TIMEOUT_S)  # fmt: skip
     # The same tokens padded to another length are another row (another shape).
@@ -222,7 +232,9 @@ def test_another_replica_hits_through_redis_and_a_changed_model_file_misses(
     computed = cstub.ModelInfer(request(arrays, version="1"), timeout=TIMEOUT_S)
     time.sleep(0.3)  # the write to Redis happens behind the response
     replica = start_server(tmp_path, repo=repo, env=env(redis_module))
-    other_file = start_server(tmp_path, repo=make_repo(tmp_path / "touched", touch_model=True), env=env(redis_module))
+    other_file = start_server(
+        tmp_path, repo=make_repo(tmp_path / "touched", touch_model=True), env=env(redis_module)
+    )
     try:
         for srv, expect_hit in ((replica, True), (other_file, False)):
             with grpc.insecure_channel(srv.grpc_url) as ch:
@@ -281,7 +293,9 @@ def test_redis_killed_mid_run_fails_no_request_and_hits_resume_after_restart(tmp
             after = stats(stub)
         assert not outcome["failed"], outcome["failed"][:5]
         assert outcome["ok"] > 100
-        assert after.inference_stats.cache_hit.count - before.inference_stats.cache_hit.count > 0, "hits did not resume"
+        assert after.inference_stats.cache_hit.count - before.inference_stats.cache_hit.count > 0, (
+            "hits did not resume"
+        )
         assert during.inference_count > 0
         import redis as redis_py
 

@@ -24,7 +24,9 @@ ISSUE_FLAGS = {
     "--cache-tiers": ("cache_tiers", "memory", "memory"),
     "--scheduling-policy": ("scheduling_policy", "fifo", "fifo"),
     "--latency-classes": (
-        "latency_classes", "fast=20ms/64/0.5,slow=500ms/512/0.1", "fast=20ms/64/0.5,slow=500ms/512/0.1",
+        "latency_classes",
+        "fast=20ms/64/0.5,slow=500ms/512/0.1",
+        "fast=20ms/64/0.5,slow=500ms/512/0.1",
     ),
     "--default-latency-class": ("default_latency_class", "slow", "slow"),
     "--batch-time-cap": ("batch_time_cap", "0.25", 0.25),

@@ -88,7 +88,9 @@ def test_healthchecks(compose):
     test = " ".join(gw["healthcheck"]["test"])
     m = re.search(r"http://127\.0\.0\.1:(\d+)/v2/health/ready", test)
     assert m, test
-    assert int(m.group(1)) == Settings.model_fields["http_port"].default == int(_env(gw)["BATCHGATE_HTTP_PORT"])
+    assert (
+        int(m.group(1)) == Settings.model_fields["http_port"].default == int(_env(gw)["BATCHGATE_HTTP_PORT"])
+    )
     assert gw["healthcheck"]["test"][0] == "CMD" and gw["healthcheck"]["test"][1] == "python"  # in the image
     assert "redis-cli" in redis["healthcheck"]["test"] and "ping" in redis["healthcheck"]["test"]
 

@@ -34,7 +34,18 @@ class Done:
 def make_req(name: str, cls: str, now: float, rows: int = 1, key=None, budget_s: float | None = None, level: int = 0,
              queue_deadline: float = INF, delay: bool = False) -> Request:  # fmt: skip
     c = CLASSES[cls]
-    r = Request({"name": name}, rows, key, now, Done(), now + (budget_s or c.budget_s), c, level, queue_deadline, delay)
+    r = Request(
+        {"name": name},
+        rows,
+        key,
+        now,
+        Done(),
+        now + (budget_s or c.budget_s),
+        c,
+        level,
+        queue_deadline,
+        delay,
+    )
     return r
 
 
@@ -209,9 +220,13 @@ def test_budget_resolution_order():
     assert resolve(_params(), None, 10.0, CLASSES, "standard", s).deadline == pytest.approx(10.25)
     b = resolve(_params(latency_class="realtime"), None, 10.0, CLASSES, "standard", s)
     assert b.cls.name == "realtime" and b.deadline == pytest.approx(10.025)
-    assert resolve(_params(latency_budget_ms=40), None, 10.0, CLASSES, "standard", s).deadline == pytest.approx(10.04)
+    assert resolve(
+        _params(latency_budget_ms=40), None, 10.0, CLASSES, "standard", s
+    ).deadline == pytest.approx(10.04)
     # The gRPC deadline wins over both.
-    assert resolve(_params(latency_budget_ms=40), 0.5, 10.0, CLASSES, "standard", s).deadline == pytest.approx(10.5)
+    assert resolve(
+        _params(latency_budget_ms=40), 0.5, 10.0, CLASSES, "standard", s
+    ).deadline == pytest.approx(10.5)
     with pytest.raises(GatewayError) as err:
         resolve(_params(latency_class="nope"), None, 0.0, CLASSES, "standard", s)
     assert err.value.kind is Kind.INVALID and "latency_class" in err.value.message
@@ -229,8 +244,12 @@ def test_triton_priority_and_timeout_parameters():
     assert b.level == 1 and b.queue_deadline == pytest.approx(0.005)
     b = resolve(_params(timeout=500000), None, 0.0, CLASSES, "standard", s)  # may only lower it
     assert b.queue_deadline == pytest.approx(0.1)
-    no_override = _schedule("dynamic_batching { default_queue_policy { default_timeout_microseconds: 100000 } }")
-    assert resolve(_params(timeout=5000), None, 0.0, CLASSES, "standard", no_override).queue_deadline == pytest.approx(0.1)
+    no_override = _schedule(
+        "dynamic_batching { default_queue_policy { default_timeout_microseconds: 100000 } }"
+    )
+    assert resolve(
+        _params(timeout=5000), None, 0.0, CLASSES, "standard", no_override
+    ).queue_deadline == pytest.approx(0.1)
 
 
 # -- the scheduler: shedding at admission, expiry, every waiter answered once ---------------------
@@ -280,7 +299,9 @@ async def test_shed_at_admission_when_work_ahead_exceeds_the_budget():
         first = asyncio.create_task(s.infer({"x": 1}, 1, None, budget("standard", clock.now)))
         await _settle()
         assert len(engine.calls) == 1  # running: the slot is busy
-        queued = [asyncio.create_task(s.infer({"x": 1}, 4, None, budget("bulk", clock.now))) for _ in range(3)]
+        queued = [
+            asyncio.create_task(s.infer({"x": 1}, 4, None, budget("bulk", clock.now))) for _ in range(3)
+        ]
         await _settle()
         # A realtime request runs before the bulk ones (EDF), so it is admitted...
         rt = asyncio.create_task(s.infer({"x": 1}, 1, None, budget("realtime", clock.now)))
@@ -345,7 +366,9 @@ async def test_every_waiter_answered_once_under_mixed_classes():
         tasks = []
         for i in range(200):
             cls = rnd.choice(list(CLASSES))
-            tasks.append(asyncio.create_task(s.infer({"i": i}, rnd.randint(1, 4), None, budget(cls, clock.now))))
+            tasks.append(
+                asyncio.create_task(s.infer({"i": i}, rnd.randint(1, 4), None, budget(cls, clock.now)))
+            )
             if i % 7 == 0:
                 clock.now += rnd.random() * 0.01
                 s._wake()

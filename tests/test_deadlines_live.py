@@ -123,6 +123,8 @@ def test_a_model_can_keep_triton_fifo_while_the_server_schedules_by_deadline(tmp
         # the FIFO queue reports one line, class "fifo"; the deadline queue one per latency class
         assert 'batchgate_queue_depth{class="fifo",model="fifo-ranker",version="1"}' in text
         assert 'batchgate_queue_depth{class="realtime",model="ranker",version="1"}' in text
-        assert 'model="fifo-ranker",version="1"}' in text and 'class="realtime",model="fifo-ranker"' not in text
+        assert (
+            'model="fifo-ranker",version="1"}' in text and 'class="realtime",model="fifo-ranker"' not in text
+        )
     finally:
         srv.stop()

@@ -60,8 +60,13 @@ def _stream(srv, stop: threading.Event, out: Counter, lock: threading.Lock) -> N
             try:
                 for answer in stub.ModelStreamInfer(requests(), timeout=30):
                     sem.release()
-                    outcome = "ok" if not answer.error_message else (
-                        "UNAVAILABLE" if "draining" in answer.error_message else answer.error_message[:60])
+                    outcome = (
+                        "ok"
+                        if not answer.error_message
+                        else (
+                            "UNAVAILABLE" if "draining" in answer.error_message else answer.error_message[:60]
+                        )
+                    )
                     with lock:
                         out["stream " + outcome] += 1
                 outcome = "end"

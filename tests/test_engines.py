@@ -28,7 +28,11 @@ from batchgate.workers.engine import Engine
 from batchgate.workers.sessions import SessionFactory, default_cache_dir
 
 ENCODER = REPO / "encoder" / "1" / "model.onnx"
-ENCODER_PARAMS = {"seq_buckets": "16,32,64,128,256,512", "max_batch_tokens": "8192", "max_dim.input_ids": "512"}
+ENCODER_PARAMS = {
+    "seq_buckets": "16,32,64,128,256,512",
+    "max_batch_tokens": "8192",
+    "max_dim.input_ids": "512",
+}
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -44,7 +48,9 @@ def _request(rng: np.random.Generator, rows: int, seq: int) -> dict[str, np.ndar
     return {"input_ids": rng.integers(0, 1000, (rows, seq), dtype=np.int64), "attention_mask": mask}
 
 
-def _pool(tmp_path: Path, params: dict[str, str] = ENCODER_PARAMS, device: Device = Device("cpu"), **opts) -> WorkerPool:
+def _pool(
+    tmp_path: Path, params: dict[str, str] = ENCODER_PARAMS, device: Device = Device("cpu"), **opts
+) -> WorkerPool:
     options = EngineOptions(cache_dir=tmp_path / "engines", **opts)
     pool = WorkerPool("encoder-test", ENCODER, [device], 1, options, bucket_config(params, 64, (16, 32)))
     pool.start()
@@ -234,7 +240,9 @@ def test_no_buffer_is_allocated_on_the_hot_path_after_warm_up(tmp_path, referenc
         # Only the answer's own memory (16 x 128 float32 = 8 KiB) and small objects: a per-call
         # copy of the padded batch would be 64 KiB per input.
         assert peak < 32 * 1024, f"{peak} bytes traced while running a pooled batch"
-        np.testing.assert_allclose(outputs[0]["embedding"], reference.run(None, big[0])[0], rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(
+            outputs[0]["embedding"], reference.run(None, big[0])[0], rtol=RTOL, atol=ATOL
+        )
         for parts in batches:
             pool.submit(parts, [p["input_ids"].shape[0] for p in parts], True).result()
         assert engine.slot_allocations == made
@@ -267,7 +275,10 @@ def test_padding_waste_and_memory_are_reported(tmp_path):
 
 
 def _encoder_feeds() -> dict[str, np.ndarray]:
-    return {"input_ids": np.arange(32, dtype=np.int64).reshape(2, 16), "attention_mask": np.ones((2, 16), np.int64)}
+    return {
+        "input_ids": np.arange(32, dtype=np.int64).reshape(2, 16),
+        "attention_mask": np.ones((2, 16), np.int64),
+    }
 
 
 def test_optimised_models_are_cached_per_shape_and_reloaded(tmp_path):
@@ -329,9 +340,14 @@ def _encoder_only_repo(tmp_path: Path, queue_delay_us: int) -> Path:
     shutil.copytree(REPO / "encoder", repo / "encoder")
     cfg = repo / "encoder" / "config.pbtxt"
     lines = [line for line in cfg.read_text().splitlines() if '"seq_buckets"' not in line]
-    text = "\n".join(lines) + '\nparameters { key: "seq_buckets" value { string_value: "16,32,64,128,256,512" } }\n'
+    text = (
+        "\n".join(lines)
+        + '\nparameters { key: "seq_buckets" value { string_value: "16,32,64,128,256,512" } }\n'
+    )
     assert "max_queue_delay_microseconds: 2000" in text
-    cfg.write_text(text.replace("max_queue_delay_microseconds: 2000", f"max_queue_delay_microseconds: {queue_delay_us}"))
+    cfg.write_text(
+        text.replace("max_queue_delay_microseconds: 2000", f"max_queue_delay_microseconds: {queue_delay_us}")
+    )
     return repo
 
 
@@ -354,6 +370,7 @@ def test_requests_of_different_lengths_share_padded_batches_through_the_server(t
         async def run_all() -> list[np.ndarray]:
             client = tca.InferenceServerClient(srv.grpc_url)
             try:
+
                 async def one(arrays):
                     inputs = []
                     for name, arr in arrays.items():
@@ -375,7 +392,9 @@ def test_requests_of_different_lengths_share_padded_batches_through_the_server(t
         stats = client.get_inference_statistics("encoder").model_stats[0]
         client.close()
         assert stats.inference_stats.success.count == len(jobs)
-        assert stats.execution_count < len(jobs), f"{stats.execution_count} executions for {len(jobs)} requests"
+        assert stats.execution_count < len(jobs), (
+            f"{stats.execution_count} executions for {len(jobs)} requests"
+        )
         assert max(b.batch_size for b in stats.batch_stats) >= 2  # rows of different lengths, one batch
     finally:
         srv.stop()
@@ -383,7 +402,9 @@ def test_requests_of_different_lengths_share_padded_batches_through_the_server(t
 
 # -- GPU (skipped without a device) -------------------------------------------------------------------
 
-needs_gpu = pytest.mark.skipif(gpu_count() == 0, reason="no CUDA device usable by both onnxruntime-gpu and CuPy")
+needs_gpu = pytest.mark.skipif(
+    gpu_count() == 0, reason="no CUDA device usable by both onnxruntime-gpu and CuPy"
+)
 
 
 @needs_gpu
@@ -412,7 +433,10 @@ def test_one_worker_per_gpu():
 
 def test_model_io_of_the_bundled_encoder():
     inputs, outputs = read_model_io(ENCODER)
-    assert [(t.name, t.dims) for t in inputs] == [("input_ids", ("batch", "seq")), ("attention_mask", ("batch", "seq"))]
+    assert [(t.name, t.dims) for t in inputs] == [
+        ("input_ids", ("batch", "seq")),
+        ("attention_mask", ("batch", "seq")),
+    ]
     assert [(t.name, t.dims) for t in outputs] == [("embedding", ("batch", 128))]
 
 
@@ -505,7 +529,9 @@ class _FakeCupy:
             memGetInfo=lambda: (6 << 30, 8 << 30), getDeviceCount=lambda: 1,
             getDeviceProperties=lambda i: {"name": b"Fake GPU"},
         )  # fmt: skip
-        self.cuda = types.SimpleNamespace(Device=Device, MemoryPool=MemoryPool, Stream=Stream, runtime=runtime)
+        self.cuda = types.SimpleNamespace(
+            Device=Device, MemoryPool=MemoryPool, Stream=Stream, runtime=runtime
+        )
         self.cupyx = types.SimpleNamespace(empty_pinned=lambda shape, dtype: np.empty(shape, dtype))
 
 
@@ -521,8 +547,12 @@ def test_gpu_data_path_with_a_fake_cupy(tmp_path, reference, monkeypatch, mode, 
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setitem(sys.modules, "cupyx", fake.cupyx)
     bind_input, bind_output = oic.IOBinding.bind_input, oic.IOBinding.bind_output
-    monkeypatch.setattr(oic.IOBinding, "bind_input", lambda self, n, d, i, *a: bind_input(self, n, "cpu", 0, *a))
-    monkeypatch.setattr(oic.IOBinding, "bind_output", lambda self, n, d, i, *a: bind_output(self, n, "cpu", 0, *a))
+    monkeypatch.setattr(
+        oic.IOBinding, "bind_input", lambda self, n, d, i, *a: bind_input(self, n, "cpu", 0, *a)
+    )
+    monkeypatch.setattr(
+        oic.IOBinding, "bind_output", lambda self, n, d, i, *a: bind_output(self, n, "cpu", 0, *a)
+    )
     params = {"seq_buckets": "16,64", "batch_buckets": "1,4,16"}
     pool = _pool(tmp_path, params, device=Device("gpu", 0), mode=mode, cuda_graphs=graphs)
     try:

@@ -89,7 +89,15 @@ async def test_a_poisoned_request_fails_alone_and_the_rest_are_answered():
         else:
             assert_own_output(res, i, 2)
     # 8 fail -> [0..3] ok, [4..7] fail -> [4,5] fail, [6,7] ok -> [4] ok, [5] fails alone.
-    assert [c.ids for c in engine.calls] == [list(range(8)), [0, 1, 2, 3], [4, 5, 6, 7], [4, 5], [6, 7], [4], [5]]
+    assert [c.ids for c in engine.calls] == [
+        list(range(8)),
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [4, 5],
+        [6, 7],
+        [4],
+        [5],
+    ]
     assert engine.max_running == 1  # the halves took the scheduler's slots like any batch
     assert (st.success_count, st.fail_count) == (7, 1)
     assert st.execution_count == 3  # only the runs that succeeded: [0..3], [6, 7], [4]
@@ -115,7 +123,9 @@ async def test_a_gateway_error_is_final_and_not_split():
 
 async def test_without_split_failures_a_batch_fails_whole():
     engine = PoisonEngine({0})
-    sched = Scheduler(MODEL, FifoQueue(max_batch_size=4, max_delay_s=60.0), engine.execute, 1, clock=FakeClock())
+    sched = Scheduler(
+        MODEL, FifoQueue(max_batch_size=4, max_delay_s=60.0), engine.execute, 1, clock=FakeClock()
+    )
     sched.start()
     try:
         tasks = [asyncio.create_task(sched.infer(inputs_for(i, 1), 1, "k")) for i in range(4)]
@@ -171,7 +181,9 @@ def kill_after(monkeypatch):
 @pytest.mark.parametrize("count", [1, 2])
 def test_dead_worker_is_replaced_and_its_batch_answered(kill_after, caplog, count):
     kill_after(2)  # the first worker to take its 3rd batch dies holding it
-    pool = pool_mod.WorkerPool("ranker-test", RANKER, [Device("cpu", 0)], count, EngineOptions(intra_op_threads=1))
+    pool = pool_mod.WorkerPool(
+        "ranker-test", RANKER, [Device("cpu", 0)], count, EngineOptions(intra_op_threads=1)
+    )
     pool.start()
     try:
         names_before = [w.name for w in pool.workers]
@@ -193,7 +205,9 @@ def test_a_batch_whose_worker_dies_twice_fails_clearly(kill_after, monkeypatch):
     """The retry is once: a batch that kills its second worker too is failed, not retried forever."""
     kill_after(-1)  # every batch taken kills its thread
     monkeypatch.setattr(pool_mod, "_test_kill", _always_kill)
-    pool = pool_mod.WorkerPool("ranker-test", RANKER, [Device("cpu", 0)], 1, EngineOptions(intra_op_threads=1))
+    pool = pool_mod.WorkerPool(
+        "ranker-test", RANKER, [Device("cpu", 0)], 1, EngineOptions(intra_op_threads=1)
+    )
     pool.start()
     try:
         feed = _ranker_feed(2, 0)

@@ -100,8 +100,16 @@ def keyed(tmp_path_factory):
         "BATCHGATE_HTTP_HEADER_TIMEOUT_S": "3",
         "BATCHGATE_MAX_STREAMS_PER_CONNECTION": "2",
     }
-    srv = start_server(tmp, "--api-keys-file", str(path), "--workers-per-device", "1", "--no-build-models",
-                       repo=repo, env=env)
+    srv = start_server(
+        tmp,
+        "--api-keys-file",
+        str(path),
+        "--workers-per-device",
+        "1",
+        "--no-build-models",
+        repo=repo,
+        env=env,
+    )
     yield srv
     assert srv.stop() == 0
 
@@ -198,10 +206,13 @@ def test_eight_keyless_60mib_grpc_messages_are_refused(keyed):
 def test_made_up_name_unloads_cost_nothing(keyed):
     ch, stub = _stub(keyed)
     with ch:
+
         def unloads(md, start: int, n: int) -> set:
             futures = [
                 stub.RepositoryModelUnload.future(
-                    pb.RepositoryModelUnloadRequest(model_name=f"made-up-{i}-{'x' * 100}"), metadata=md, timeout=30
+                    pb.RepositoryModelUnloadRequest(model_name=f"made-up-{i}-{'x' * 100}"),
+                    metadata=md,
+                    timeout=30,
                 )
                 for i in range(start, start + n)
             ]
@@ -333,10 +344,14 @@ def test_model_control_is_admin_only_on_grpc_and_rest(keyed):
         assert not stub.ModelReady(pb.ModelReadyRequest(name="encoder"), timeout=5).ready
         got, _, body = call(keyed, "POST", "/v2/repository/models/encoder/unload", b"", {"x-api-key": ADMIN})
         assert got == 404 and "not loaded" in json.loads(body)["error"]
-        stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="encoder"), metadata=ADMIN_MD, timeout=60)
+        stub.RepositoryModelLoad(
+            pb.RepositoryModelLoadRequest(model_name="encoder"), metadata=ADMIN_MD, timeout=60
+        )
         assert stub.ModelReady(pb.ModelReadyRequest(name="encoder"), timeout=5).ready
         # REST load: the repository's names only; inline overrides refused as on gRPC
-        got, _, body = call(keyed, "POST", "/v2/repository/models/..%2Franker/load", b"", {"x-api-key": ADMIN})
+        got, _, body = call(
+            keyed, "POST", "/v2/repository/models/..%2Franker/load", b"", {"x-api-key": ADMIN}
+        )
         assert got == 404, body
         got, _, body = call(keyed, "POST", "/v2/repository/models/ranker/load",
                             {"parameters": {"config": "{}"}}, {"x-api-key": ADMIN})  # fmt: skip
@@ -425,7 +440,9 @@ def test_reflection_v1_and_v1alpha(server):
             )
             reqs = [
                 reflection_pb2.ServerReflectionRequest(list_services=""),
-                reflection_pb2.ServerReflectionRequest(file_containing_symbol="inference.GRPCInferenceService"),
+                reflection_pb2.ServerReflectionRequest(
+                    file_containing_symbol="inference.GRPCInferenceService"
+                ),
                 reflection_pb2.ServerReflectionRequest(file_containing_symbol=f"{package}.ServerReflection"),
             ]
             listed, described, own = list(call_(iter(reqs), timeout=10))
@@ -433,7 +450,9 @@ def test_reflection_v1_and_v1alpha(server):
         assert {"inference.GRPCInferenceService", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
                 "grpc.reflection.v1alpha.ServerReflection"} <= names, names  # fmt: skip
         assert described.file_descriptor_response.file_descriptor_proto
-        fd = descriptor_pb2.FileDescriptorProto.FromString(own.file_descriptor_response.file_descriptor_proto[0])
+        fd = descriptor_pb2.FileDescriptorProto.FromString(
+            own.file_descriptor_response.file_descriptor_proto[0]
+        )
         assert fd.package == package
 
 
@@ -523,6 +542,8 @@ def test_message_limit_follows_the_served_models():
     # a variable dim without max_dim: the element cap bounds it, and the limit follows
     import dataclasses
 
-    encoder = dataclasses.replace(encoder, params=dataclasses.replace(encoder.params, max_dim={"attention_mask": 512}))
+    encoder = dataclasses.replace(
+        encoder, params=dataclasses.replace(encoder.params, max_dim={"attention_mask": 512})
+    )
     assert request_bytes(encoder, limits) == (1 << 24) * 10 + 64 * 512 * 10
     assert derived_message_bytes([ranker, encoder], limits) == 64 * MiB  # capped: set it for more

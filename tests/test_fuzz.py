@@ -106,9 +106,13 @@ def _param(p: pb.InferParameter, draw) -> None:
     elif kind == "uint":
         p.uint64_param = draw(st.sampled_from([0, 1, 2**64 - 1]))
     elif kind == "double":
-        p.double_param = draw(st.sampled_from([float("nan"), float("inf"), -float("inf"), -0.0, 1e-300, 0.5, 1e300]))
+        p.double_param = draw(
+            st.sampled_from([float("nan"), float("inf"), -float("inf"), -0.0, 1e-300, 0.5, 1e300])
+        )
     elif kind == "string":
-        p.string_param = draw(st.sampled_from(["", "nan", "inf", "-1", "1e999", "realtime", "bulk", "nope", "\u2603"]))
+        p.string_param = draw(
+            st.sampled_from(["", "nan", "inf", "-1", "1e999", "realtime", "bulk", "nope", "\u2603"])
+        )
 
 
 def _typed(t, draw) -> None:
@@ -145,7 +149,9 @@ def mutate(req: pb.ModelInferRequest, how: str, draw) -> None:
         del ins[i].shape[:]
         ins[i].shape.extend(draw(st.lists(st.sampled_from(DIMS), max_size=5)))
     elif how == "dim_huge" and ins and ins[i].shape:
-        ins[i].shape[draw(st.integers(0, len(ins[i].shape) - 1))] = draw(st.sampled_from([2**62, 2**63 - 1, 2**40, 2**31]))
+        ins[i].shape[draw(st.integers(0, len(ins[i].shape) - 1))] = draw(
+            st.sampled_from([2**62, 2**63 - 1, 2**40, 2**31])
+        )
     elif how == "raw_len" and raw:
         j = draw(st.integers(0, len(raw) - 1))
         cut = draw(st.sampled_from([-9, -8, -4, -1, 1, 3, 4, 8, 1000]))
@@ -159,11 +165,17 @@ def mutate(req: pb.ModelInferRequest, how: str, draw) -> None:
         if i < len(raw):
             raw.append(raw[i])
     elif how == "unknown_input":
-        ins.add(name=draw(st.sampled_from(["x", "", "dense ", "DENSE", "\u2603", "a" * 1000])), datatype="FP32", shape=[1, 64])
+        ins.add(
+            name=draw(st.sampled_from(["x", "", "dense ", "DENSE", "\u2603", "a" * 1000])),
+            datatype="FP32",
+            shape=[1, 64],
+        )
         if raw:
             raw.append(b"\x00" * 256)
     elif how == "rename" and ins:
-        ins[i].name = draw(st.sampled_from(["dense", "sparse_ids", "input_ids", "attention_mask", "text", "score", ""]))
+        ins[i].name = draw(
+            st.sampled_from(["dense", "sparse_ids", "input_ids", "attention_mask", "text", "score", ""])
+        )
     elif how == "params":
         for _ in range(draw(st.integers(1, 3))):
             _param(req.parameters[draw(st.sampled_from(PARAM_KEYS))], draw)
@@ -187,9 +199,13 @@ def mutate(req: pb.ModelInferRequest, how: str, draw) -> None:
     elif how == "version":
         req.model_version = draw(st.sampled_from(["1", "2", "0", "-1", "abc", "1" * 40, "\u2603"]))
     elif how == "model":
-        req.model_name = draw(st.sampled_from(["", "nope", "RANKER", "ranker/1", "../ranker", "\u2603", "x" * 500]))
+        req.model_name = draw(
+            st.sampled_from(["", "nope", "RANKER", "ranker/1", "../ranker", "\u2603", "x" * 500])
+        )
     elif how == "utf8" and ins:  # invalid UTF-8 (and other awkward texts) in BYTES
-        bad = draw(st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"ok \x80 ok", b"", b"   ", b"\x00"]))
+        bad = draw(
+            st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"ok \x80 ok", b"", b"   ", b"\x00"])
+        )
         n = ins[0].shape[0] if ins[0].shape and 0 < ins[0].shape[0] <= 8 else 1
         ins[0].datatype = "BYTES"
         if raw:
@@ -227,7 +243,9 @@ def malformed(draw) -> pb.ModelInferRequest:
             getattr(t.contents, field).extend(np.frombuffer(r, dtype=dt).tolist())
         del req.raw_input_contents[:]
     # text inputs get the BYTES mutations (invalid UTF-8, long texts, lying prefixes) more often
-    choices = MUTATIONS + ["utf8"] * 6 + ["long_string", "bytes_prefix"] * 2 if model == "minilm" else MUTATIONS
+    choices = (
+        MUTATIONS + ["utf8"] * 6 + ["long_string", "bytes_prefix"] * 2 if model == "minilm" else MUTATIONS
+    )
     for how in draw(st.lists(st.sampled_from(choices), min_size=1, max_size=3)):
         mutate(req, how, draw)
     return req
@@ -254,7 +272,10 @@ def test_fuzz_malformed_requests(server, ranker_ref):
         max_examples=EXAMPLES, deadline=None, database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
     )  # fmt: skip
-    @given(reqs=st.lists(malformed(), min_size=BATCH - VALID, max_size=BATCH - VALID), seed=st.integers(0, 2**32 - 1))
+    @given(
+        reqs=st.lists(malformed(), min_size=BATCH - VALID, max_size=BATCH - VALID),
+        seed=st.integers(0, 2**32 - 1),
+    )
     def batch(reqs, seed):
         rng = np.random.default_rng(seed)
         everything = list(reqs)

@@ -76,8 +76,15 @@ VALUE_SETS: dict[str, dict] = {
     "redis-internal": {"redis": {"mode": "internal"}},
     "redis-internal-password": {"redis": {"mode": "internal", "password": PASSWORD}},
     "redis-external-parts": {
-        "redis": {"mode": "external", "host": "redis.cache.svc", "port": 6380, "db": 2, "tls": True,
-                  "username": "gateway", "password": PASSWORD},
+        "redis": {
+            "mode": "external",
+            "host": "redis.cache.svc",
+            "port": 6380,
+            "db": 2,
+            "tls": True,
+            "username": "gateway",
+            "password": PASSWORD,
+        },
     },
     "redis-external-url": {
         "redis": {"mode": "external", "url": f"rediss://:{PASSWORD}@redis.example:6379/0"},
@@ -91,8 +98,12 @@ VALUE_SETS: dict[str, dict] = {
     },
     "auth-inline": {"auth": {"enabled": True, "apiKeysFile": API_KEYS_FILE}},
     "gpu": {
-        "gpu": {"enabled": True, "count": 2, "runtimeClassName": "nvidia",
-                "nodeSelector": {"nvidia.com/gpu.present": "true"}},
+        "gpu": {
+            "enabled": True,
+            "count": 2,
+            "runtimeClassName": "nvidia",
+            "nodeSelector": {"nvidia.com/gpu.present": "true"},
+        },
         "config": {"workers_per_device": 2},
     },
     "pvc": {"modelRepository": {"source": "pvc", "pvc": {"existingClaim": "models", "subPath": "v3"}}},
@@ -104,13 +115,19 @@ VALUE_SETS: dict[str, dict] = {
     },
     "scaling": {
         "autoscaling": {
-            "enabled": True, "minReplicas": 3, "maxReplicas": 12,
+            "enabled": True,
+            "minReplicas": 3,
+            "maxReplicas": 12,
             # The custom-metric example from values.yaml, through a Prometheus adapter.
-            "metrics": [{
-                "type": "Pods",
-                "pods": {"metric": {"name": "batchgate_queue_duration_seconds"},
-                         "target": {"type": "AverageValue", "averageValue": "20m"}},
-            }],
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": "batchgate_queue_duration_seconds"},
+                        "target": {"type": "AverageValue", "averageValue": "20m"},
+                    },
+                }
+            ],
         },
         "podDisruptionBudget": {"maxUnavailable": None, "minAvailable": "50%"},
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
@@ -122,14 +139,25 @@ VALUE_SETS: dict[str, dict] = {
         "service": {"headless": {"enabled": True}},
     },
     "tls-cert-manager": {
-        "tls": {"enabled": True, "certManager": {
-            "enabled": True, "issuerRef": {"name": "internal-ca", "kind": "ClusterIssuer"},
-            "dnsNames": ["batchgate.example.com"]}},
+        "tls": {
+            "enabled": True,
+            "certManager": {
+                "enabled": True,
+                "issuerRef": {"name": "internal-ca", "kind": "ClusterIssuer"},
+                "dnsNames": ["batchgate.example.com"],
+            },
+        },
         "metrics": {"serviceMonitor": {"enabled": True}},
         "service": {"headless": {"enabled": True}},
     },
-    "custom-drain": {"drain": {"timeoutSeconds": 90.5, "lingerSeconds": 4, "preStopSleepSeconds": 10,
-                               "preStopMode": "sleep"}},
+    "custom-drain": {
+        "drain": {
+            "timeoutSeconds": 90.5,
+            "lingerSeconds": 4,
+            "preStopSleepSeconds": 10,
+            "preStopMode": "sleep",
+        }
+    },
     "everything": {
         "gpu": {"enabled": True},
         "redis": {"mode": "internal"},
@@ -361,11 +389,21 @@ def test_schema_refuses(chart, values, needle):
         ({"containerPorts": {"grpc": 8000, "http": 8000}}, "same port"),
         ({"podDisruptionBudget": {"minAvailable": 1}}, "exactly one"),
         ({"tls": {"enabled": True}}, "exactly one of tls.existingSecret"),
-        ({"tls": {"enabled": True, "existingSecret": "s", "certManager": {"enabled": True,
-                  "issuerRef": {"name": "ca"}}}}, "exactly one of tls.existingSecret"),
+        (
+            {
+                "tls": {
+                    "enabled": True,
+                    "existingSecret": "s",
+                    "certManager": {"enabled": True, "issuerRef": {"name": "ca"}},
+                }
+            },
+            "exactly one of tls.existingSecret",
+        ),
         ({"tls": {"enabled": True, "certManager": {"enabled": True}}}, "issuerRef.name"),
-        ({"tls": {"enabled": True, "existingSecret": "s"}, "containerPorts": {"health": 8001}},
-         "four different ports"),
+        (
+            {"tls": {"enabled": True, "existingSecret": "s"}, "containerPorts": {"health": 8001}},
+            "four different ports",
+        ),
         ({"autoscaling": {"enabled": True}, "resources": {"requests": {"cpu": None}}}, "requests.cpu"),
     ],
 )
@@ -709,8 +747,10 @@ def test_redis_url_wiring():
 
 
 def test_api_keys_file_is_mounted_from_a_secret():
-    for set_name, secret_name, key in (("auth-inline", FULLNAME, "api-keys.yaml"),
-                                       ("existing-secrets", "tenants", "tenants.yaml")):
+    for set_name, secret_name, key in (
+        ("auth-inline", FULLNAME, "api-keys.yaml"),
+        ("existing-secrets", "tenants", "tenants.yaml"),
+    ):
         r = _cached(set_name)
         assert r.config["BATCHGATE_API_KEYS_FILE"] == f"/etc/batchgate/auth/{key}"
         (vol,) = [v for v in r.pod["volumes"] if "secret" in v]
@@ -775,11 +815,15 @@ def test_tls_wiring():
     """TLS on: the server gets the mounted files and the plaintext ports; the probes, the Service's
     metrics port and the ServiceMonitor use those; cert-manager's Secret is the one mounted."""
     plain = _cached("defaults")
-    assert not any(k.startswith("BATCHGATE_TLS_") or k in ("BATCHGATE_METRICS_PORT", "BATCHGATE_HEALTH_PORT")
-                   for k in plain.config)
+    assert not any(
+        k.startswith("BATCHGATE_TLS_") or k in ("BATCHGATE_METRICS_PORT", "BATCHGATE_HEALTH_PORT")
+        for k in plain.config
+    )
     assert not plain.of("Certificate") and not any(v["name"] == "tls" for v in plain.pod["volumes"])
-    for set_name, secret, mutual in (("tls-existing-secret", "gateway-tls", True),
-                                     ("tls-cert-manager", f"{FULLNAME}-tls", False)):
+    for set_name, secret, mutual in (
+        ("tls-existing-secret", "gateway-tls", True),
+        ("tls-cert-manager", f"{FULLNAME}-tls", False),
+    ):
         r = _cached(set_name)
         cfg = r.config
         assert cfg["BATCHGATE_TLS_CERT_FILE"] == "/etc/batchgate/tls/tls.crt"
@@ -805,8 +849,12 @@ def test_tls_wiring():
             assert spec["secretName"] == secret
             want = {"name": "internal-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
             assert spec["issuerRef"] == want
-            for dns in (FULLNAME, f"{FULLNAME}.{NAMESPACE}.svc", f"{FULLNAME}-headless.{NAMESPACE}.svc",
-                        "batchgate.example.com"):
+            for dns in (
+                FULLNAME,
+                f"{FULLNAME}.{NAMESPACE}.svc",
+                f"{FULLNAME}-headless.{NAMESPACE}.svc",
+                "batchgate.example.com",
+            ):
                 assert dns in spec["dnsNames"], dns
         else:
             assert not certs
@@ -988,8 +1036,13 @@ def test_dockerfile_copies_every_package(dockerfile):
 
 
 def test_dockerignore_keeps_the_context_small():
-    for heavy in (".git", ".venv", "tests/test_helm.py", "gateway/__pycache__/x.pyc",
-                  "model_repository/minilm/1/model.onnx"):
+    for heavy in (
+        ".git",
+        ".venv",
+        "tests/test_helm.py",
+        "gateway/__pycache__/x.pyc",
+        "model_repository/minilm/1/model.onnx",
+    ):
         assert _dockerignore_excludes(heavy), heavy
     for needed in ("pyproject.toml", "gateway/server.py", "proto/inference/v2/grpc_service_pb2.py"):
         assert not _dockerignore_excludes(needed), needed

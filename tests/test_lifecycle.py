@@ -38,13 +38,17 @@ def _ranker_inputs(rows: int, ids_value: int = 1, seed: int = 0) -> list[tc.Infe
 
 def test_broken_models_are_reported_and_the_rest_serve(tmp_path):
     repo = tmp_path / "repo"
-    _copy_model("ranker", repo, "good", (REPO / "ranker" / "config.pbtxt").read_text().replace('"ranker"', '"good"'))
+    _copy_model(
+        "ranker", repo, "good", (REPO / "ranker" / "config.pbtxt").read_text().replace('"ranker"', '"good"')
+    )
     _copy_model("ranker", repo, "typo", 'name: "typo"\nmax_batch_size: 8\nbogus_field: 1\n')
     _copy_model("ranker", repo, "seq", 'name: "seq"\nmax_batch_size: 8\nsequence_batching { }\n')
     _copy_model("ranker", repo, "wrongtype", 'name: "wrongtype"\nmax_batch_size: 8\n'
                 'input [ { name: "dense" data_type: TYPE_FP64 dims: [ 64 ] }, '
                 '{ name: "sparse_ids" data_type: TYPE_INT64 dims: [ 8 ] } ]\n')  # fmt: skip
-    _copy_model("ranker", repo, "hinted", 'name: "hinted"\nmax_batch_size: 8\noptimization { graph { level: 1 } }\n')
+    _copy_model(
+        "ranker", repo, "hinted", 'name: "hinted"\nmax_batch_size: 8\noptimization { graph { level: 1 } }\n'
+    )
     srv = start_server(tmp_path, repo=repo)
     try:
         client = tc.InferenceServerClient(srv.grpc_url)

@@ -33,7 +33,9 @@ def open_encoder(dst: Path) -> Path:
     model.mkdir(parents=True)
     (model / "1").symlink_to(REPO / "encoder" / "1", target_is_directory=True)
     text = (REPO / "encoder" / "config.pbtxt").read_text()
-    (model / "config.pbtxt").write_text("\n".join(line for line in text.splitlines() if "max_dim." not in line))
+    (model / "config.pbtxt").write_text(
+        "\n".join(line for line in text.splitlines() if "max_dim." not in line)
+    )
     return model
 
 
@@ -137,7 +139,9 @@ def test_string_length_limit_raw_and_typed(limits, minilm_dir):
     (spec,) = load_model(minilm_dir)
     c = Codec(spec)
     long = b"word " * 21  # 105 bytes > 100
-    raw = pb.ModelInferRequest(model_name="minilm", raw_input_contents=[_LEN.pack(3) + b"abc" + _LEN.pack(len(long)) + long])
+    raw = pb.ModelInferRequest(
+        model_name="minilm", raw_input_contents=[_LEN.pack(3) + b"abc" + _LEN.pack(len(long)) + long]
+    )
     raw.inputs.add(name="text", datatype="BYTES", shape=[2, 1])
     msg = refusal(lambda: c.decode(raw))
     assert "element 1 is 105 bytes" in msg and "max_string_bytes" in msg
@@ -172,8 +176,12 @@ def limited(tmp_path_factory, minilm_dir):
     open_encoder(repo)
     (repo / "ranker").symlink_to(REPO / "ranker", target_is_directory=True)
     (repo / "minilm").symlink_to(minilm_dir, target_is_directory=True)
-    env = {"BATCHGATE_MAX_TENSOR_ELEMENTS": "1000", "BATCHGATE_MAX_STRING_BYTES": "100", "BATCHGATE_MAX_INPUTS": "4",
-           "BATCHGATE_MAX_HTTP_BODY_BYTES": "65536"}
+    env = {
+        "BATCHGATE_MAX_TENSOR_ELEMENTS": "1000",
+        "BATCHGATE_MAX_STRING_BYTES": "100",
+        "BATCHGATE_MAX_INPUTS": "4",
+        "BATCHGATE_MAX_HTTP_BODY_BYTES": "65536",
+    }
     srv = start_server(tmp, "--no-build-models", "--max-message-bytes", "65536", repo=repo, env=env)
     ch = grpc.insecure_channel(srv.grpc_url, options=[("grpc.max_send_message_length", 2**26)])
     yield srv, pb_grpc.GRPCInferenceServiceStub(ch)
@@ -238,7 +246,9 @@ def test_live_http_body_limit(limited):
     assert "65536" in info.value.read().decode()
     # a shape number beyond int64 is refused by name, not a 500
     doc = b'{"inputs": [{"name": "input_ids", "shape": [1, 100000000000000000000], "datatype": "INT64", "data": [1]}]}'
-    request = urllib.request.Request(f"http://127.0.0.1:{srv.http_port}/v2/models/encoder/infer", data=doc, method="POST")
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{srv.http_port}/v2/models/encoder/infer", data=doc, method="POST"
+    )
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(request, timeout=10)
     assert info.value.code == 400 and "64-bit" in info.value.read().decode()

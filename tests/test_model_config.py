@@ -41,7 +41,11 @@ def test_values_are_typed_once():
     assert params.max_batch_tokens == 8192 and params.batch_buckets == (2, 8, 32) and params.seq_buckets == ()
     assert params.seq_buckets_by_dim == {"seq": (8, 16)} and params.input_range == {"ids": (0.0, 1000.0)}
     assert params.max_dim == {"ids": 512} and params.pad_value == {"ids": -1.0}
-    assert params.learned_batch_limit is False and params.scheduling_policy == "fifo" and params.mask_input is None
+    assert (
+        params.learned_batch_limit is False
+        and params.scheduling_policy == "fifo"
+        and params.mask_input is None
+    )
     assert params.truncate == "reject" and params.length_buckets == (16, 64)
     cfg = params.bucket_config(64, (16,))
     assert cfg.max_batch_tokens == 8192 and cfg.batch_sizes == (2, 8, 32, 64) and cfg.mask_explicit
@@ -50,7 +54,10 @@ def test_values_are_typed_once():
 @pytest.mark.parametrize(
     ("raw", "needle"),
     [
-        ({"max_batch_token": "8192"}, "unknown parameter 'max_batch_token' (did you mean 'max_batch_tokens'?)"),
+        (
+            {"max_batch_token": "8192"},
+            "unknown parameter 'max_batch_token' (did you mean 'max_batch_tokens'?)",
+        ),
         ({"seq_bucket": "16"}, "did you mean 'seq_buckets'?"),
         ({"max_dims.ids": "5"}, "did you mean 'max_dim.ids'?"),
         ({"input_rang.ids": "0:5"}, "did you mean 'input_range.ids'?"),
@@ -198,7 +205,10 @@ def test_server_names_a_misspelled_parameter_and_serves_reshaped_models(tmp_path
         client = tc.InferenceServerClient(srv.grpc_url)
         index = {m.name: m for m in client.get_model_repository_index().models}
         assert not client.is_model_ready("misspelled") and index["misspelled"].state == "UNAVAILABLE"
-        assert "unknown parameter 'max_batch_token' (did you mean 'max_batch_tokens'?)" in index["misspelled"].reason
+        assert (
+            "unknown parameter 'max_batch_token' (did you mean 'max_batch_tokens'?)"
+            in index["misspelled"].reason
+        )
         assert "'max_dim.sparse_idz' names no input" in index["wronginput"].reason
         assert "did you mean 'max_dim.sparse_ids'" in index["wronginput"].reason
         assert "reshape for fixed dims only" in index["variable"].reason
@@ -207,7 +217,10 @@ def test_server_names_a_misspelled_parameter_and_serves_reshaped_models(tmp_path
         # Triton's ORT thread setting and the NCHW hint are tuning: served, each logged as ignored
         assert client.is_model_ready("hinted") and client.is_model_ready("reshaped")
         assert "config field 'parameters.intra_op_thread_count' is not implemented by batchgate" in log
-        assert "model reshaped: config field 'input.format' is not implemented by batchgate and is ignored" in log
+        assert (
+            "model reshaped: config field 'input.format' is not implemented by batchgate and is ignored"
+            in log
+        )
         assert client.infer("hinted", _ranker_inputs(2)).as_numpy("score").shape == (2, 1)
 
         # reshape: the client sends and gets the config's dims, the model sees its own
@@ -237,7 +250,8 @@ def test_serving_path_does_not_import_the_build_tools():
     service = sorted(
         "batchgate.gateway." + ".".join(p.relative_to(ROOT / "gateway").with_suffix("").parts)
         for p in (ROOT / "gateway").rglob("*.py")
-        if "build" not in p.relative_to(ROOT / "gateway").parts and p.stem not in ("__init__", "__main__", "cli")
+        if "build" not in p.relative_to(ROOT / "gateway").parts
+        and p.stem not in ("__init__", "__main__", "cli")
     )
     assert "batchgate.gateway.repository" in service
     code = f"import importlib, sys\nfor m in {service!r}: importlib.import_module(m)\n" + (
@@ -253,7 +267,9 @@ def test_reshape_views_batched_and_unbatched():
     from batchgate.workers.buckets import BucketConfig, ShapePlan, TensorInfo
 
     f32 = np.dtype(np.float32)
-    cfg = dataclasses.replace(BucketConfig.build(0), reshape_inputs={"x": (2, 3)}, reshape_outputs={"y": (6,)})
+    cfg = dataclasses.replace(
+        BucketConfig.build(0), reshape_inputs={"x": (2, 3)}, reshape_outputs={"y": (6,)}
+    )
     plan = ShapePlan([TensorInfo("x", f32, (2, 3))], [TensorInfo("y", f32, (3, 2))], cfg)
     x = np.arange(6, dtype=np.float32)
     (fed,) = plan.to_model([{"x": x, "other": x}], batched=False)

@@ -33,7 +33,9 @@ def test_every_package_folder_is_packaged():
         for init in (ROOT / top).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT).parts
             found.add(".".join(("batchgate", *rel)))
-    assert found == listed, f"packages in folders but not listed: {found - listed}; listed but absent: {listed - found}"
+    assert found == listed, (
+        f"packages in folders but not listed: {found - listed}; listed but absent: {listed - found}"
+    )
 
 
 def test_no_bare_top_level_imports():
@@ -48,7 +50,9 @@ def test_no_bare_top_level_imports():
 
 
 def _ranker_reference(dense: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    sess = ort.InferenceSession(str(ROOT / "model_repository/ranker/1/model.onnx"), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(
+        str(ROOT / "model_repository/ranker/1/model.onnx"), providers=["CPUExecutionProvider"]
+    )
     names = [i.name for i in sess.get_inputs()]
     return sess.run(None, dict(zip(names, [dense, ids], strict=True)))[0]
 
@@ -131,5 +135,7 @@ def _ready(client) -> bool:
 
 
 def test_python_dash_m_batchgate():
-    out = subprocess.run([sys.executable, "-m", "batchgate", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "batchgate", "--help"], capture_output=True, text=True, check=True
+    )
     assert "serve" in out.stdout

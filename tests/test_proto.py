@@ -8,7 +8,10 @@ from tests.conftest import ROOT
 
 def test_generated_modules_are_fresh():
     result = subprocess.run(
-        [sys.executable, "-m", "batchgate.proto.generate", "--check"], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "batchgate.proto.generate", "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stderr
 
@@ -26,4 +29,6 @@ def test_wire_compatible_with_tritonclient_messages():
     assert theirs.model_name == "m" and theirs.inputs[0].contents.fp32_contents == [1.0, 2.0]
     assert theirs.parameters["latency_budget_ms"].int64_param == 25
     assert pb.ModelInferRequest.FromString(theirs.SerializeToString()) == ours
-    assert pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name == "inference.GRPCInferenceService"
+    assert (
+        pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name == "inference.GRPCInferenceService"
+    )

@@ -73,8 +73,12 @@ def test_statistics_count_rows_and_executions(triton):
 def test_outputs_as_typed_contents_when_binary_data_is_false(stub):
     rows = 2
     req = pb.ModelInferRequest(model_name="ranker", id="typed-out")
-    req.inputs.add(name="dense", datatype="FP32", shape=[rows, 64]).contents.fp32_contents.extend([0.5] * rows * 64)
-    req.inputs.add(name="sparse_ids", datatype="INT64", shape=[rows, 8]).contents.int64_contents.extend([1] * rows * 8)
+    req.inputs.add(name="dense", datatype="FP32", shape=[rows, 64]).contents.fp32_contents.extend(
+        [0.5] * rows * 64
+    )
+    req.inputs.add(name="sparse_ids", datatype="INT64", shape=[rows, 8]).contents.int64_contents.extend(
+        [1] * rows * 8
+    )
     out = req.outputs.add(name="score")
     out.parameters["binary_data"].bool_param = False
     resp = stub.ModelInfer(req)
@@ -85,7 +89,8 @@ def test_outputs_as_typed_contents_when_binary_data_is_false(stub):
     del req.outputs[:]
     raw = stub.ModelInfer(req)
     np.testing.assert_array_equal(
-        np.frombuffer(raw.raw_output_contents[0], np.float32), np.array(resp.outputs[0].contents.fp32_contents, np.float32)
+        np.frombuffer(raw.raw_output_contents[0], np.float32),
+        np.array(resp.outputs[0].contents.fp32_contents, np.float32),
     )
 
 
@@ -94,7 +99,10 @@ def test_grpc_health_server_and_per_model(server):
         health = health_pb2_grpc.HealthStub(ch)
         serving = health_pb2.HealthCheckResponse.SERVING
         assert health.Check(health_pb2.HealthCheckRequest(service="")).status == serving
-        assert health.Check(health_pb2.HealthCheckRequest(service="inference.GRPCInferenceService")).status == serving
+        assert (
+            health.Check(health_pb2.HealthCheckRequest(service="inference.GRPCInferenceService")).status
+            == serving
+        )
         assert health.Check(health_pb2.HealthCheckRequest(service="ranker")).status == serving
         try:
             health.Check(health_pb2.HealthCheckRequest(service="no-such-model"))

@@ -104,7 +104,9 @@ def test_reload_under_load_answers_every_call(served):
         while not stop.is_set():
             i += 1
             try:
-                ok = c.infer("ranker", _inputs(4, seed * 10_000 + i), client_timeout=30).as_numpy("score").shape == (4, 1)
+                ok = c.infer("ranker", _inputs(4, seed * 10_000 + i), client_timeout=30).as_numpy(
+                    "score"
+                ).shape == (4, 1)
                 outcomes.append("ok" if ok else "bad-shape")
             except InferenceServerException as exc:
                 outcomes.append(f"{_status(exc)}: {exc.message()}")

@@ -88,8 +88,15 @@ def make_ca(cn: str) -> Issued:
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=False, data_encipherment=False,
-                key_agreement=False, key_cert_sign=True, crl_sign=True, encipher_only=False, decipher_only=False,
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
             ),  # fmt: skip
             critical=True,
         )
@@ -112,10 +119,14 @@ def issue(ca: Issued, cn: str, *, server: bool) -> Issued:
         .not_valid_after(now + dt.timedelta(days=1))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]),
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
             critical=False,
         )
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()), critical=False
+        )
     )
     if server:
         b = b.add_extension(
@@ -146,8 +157,10 @@ class PKI:
 def make_pki(folder: Path) -> PKI:
     folder.mkdir(parents=True, exist_ok=True)
     ca, other = make_ca("batchgate test CA"), make_ca("rogue CA")
-    server, client, rogue = issue(ca, "batchgate", server=True), issue(ca, "good client", server=False), issue(
-        other, "rogue client", server=False
+    server, client, rogue = (
+        issue(ca, "batchgate", server=True),
+        issue(ca, "good client", server=False),
+        issue(other, "rogue client", server=False),
     )
     ca_file = folder / "ca.crt"
     ca_file.write_bytes(ca.cert_pem)
@@ -174,7 +187,9 @@ def grpc_creds(pki: PKI, client: str | None = "client") -> grpc.ChannelCredentia
     return grpc.ssl_channel_credentials(pki.ca.cert_pem, who.key_pem, who.cert_pem)
 
 
-def start_tls_server(tmp: Path, pki: PKI, *, mutual: bool, env: dict | None = None, timeout: float = 60.0) -> ServerProcess:
+def start_tls_server(
+    tmp: Path, pki: PKI, *, mutual: bool, env: dict | None = None, timeout: float = 60.0
+) -> ServerProcess:
     args = ["--tls-cert-file", str(pki.server_cert), "--tls-key-file", str(pki.server_key)]
     if mutual:
         args += ["--tls-client-ca-file", str(pki.ca_file)]
@@ -343,7 +358,9 @@ def test_tls_and_certificate_reload(tmp_path, pki):
         first = pki.server.serial
         assert peer_serial(srv.grpc_port, pki, "h2") == first
         assert peer_serial(srv.http_port, pki, "http/1.1") == first
-        status, _ = asyncio.run(http_get(f"https://127.0.0.1:{srv.http_port}/v2/health/live", http_ssl(pki, None)))
+        status, _ = asyncio.run(
+            http_get(f"https://127.0.0.1:{srv.http_port}/v2/health/live", http_ssl(pki, None))
+        )
         assert status == 200
         with pytest.raises(Exception):
             asyncio.run(http_get(f"http://127.0.0.1:{srv.http_port}/v2/health/live", None))
@@ -440,7 +457,9 @@ class RedisTLSServer(RedisServer):
                 pass
             if self.proc.poll() is not None:
                 out = self.proc.stdout.read().decode(errors="replace")
-                if "TLS" in out and ("not supported" in out or "Unrecognized" in out or "Bad directive" in out):
+                if "TLS" in out and (
+                    "not supported" in out or "Unrecognized" in out or "Bad directive" in out
+                ):
                     pytest.skip(f"this redis-server has no TLS support: {out.strip()[-200:]}")
                 raise AssertionError(f"TLS redis-server did not start:\n{out}")
             if time.monotonic() > deadline:
@@ -469,7 +488,9 @@ def test_redis_over_tls_with_auth(redis_tls):
     from batchgate.gateway.ratelimit import GlobalSpec, Rate, RedisLimiter
 
     async def run():
-        tier = RedisTier(redis_tls.url, ttl_s=60.0, lookup_timeout_s=2.0, breaker=Breaker(3, 0.2), key_prefix=b"t:")
+        tier = RedisTier(
+            redis_tls.url, ttl_s=60.0, lookup_timeout_s=2.0, breaker=Breaker(3, 0.2), key_prefix=b"t:"
+        )
         assert await tier.warm(connections=2, timeout_s=5.0)
         tier.put_many([b"t:k1", b"t:k2"], [b"v1", b"v2"])
         assert await tier.flush(5.0)

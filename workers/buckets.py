@@ -204,10 +204,14 @@ class ShapePlan:
         names = {t.name for t in inputs}
         for name in config.pad_values:
             if name not in names:
-                raise ValueError(f"parameter 'pad_value.{name}' names no input of the model ({sorted(names)})")
+                raise ValueError(
+                    f"parameter 'pad_value.{name}' names no input of the model ({sorted(names)})"
+                )
         mask = config.mask_input if config.mask_input in names else None
         if config.mask_explicit and config.mask_input and mask is None:
-            raise ValueError(f"parameter 'mask_input' names '{config.mask_input}', not an input ({sorted(names)})")
+            raise ValueError(
+                f"parameter 'mask_input' names '{config.mask_input}', not an input ({sorted(names)})"
+            )
         self.mask_input = mask
         self.pad_values = {t.name: config.pad_values.get(t.name, 0) for t in inputs}
         self.groups = self._groups(config)

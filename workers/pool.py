@@ -124,8 +124,12 @@ class _Worker:
             self._ready.set()
             if self.restarts:  # a replacement: nobody waits for it, so answer its queue here
                 self.dead = True
-                log.error("%s: replacement worker failed to start, batches sent to it fail: %s", self.name, exc)
-                self.fail_queued(WorkerDied(f"worker {self.name} died and its replacement failed to start: {exc}"))
+                log.error(
+                    "%s: replacement worker failed to start, batches sent to it fail: %s", self.name, exc
+                )
+                self.fail_queued(
+                    WorkerDied(f"worker {self.name} died and its replacement failed to start: {exc}")
+                )
             return
         self._ready.set()
         if self.restarts:
@@ -277,7 +281,9 @@ class WorkerPool:
                 raise RuntimeError(f"worker pool '{self.name}' is closed")
             live = [w for w in self.workers if not w.dead]
             if not live:
-                raise RuntimeError(f"worker pool '{self.name}' has no live worker (replacements failed to start)")
+                raise RuntimeError(
+                    f"worker pool '{self.name}' has no live worker (replacements failed to start)"
+                )
             worker = min(live, key=lambda w: w.outstanding)
             worker.outstanding += 1
             job = _Job(parts, rows, batched, future, worker)
@@ -296,7 +302,9 @@ class WorkerPool:
             target = None
             if job is not None and not job.retried and not closed:
                 # Prefer another worker: this one first has to build and warm a new engine.
-                target = min((w for w in self.workers if not w.dead), key=lambda w: (w is worker, w.outstanding))
+                target = min(
+                    (w for w in self.workers if not w.dead), key=lambda w: (w is worker, w.outstanding)
+                )
                 job.worker.outstanding -= 1
                 target.outstanding += 1
                 job.worker, job.retried = target, True
@@ -316,7 +324,9 @@ class WorkerPool:
         if target is not None:
             target.put(job)
         elif job is not None:
-            job.future.set_exception(WorkerDied(f"worker {worker.name} died running this batch, twice: {exc!r}"))
+            job.future.set_exception(
+                WorkerDied(f"worker {worker.name} died running this batch, twice: {exc!r}")
+            )
         worker.restart()
 
     def shape_key(self, arrays: dict[str, np.ndarray]) -> Hashable:

@@ -177,7 +177,9 @@ class SessionFactory:
                 log.warning("cached engine %s failed to load (%s); rebuilding it", cached, exc)
         so = self._options(overrides, shared_arena)
         level = ort.GraphOptimizationLevel
-        so.graph_optimization_level = level.ORT_ENABLE_ALL if self.graph_optimization else level.ORT_DISABLE_ALL
+        so.graph_optimization_level = (
+            level.ORT_ENABLE_ALL if self.graph_optimization else level.ORT_DISABLE_ALL
+        )
         tmp = None
         if cached is not None:
             # Written beside the final name, then renamed: another worker or process loading the

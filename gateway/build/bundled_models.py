@@ -33,7 +33,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from batchgate.gateway.build.onnx_graph import GraphBuilder, attend, finish_model, gelu, split_heads, write_atomic
+from batchgate.gateway.build.onnx_graph import (
+    GraphBuilder,
+    attend,
+    finish_model,
+    gelu,
+    split_heads,
+    write_atomic,
+)
 
 RANKER_SEED = 20240601
 ENCODER_SEED = 20240602
@@ -134,7 +141,9 @@ def _encoder_layer(g: GraphBuilder, rng: np.random.Generator, name: str, x: str,
     attn = _attention(g, rng, f"{name}.attn", _layer_norm(g, rng, f"{name}.ln1", x), key_bias)
     x = g.op("Add", [x, attn], f"{name}.resid1")
     normed = _layer_norm(g, rng, f"{name}.ln2", x)
-    hidden = gelu(g, f"{name}.gelu", _linear(g, rng, f"{name}.ffn1", normed, ENCODER_HIDDEN, ENCODER_FFN), one="one_f")
+    hidden = gelu(
+        g, f"{name}.gelu", _linear(g, rng, f"{name}.ffn1", normed, ENCODER_HIDDEN, ENCODER_FFN), one="one_f"
+    )
     ffn = _linear(g, rng, f"{name}.ffn2", hidden, ENCODER_FFN, ENCODER_HIDDEN)
     return g.op("Add", [x, ffn], f"{name}.resid2")
 

@@ -47,7 +47,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from batchgate.gateway.build.onnx_graph import GraphBuilder, attend, finish_model, gelu, split_heads, write_atomic
+from batchgate.gateway.build.onnx_graph import (
+    GraphBuilder,
+    attend,
+    finish_model,
+    gelu,
+    split_heads,
+    write_atomic,
+)
 
 Log = Callable[[str], object]
 
@@ -387,7 +394,8 @@ def build_onnx(weights: dict[str, np.ndarray], cfg: BertConfig) -> onnx.ModelPro
 
     ids = ["batch", "seq"]
     inputs = [
-        helper.make_tensor_value_info(n, TensorProto.INT64, ids) for n in ("input_ids", "attention_mask", "token_type_ids")
+        helper.make_tensor_value_info(n, TensorProto.INT64, ids)
+        for n in ("input_ids", "attention_mask", "token_type_ids")
     ]
     outputs = [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", cfg.hidden])]
     return finish_model(g, MODEL_NAME, inputs, outputs, producer=PRODUCER)

@@ -62,8 +62,13 @@ class GraphBuilder:
         return self.op("Cast", [f"{name}_fp16"], name, to=TensorProto.FLOAT)
 
 
-def finish_model(graph: GraphBuilder, name: str, inputs: list[onnx.ValueInfoProto],
-                 outputs: list[onnx.ValueInfoProto], producer: str = PRODUCER) -> onnx.ModelProto:
+def finish_model(
+    graph: GraphBuilder,
+    name: str,
+    inputs: list[onnx.ValueInfoProto],
+    outputs: list[onnx.ValueInfoProto],
+    producer: str = PRODUCER,
+) -> onnx.ModelProto:
     """The graph as a checked model at batchgate's opset and IR version."""
     model = helper.make_model(
         helper.make_graph(graph.nodes, name, inputs, outputs, graph.initializers),
@@ -84,8 +89,9 @@ def write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def gelu(g: GraphBuilder, name: str, x: str, *, one: str, half: str | None = None,
-         sqrt2: str | None = None) -> str:
+def gelu(
+    g: GraphBuilder, name: str, x: str, *, one: str, half: str | None = None, sqrt2: str | None = None
+) -> str:
     """Exact (erf) GELU, ``x * (1 + erf(x / sqrt 2)) / 2``, spelled out: the Gelu op only exists
     from opset 20, and onnxruntime fuses this pattern back into its Gelu kernel either way.
 
@@ -104,15 +110,26 @@ def gelu(g: GraphBuilder, name: str, x: str, *, one: str, half: str | None = Non
     return g.op("Mul", [g.op("Mul", [x, half], f"{name}.half_x"), one_plus], name)
 
 
-def split_heads(g: GraphBuilder, x: str, perm: list[int], suffix: str, heads_shape: str = "heads_shape") -> str:
+def split_heads(
+    g: GraphBuilder, x: str, perm: list[int], suffix: str, heads_shape: str = "heads_shape"
+) -> str:
     """[batch, seq, hidden] -> heads, transposed by ``perm`` ([0, 2, 1, 3] for Q and V: [batch,
     heads, seq, head_dim]; [0, 2, 3, 1] for K, so Q @ K needs no extra transpose). Reshape's 0
     entries in ``heads_shape`` copy batch and seq from the input: no runtime shape arithmetic."""
     return g.op("Transpose", [g.op("Reshape", [x, heads_shape], f"{x}.heads")], f"{x}.{suffix}", perm=perm)
 
 
-def attend(g: GraphBuilder, name: str, q: str, k: str, v: str, key_bias: str, *, scale: str | None = None,
-           merge_shape: str = "merge_shape") -> str:
+def attend(
+    g: GraphBuilder,
+    name: str,
+    q: str,
+    k: str,
+    v: str,
+    key_bias: str,
+    *,
+    scale: str | None = None,
+    merge_shape: str = "merge_shape",
+) -> str:
     """softmax(Q K * scale + key_bias) V, heads merged back to [batch, seq, hidden] (before the
     output projection). ``key_bias`` is 0 for real keys and a large negative for padding.
     ``scale`` names the 1/sqrt(head_dim) constant; None when it is folded into the query weights

@@ -169,7 +169,12 @@ class DeadlineQueue:
         the rows as they will run), what the running batches still have to do, then its own
         requests' compute, all from the learned latency model, would end past its due time."""
         first = reqs[0]
-        if not self.shed or first.cls is None or first.deadline == math.inf or not self.latency.confident_model():
+        if (
+            not self.shed
+            or first.cls is None
+            or first.deadline == math.inf
+            or not self.latency.confident_model()
+        ):
             return None  # no estimate worth refusing work on yet: admit, the queue still expires it
         wait = (self.work_ahead_s(first) + running_s) / max(slots, 1)
         # Its requests run one after another on one slot at worst: their expected times add up,
@@ -347,9 +352,13 @@ class DeadlineQueue:
             elif rows + r.rows > limit and plan:
                 heapq.heappush(lane.heap, entry)
                 break
-            elif plan and sized and (
-                (est := self.latency.estimate_hi(key, rows + r.rows)) > cap
-                or now + est + lag > min(urgent, self.due(r))
+            elif (
+                plan
+                and sized
+                and (
+                    (est := self.latency.estimate_hi(key, rows + r.rows)) > cap
+                    or now + est + lag > min(urgent, self.due(r))
+                )
             ):
                 heapq.heappush(lane.heap, entry)
                 break
@@ -374,8 +383,15 @@ class DeadlineQueue:
         """Requests queued in bucket ``key`` besides a popped plan (heaps hold the rest)."""
         return sum(len(lane.heap) for lane in self._lanes[key].values())
 
-    def _close_at(self, key: Hashable, plan: list[tuple[_Lane, tuple]], rows: int, best_pref: int, now: float,
-                  idle: bool) -> float:
+    def _close_at(
+        self,
+        key: Hashable,
+        plan: list[tuple[_Lane, tuple]],
+        rows: int,
+        best_pref: int,
+        now: float,
+        idle: bool,
+    ) -> float:
         """When this batch should leave: now (returns ``now``) or a later time to re-check."""
         if self.max_batch_size == 0 or rows >= self._limit(key) or best_pref == len(plan):
             return now

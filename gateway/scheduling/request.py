@@ -47,7 +47,9 @@ def parse_classes(spec: str) -> dict[str, LatencyClass]:
                 f"latency class '{item}': expected name=<budget>ms/<max_queue>/<min_share>, e.g. realtime=25ms/1024/0"
             ) from exc
         if not cls.name or cls.budget_s <= 0 or cls.max_queue < 0 or not 0 <= cls.min_share < 1:
-            raise ValueError(f"latency class '{item}': budget must be > 0, max_queue >= 0, 0 <= min_share < 1")
+            raise ValueError(
+                f"latency class '{item}': budget must be > 0, max_queue >= 0, 0 <= min_share < 1"
+            )
         classes[cls.name] = cls
     if not classes:
         raise ValueError("at least one latency class is required")
@@ -93,7 +95,9 @@ class SchedulePolicy:
             policies[int(lvl)] = policy(p)
         default_level = int(db.default_priority_level) or (levels if levels else 0)
         if levels and not 1 <= default_level <= levels:
-            raise ValueError(f"default_priority_level {default_level} is outside [1, priority_levels={levels}]")
+            raise ValueError(
+                f"default_priority_level {default_level} is outside [1, priority_levels={levels}]"
+            )
         return cls(levels, default_level, policies)
 
 

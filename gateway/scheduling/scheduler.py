@@ -137,8 +137,16 @@ class Scheduler:
         else:
             reqs = [
                 Request(
-                    inputs, rows, key, now, loop.create_future(),
-                    budget.deadline, budget.cls, budget.level, budget.queue_deadline, budget.delay,
+                    inputs,
+                    rows,
+                    key,
+                    now,
+                    loop.create_future(),
+                    budget.deadline,
+                    budget.cls,
+                    budget.level,
+                    budget.queue_deadline,
+                    budget.delay,
                 )  # fmt: skip
                 for inputs, rows, key in parts
             ]
@@ -171,7 +179,9 @@ class Scheduler:
             if self._in_flight == 0:
                 self._idle.set()
 
-    async def _gather(self, reqs: list[Request], loop: asyncio.AbstractEventLoop) -> list[dict[str, np.ndarray]]:
+    async def _gather(
+        self, reqs: list[Request], loop: asyncio.AbstractEventLoop
+    ) -> list[dict[str, np.ndarray]]:
         """The outputs of a call's requests in order; the first failure fails the call and drops
         the requests not yet computed (their futures cancelled: the queue skips them)."""
         call = loop.create_future()
@@ -334,7 +344,9 @@ class Scheduler:
         except BaseException as exc:
             # Refused before it ran (e.g. the pool is closed): not the rows' fault, never split.
             if not isinstance(exc, GatewayError):
-                exc = GatewayError(Kind.FAILED, f"model '{self.name}' failed to execute a batch of {sum(rows)} rows: {exc}")
+                exc = GatewayError(
+                    Kind.FAILED, f"model '{self.name}' failed to execute a batch of {sum(rows)} rows: {exc}"
+                )
             self._complete(batch, start, None, exc, retry)
             return
         loop = self._loop
@@ -342,13 +354,16 @@ class Scheduler:
 
     def _on_done(self, batch: list[Request], start: float, fut: Future, retry: bool = False) -> None:
         if fut.cancelled():
-            exc: BaseException | None = GatewayError(Kind.FAILED, f"model '{self.name}': the batch was cancelled")
+            exc: BaseException | None = GatewayError(
+                Kind.FAILED, f"model '{self.name}': the batch was cancelled"
+            )
         else:
             exc = fut.exception()
         result = None if exc else fut.result()
         if result is not None and len(result[0]) != len(batch):
             exc = GatewayError(
-                Kind.FAILED, f"model '{self.name}': engine returned {len(result[0])} outputs for {len(batch)} requests"
+                Kind.FAILED,
+                f"model '{self.name}': engine returned {len(result[0])} outputs for {len(batch)} requests",
             )
         self._complete(batch, start, None if exc else result, exc, retry)
 
@@ -386,7 +401,9 @@ class Scheduler:
                     f"the batch it was in failed, the other requests were answered): {exc}",
                 )
             else:
-                err = GatewayError(Kind.FAILED, f"model '{self.name}' failed to execute a batch of {n_rows} rows: {exc}")
+                err = GatewayError(
+                    Kind.FAILED, f"model '{self.name}' failed to execute a batch of {n_rows} rows: {exc}"
+                )
             log.warning("batch of %d rows failed on %s: %s", n_rows, self.name, exc)
             for r in batch:
                 if r.cls is not None:
@@ -396,11 +413,17 @@ class Scheduler:
                 self._fail(r, err)
             return
         outputs, timing = result
-        self.latency.observe(batch[0].key, n_rows, (timing.input_ns + timing.infer_ns + timing.output_ns) / 1e9)
+        self.latency.observe(
+            batch[0].key, n_rows, (timing.input_ns + timing.infer_ns + timing.output_ns) / 1e9
+        )
         st.execution_count += 1
         st.inference_count += n_rows
         st.last_inference_ms = int(time.time() * 1000)
-        for name, value in (("input", timing.input_ns), ("infer", timing.infer_ns), ("output", timing.output_ns)):
+        for name, value in (
+            ("input", timing.input_ns),
+            ("infer", timing.infer_ns),
+            ("output", timing.output_ns),
+        ):
             setattr(st, f"{name}_count", getattr(st, f"{name}_count") + len(batch))
             setattr(st, f"{name}_ns", getattr(st, f"{name}_ns") + value * len(batch))
         bs = st.by_batch_size.get(n_rows)

@@ -271,7 +271,8 @@ class Server:
         ok = await self.plane.drain(self.settings.drain_timeout_s)
         if not ok:
             log.warning(
-                "drain timed out after %.1fs; answering what is left UNAVAILABLE", self.settings.drain_timeout_s
+                "drain timed out after %.1fs; answering what is left UNAVAILABLE",
+                self.settings.drain_timeout_s,
             )
         await self._linger()
         if self._grpc is not None:

@@ -160,7 +160,9 @@ class CertStore:
         self._bad_stamp = stamp
         self.reload_failures += 1
         log.error(
-            "TLS: keeping the previous certificate; reload failed: %s", exc, extra={"event": "tls_reload_failed"}
+            "TLS: keeping the previous certificate; reload failed: %s",
+            exc,
+            extra={"event": "tls_reload_failed"},
         )
 
     # -- gRPC -------------------------------------------------------------------------------------
