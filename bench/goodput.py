@@ -58,7 +58,7 @@ MIX = {
 
 # --mix tight-loose: a class whose budget is feasible at 1x (tens of ms) beside a lenient one
 MIXES = {
-    "default": MIX,
+    "default": dict(MIX),  # a copy: MIX itself is cleared and refilled from here
     "tight-loose": {
         "realtime": (0.5, 0.060, {"latency_class": "realtime", "latency_budget_ms": 60}),
         "standard": (0.5, 0.500, {"latency_class": "standard", "latency_budget_ms": 500}),
