@@ -26,7 +26,7 @@ from batchgate.gateway.admission import Account, Admission
 from batchgate.gateway.scheduling.request import resolve as resolve_budget
 from batchgate.gateway.dataplane import DataPlane, ReloadFailed
 from batchgate.gateway.errors import ECHO_MAX, GatewayError, Kind, clip, invalid, not_found
-from batchgate.gateway.metrics import Transport
+from batchgate.gateway.metrics import TransportCounters
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class Pipeline:
     # -- inference ------------------------------------------------------------------------------
 
     async def infer(
-        self, request: pb.ModelInferRequest, caller: Account | None, edge: Transport,
+        self, request: pb.ModelInferRequest, caller: Account | None, edge: TransportCounters,
         time_remaining: float | None = None, gated: bool = False,
     ) -> pb.ModelInferResponse:  # fmt: skip
         """The call, counted at ``edge`` (in flight, then ok or failed with its outcome). Raises

@@ -5,7 +5,7 @@ Per-call Python work is the scarce resource, so almost nothing here runs per cal
 * At scrape time a collector reads what the data plane already keeps (``Stats`` per model
   version, queue lengths, worker busy time, the result cache's ``stats()``) and turns it into
   metric families. Zero hot-path cost.
-* At the edge each transport (``Transport``) keeps plain integers per (model, version) and a
+* At the edge each transport (``TransportCounters``) keeps plain integers per (model, version) and a
   histogram of request time; a success costs a dict lookup, an integer increment and a bisect.
 * Per executed batch (not per request) the scheduler calls the model's ``BatchObserver`` with
   the batch; it fills the queue-time, compute-time, batch-size and padding histograms.
@@ -37,7 +37,7 @@ from batchgate.gateway.errors import GatewayError, Kind
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CONTENT_TYPE_LATEST", "BatchObserver", "Histogram", "Metrics", "Transport", "outcome_of"]
+__all__ = ["CONTENT_TYPE_LATEST", "BatchObserver", "Histogram", "Metrics", "TransportCounters", "outcome_of"]
 
 # Seconds. Dense below 50 ms, where the latency classes live.
 LATENCY_BUCKETS = (
@@ -112,7 +112,7 @@ def _fmt(bound: float) -> str:
 # -- the edge -------------------------------------------------------------------------------------
 
 
-class _Edge:
+class _ModelCounters:
     """One (model, version) at one transport."""
 
     __slots__ = ("model", "version", "success", "outcomes", "latency")
@@ -125,20 +125,20 @@ class _Edge:
         self.latency = Histogram(LATENCY_BUCKETS)
 
 
-class Transport:
+class TransportCounters:
     """Request counters of one transport. ``ok`` is the per-call path; ``failed`` is not."""
 
     def __init__(self, name: str, plane) -> None:
         self.name = name
         self.plane = plane
         self.inflight = 0  # calls between receipt and answer at this transport
-        self._edges: dict[tuple[str, str], _Edge] = {}
+        self._edges: dict[tuple[str, str], _ModelCounters] = {}
 
-    def _edge(self, model: str, version: str) -> _Edge:
+    def _edge(self, model: str, version: str) -> _ModelCounters:
         key = (model, version)
         e = self._edges.get(key)
         if e is None:
-            e = self._edges[key] = _Edge(model, version)
+            e = self._edges[key] = _ModelCounters(model, version)
         return e
 
     def ok(self, model: str, version: str, seconds: float) -> None:
@@ -166,7 +166,7 @@ class Transport:
         e.outcomes[outcome] = e.outcomes.get(outcome, 0) + 1
         return outcome
 
-    def edges(self) -> list[_Edge]:
+    def edges(self) -> list[_ModelCounters]:
         return list(self._edges.values())
 
 
@@ -213,7 +213,7 @@ class Metrics:
     def __init__(self, plane, version: str = "") -> None:
         self.plane = plane
         self.version = version
-        self.transports = {name: Transport(name, plane) for name in TRANSPORTS}
+        self.transports = {name: TransportCounters(name, plane) for name in TRANSPORTS}
         self.observers: dict[tuple[str, str], BatchObserver] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         ProcessCollector(registry=self.registry)
@@ -221,7 +221,7 @@ class Metrics:
         GCCollector(registry=self.registry)
         self.registry.register(_PlaneCollector(self))
 
-    def transport(self, name: str) -> Transport:
+    def transport(self, name: str) -> TransportCounters:
         return self.transports[name]
 
     def attach(self) -> None:

@@ -156,7 +156,6 @@ class Server:
         self._http: web.AppRunner | None = None
         self.http_site: web.TCPSite | None = None
         self.probes: probes.Probes | None = None
-        self._stopped = asyncio.Event()
 
     async def start(self) -> None:
         s = self.settings
@@ -290,7 +289,6 @@ class Server:
         if self.probes is not None:  # last: probes see the drain through
             await self.probes.stop()
         log.info("stopped", extra={"event": "stopped"})
-        self._stopped.set()
 
     async def _linger(self) -> None:
         """Keep answering UNAVAILABLE until callers stop arriving (or drain_linger_s passes).
@@ -305,9 +303,6 @@ class Server:
             if now - self.plane.last_refused >= quiet_s:
                 return
             await asyncio.sleep(quiet_s / 4)
-
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
 
 
 async def serve(settings: Settings) -> None:
