@@ -27,7 +27,7 @@ import numpy as np
 from aiohttp import web
 
 from batchgate.gateway.codec import serialize_bytes
-from batchgate.gateway.errors import GatewayError, Kind
+from batchgate.gateway.errors import GatewayError, Kind, retry_headers
 from batchgate.gateway.logs import REQUEST_ID, REQUEST_ID_KEY, clean_request_id
 from batchgate.gateway.text import estimate_tokens
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
@@ -75,17 +75,6 @@ def text_models(server: Server) -> list[str]:
     return sorted(
         name for name, versions in plane.models.items() if versions and versions[plane.latest[name]].text
     )
-
-
-def _headers_of(trailing: tuple) -> dict:
-    headers = {k: v for k, v in trailing if isinstance(v, str)}
-    ms = headers.get("retry-after-ms")
-    if ms is not None:
-        try:
-            headers["Retry-After"] = str(max(1, math.ceil(float(ms) / 1000)))
-        except ValueError:
-            pass
-    return headers
 
 
 async def embed_texts(
@@ -220,8 +209,7 @@ async def _infer_chunk(
         m = _ROW.match(message)
         if m:  # the text stage names rows of this request: say which input of the caller's list
             message = f"input {rows[int(m.group(1))]}: {message[m.end() :]}"
-        trailing = (*getattr(exc, "trailing_metadata", ()), *echo.items())
-        raise Refused(exc.kind, message, "input" if m else None, _headers_of(trailing)) from None
+        raise Refused(exc.kind, message, "input" if m else None, retry_headers(exc, echo)) from None
     finally:
         REQUEST_ID.reset(token)
     for i, t in enumerate(resp.outputs):

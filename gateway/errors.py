@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 
 
 class Kind(enum.Enum):
@@ -106,3 +107,19 @@ def parse_version(version: str) -> str:
             f"invalid model version specified '{clip(version, 32)}' , version should be an integral value > 0"
         )
     return str(n)
+
+
+def retry_headers(exc: Exception, base: dict) -> dict:
+    """HTTP headers of a refusal: ``base``, its trailers (a rate limit's or a queue's
+    ``retry-after-ms``), and that hint again as the standard ``Retry-After`` in whole seconds."""
+    headers = dict(base)
+    for key, value in getattr(exc, "trailing_metadata", ()):
+        if isinstance(value, str):
+            headers[key] = value
+    ms = headers.get("retry-after-ms")
+    if ms is not None:
+        try:
+            headers["Retry-After"] = str(max(1, math.ceil(float(ms) / 1000)))
+        except ValueError:
+            pass
+    return headers

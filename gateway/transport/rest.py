@@ -28,7 +28,7 @@ from aiohttp import web
 from batchgate.gateway import codec as codec_module
 from batchgate.gateway import dtypes
 from batchgate.gateway.codec import deserialize_bytes, serialize_bytes
-from batchgate.gateway.errors import GatewayError, Kind, clip, invalid
+from batchgate.gateway.errors import GatewayError, Kind, clip, invalid, retry_headers
 from batchgate.gateway.logs import REQUEST_ID, REQUEST_ID_KEY, clean_request_id
 from batchgate.gateway.metrics import CONTENT_TYPE_LATEST
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
@@ -56,21 +56,6 @@ JSON_TYPE = "application/json"
 BINARY_TYPE = "application/octet-stream"
 MAX_JSON_DEPTH = 32  # nested `data` deeper than this is no tensor any model takes
 INT64 = (-(2**63), 2**63)
-
-
-def _retry_headers(exc: GatewayError, base: dict) -> dict:
-    """A rate limit's ``retry-after-ms`` as a header, and as the standard ``Retry-After`` in whole
-    seconds."""
-    headers = dict(base)
-    for key, value in getattr(exc, "trailing_metadata", ()):
-        headers[key] = value
-    ms = headers.get("retry-after-ms")
-    if ms is not None:
-        try:
-            headers["Retry-After"] = str(max(1, math.ceil(float(ms) / 1000)))
-        except ValueError:
-            pass
-    return headers
 
 
 def _error(status: int, message: str, headers: dict | None = None) -> web.Response:
@@ -542,7 +527,7 @@ class HttpFrontend:
                 resp = await self.pipeline.infer(msg, caller, self.edge, gated=True)
                 payload, header_len = build_response(resp, binary_out)
             except GatewayError as exc:
-                return _error(HTTP_STATUS[exc.kind], exc.message, _retry_headers(exc, echo))
+                return _error(HTTP_STATUS[exc.kind], exc.message, retry_headers(exc, echo))
         finally:
             REQUEST_ID.reset(token)
         headers = dict(echo)
