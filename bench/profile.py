@@ -250,6 +250,24 @@ def _pyspy() -> str | None:
     return str(exe) if exe.exists() else shutil.which("py-spy")
 
 
+def ranker_sender(chans: list, api: str, rows: int):
+    """``(streams, send)``: ``send(slot, k)`` makes one ``ranker`` call of ``rows`` rows, unary or
+    on one of the streams (one per channel; the caller closes them)."""
+    stubs = [pb_grpc.GRPCInferenceServiceStub(ch) for ch in chans]
+    streams = [_Stream(ch, 10.0) for ch in chans] if api == "stream" else []
+    pool = Workload("ranker", rows=rows).requests()
+    ids = itertools.count()
+
+    async def send(slot: int, k: int) -> None:
+        req = pool[k % len(pool)]
+        if api == "unary":
+            await stubs[slot % len(stubs)].ModelInfer(req, timeout=10)
+        else:
+            await streams[slot % len(streams)].infer(req, str(next(ids)))
+
+    return streams, send
+
+
 async def measure(
     server: Started,
     api: str,
@@ -267,17 +285,7 @@ async def measure(
         grpc.aio.insecure_channel(server.url, options=[("grpc.use_local_subchannel_pool", 1)])
         for _ in range(4)
     ]
-    stubs = [pb_grpc.GRPCInferenceServiceStub(ch) for ch in chans]
-    streams = [_Stream(ch, 10.0) for ch in chans] if api == "stream" else []
-    pool = Workload("ranker", rows=rows).requests()
-    ids = itertools.count()
-
-    async def send(slot: int, k: int) -> None:
-        req = pool[k % len(pool)]
-        if api == "unary":
-            await stubs[slot % len(stubs)].ModelInfer(req, timeout=10)
-        else:
-            await streams[slot % len(streams)].infer(req, str(next(ids)))
+    streams, send = ranker_sender(chans, api, rows)
 
     windows = []
     try:

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import sys
 import time
 
 import grpc
-from batchgate.bench.loadgen import Started, Workload, _Stream, free_ports
-from batchgate.bench.profile import _drive, _self_cpu, process_cpu
-from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from batchgate.bench.loadgen import Started, free_ports
+from batchgate.bench.profile import _drive, _self_cpu, process_cpu, ranker_sender
 
 
 def start(kind: str, n: int) -> list[Started]:
@@ -48,17 +46,7 @@ async def measure(
         grpc.aio.insecure_channel(url, options=[("grpc.use_local_subchannel_pool", 1)])
         for _ in range(connections)
     ]
-    stubs = [pb_grpc.GRPCInferenceServiceStub(ch) for ch in chans]
-    streams = [_Stream(ch, 10.0) for ch in chans] if api == "stream" else []
-    pool = Workload("ranker", rows=1).requests()
-    ids = itertools.count()
-
-    async def send(slot: int, k: int) -> None:
-        req = pool[k % len(pool)]
-        if api == "unary":
-            await stubs[slot % len(stubs)].ModelInfer(req, timeout=10)
-        else:
-            await streams[slot % len(streams)].infer(req, str(next(ids)))
+    streams, send = ranker_sender(chans, api, 1)
 
     try:
         await _drive(send, concurrency, max(calls // 10, 500))
