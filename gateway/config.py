@@ -54,7 +54,7 @@ class Settings(BaseSettings):
         None,
         ge=1024,
         description="largest gRPC message accepted or sent, in bytes; default: derived from "
-        "the served models (their largest acceptable request, at least 4 MiB)",
+        "the served models (their largest acceptable request, between 4 and 64 MiB)",
     )
     strict_readiness: bool = Field(
         False,
