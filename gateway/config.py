@@ -265,6 +265,14 @@ class Settings(BaseSettings):
         description="calls inside the server below which the overload gate never refuses (a slow "
         "machine alone is no overload)",
     )
+    grpc_takers: int = Field(
+        16,
+        ge=0,
+        le=256,
+        description="requests for new calls kept outstanding in gRPC core beside grpc.aio's own one: "
+        "calls are taken as fast as they arrive, and while the overload gate sheds, refused at once "
+        "without a handler (gateway/transport/takers.py); 0 = grpc.aio's own loop alone",
+    )
     http_max_connections: int = Field(
         1024, ge=1, description="open HTTP connections at most; more are answered 503 and closed"
     )

@@ -122,19 +122,35 @@ class OverloadGate:
         self.shedding = self.admit < 1.0
         self._handle = self._loop.call_later(self.TICK_S, self._tick)
 
-    def check(self) -> None:
-        """Take the call, or raise UNAVAILABLE (outcome ``overloaded``)."""
+    def take(self) -> bool:
+        """Whether to take a new call (False: refuse it, counted). One attribute check while not
+        shedding; while shedding, refusals are spread evenly over arrivals."""
+        if not self.shedding:
+            return True
         self._credit += self.admit
         if self._credit >= 1.0:
             self._credit -= 1.0
-            return
+            return True
         self.refused += 1
-        raise GatewayError(
-            Kind.UNAVAILABLE,
+        return False
+
+    def message(self) -> str:
+        return (
             f"server overloaded: taking {self.admit:.0%} of new calls; "
-            "retry with backoff or on another replica",
-            outcome="overloaded",
+            "retry with backoff or on another replica"
         )
+
+    def trailing(self) -> tuple:
+        """The refusal's retry hint: the gate's next look at the loop (gRPC's retry pushback)."""
+        ms = str(round(self.TICK_S * 1000 * 5))
+        return (("grpc-retry-pushback-ms", ms), ("retry-after-ms", ms))
+
+    def check(self) -> None:
+        """Take the call, or raise UNAVAILABLE (outcome ``overloaded``)."""
+        if not self.take():
+            raise GatewayError(
+                Kind.UNAVAILABLE, self.message(), outcome="overloaded", retry_after_s=self.TICK_S * 5
+            )
 
 
 class Pipeline:

@@ -219,6 +219,7 @@ class Metrics:
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
+        self.overload = None  # (OverloadGate, CallTakers | None), set by the server once made
         self.registry.register(_PlaneCollector(self))
 
     def transport(self, name: str) -> TransportCounters:
@@ -281,6 +282,7 @@ class _PlaneCollector:
         yield from _scheduler_families(snaps)
         yield from _worker_families(snaps)
         yield _loop_lag_family(plane)
+        yield from _overload_families(m)
         yield from _cache_families(plane)
 
 
@@ -449,6 +451,25 @@ def _worker_families(snaps) -> Iterator:
         for name, busy_s in snap.workers:
             busy.add_metric(lv + [name], busy_s)
     yield from (busy, workers)
+
+
+def _overload_families(m: Metrics) -> Iterator:
+    if m.overload is None:
+        return
+    gate, door = m.overload
+    refused = CounterMetricFamily(
+        P + "overload_refused",
+        "new calls refused UNAVAILABLE by the overload gate: at the door (by a gRPC call taker, before "
+        "any handler) or in the pipeline (before decoding)",
+        labels=["where"],
+    )
+    at_door = door.refused if door is not None else 0
+    refused.add_metric(["door"], at_door)
+    refused.add_metric(["pipeline"], gate.refused - at_door)
+    yield refused
+    admit = GaugeMetricFamily(P + "overload_admitted_ratio", "share of new calls the overload gate takes now")
+    admit.add_metric([], gate.admit)
+    yield admit
 
 
 def _loop_lag_family(plane) -> GaugeMetricFamily:

@@ -33,6 +33,7 @@ from batchgate.gateway.metrics import Metrics
 from batchgate.gateway.repository import ModelSpec, tokenized
 from batchgate.gateway.transport import rest
 from batchgate.gateway.transport.grpc import SERVICE_NAME, AuthInterceptor, InferenceServicer
+from batchgate.gateway.transport.takers import CallTakers
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from batchgate.gateway.transport.tls import CertStore
 
@@ -156,6 +157,7 @@ class Server:
         self._http: web.AppRunner | None = None
         self.http_site: web.TCPSite | None = None
         self.probes: probes.Probes | None = None
+        self.takers: CallTakers | None = None
 
     async def start(self) -> None:
         s = self.settings
@@ -182,9 +184,14 @@ class Server:
             ]
         # Authentication on metadata, before the message is read; an open server has no interceptor.
         interceptors = () if self.admission.open else (AuthInterceptor(self.pipeline, self.metrics),)
+        gate = self.pipeline.gate
+        self.takers = CallTakers(s.grpc_takers, s.max_concurrent_rpcs, gate.take, gate.message, gate.trailing)
         server = grpc.aio.server(
-            options=options, interceptors=interceptors, maximum_concurrent_rpcs=s.max_concurrent_rpcs
-        )
+            options=options, interceptors=self.takers.interceptors_for(interceptors),
+            maximum_concurrent_rpcs=self.takers.grpc_cap,
+        )  # fmt: skip
+        self.takers.attach(server)
+        self.metrics.overload = (gate, self.takers)
         await self.admission.start()  # Redis for global limits, if any; being down is not fatal
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -206,6 +213,7 @@ class Server:
             raise address_in_use(s.host, s.grpc_port, "gRPC")
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
+        self.takers.start()
         self._grpc = server
         try:
             self._http, self.http_port = await rest.start(self)

@@ -1,0 +1,232 @@
+"""More than one taker of new calls from gRPC core, and the cheapest refusal there is.
+
+grpc.aio's server takes new calls from gRPC core one at a time: its main loop asks core for a call,
+awaits it, starts the call's tasks, and only then asks for the next — at least two event-loop
+turns per call. When the loop is busy (a batch's answers, other calls' decoding), turns are long
+and calls are taken more slowly than they arrive. The rest wait inside core, first in first out,
+where no Python code sees them, and under a sustained overload the call taken next is always the
+oldest one still alive: it arrives in Python with its deadline nearly spent, so the server works on
+calls that then miss their budgets while fresh ones queue behind them (goodput falls to nothing;
+docs/performance.md, "Overload").
+
+``CallTakers`` keeps ``n`` more requests for calls outstanding in core beside grpc.aio's own, so a
+burst of pending calls is taken in one turn and core's queue stays short. Each call taken here
+either goes down grpc.aio's own path (``_handle_rpc`` with the same handlers and interceptors,
+inside ``_schedule_rpc_coro``, exactly what the main loop does) or, while the overload gate sheds,
+is answered UNAVAILABLE on the spot: one status batch, no handler, no message read, no task for
+the call — measured ~4x cheaper than a refusal from a handler (docs/performance.md).
+
+These are grpc.aio internals (``AioServer._request_call`` and three ``cygrpc`` functions, grpcio
+1.81). ``available()`` checks each is there with the signature used here; when one is not, the
+server runs on grpc.aio's own loop alone and says so once in the log. tests/test_takers.py checks
+the installed grpcio still has them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Callable
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+try:
+    from grpc._cython import cygrpc
+except ImportError:  # pragma: no cover - grpcio always ships it
+    cygrpc = None
+
+_RESOURCE_EXHAUSTED, _UNAVAILABLE = 8, 14  # grpc_status_code values, fixed by gRPC's wire protocol
+
+# (function, the argument names this module passes, in order)
+_NEEDED = (
+    ("_handle_rpc", ("generic_handlers", "interceptors", "rpc_state", "loop", "concurrency_exceeded")),
+    ("_schedule_rpc_coro", ("rpc_coro", "rpc_state", "loop")),
+    ("_send_error_status_from_server",
+     ("grpc_call_wrapper", "code", "details", "trailing_metadata", "send_initial_metadata_op", "loop")),
+)  # fmt: skip
+
+
+def available() -> str:
+    """'' when the grpc.aio internals used here are present as expected, else what is missing."""
+    if cygrpc is None:
+        return "grpc._cython.cygrpc not importable"
+    for name, args in _NEEDED:
+        fn = getattr(cygrpc, name, None)
+        code = getattr(fn, "__code__", None)
+        if code is None or tuple(code.co_varnames[: code.co_argcount]) != args:
+            return f"cygrpc.{name}{args} not found"
+    if not hasattr(cygrpc, "SendInitialMetadataOperation"):
+        return "cygrpc.SendInitialMetadataOperation not found"
+    if not hasattr(getattr(cygrpc, "AioServer", None), "_request_call"):
+        return "cygrpc.AioServer._request_call not found"
+    return ""
+
+
+class CallTakers:
+    """``n`` extra takers of new calls for one grpc.aio server, and the server's cap of ``cap``
+    calls in progress (grpc.aio's own ``maximum_concurrent_rpcs`` knows only the calls its loop
+    took). Make it before the server, build the server with ``interceptors(theirs)`` and
+    ``maximum_concurrent_rpcs=self.grpc_cap``, ``attach`` it before any handler is added (it records
+    them as they are), ``start`` it after ``server.start()``.
+
+    ``take()`` is asked once per call taken here, before anything else: False answers the call
+    UNAVAILABLE with ``details()`` and ``trailing()`` at once. It is blind to the method (core has
+    not told Python which one yet), so probes belong on the health port when shedding matters."""
+
+    def __init__(
+        self, n: int, cap: int,
+        take: Callable[[], bool], details: Callable[[], str], trailing: Callable[[], tuple],
+    ) -> None:  # fmt: skip
+        self.n = n
+        self.cap = cap
+        self.handlers: list = []
+        self.interceptors: tuple = ()
+        self._take_call, self._details, self._trailing = take, details, trailing
+        self.taken = 0  # calls taken here (not by grpc.aio's own loop)
+        self.refused = 0  # of which answered UNAVAILABLE at the door
+        self.in_progress = 0  # calls of both loops, once the takers run
+        self._tasks: set[asyncio.Task] = set()
+        self._takers: list[asyncio.Task] = []
+        self.why_not = available() if n > 0 else "off (grpc_takers=0)"
+        self.server: grpc.aio.Server | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return not self.why_not
+
+    @property
+    def active(self) -> bool:
+        return bool(self._takers)
+
+    @property
+    def grpc_cap(self) -> int | None:
+        """grpc.aio's own cap: none when the takers count every call themselves."""
+        return None if self.enabled else self.cap
+
+    def interceptors_for(self, theirs: tuple) -> tuple:
+        """The server's interceptors: the calls grpc.aio's own loop takes are counted by the first."""
+        self.interceptors = tuple(theirs)
+        return ((_Counted(self),) if self.enabled else ()) + self.interceptors
+
+    def attach(self, server: grpc.aio.Server) -> None:
+        self.server = server
+        add = server.add_generic_rpc_handlers
+
+        def recording(handlers) -> None:
+            self.handlers.extend(handlers)
+            add(handlers)
+
+        server.add_generic_rpc_handlers = recording
+
+    def start(self) -> None:
+        if self.why_not:
+            if self.n > 0:
+                log.warning(
+                    "extra gRPC call takers off: %s; grpc.aio's own loop takes every call", self.why_not
+                )
+            return
+        aio = self.server._server
+        loop = asyncio.get_running_loop()
+        self._takers = [
+            loop.create_task(self._take(aio, loop), name=f"grpc-taker-{i}") for i in range(self.n)
+        ]
+
+    async def stop(self) -> None:
+        for t in self._takers:
+            t.cancel()
+        await asyncio.gather(*self._takers, return_exceptions=True)
+        self._takers = []
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        self.in_progress -= 1
+
+    async def _take(self, aio, loop: asyncio.AbstractEventLoop) -> None:
+        handle_rpc, schedule = cygrpc._handle_rpc, cygrpc._schedule_rpc_coro
+        send_error, initial_md = cygrpc._send_error_status_from_server, cygrpc.SendInitialMetadataOperation
+        tasks, done = self._tasks, self._done
+        while aio.is_running():
+            try:
+                state = await aio._request_call()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # core fails outstanding requests when the server shuts down
+                return
+            self.taken += 1
+            if self.in_progress >= self.cap:
+                coro = _refuse(
+                    send_error(state, _RESOURCE_EXHAUSTED, CAP_DETAILS, (), initial_md((), 0), loop)
+                )
+            elif not self._take_call():
+                self.refused += 1
+                coro = _refuse(
+                    send_error(
+                        state, _UNAVAILABLE, self._details(), self._trailing(), initial_md((), 0), loop
+                    )
+                )
+            else:
+                coro = schedule(handle_rpc(self.handlers, self.interceptors, state, loop, False), state, loop)
+            self.in_progress += 1
+            task = loop.create_task(coro)
+            tasks.add(task)
+            task.add_done_callback(done)
+
+
+CAP_DETAILS = "Concurrent RPC limit exceeded!"  # grpc.aio's own words for its cap
+
+
+class _Counted(grpc.aio.ServerInterceptor):
+    """Counts the calls grpc.aio's own loop takes in ``CallTakers.in_progress`` (the takers count
+    theirs as they take them) and refuses one past the cap RESOURCE_EXHAUSTED, as grpc.aio would."""
+
+    def __init__(self, takers: CallTakers) -> None:
+        self.takers = takers
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        kind = (
+            ("stream" if handler.request_streaming else "unary")
+            + "_"
+            + ("stream" if handler.response_streaming else "unary")
+        )
+        return handler._replace(**{kind: self._wrap(getattr(handler, kind))})
+
+    def _wrap(self, behaviour):
+        takers = self.takers
+        if inspect.isasyncgenfunction(behaviour):
+
+            async def counted_gen(request, context):
+                if takers.in_progress >= takers.cap:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, CAP_DETAILS)
+                takers.in_progress += 1
+                try:
+                    async for item in behaviour(request, context):
+                        yield item
+                finally:
+                    takers.in_progress -= 1
+
+            return counted_gen
+
+        async def counted(request, context):
+            if takers.in_progress >= takers.cap:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, CAP_DETAILS)
+            takers.in_progress += 1
+            try:
+                result = behaviour(request, context)
+                return await result if inspect.isawaitable(result) else result
+            finally:
+                takers.in_progress -= 1
+
+        return counted
+
+
+async def _refuse(send) -> None:
+    try:
+        await send
+    except Exception:  # the caller has gone (cancelled, or the server stopping): nothing to tell
+        pass
