@@ -36,6 +36,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections import Counter
@@ -98,14 +99,19 @@ class Point:
     status: Counter = field(default_factory=Counter)
     good: Counter = field(default_factory=Counter)
     sent: Counter = field(default_factory=Counter)
+    quantiles: dict[str, tuple[float, float, int]] = field(default_factory=dict)  # from the C++ client
 
     def summary(self) -> dict:
         out = {"offered_rps": self.offered, "goodput_rps": sum(self.good.values()) / self.seconds,
                "status": dict(self.status)}  # fmt: skip
         for cls, lat in self.by_class.items():
             a = np.array(lat) * 1e3 if lat else np.array([np.nan])
-            out[cls] = {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)),
-                        "ok": len(lat), "good": self.good[cls], "sent": self.sent[cls],
+            p50, p99, ok = self.quantiles.get(cls) or (
+                float(np.percentile(a, 50)),
+                float(np.percentile(a, 99)),
+                len(lat),
+            )
+            out[cls] = {"p50_ms": p50, "p99_ms": p99, "ok": ok, "good": self.good[cls], "sent": self.sent[cls],
                         "good_fraction": self.good[cls] / self.sent[cls] if self.sent[cls] else 0.0}  # fmt: skip
         return out
 
@@ -224,6 +230,51 @@ def _offer(url: str, rate: float, seconds: float, seq: int, rows: int, seed: int
     return point
 
 
+OPENLOOP_SRC = ROOT / "bench" / "openloop" / "openloop.cc"
+OPENLOOP_BIN = ROOT / "build" / "openloop"
+
+
+def openloop_binary() -> Path:
+    """bench/openloop/openloop.cc built once (again when the source is newer) into build/."""
+    if OPENLOOP_BIN.exists() and OPENLOOP_BIN.stat().st_mtime >= OPENLOOP_SRC.stat().st_mtime:
+        return OPENLOOP_BIN
+    flags = subprocess.run(["pkg-config", "--cflags", "--libs", "grpc++"], capture_output=True, text=True)
+    if flags.returncode != 0:
+        raise SystemExit(
+            "--client cxx needs gRPC's C++ library and g++: apt-get install libgrpc++-dev pkg-config g++ "
+            f"({flags.stderr.strip()})"
+        )
+    OPENLOOP_BIN.parent.mkdir(exist_ok=True)
+    print(f"building {OPENLOOP_BIN} ...", file=sys.stderr)
+    subprocess.run(["g++", "-O2", "-std=c++17", str(OPENLOOP_SRC), "-o", str(OPENLOOP_BIN), *flags.stdout.split()],
+                   check=True)  # fmt: skip
+    return OPENLOOP_BIN
+
+
+def _offer_cxx(url: str, rate: float, seconds: float, seq: int, rows: int, seed: int, cpus: str,
+               deadline: bool) -> Point:  # fmt: skip
+    """The open loop from the C++ client (one process, ~0.1 ms of CPU per call)."""
+    rng = np.random.default_rng(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        specs = []
+        for cls, (share, budget, params) in MIX.items():
+            f = Path(tmp) / f"{cls}.bin"
+            f.write_bytes(_request(rng, rows, seq, params).SerializeToString())
+            specs.append(f"{cls}:{share}:{budget * 1000:g}:{f}")
+        pin = ["taskset", "-c", cpus] if cpus else []
+        cmd = [*pin, str(openloop_binary()), url, f"{rate:.1f}", f"{seconds:g}", str(seed), "1" if deadline else "0",
+               *specs]  # fmt: skip
+        out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    point = Point(rate, seconds, {c: [] for c in MIX})
+    for cls, r in out["classes"].items():
+        point.sent[cls] = r["sent"]
+        point.good[cls] = r["good"]
+        point.status.update(r["status"])
+        point.quantiles[cls] = (r["p50_ms"], r["p99_ms"], r["ok"])
+    point.status["NO_ANSWER"] += out["no_answer"]
+    return point
+
+
 def _server_outcomes(http_port: int) -> Counter:
     """The server's own count of answers per (class, outcome) for the encoder, from /metrics:
     ``late`` = answered after the deadline on the server's clock."""
@@ -283,6 +334,12 @@ def main() -> int:
         help="each call also carries a gRPC deadline of its class's budget (the client stops waiting "
         "then, and the server sees how long the call waited before Python took it)",
     )  # fmt: skip
+    ap.add_argument(
+        "--client", choices=("python", "cxx"), default="python",
+        help="the open-loop load generator: Python (grpc.aio, --client-procs processes) or the C++ one "
+        "(bench/openloop, built on first use; needs libgrpc++-dev): a Python client on one core cannot "
+        "offer 4x a cheap call's capacity without being the bottleneck itself",
+    )  # fmt: skip
     args = ap.parse_args()
     MIX.clear()
     MIX.update(MIXES[args.mix])
@@ -313,8 +370,12 @@ def main() -> int:
                     file=sys.stderr,
                 )
                 before = _server_outcomes(http_port)
-                point = _offer(url, rate, args.seconds, args.seq, args.rows, int(load * 100), args.client_procs,
-                               args.mix, client_cpus, args.grpc_deadline)  # fmt: skip
+                if args.client == "cxx":
+                    point = _offer_cxx(url, rate, args.seconds, args.seq, args.rows, int(load * 100), client_cpus,
+                                       args.grpc_deadline)  # fmt: skip
+                else:
+                    point = _offer(url, rate, args.seconds, args.seq, args.rows, int(load * 100), args.client_procs,
+                                   args.mix, client_cpus, args.grpc_deadline)  # fmt: skip
                 seen = _server_outcomes(http_port) - before
                 answered = {c: seen[(c, "success")] + seen[(c, "late")] for c in MIX}
                 late = {c: seen[(c, "late")] / answered[c] if answered[c] else 0.0 for c in MIX}

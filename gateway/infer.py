@@ -83,15 +83,26 @@ def _check_parameters(params) -> None:
 class OverloadGate:
     """Refuses a share of new calls, before any decoding, while the process is past its ceiling.
 
-    Past the event loop's ceiling a server that takes every call spends its time decoding calls
-    that then miss their deadlines (goodput falls to nothing). The signal is the loop's own lag
-    (``DataPlane.lag``, sampled every 5 ms) while many calls are inside: every 10 ms the admitted
-    share is cut by a fifth when the lag is over the target and raised by a twentieth when under
-    (AIMD). Refusals are spread evenly over arrivals (a credit counter, no randomness), so every
-    latency class keeps the share it sends, and the deadline queue serves the tight ones first.
-    When not shedding, a call pays one attribute check."""
+    Past its ceiling a server that takes every call spends its time on calls that then miss their
+    deadlines (goodput falls to nothing). Two signals, looked at every 10 ms:
+
+    - **wasted calls**: of the calls that ended lately (decaying counts, ~30 ms of memory), the
+      share that was taken and then dropped — shed by the scheduler, expired in its queue, or
+      abandoned by a caller whose deadline passed. Over ``WASTE`` the work is going to calls that
+      will not be answered in time: the door should refuse them first, at a tenth of the cost;
+    - **a standing queue on the loop** (CoDel's idea): the event loop's lag has stayed over the
+      target for a whole ``STANDING_S`` while more than ``min_in_flight`` calls are inside. A lag
+      burst (a big batch's answers) is no overload.
+
+    Either cuts the admitted share by a fifth; with neither it grows back by a hundredth per look
+    (all of it within a second). Refusals are spread evenly over arrivals (a credit counter, no
+    randomness), so every latency class keeps the share it sends, and the deadline queue serves the
+    tight ones first. When not shedding, a call pays one attribute check."""
 
     TICK_S = 0.010
+    WASTE = 0.10  # share of ended calls that were dropped, above which the door sheds
+    STANDING_S = 0.100
+    DECAY = 0.7  # per tick, for the ended/dropped counts
 
     def __init__(self, pipeline: Pipeline, lag_target_s: float, min_in_flight: int) -> None:
         self.pipeline = pipeline
@@ -100,12 +111,16 @@ class OverloadGate:
         self.admit = 1.0  # share of new calls taken
         self.shedding = False
         self.refused = 0
+        self.ended = 0.0  # calls that ended lately (decaying)
+        self.dropped = 0.0  # of which taken and then dropped (decaying)
         self._credit = 0.0
+        self._lag_low_at = 0.0  # the last time the loop's lag was under the target
         self._handle: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
         if self.target_s > 0 and self._handle is None:
             self._loop = asyncio.get_running_loop()
+            self._lag_low_at = self._loop.time()
             self._handle = self._loop.call_later(self.TICK_S, self._tick)
 
     def stop(self) -> None:
@@ -114,12 +129,18 @@ class OverloadGate:
             self._handle = None
 
     def _tick(self) -> None:
-        lag = self.pipeline.plane.lag.s
-        if lag > self.target_s and self.pipeline.inflight > self.min_in_flight:
+        now = self._loop.time()
+        if self.pipeline.plane.lag.s <= self.target_s or self.pipeline.inflight <= self.min_in_flight:
+            self._lag_low_at = now
+        standing = now - self._lag_low_at >= self.STANDING_S
+        wasting = self.ended >= 8 and self.dropped > self.WASTE * self.ended
+        if standing or wasting:
             self.admit = max(0.02, self.admit * 0.8)
         elif self.admit < 1.0:
-            self.admit = min(1.0, self.admit + 0.05)
+            self.admit = min(1.0, self.admit + 0.01)
         self.shedding = self.admit < 1.0
+        self.ended *= self.DECAY
+        self.dropped *= self.DECAY
         self._handle = self._loop.call_later(self.TICK_S, self._tick)
 
     def take(self) -> bool:
@@ -151,6 +172,16 @@ class OverloadGate:
             raise GatewayError(
                 Kind.UNAVAILABLE, self.message(), outcome="overloaded", retry_after_s=self.TICK_S * 5
             )
+
+
+def _wasted(exc: BaseException) -> bool:
+    """A call taken and then dropped for want of time or room (not the client's error, nor the
+    gate's own refusal): what the gate sheds to avoid."""
+    if isinstance(exc, asyncio.CancelledError):  # the caller gave up (its deadline, usually)
+        return True
+    return isinstance(exc, GatewayError) and (
+        exc.kind is Kind.DEADLINE or (exc.kind is Kind.UNAVAILABLE and exc.outcome != "overloaded")
+    )
 
 
 class Pipeline:
@@ -196,11 +227,16 @@ class Pipeline:
             resp = await self._infer(request, caller, time_remaining)
         except BaseException as exc:
             edge.failed(request.model_name, request.model_version, exc)
+            gate = self.gate
+            gate.ended += 1
+            if _wasted(exc):
+                gate.dropped += 1
             raise
         finally:
             edge.inflight -= 1
             self.inflight -= 1
         edge.ok(resp.model_name, resp.model_version, _clock() - t0)
+        self.gate.ended += 1
         return resp
 
     async def _infer(

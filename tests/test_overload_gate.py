@@ -1,34 +1,55 @@
-"""The overload gate (gateway/infer.py) as a state machine: no sockets, the lag and the in-flight
-count set by the test."""
+"""The overload gate (gateway/infer.py) as a state machine: no sockets; the lag, the in-flight
+count, the clock and the calls' endings set by the test."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
 
 from batchgate.gateway.errors import GatewayError, Kind
-from batchgate.gateway.infer import OverloadGate
+from batchgate.gateway.infer import OverloadGate, _wasted
 
 
-def _gate(lag_s: float, inflight: int) -> tuple[OverloadGate, SimpleNamespace]:
+def _gate(lag_s: float, inflight: int) -> tuple[OverloadGate, SimpleNamespace, list[float]]:
     pipeline = SimpleNamespace(plane=SimpleNamespace(lag=SimpleNamespace(s=lag_s)), inflight=inflight)
     gate = OverloadGate(pipeline, lag_target_s=0.02, min_in_flight=32)
-    gate._loop = SimpleNamespace(call_later=lambda *a: None)
-    return gate, pipeline
+    clock = [0.0]
+    gate._loop = SimpleNamespace(call_later=lambda *a: None, time=lambda: clock[0])
+    return gate, pipeline, clock
+
+
+def _ticks(gate: OverloadGate, clock: list[float], n: int, ended: int = 0, dropped: int = 0) -> None:
+    for _ in range(n):
+        gate.ended += ended
+        gate.dropped += dropped
+        clock[0] += gate.TICK_S
+        gate._tick()
 
 
 def test_a_slow_machine_alone_is_no_overload():
-    gate, _ = _gate(lag_s=0.5, inflight=3)  # lagging, but hardly any calls inside
-    for _ in range(50):
-        gate._tick()
+    gate, _, clock = _gate(lag_s=0.5, inflight=3)  # lagging, but hardly any calls inside
+    _ticks(gate, clock, 50, ended=5)
     assert not gate.shedding and gate.admit == 1.0
 
 
-def test_overload_cuts_the_share_and_recovery_restores_it():
-    gate, p = _gate(lag_s=0.1, inflight=500)
-    for _ in range(10):
-        gate._tick()
+def test_a_lag_burst_is_no_overload_a_standing_lag_is():
+    gate, p, clock = _gate(lag_s=0.1, inflight=500)
+    _ticks(gate, clock, 9)  # 90 ms over the target: a burst (a big batch's answers, say)
+    assert not gate.shedding
+    p.plane.lag.s = 0.001
+    _ticks(gate, clock, 1)
+    p.plane.lag.s = 0.1
+    _ticks(gate, clock, 9)
+    assert not gate.shedding  # the burst clock restarted when the lag fell
+    _ticks(gate, clock, 2)  # now over the target for a whole 100 ms
+    assert gate.shedding and gate.admit < 1.0
+
+
+def test_wasted_calls_cut_the_share_evenly_and_recovery_restores_it():
+    gate, _, clock = _gate(lag_s=0.001, inflight=500)  # the loop keeps up; the calls still die
+    _ticks(gate, clock, 10, ended=20, dropped=6)  # 30 % of the calls that end were dropped
     assert gate.shedding and gate.admit == pytest.approx(0.8**10)
     taken = refused = 0
     for _ in range(1000):
@@ -37,9 +58,26 @@ def test_overload_cuts_the_share_and_recovery_restores_it():
             taken += 1
         except GatewayError as exc:
             assert exc.kind is Kind.UNAVAILABLE and exc.outcome == "overloaded"
+            assert dict(exc.trailing_metadata)["grpc-retry-pushback-ms"] == "50"
             refused += 1
     assert abs(taken - 1000 * gate.admit) <= 1  # evenly spread: every class keeps its share
-    p.plane.lag.s = 0.001
-    for _ in range(200):
-        gate._tick()
+    assert gate.refused == refused
+    _ticks(gate, clock, 50, ended=20, dropped=1)  # 5 %: under the threshold, the share grows back
+    assert gate.shedding and 0.1 < gate.admit < 1.0
+    _ticks(gate, clock, 100, ended=20)
     assert not gate.shedding and gate.admit == 1.0
+
+
+def test_a_few_endings_are_no_evidence():
+    gate, _, clock = _gate(lag_s=0.001, inflight=500)
+    _ticks(gate, clock, 20, ended=1, dropped=1)  # every call dropped, but one per 10 ms
+    assert not gate.shedding
+
+
+def test_what_counts_as_wasted():
+    assert _wasted(asyncio.CancelledError())  # the caller gave up
+    assert _wasted(GatewayError(Kind.DEADLINE, "shed", outcome="shed"))
+    assert _wasted(GatewayError(Kind.UNAVAILABLE, "queue full"))
+    assert not _wasted(GatewayError(Kind.UNAVAILABLE, "overloaded", outcome="overloaded"))  # the gate's own
+    assert not _wasted(GatewayError(Kind.INVALID, "bad input"))
+    assert not _wasted(GatewayError(Kind.EXHAUSTED, "rate limited"))
