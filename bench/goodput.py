@@ -21,9 +21,16 @@ the load generators to the other, one row per call, a tight and a loose class:
     .venv/bin/python -m batchgate.bench.goodput --pin --mix tight-loose --rows 1 --seq 64 \
         --policies deadline --loads 1,4 --seconds 5
 
-(one Python load generator on one core is itself past its ceiling at ~1,000 calls/s: the 4x points
-of one-row calls measure the client, not the server; `--rows 4 --seq 256 --client-procs 2` keeps
-4x within what the client can send, and `--mix tight-loose-20` keeps the tight class feasible.)
+A Python load generator on one core is itself near its ceiling at 4x a cheap call's capacity
+(~3,000 calls/s), so the overload points use the C++ client (`--client cxx`, bench/openloop, built
+on first use; needs libgrpc++-dev) and real gRPC deadlines (`--grpc-deadline`); `--mix
+tight-loose-20` keeps the tight class feasible at 4x, and `--mix texts` mixes many-text calls
+(16 texts, minilm) with single texts:
+
+    .venv/bin/python -m batchgate.bench.goodput --pin --client cxx --grpc-deadline --mix tight-loose-20 \
+        --rows 1 --seq 64 --policies deadline --loads 1,4 --seconds 8
+    .venv/bin/python -m batchgate.bench.goodput --pin --client cxx --grpc-deadline --mix texts \
+        --policies deadline --loads 1,4 --seconds 20
 """
 
 from __future__ import annotations
@@ -77,17 +84,61 @@ MIXES = {
 }
 
 
+# --mix texts: many texts a call beside single texts (issue 21's overload clause), served by
+# minilm; texts drawn from bench/texts/mixed.txt (most 3-40 tokens, a few at the model's 256).
+MIXES["texts"] = {
+    # one text, tight: it may wait behind a batch of long texts already running (~0.1-0.2 s here)
+    "realtime": (0.5, 0.250, {"latency_class": "realtime", "latency_budget_ms": 250}),
+    "standard": (0.5, 2.000, {"latency_class": "standard", "latency_budget_ms": 2000}),
+}
+TEXT_MIXES = {"texts": {"realtime": 1, "standard": 16}}  # texts per call, by class
+TEXTS_PER_CALL: dict[str, int] = {}  # of the mix in use; empty: encoder calls
+_TEXTS = ROOT / "bench" / "texts" / "mixed.txt"
+
+
+def use_mix(mix: str) -> None:
+    MIX.clear()
+    MIX.update(MIXES[mix])
+    TEXTS_PER_CALL.clear()
+    TEXTS_PER_CALL.update(TEXT_MIXES.get(mix, {}))
+
+
+def model_name() -> str:
+    return "minilm" if TEXTS_PER_CALL else "encoder"
+
+
+def _class_request(
+    rng: np.random.Generator, cls: str, rows: int, seq: int, params: dict
+) -> pb.ModelInferRequest:
+    n = TEXTS_PER_CALL.get(cls)
+    if not n:
+        return _request(rng, rows, seq, params)
+    lines = [t for t in _TEXTS.read_text().splitlines() if t.strip()]
+    picked = [lines[i] for i in rng.choice(len(lines), size=n, replace=n > len(lines))]
+    req = pb.ModelInferRequest(model_name="minilm")
+    req.inputs.add(name="text", datatype="BYTES", shape=[n, 1])
+    req.raw_input_contents.append(
+        b"".join(len(b).to_bytes(4, "little") + b for b in (t.encode() for t in picked))
+    )
+    _set_params(req, params)
+    return req
+
+
+def _set_params(req: pb.ModelInferRequest, params: dict) -> None:
+    for k, v in params.items():
+        if isinstance(v, str):
+            req.parameters[k].string_param = v
+        else:
+            req.parameters[k].int64_param = v
+
+
 def _request(rng: np.random.Generator, rows: int, seq: int, params: dict) -> pb.ModelInferRequest:
     req = pb.ModelInferRequest(model_name="encoder")
     req.inputs.add(name="input_ids", datatype="INT64", shape=[rows, seq])
     req.inputs.add(name="attention_mask", datatype="INT64", shape=[rows, seq])
     req.raw_input_contents.append(rng.integers(0, 1000, (rows, seq), dtype=np.int64).tobytes())
     req.raw_input_contents.append(np.ones((rows, seq), np.int64).tobytes())
-    for k, v in params.items():
-        if isinstance(v, str):
-            req.parameters[k].string_param = v
-        else:
-            req.parameters[k].int64_param = v
+    _set_params(req, params)
     return req
 
 
@@ -117,8 +168,11 @@ class Point:
 
 
 async def _capacity(url: str, seq: int, rows: int, seconds: float, concurrency: int = 32) -> float:
+    """Calls/s of the mix's own calls (drawn by share), closed loop, in the lenient bulk class."""
     rng = np.random.default_rng(0)
-    reqs = [_request(rng, rows, seq, {"latency_class": "bulk"}) for _ in range(32)]
+    classes = list(MIX)
+    picks = rng.choice(len(classes), size=32, p=[MIX[c][0] for c in classes])
+    reqs = [_class_request(rng, classes[k], rows, seq, {"latency_class": "bulk"}) for k in picks]
     done = 0
     async with grpc.aio.insecure_channel(url) as ch:
         stub = pb_grpc.GRPCInferenceServiceStub(ch)
@@ -148,7 +202,10 @@ async def _open_loop(
     probs = [MIX[c][0] for c in classes]
     # Requests serialized once and answers left as bytes (the call's status and time are all that
     # is judged): the client's per-call cost is gRPC's own, so one core offers ~3,000 calls/s.
-    pools = {c: [_request(rng, rows, seq, MIX[c][2]).SerializeToString() for _ in range(16)] for c in classes}
+    pools = {
+        c: [_class_request(rng, c, rows, seq, MIX[c][2]).SerializeToString() for _ in range(16)]
+        for c in classes
+    }
     timeouts = {c: (MIX[c][1] if deadline else None) for c in classes}
     point = Point(rate, seconds, {c: [] for c in classes})
     tasks: set[asyncio.Task] = set()
@@ -205,8 +262,7 @@ def _open_loop_proc(url: str, rate: float, seconds: float, seq: int, rows: int, 
                     cpus: str = "", deadline: bool = False) -> Point:  # fmt: skip
     if cpus:
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
-    MIX.clear()
-    MIX.update(MIXES[mix])
+    use_mix(mix)
     return asyncio.run(_open_loop(url, rate, seconds, seq, rows, seed, deadline))
 
 
@@ -259,7 +315,7 @@ def _offer_cxx(url: str, rate: float, seconds: float, seq: int, rows: int, seed:
         specs = []
         for cls, (share, budget, params) in MIX.items():
             f = Path(tmp) / f"{cls}.bin"
-            f.write_bytes(_request(rng, rows, seq, params).SerializeToString())
+            f.write_bytes(_class_request(rng, cls, rows, seq, params).SerializeToString())
             specs.append(f"{cls}:{share}:{budget * 1000:g}:{f}")
         pin = ["taskset", "-c", cpus] if cpus else []
         cmd = [*pin, str(openloop_binary()), url, f"{rate:.1f}", f"{seconds:g}", str(seed), "1" if deadline else "0",
@@ -282,7 +338,7 @@ def _server_outcomes(http_port: int) -> Counter:
     out: Counter = Counter()
     for fam in text_string_to_metric_families(text):
         for sample in fam.samples:
-            if sample.name == "batchgate_class_requests_total" and sample.labels.get("model") == "encoder":
+            if sample.name == "batchgate_class_requests_total" and sample.labels.get("model") == model_name():
                 out[(sample.labels["class"], sample.labels["outcome"])] += sample.value
     return out
 
@@ -302,7 +358,7 @@ async def _ready(url: str) -> None:
         stub = pb_grpc.GRPCInferenceServiceStub(ch)
         for _ in range(600):
             try:
-                if (await stub.ModelReady(pb.ModelReadyRequest(name="encoder"), timeout=1)).ready:
+                if (await stub.ModelReady(pb.ModelReadyRequest(name=model_name()), timeout=1)).ready:
                     return
             except grpc.RpcError:
                 pass
@@ -341,8 +397,7 @@ def main() -> int:
         "offer 4x a cheap call's capacity without being the bottleneck itself",
     )  # fmt: skip
     args = ap.parse_args()
-    MIX.clear()
-    MIX.update(MIXES[args.mix])
+    use_mix(args.mix)
     server_cpus, client_cpus = ("0", "1") if args.pin else ("", "")
     if args.pin:
         os.sched_setaffinity(0, {1})  # the capacity probe runs here: keep it off the server's core
