@@ -253,11 +253,12 @@ class Settings(BaseSettings):
         description="concurrent ModelStreamInfer calls of one tenant (of all callers on an open server)",
     )
     overload_lag_ms: float = Field(
-        20.0,
+        100.0,
         ge=0,
-        description="overload gate: while the event loop runs this late and more than "
-        "overload_min_in_flight calls are inside, a growing share of new calls is refused UNAVAILABLE before "
-        "any decoding, every class alike, so the calls taken still meet their budgets; 0 = off",
+        description="overload gate: while the event loop has run this late for 100 ms on end with more "
+        "than overload_min_in_flight calls inside, or while more than a tenth of the calls that end were "
+        "dropped (shed, expired, abandoned by their callers), a share of new calls is refused UNAVAILABLE "
+        "before any decoding, every class alike, so the calls taken still meet their budgets; 0 = off",
     )
     overload_min_in_flight: int = Field(
         32,

@@ -1,0 +1,184 @@
+"""What the extra gRPC call takers (gateway/transport/takers.py) buy, in server CPU per call.
+
+Two measurements, each as server CPU µs per call (utime + stime of the server's process tree from
+/proc, divided by the calls answered: robust on a shared machine, where calls/s are not):
+
+1. ``ranker``, one row per call, closed loop (64 callers on 2 channels, raw bytes): the no-op
+   grpc.aio server, batchgate with grpc.aio's own loop alone (``grpc_takers=0``) and with the
+   takers (default 16). Calls/s are printed too, for the ratio in this run.
+2. The price of a refusal: a bare grpc.aio server whose every call is refused UNAVAILABLE, once
+   from its handler (``context.abort``, the cheapest refusal once a handler runs) and once by a
+   taker before any handler (``CallTakers`` with ``take()`` always False).
+
+    .venv/bin/python -m batchgate.bench.takers [--calls 300] [--callers 64] [--pin]
+
+``--pin`` puts the servers on CPU 0 and the client on CPU 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+
+from batchgate.bench.loadgen import start_batchgate, start_noop
+
+_INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+def _ranker_request() -> bytes:
+    from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
+
+    req = pb.ModelInferRequest(model_name="ranker")
+    req.inputs.add(name="dense", datatype="FP32", shape=[1, 64])
+    req.inputs.add(name="sparse_ids", datatype="INT64", shape=[1, 8])
+    rng = np.random.default_rng(0)
+    req.raw_input_contents.append(rng.standard_normal((1, 64), dtype=np.float32).tobytes())
+    req.raw_input_contents.append(rng.integers(0, 1000, (1, 8), dtype=np.int64).tobytes())
+    return req.SerializeToString()
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds of ``pid`` and its children."""
+    kids = subprocess.run(
+        ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True
+    ).stdout.split()
+    total = 0.0
+    for p in [pid, *map(int, kids)]:
+        try:
+            fields = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+async def drive(url: str, method: str, request: bytes, calls: int, callers: int) -> collections.Counter:
+    channels = [grpc.aio.insecure_channel(url) for _ in range(2)]
+    methods = [ch.unary_unary(method) for ch in channels]
+    out: collections.Counter = collections.Counter()
+
+    async def caller(i: int) -> None:
+        for _ in range(calls):
+            try:
+                await methods[i % 2](request, timeout=30)
+                out["OK"] += 1
+            except grpc.aio.AioRpcError as exc:
+                out[exc.code().name] += 1
+
+    await asyncio.gather(*(caller(i) for i in range(callers)))
+    for ch in channels:
+        await ch.close()
+    return out
+
+
+def measure(
+    pid: int, url: str, method: str, request: bytes, calls: int, callers: int
+) -> tuple[float, float, dict]:
+    asyncio.run(drive(url, method, request, max(20, calls // 6), callers))  # warm-up
+    c0, t0 = tree_cpu(pid), time.perf_counter()
+    seen = asyncio.run(drive(url, method, request, calls, callers))
+    wall, cpu = time.perf_counter() - t0, tree_cpu(pid) - c0
+    n = sum(seen.values())
+    return n / wall, 1e6 * cpu / n, dict(seen)
+
+
+def _refusing_server(how: str, port_q, cpus: str) -> None:
+    """A bare grpc.aio server refusing every call UNAVAILABLE, from its handler or at the door."""
+    if cpus:
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+    from batchgate.gateway.transport.takers import CallTakers
+
+    async def main() -> None:
+        async def handler(request, context):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "overloaded")
+
+        door = CallTakers(16 if how == "door" else 0, 10_000, lambda: False, lambda: "overloaded", lambda: ())
+        server = grpc.aio.server(
+            interceptors=door.interceptors_for(()), maximum_concurrent_rpcs=door.grpc_cap
+        )
+        door.attach(server)
+        server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    "t.S", {"M": grpc.unary_unary_rpc_method_handler(handler)}
+                ),
+            )
+        )
+        port_q.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        door.start()
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=300, help="calls per caller")
+    ap.add_argument("--callers", type=int, default=64)
+    ap.add_argument("--pin", action="store_true", help="servers on CPU 0, the client on CPU 1")
+    args = ap.parse_args()
+    server_cpus = "0" if args.pin else ""
+    if args.pin:
+        os.sched_setaffinity(0, {1})
+    request = _ranker_request()
+    rows = []
+    for name, env in (("no-op grpc.aio server", None), ("batchgate, grpc_takers=0", "0"),
+                      ("batchgate, grpc_takers=16", "16")):  # fmt: skip
+        if env is None:
+            srv = start_noop()
+        else:
+            os.environ["BATCHGATE_GRPC_TAKERS"] = env
+            srv = start_batchgate()
+        try:
+            if server_cpus:
+                subprocess.run(
+                    ["taskset", "-a", "-p", "-c", server_cpus, str(srv.proc.pid)], capture_output=True
+                )
+            srv.ready()
+            rows.append((name, *measure(srv.proc.pid, srv.url, _INFER, request, args.calls, args.callers)))
+        finally:
+            srv.stop()
+    os.environ.pop("BATCHGATE_GRPC_TAKERS", None)
+    ctx = mp.get_context("spawn")
+    for how in ("handler", "door"):
+        q = ctx.Queue()
+        proc = ctx.Process(target=_refusing_server, args=(how, q, server_cpus), daemon=True)
+        proc.start()
+        try:
+            url = f"127.0.0.1:{q.get(timeout=30)}"
+            label = (
+                "refusal from a handler (context.abort)"
+                if how == "handler"
+                else "refusal at the door (a taker)"
+            )
+            rows.append((label, *measure(proc.pid, url, "/t.S/M", b"x", args.calls, args.callers)))
+        finally:
+            proc.kill()
+            proc.join()
+    print(f"{'server':<42} {'calls/s':>8} {'server CPU µs/call':>19}  outcomes")
+    for name, rate, us, seen in rows:
+        print(f"{name:<42} {rate:>8.0f} {us:>19.0f}  {seen}")
+    # answered calls/s only: a refusal is no answer
+    rows = [(n, rate * seen.get("OK", 0) / sum(seen.values()), us, seen) if n.startswith(("no-op", "batchgate"))
+            else (n, rate, us, seen) for n, rate, us, seen in rows]  # fmt: skip
+    by = {r[0]: r for r in rows}
+    noop = by["no-op grpc.aio server"]
+    for name in ("batchgate, grpc_takers=0", "batchgate, grpc_takers=16"):
+        print(f"{name}: {by[name][1] / noop[1]:.2f} of the no-op's answered calls/s in this run")
+    h, d = by["refusal from a handler (context.abort)"], by["refusal at the door (a taker)"]
+    print(f"a refusal at the door costs {d[2] / h[2]:.2f} of one from a handler")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
