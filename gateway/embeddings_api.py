@@ -29,7 +29,6 @@ from aiohttp import web
 from batchgate.gateway.codec import serialize_bytes
 from batchgate.gateway.errors import GatewayError, Kind, retry_headers
 from batchgate.gateway.logs import REQUEST_ID, REQUEST_ID_KEY, clean_request_id
-from batchgate.gateway.text import estimate_tokens
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 
 if TYPE_CHECKING:
@@ -143,8 +142,7 @@ async def embed_texts(
     counting = asyncio.create_task(asyncio.to_thread(stage.count_tokens, texts))
     name = spec.inputs[0].name
     encoded = [t.encode() for t in texts]
-    specials = stage.specials
-    groups = plan(encoded, lambda b: stage.bucket(estimate_tokens(b, specials)), spec.max_batch_size or 1)
+    groups = plan(len(encoded), spec.max_batch_size or 1)
     tasks = [
         asyncio.create_task(_infer_chunk(server, model, name, output.name, encoded, rows, params, metadata))
         for rows in groups
@@ -168,20 +166,12 @@ async def embed_texts(
     return Embedded(vectors, counts, spec.name, parts[0][1])
 
 
-def plan(encoded: list[bytes], bucket_of, max_rows: int) -> list[list[int]]:
-    """The KServe requests a list of texts is sent as: row indices grouped by estimated length
-    bucket (the text stage's own estimate and buckets), each group cut at ``max_rows``.
-
-    One request holding every text would run as one batch padded to its longest text (on CPU a
-    padded token costs what a real one does: 8x for 32 mixed texts of the bench's workload), and
-    would share a batch only with texts as long as its longest. Split by length, each group runs
-    at its own length and batches with other callers' texts of that length."""
-    by_bucket: dict[int, list[int]] = {}
-    for i, b in enumerate(encoded):
-        by_bucket.setdefault(bucket_of(b), []).append(i)
-    return [
-        rows[a : a + max_rows] for _, rows in sorted(by_bucket.items()) for a in range(0, len(rows), max_rows)
-    ]
+def plan(n: int, max_rows: int) -> list[list[int]]:
+    """The KServe requests a list of ``n`` texts is sent as: as few as the model's batch size
+    allows, in the caller's order. No split by length here: the scheduler already sends each row
+    to the bucket of its own length and batches it there with other callers' rows (issue 21), so
+    one request costs one admission (one request against the tenant's rate) and no padding."""
+    return [list(range(a, min(a + max_rows, n))) for a in range(0, n, max_rows)]
 
 
 async def _infer_chunk(

@@ -22,7 +22,7 @@ import tritonclient.grpc as tc
 from tokenizers import Tokenizer
 
 from batchgate.gateway.embeddings_api import plan
-from batchgate.gateway.text import TextStage, estimate_tokens
+from batchgate.gateway.text import TextStage
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.tenants import hash_key
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
@@ -119,16 +119,6 @@ def kserve(triton, texts: list[str], model: str = "minilm") -> np.ndarray:
     return triton.infer(model, [inp], headers={"authorization": f"Bearer {FULL}"}).as_numpy("embedding")
 
 
-def kserve_planned(triton, stage: TextStage, texts: list[str]) -> np.ndarray:
-    """The KServe requests the endpoints send for a list (one per length bucket, ``plan``),
-    reassembled in the caller's order."""
-    groups = plan([t.encode() for t in texts], lambda b: stage.bucket(estimate_tokens(b, stage.specials)), 64)
-    out = np.empty((len(texts), 384), np.float32)
-    for rows in groups:
-        out[rows] = kserve(triton, [texts[i] for i in rows])
-    return out
-
-
 def post(url: str, body, key: str | None = FULL, headers: dict | None = None) -> tuple[int, dict, object]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     h = {"Content-Type": "application/json", **(headers or {})}
@@ -150,8 +140,9 @@ def test_float_many_texts_equal_the_kserve_path_and_usage_counts_real_tokens(oai
     got = np.array([d.embedding for d in resp.data], dtype=np.float32)
     assert [d.index for d in resp.data] == list(range(len(TEXTS)))
     assert resp.model == "minilm" and resp.object == "list" and resp.data[0].object == "embedding"
-    assert len(plan([t.encode() for t in TEXTS], lambda b: stage.bucket(estimate_tokens(b, 2)), 64)) >= 3
-    assert np.array_equal(got, kserve_planned(triton, stage, TEXTS))
+    assert plan(len(TEXTS), 64) == [list(range(len(TEXTS)))]  # one KServe request: one admission
+    # the scheduler splits its rows by length, as it does any KServe request's
+    assert np.array_equal(got, kserve(triton, TEXTS))
     # and the same texts as a KServe request each (batches of other lengths pad differently, so
     # equal to float rounding, not bit for bit)
     single = np.concatenate([kserve(triton, [t]) for t in TEXTS])
@@ -170,7 +161,7 @@ def test_base64_one_string_equals_the_kserve_path(oai, triton, stage):
     # the SDK's own default (encoding_format omitted: base64 on the wire, decoded by the SDK)
     default = oai.embeddings.create(model="minilm", input=TEXTS[:2])
     vectors = np.array([d.embedding for d in default.data], np.float32)
-    assert np.array_equal(vectors, kserve_planned(triton, stage, TEXTS[:2]))
+    assert np.array_equal(vectors, kserve(triton, TEXTS[:2]))
 
 
 def test_float_one_string_and_more_texts_than_max_batch_size(oai, triton):
@@ -250,7 +241,8 @@ def test_auth_limits_and_permissions_are_the_kserve_paths(base):
     assert "may not call model 'minilm'" in e.value.message
 
     tight = openai.OpenAI(base_url=base + "/v1", api_key=TIGHT, max_retries=0)
-    tight.embeddings.create(model="minilm", input="x")  # the burst of 1
+    # the burst of 1: one call of many texts of many lengths is one request against the limit
+    assert len(tight.embeddings.create(model="minilm", input=TEXTS).data) == len(TEXTS)
     with pytest.raises(openai.RateLimitError) as e:
         tight.embeddings.create(model="minilm", input="x")
     assert e.value.status_code == 429 and e.value.code == "rate_limit_exceeded"
@@ -303,11 +295,11 @@ def test_tei_embed_one_string_and_many_equal_the_kserve_path(base, triton, stage
     assert status == 200 and np.array_equal(np.float32(body), kserve(triton, [TEXTS[0]]))
     many = [t for t in TEXTS if t is not LONG]
     status, headers, body = post(base + "/embed", {"inputs": many, "normalize": True})
-    assert status == 200 and np.array_equal(np.float32(body), kserve_planned(triton, stage, many))
+    assert status == 200 and np.array_equal(np.float32(body), kserve(triton, many))
     assert int(headers["x-compute-tokens"]) > 0
     # minilm's graph normalises: normalize false returns the model's vectors as they are
     status, _, raw = post(base + "/embed", {"inputs": many, "normalize": False})
-    assert status == 200 and np.array_equal(np.float32(raw), kserve_planned(triton, stage, many))
+    assert status == 200 and np.array_equal(np.float32(raw), kserve(triton, many))
 
 
 def test_tei_truncate(base, triton, stage):
@@ -315,7 +307,7 @@ def test_tei_truncate(base, triton, stage):
     assert status == 413 and body["error_type"] == "validation", body
     assert "input 1 is" in body["error"] and "at most 256" in body["error"]
     status, _, body = post(base + "/embed", {"inputs": ["fine", LONG], "truncate": True})
-    assert status == 200 and np.array_equal(np.float32(body), kserve_planned(triton, stage, ["fine", LONG]))
+    assert status == 200 and np.array_equal(np.float32(body), kserve(triton, ["fine", LONG]))
 
 
 @pytest.mark.parametrize(
