@@ -20,6 +20,7 @@ import asyncio
 import logging
 import re
 import time
+from contextvars import ContextVar
 from importlib.metadata import PackageNotFoundError, version
 
 from batchgate.gateway.admission import Account, Admission
@@ -80,29 +81,36 @@ def _check_parameters(params) -> None:
             raise invalid(f"parameter '{key}' is {n} characters; at most {ECHO_MAX} are accepted")
 
 
+GATED: ContextVar[bool] = ContextVar("batchgate_gated", default=False)  # the door already took it
+
+
 class OverloadGate:
     """Refuses a share of new calls, before any decoding, while the process is past its ceiling.
 
     Past its ceiling a server that takes every call spends its time on calls that then miss their
     deadlines (goodput falls to nothing). Two signals, looked at every 10 ms:
 
-    - **wasted calls**: of the calls that ended lately (decaying counts, ~30 ms of memory), the
+    - **wasted calls**: of the calls that ended lately (decaying counts, ~100 ms of memory), the
       share that was taken and then dropped — shed by the scheduler, expired in its queue, or
-      abandoned by a caller whose deadline passed. Over ``WASTE`` the work is going to calls that
-      will not be answered in time: the door should refuse them first, at a tenth of the cost;
+      abandoned by a caller whose deadline passed. Over ``WASTE``, the admitted share is set to what
+      the server is completing: the calls that ended well per call that arrived, plus 5 %. Rates,
+      not steps: a caller's call that dies now was taken up to its budget ago, so cutting by a step
+      per look for as long as drops go on would overshoot to nothing and refuse at 1x;
     - **a standing queue on the loop** (CoDel's idea): the event loop's lag has stayed over the
-      target for a whole ``STANDING_S`` while more than ``min_in_flight`` calls are inside. A lag
-      burst (a big batch's answers) is no overload.
+      target for a whole ``STANDING_S`` while more than ``min_in_flight`` calls are inside (a lag
+      burst, a big batch's answers, is no overload): the share is cut by a fifth, once per stretch.
 
-    Either cuts the admitted share by a fifth; with neither it grows back by a hundredth per look
-    (all of it within a second). Refusals are spread evenly over arrivals (a credit counter, no
-    randomness), so every latency class keeps the share it sends, and the deadline queue serves the
-    tight ones first. When not shedding, a call pays one attribute check."""
+    With neither, the share grows back by half a percent per look (all of it within two seconds).
+    Refusals are spread evenly over arrivals (a credit counter, no randomness), so every latency
+    class keeps the share it sends, and the deadline queue serves the tight ones first. A call pays
+    a counter while not shedding."""
 
     TICK_S = 0.010
     WASTE = 0.10  # share of ended calls that were dropped, above which the door sheds
     STANDING_S = 0.100
-    DECAY = 0.7  # per tick, for the ended/dropped counts
+    DECAY = 0.9  # per tick, for the arrived/ended/dropped counts (~100 ms of memory)
+    MIN_ADMIT = 0.02
+    GROW = 0.005  # per tick while neither signal is on
 
     def __init__(self, pipeline: Pipeline, lag_target_s: float, min_in_flight: int) -> None:
         self.pipeline = pipeline
@@ -111,6 +119,7 @@ class OverloadGate:
         self.admit = 1.0  # share of new calls taken
         self.shedding = False
         self.refused = 0
+        self.arrived = 0.0  # new calls asked about lately (decaying)
         self.ended = 0.0  # calls that ended lately (decaying)
         self.dropped = 0.0  # of which taken and then dropped (decaying)
         self._credit = 0.0
@@ -132,20 +141,24 @@ class OverloadGate:
         now = self._loop.time()
         if self.pipeline.plane.lag.s <= self.target_s or self.pipeline.inflight <= self.min_in_flight:
             self._lag_low_at = now
-        standing = now - self._lag_low_at >= self.STANDING_S
-        wasting = self.ended >= 8 and self.dropped > self.WASTE * self.ended
-        if standing or wasting:
-            self.admit = max(0.02, self.admit * 0.8)
+        if self.ended >= 16 and self.dropped > self.WASTE * self.ended:
+            completing = (self.ended - self.dropped) / max(self.arrived, 1.0)
+            self.admit = max(self.MIN_ADMIT, min(self.admit, 1.05 * completing))
+        elif now - self._lag_low_at >= self.STANDING_S:
+            self.admit = max(self.MIN_ADMIT, self.admit * 0.8)
+            self._lag_low_at = now  # once per stretch
         elif self.admit < 1.0:
-            self.admit = min(1.0, self.admit + 0.01)
+            self.admit = min(1.0, self.admit + self.GROW)
         self.shedding = self.admit < 1.0
+        self.arrived *= self.DECAY
         self.ended *= self.DECAY
         self.dropped *= self.DECAY
         self._handle = self._loop.call_later(self.TICK_S, self._tick)
 
     def take(self) -> bool:
-        """Whether to take a new call (False: refuse it, counted). One attribute check while not
-        shedding; while shedding, refusals are spread evenly over arrivals."""
+        """Whether to take a new call (False: refuse it, counted). A counter while not shedding;
+        while shedding, refusals are spread evenly over arrivals."""
+        self.arrived += 1
         if not self.shedding:
             return True
         self._credit += self.admit
@@ -221,8 +234,9 @@ class Pipeline:
         edge.inflight += 1
         self.inflight += 1
         try:
-            # the cheapest refusal there is once a call has reached Python
-            if self.gate.shedding and not gated:
+            # the cheapest refusal there is once a call has reached Python (a call the door took,
+            # gRPC's call takers or REST's, has been asked already)
+            if not (gated or GATED.get()):
                 self.gate.check()
             resp = await self._infer(request, caller, time_remaining)
         except BaseException as exc:

@@ -20,8 +20,11 @@ def _gate(lag_s: float, inflight: int) -> tuple[OverloadGate, SimpleNamespace, l
     return gate, pipeline, clock
 
 
-def _ticks(gate: OverloadGate, clock: list[float], n: int, ended: int = 0, dropped: int = 0) -> None:
+def _ticks(
+    gate: OverloadGate, clock: list[float], n: int, ended: int = 0, dropped: int = 0, arrived: int = 0
+) -> None:
     for _ in range(n):
+        gate.arrived += arrived
         gate.ended += ended
         gate.dropped += dropped
         clock[0] += gate.TICK_S
@@ -44,14 +47,20 @@ def test_a_lag_burst_is_no_overload_a_standing_lag_is():
     _ticks(gate, clock, 9)
     assert not gate.shedding  # the burst clock restarted when the lag fell
     _ticks(gate, clock, 2)  # now over the target for a whole 100 ms
-    assert gate.shedding and gate.admit < 1.0
+    assert gate.shedding and gate.admit == pytest.approx(0.8, abs=0.01)
+    _ticks(gate, clock, 5)  # one cut per 100 ms stretch, not one per look
+    assert gate.admit >= 0.79
 
 
-def test_wasted_calls_cut_the_share_evenly_and_recovery_restores_it():
+def test_wasted_calls_set_the_share_to_what_completes_spread_evenly_and_recovery_restores_it():
     gate, _, clock = _gate(lag_s=0.001, inflight=500)  # the loop keeps up; the calls still die
-    _ticks(gate, clock, 10, ended=20, dropped=6)  # 30 % of the calls that end were dropped
-    assert gate.shedding and gate.admit == pytest.approx(0.8**10)
+    # 40 calls arrive per 10 ms, 20 end, 6 of them dropped: 14 of 40 complete
+    _ticks(gate, clock, 10, ended=20, dropped=6, arrived=40)
+    assert gate.shedding and gate.admit == pytest.approx(1.05 * 14 / 40, rel=0.02)
+    _ticks(gate, clock, 30, ended=20, dropped=6, arrived=40)  # drops go on: no further cut
+    assert gate.admit == pytest.approx(1.05 * 14 / 40, rel=0.02)
     taken = refused = 0
+    arrived = gate.arrived
     for _ in range(1000):
         try:
             gate.check()
@@ -61,10 +70,12 @@ def test_wasted_calls_cut_the_share_evenly_and_recovery_restores_it():
             assert dict(exc.trailing_metadata)["grpc-retry-pushback-ms"] == "50"
             refused += 1
     assert abs(taken - 1000 * gate.admit) <= 1  # evenly spread: every class keeps its share
-    assert gate.refused == refused
-    _ticks(gate, clock, 50, ended=20, dropped=1)  # 5 %: under the threshold, the share grows back
-    assert gate.shedding and 0.1 < gate.admit < 1.0
-    _ticks(gate, clock, 100, ended=20)
+    assert gate.refused == refused and gate.arrived == arrived + 1000  # each asked call counted
+    gate.arrived = arrived  # (a thousand calls in one look would be a load of their own)
+    share = gate.admit
+    _ticks(gate, clock, 50, ended=20, dropped=1, arrived=20)  # 5 %: under the threshold, it grows back
+    assert gate.shedding and share < gate.admit < 1.0
+    _ticks(gate, clock, 200, ended=20, arrived=20)
     assert not gate.shedding and gate.admit == 1.0
 
 

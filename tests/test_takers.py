@@ -10,10 +10,12 @@ import asyncio
 import grpc
 import pytest
 
+from batchgate.gateway.infer import GATED
 from batchgate.gateway.transport import takers
 from batchgate.gateway.transport.takers import CallTakers
 
 _METHOD = "/t.Echo/Call"
+GATED_SEEN: list[bool] = []  # GATED as each handler saw it
 
 
 def test_the_installed_grpcio_has_what_the_takers_use():
@@ -32,9 +34,11 @@ class _Seen(grpc.aio.ServerInterceptor):
 
 async def _serve(n: int, take, cap: int = 1000, hold: asyncio.Event | None = None):
     handled = []
+    gated = GATED_SEEN
 
     async def call(request: bytes, context) -> bytes:
         handled.append(request)
+        gated.append(GATED.get())
         await asyncio.sleep(0.001)  # suspends, as a batching handler does
         if hold is not None and request == b"hold":
             await hold.wait()
@@ -67,6 +71,9 @@ def test_every_call_is_served_by_the_same_handlers_and_interceptors(n):
         assert len(handled) == 300 and seen.methods == [_METHOD] * 300
         if n:
             assert door.taken > 0 and door.refused == 0  # the takers did take calls
+        # the calls a taker took carry GATED (the pipeline does not ask the gate twice); the
+        # calls grpc.aio's own loop took do not
+        assert GATED_SEEN[-300:].count(True) == door.taken
         await server.stop(1)
         await asyncio.sleep(0.05)
         assert not door._tasks

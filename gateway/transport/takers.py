@@ -25,11 +25,14 @@ the installed grpcio still has them.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import logging
 from collections.abc import Callable
 
 import grpc
+
+from batchgate.gateway.infer import GATED
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +151,8 @@ class CallTakers:
         handle_rpc, schedule = cygrpc._handle_rpc, cygrpc._schedule_rpc_coro
         send_error, initial_md = cygrpc._send_error_status_from_server, cygrpc.SendInitialMetadataOperation
         tasks, done = self._tasks, self._done
+        taken = contextvars.copy_context()
+        taken.run(GATED.set, True)  # the pipeline does not ask the gate again for these calls
         while aio.is_running():
             try:
                 state = await aio._request_call()
@@ -170,7 +175,7 @@ class CallTakers:
             else:
                 coro = schedule(handle_rpc(self.handlers, self.interceptors, state, loop, False), state, loop)
             self.in_progress += 1
-            task = loop.create_task(coro)
+            task = loop.create_task(coro, context=taken.copy())  # its own copy, GATED=True in it
             tasks.add(task)
             task.add_done_callback(done)
 
