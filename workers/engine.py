@@ -528,8 +528,9 @@ class Engine:
 # bytes that are not UTF-8). A model whose graph has a string input or output runs through ORT's
 # C API (ort_capi.py), which takes and returns each element at its exact length: nothing is
 # converted, so every byte arrives and leaves as sent. Measured in process (ORT 1.32, one thread,
-# identity over 16 short strings): a call costs 1.3x what the Python binding's UTF-8 path costs
-# (see docs/performance.md), the price of a dozen ctypes calls per run.
+# identity over 16 strings of 1-63 bytes): a call costs 1.33x the instructions of the Python
+# binding's UTF-8 path (callgrind) and 1.7x its CPU time (``python -m tests.test_ort_capi``),
+# the price of a dozen ctypes calls per run (docs/engines.md, docs/performance.md).
 #
 # The Python binding remains the road only where the C library cannot be used (ort_capi.load()
 # logs why). It (measured, ORT 1.32) turns each element of an object array into a std::string by type:
