@@ -153,10 +153,10 @@ class Codec:
         # BYTES inputs the ONNX model itself reads (a text model's input goes to its tokeniser,
         # which takes any bytes) reach it byte for byte through ORT's C API; only where that
         # cannot be loaded must they be UTF-8 (the Python API's one lossless road).
-        self.utf8_inputs = (
-            set() if ort_capi.available()
-            else {t.name for t in spec.inputs if t.datatype == "BYTES" and t.name != self.flat_text}
-        )  # fmt: skip
+        # (The library is loaded only for a model that has such an input.)
+        self.utf8_inputs = {t.name for t in spec.inputs if t.datatype == "BYTES" and t.name != self.flat_text}
+        if self.utf8_inputs and ort_capi.available():
+            self.utf8_inputs = set()
         # (parsed and checked at load: gateway/parameters.py)
         self.ranges = {name: _Range(low, high) for name, (low, high) in spec.params.input_range.items()}
         self.max_dim = dict(spec.params.max_dim)
