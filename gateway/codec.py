@@ -17,6 +17,7 @@ from batchgate.gateway import dtypes
 from batchgate.gateway.errors import GatewayError, Kind, invalid
 from batchgate.gateway.repository import ModelSpec, TensorSpec, tokenized
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
+from batchgate.workers import ort_capi
 
 _LEN = struct.Struct("<I")
 
@@ -96,9 +97,10 @@ def deserialize_bytes(buf: bytes, count: int, name: str, max_len: int | None = N
 def check_utf8(model: str, name: str, values) -> None:
     """Refuse a BYTES element that is not UTF-8, naming the input and the element.
 
-    onnxruntime's Python API carries strings to and from a model as UTF-8 only (measured; see
-    ``workers/engine.py``): other bytes cannot reach the model unchanged, so they are refused
-    here rather than altered. NUL bytes and empty strings are UTF-8 and pass as they are."""
+    Only used when onnxruntime's C library cannot be loaded (``workers/ort_capi.py`` logs why):
+    then strings reach a model through the Python API, which carries them as UTF-8 only
+    (measured; see ``workers/engine.py``), so other bytes are refused here rather than altered.
+    NUL bytes and empty strings are UTF-8 and pass as they are."""
     for i, v in enumerate(values):
         if v.isascii():
             continue
@@ -107,8 +109,9 @@ def check_utf8(model: str, name: str, values) -> None:
         except UnicodeDecodeError as exc:
             raise invalid(
                 f"input '{name}': BYTES element {i} is not valid UTF-8 ({exc.reason} at byte {exc.start}); "
-                f"model '{model}' runs on onnxruntime, whose Python API passes strings to a model as UTF-8 "
-                "only, so other bytes cannot reach it unchanged (NUL bytes and empty strings are fine)"
+                f"model '{model}' runs on onnxruntime, and this server could not load its C library, "
+                "so strings reach the model through its Python API, as UTF-8 only "
+                "(NUL bytes and empty strings are fine)"
             ) from None
 
 
@@ -148,8 +151,12 @@ class Codec:
         # A text model's input (dims [ 1 ]) also takes shape [N]: one string per row either way.
         self.flat_text = spec.inputs[0].name if tokenized(spec.config) else None
         # BYTES inputs the ONNX model itself reads (a text model's input goes to its tokeniser,
-        # which takes any bytes): those must be UTF-8 to reach onnxruntime unchanged.
+        # which takes any bytes) reach it byte for byte through ORT's C API; only where that
+        # cannot be loaded must they be UTF-8 (the Python API's one lossless road).
+        # (The library is loaded only for a model that has such an input.)
         self.utf8_inputs = {t.name for t in spec.inputs if t.datatype == "BYTES" and t.name != self.flat_text}
+        if self.utf8_inputs and ort_capi.available():
+            self.utf8_inputs = set()
         # (parsed and checked at load: gateway/parameters.py)
         self.ranges = {name: _Range(low, high) for name, (low, high) in spec.params.input_range.items()}
         self.max_dim = dict(spec.params.max_dim)

@@ -15,7 +15,8 @@ from onnx import helper
 
 OPSET = 20  # StringConcat needs 20; onnxruntime 1.32 runs it
 _TYPE = {T.STRING: "TYPE_STRING", T.INT32: "TYPE_INT32", T.INT8: "TYPE_INT8", T.FLOAT: "TYPE_FP32",
-         T.INT64: "TYPE_INT64", T.BOOL: "TYPE_BOOL"}  # fmt: skip
+         T.INT64: "TYPE_INT64", T.BOOL: "TYPE_BOOL", T.UINT8: "TYPE_UINT8", T.FLOAT16: "TYPE_FP16",
+         T.DOUBLE: "TYPE_FP64"}  # fmt: skip
 
 
 def _write(

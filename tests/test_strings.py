@@ -1,10 +1,11 @@
-"""BYTES tensors reach ONNX models byte for byte, and come back so: NUL bytes, empty strings and
-multi-byte UTF-8 included, over the four encodings (gRPC raw_input_contents, gRPC typed
-bytes_contents, REST JSON, REST binary data), on string models built here with onnx.helper
-(Identity, Triton's simple_string shape: Cast string -> int -> string, and a model mixing a
-string op with number inputs). Bytes that are not UTF-8 cannot pass onnxruntime's Python API
-unchanged (see workers/engine.py), so they are refused with INVALID_ARGUMENT naming the input.
-The result cache and the batcher keep rows of strings apart."""
+"""BYTES tensors reach ONNX models byte for byte, and come back so: NUL bytes, empty strings,
+multi-byte UTF-8 and bytes that are not UTF-8 included, over the four encodings (gRPC
+raw_input_contents, gRPC typed bytes_contents, REST JSON, REST binary data; JSON carries only
+what JSON strings can, i.e. UTF-8), on string models built here with onnx.helper (Identity,
+Triton's simple_string shape: Cast string -> int -> string, and a model mixing a string op with
+number inputs). String models run through ORT's C API (workers/ort_capi.py); only where that
+cannot be loaded are non-UTF-8 bytes refused with INVALID_ARGUMENT naming the input. The result
+cache and the batcher keep rows of strings apart."""
 
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ import numpy as np
 import pytest
 from onnx import TensorProto as T
 
-from batchgate.gateway.codec import deserialize_bytes, serialize_bytes
+from batchgate.gateway.codec import Codec, deserialize_bytes, serialize_bytes
+from batchgate.gateway.errors import GatewayError
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
-from batchgate.workers import Device, EngineOptions, gpu_count
+from batchgate.workers import Device, EngineOptions, gpu_count, ort_capi
 from batchgate.workers.engine import Engine, from_ort_strings, to_ort_strings
 from tests.conftest import start_server
 from tests.string_models import write_identity, write_mixed, write_string_add_sub
@@ -34,6 +36,9 @@ ENCODINGS = ["grpc-raw", "grpc-typed", "rest-json", "rest-binary"]
 NASTY = [b"", b"a\x00b", b"\x00", b"\x00\x00tail", "é".encode(), "日本".encode(), b"plain",
          "😀".encode(), b" sp ace ", b"\x01\x02\x03\x7f"]  # fmt: skip
 NOT_UTF8 = [b"\xff\xfe", b"ok\x80", b"\xc3", b"\xed\xa0\x80"]  # bad start, stray continuation, cut, surrogate
+# Any bytes: what only the C API carries (the issue's values first).
+ANY = [b"\xff\xfe", b"a\x00b", b"\x00", b"", b"\x80abc\x00", *NOT_UTF8[1:], bytes(range(256))]
+BINARY_ENCODINGS = ["grpc-raw", "grpc-typed", "rest-binary"]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +52,32 @@ def repo(tmp_path_factory) -> Path:
     write_identity(root, "str_unbatched", T.STRING, max_batch_size=0)
     write_string_add_sub(root, "str_cast")
     write_mixed(root, "str_mixed")
+    _write_suffix_model(root / "str_suffix" / "1")
+    (root / "str_suffix" / "config.pbtxt").write_text(
+        'name: "str_suffix"\nplatform: "onnxruntime_onnx"\nmax_batch_size: 0\n'
+        'input [ { name: "x" data_type: TYPE_STRING dims: [ -1 ] } ]\n'
+        'output [ { name: "y" data_type: TYPE_STRING dims: [ -1 ] } ]\n'
+    )
     return root
+
+
+def _write_suffix_model(folder: Path) -> Path:
+    """y = x ++ b"\\xff": a model whose output is never UTF-8."""
+    import onnx
+    from onnx import helper
+
+    const = helper.make_tensor("c", T.STRING, [1], [b"\xff"])
+    graph = helper.make_graph(
+        [helper.make_node("StringConcat", ["x", "c"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", T.STRING, ["n"])],
+        [helper.make_tensor_value_info("y", T.STRING, ["n"])],
+        initializer=[const],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    model.ir_version = 9
+    folder.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(folder / "model.onnx"))
+    return folder / "model.onnx"
 
 
 @pytest.fixture(scope="module")
@@ -220,17 +250,48 @@ def test_mixed_string_and_number_inputs(enc, srv, stub):
     np.testing.assert_array_equal(out["SAME"], np.array([[True], [False], [True]]))
 
 
-@pytest.mark.parametrize("enc", ["grpc-raw", "grpc-typed", "rest-binary"])
-@pytest.mark.parametrize("bad", NOT_UTF8)
-def test_bytes_that_are_not_utf8_are_refused_by_name(enc, bad, srv, stub):
-    x = strings([b"fine", bad, b""])
-    with pytest.raises(Refused) as err:
-        infer(enc, srv, stub, "str_identity", {"INPUT0": x})
-    assert err.value.status in ("INVALID_ARGUMENT", "400"), err.value
-    msg = err.value.message
-    assert "input 'INPUT0'" in msg and "element 1" in msg and "not valid UTF-8" in msg, msg
-    # the refusal cost nothing: the next good request is answered
-    same(infer(enc, srv, stub, "str_identity", {"INPUT0": strings(NASTY)})["OUTPUT0"], strings(NASTY))
+@pytest.mark.parametrize("enc", BINARY_ENCODINGS)
+def test_bytes_that_are_not_utf8_reach_the_model_exactly(enc, srv, stub):
+    x = strings(ANY)
+    same(infer(enc, srv, stub, "str_identity", {"INPUT0": x})["OUTPUT0"], x)
+    rows = strings(ANY[:8], (4, 2))
+    same(infer(enc, srv, stub, "str_identity", {"INPUT0": rows})["OUTPUT0"], rows)
+    flat = strings(ANY, (len(ANY),))
+    same(infer(enc, srv, stub, "str_unbatched", {"INPUT0": flat})["OUTPUT0"], flat)
+    # string ops see the bytes as sent: concatenation and equality
+    text = strings([b"\xff\x00", b"", b"\x80abc\x00"], (3, 1))
+    other = strings([b"\xff\x00", b"\xff", b"\x80abc"], (3, 1))
+    num = np.array([[1], [-2], [3]], dtype=np.int32)
+    out = infer(enc, srv, stub, "str_mixed", {"TEXT": text, "NUM": num, "OTHER": other})
+    same(out["JOINED"], strings([b"\xff\x001", b"-2", b"\x80abc\x003"], (3, 1)))
+    np.testing.assert_array_equal(out["SAME"], np.array([[True], [False], [False]]))
+    # a model output that is not UTF-8 comes back as it is
+    same(
+        infer(enc, srv, stub, "str_suffix", {"x": strings([b"a", b""], (2,))})["y"],
+        strings([b"a\xff", b"\xff"], (2,)),
+    )
+
+
+def test_rest_json_carries_what_json_strings_can(srv, stub):
+    """JSON strings are Unicode: UTF-8 in and out (NUL and empty included, the NASTY tests); an
+    output that is not UTF-8 is refused as JSON, naming it, and comes back exactly as binary data."""
+    url = f"http://127.0.0.1:{srv.http_port}/v2/models/str_suffix/infer"
+    tensor = {"name": "x", "datatype": "BYTES", "shape": [2], "data": ["a\u0000", ""]}
+    for binary in (False, True):
+        doc = {"inputs": [tensor], "outputs": [{"name": "y", "parameters": {"binary_data": binary}}]}
+        req = urllib.request.Request(url, data=json.dumps(doc).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        if not binary:
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(req, timeout=TIMEOUT_S)
+            assert err.value.code == 400
+            assert "output 'y' holds bytes that are not UTF-8" in json.loads(err.value.read())["error"]
+            continue
+        with urllib.request.urlopen(req, timeout=TIMEOUT_S) as resp:
+            body, n = resp.read(), int(resp.headers["Inference-Header-Content-Length"])
+        out = json.loads(body[:n])["outputs"][0]
+        assert out["parameters"]["binary_data_size"] == len(body) - n
+        same(_unraw("BYTES", body[n:], out["shape"]), strings([b"a\x00\xff", b"\xff"], (2,)))
 
 
 def test_rest_json_cannot_smuggle_a_lone_surrogate(srv, stub):
@@ -256,14 +317,16 @@ def _stats(stub, model):
 
 def test_cache_keys_keep_string_rows_apart(srv, stub):
     """[b'a', b'bc'] and [b'ab', b'c'] concatenate alike; they must not share a cache entry."""
-    cases = [[b"a", b"bc"], [b"ab", b"c"], [b"abc", b""], [b"", b"abc"], [b"a\x00", b"bc"], [b"a", b"\x00bc"]]
-    for values in cases:
+    cases = [[b"a", b"bc"], [b"ab", b"c"], [b"abc", b""], [b"", b"abc"], [b"a\x00", b"bc"], [b"a", b"\x00bc"],
+             [b"a\x00"], [b"a"], [b"\xff"], [b"\xfe"], [b"\xff\xfe"], [b"\x80abc\x00"], [b"\x00"], [b""]]  # fmt: skip
+    encs = ["grpc-raw", "grpc-typed", "rest-binary"]
+    for i, values in enumerate(cases):
         x = strings(values)
-        same(infer("grpc-raw", srv, stub, "str_cached", {"INPUT0": x})["OUTPUT0"], x)
+        same(infer(encs[i % 3], srv, stub, "str_cached", {"INPUT0": x})["OUTPUT0"], x)
     before = _stats(stub, "str_cached")
-    for values in cases:  # each again: now a hit, and still its own answer
+    for i, values in enumerate(cases):  # each again, in another encoding: now a hit, and still its own answer
         x = strings(values)
-        same(infer("grpc-raw", srv, stub, "str_cached", {"INPUT0": x})["OUTPUT0"], x)
+        same(infer(encs[(i + 1) % 3], srv, stub, "str_cached", {"INPUT0": x})["OUTPUT0"], x)
     after = _stats(stub, "str_cached")
     assert after.inference_stats.cache_hit.count - before.inference_stats.cache_hit.count == len(cases)
     assert after.inference_count == before.inference_count  # nothing recomputed
@@ -273,7 +336,7 @@ def test_cache_keys_keep_string_rows_apart(srv, stub):
 def test_batched_string_rows_come_back_to_their_own_requests(srv, stub):
     before = _stats(stub, "str_batch")
     n = 6
-    reqs = [strings([b"r%d\x00" % i, NASTY[i], b"x" * i]) for i in range(n)]
+    reqs = [strings([b"r%d\x00" % i, NASTY[i], ANY[i], b"x" * i]) for i in range(n)]
     with concurrent.futures.ThreadPoolExecutor(n) as ex:
         outs = list(ex.map(lambda x: infer("grpc-raw", srv, stub, "str_batch", {"INPUT0": x}), reqs))
     for x, out in zip(reqs, outs, strict=True):
@@ -329,15 +392,15 @@ def _engine_round_trip(tmp_path: Path, device: Device) -> None:
     write_mixed(root, "m")
     write_identity(root, "i", T.STRING)
     engine = Engine(root / "i" / "1" / "model.onnx", device, EngineOptions())
-    parts = [{"INPUT0": strings(NASTY[:5])}, {"INPUT0": strings(NASTY[5:])}]
-    outs, _ = engine.run_batch(parts, [1, 1], True)
+    parts = [{"INPUT0": strings(NASTY[:5])}, {"INPUT0": strings(NASTY[5:])}, {"INPUT0": strings(ANY[:5])}]
+    outs, _ = engine.run_batch(parts, [1, 1, 1], True)
     for part, out in zip(parts, outs, strict=True):
         same(out["OUTPUT0"], part["INPUT0"])
     engine = Engine(root / "m" / "1" / "model.onnx", device, EngineOptions())
-    feeds = {"TEXT": strings([b"\x00z"], (1, 1)), "NUM": np.array([[4]], np.int32),
+    feeds = {"TEXT": strings([b"\x00\xffz"], (1, 1)), "NUM": np.array([[4]], np.int32),
              "OTHER": strings([b""], (1, 1))}  # fmt: skip
     (out,), _ = engine.run_batch([feeds], [1], True)
-    same(out["JOINED"], strings([b"\x00z4"], (1, 1)))
+    same(out["JOINED"], strings([b"\x00\xffz4"], (1, 1)))
     assert out["TWICE"].tolist() == [[8]] and out["SAME"].tolist() == [[False]]
 
 
@@ -347,8 +410,8 @@ def test_engine_strings_cpu(tmp_path):
 
 @pytest.mark.skipif(gpu_count() == 0, reason="no CUDA device usable by both onnxruntime-gpu and CuPy")
 def test_engine_strings_gpu(tmp_path):
-    # String tensors live on the host in onnxruntime (its CUDA provider places string nodes on the
-    # CPU); the GPU engine's dynamic path must convert them exactly as the CPU one does.
+    # String tensors live on the host in onnxruntime (string kernels exist on the CPU only): a GPU
+    # worker runs a string model through the C API on the CPU provider, byte for byte as the CPU one.
     _engine_round_trip(tmp_path, Device("gpu", 0))
 
 
@@ -366,22 +429,48 @@ def test_string_rows_of_different_lengths_in_one_window(srv, stub):
         same(out["OUTPUT0"], x)
 
 
-def test_a_model_output_that_is_not_utf8_fails_with_a_reason(tmp_path):
-    import onnx
-    from onnx import helper
+def test_string_models_run_through_the_c_api_and_others_do_not(tmp_path):
+    root = tmp_path / "repo"
+    write_identity(root, "s", T.STRING)
+    write_identity(root, "n", T.INT32)
+    strings_engine = Engine(root / "s" / "1" / "model.onnx", Device("cpu"), EngineOptions())
+    assert isinstance(strings_engine._strings, ort_capi.Session) and strings_engine._dynamic is None
+    numbers = Engine(root / "n" / "1" / "model.onnx", Device("cpu"), EngineOptions())
+    assert numbers._strings is None and numbers._dynamic is not None  # the Python binding, as before
+    path = _write_suffix_model(tmp_path / "suffix")
+    (out,), _ = Engine(path, Device("cpu"), EngineOptions()).run_batch(
+        [{"x": strings([b"a"], (1,))}], [1], False
+    )
+    same(out["y"], strings([b"a\xff"], (1,)))
 
-    # Concatenates its input to a constant holding a byte that is not UTF-8: ORT's Python API
-    # cannot return that string; the batch fails saying why instead of answering altered bytes.
-    const = helper.make_tensor("c", T.STRING, [1], [b"\xff"])
-    graph = helper.make_graph(
-        [helper.make_node("StringConcat", ["x", "c"], ["y"])], "g",
-        [helper.make_tensor_value_info("x", T.STRING, ["n"])],
-        [helper.make_tensor_value_info("y", T.STRING, ["n"])],
-        initializer=[const],
-    )  # fmt: skip
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
-    model.ir_version = 9
-    onnx.save(model, str(tmp_path / "m.onnx"))
-    engine = Engine(tmp_path / "m.onnx", Device("cpu"), EngineOptions())
+
+def test_without_the_c_api_strings_pass_as_utf8_only(tmp_path, monkeypatch):
+    """Where the C library cannot be loaded: the Python binding's UTF-8 road, the codec refusing
+    other bytes by name, and a model output that is not UTF-8 failing with a reason."""
+    from batchgate.gateway.repository import load_model
+
+    monkeypatch.setattr(ort_capi, "available", lambda: False)
+    path = _write_suffix_model(tmp_path / "suffix")
+    engine = Engine(path, Device("cpu"), EngineOptions())
+    assert engine._strings is None
     with pytest.raises(ValueError, match="string output holding bytes that are not UTF-8"):
         engine.run_batch([{"x": strings([b"a"], (1,))}], [1], False)
+    root = tmp_path / "repo"
+    write_identity(root, "str_identity", T.STRING)
+    (spec,) = load_model(root / "str_identity")
+    codec = Codec(spec)
+    for bad in NOT_UTF8:
+        req = pb.ModelInferRequest(model_name="str_identity")
+        req.inputs.add(name="INPUT0", datatype="BYTES", shape=[1, 3])
+        req.raw_input_contents.append(serialize_bytes(strings([b"fine", bad, b""])))
+        with pytest.raises(GatewayError) as err:
+            codec.decode(req)
+        msg = str(err.value)
+        assert "input 'INPUT0'" in msg and "element 1" in msg and "not valid UTF-8" in msg, msg
+    req = pb.ModelInferRequest(model_name="str_identity")
+    req.inputs.add(name="INPUT0", datatype="BYTES", shape=[1, len(NASTY)])
+    req.raw_input_contents.append(serialize_bytes(strings(NASTY)))
+    arrays, _ = codec.decode(req)
+    same(arrays["INPUT0"], strings(NASTY))
+    monkeypatch.setattr(ort_capi, "available", lambda: True)
+    assert Codec(spec).utf8_inputs == set()  # with the C API nothing is checked

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from batchgate.workers import ort_capi
 from batchgate.workers.buckets import ShapePlan
 from batchgate.workers.buffers import CudaBuffers, HostBuffers, Slot
 from batchgate.workers.devices import Device
@@ -160,6 +161,12 @@ class Engine:
         else:
             self.input_names = [i.name for i in ref.get_inputs()]
             self.output_names = [o.name for o in ref.get_outputs()]
+        # A model whose graph reads or writes strings runs through ORT's C API (ort_capi.py), the
+        # one way string tensors reach it byte for byte; every other model keeps the Python
+        # binding. (Such models are never pooled, so ``ref`` is their dynamic session.)
+        self._strings: ort_capi.Session | None = None
+        if ref is not None and _has_strings(ref):
+            self._strings = self._string_session()
 
     # -- sessions and slots -------------------------------------------------------------------
 
@@ -176,6 +183,30 @@ class Engine:
             log.warning("CUDA graphs unavailable for this model (%s); running without them", exc)
             self.cuda_graphs = False
             return self.factory.create(overrides, shared_arena=self.mode == "static", cuda_graphs=False)
+
+    def _string_session(self) -> ort_capi.Session | None:
+        """The C-API session that replaces the Python one, or None (logged once by ort_capi)
+        when the C library is not usable: then strings pass as UTF-8 only, as the codec checks.
+
+        Always on the CPU provider, also on a GPU worker: ORT keeps string tensors in host memory
+        and has string kernels on the CPU only, so under the CUDA provider a string model's
+        string nodes would run on the CPU anyway, with copies to and from the device around its
+        numeric nodes. A model mixing strings with heavy numeric work would lose its GPU here.
+        """
+        if not ort_capi.available():
+            return None
+        session = ort_capi.Session(
+            self.factory.model_path,
+            intra_op_threads=self.options.intra_op_threads,
+            inter_op_threads=self.options.inter_op_threads,
+            graph_optimization=self.options.graph_optimization,
+        )
+        if self.device.kind == "gpu":
+            log.info("%s: the model has string tensors; it runs on the CPU provider", self.device)
+        # The Python session only told us the model has strings: drop it (weights, arena).
+        self._dynamic = None
+        self.session = session
+        return session
 
     def _dynamic_session(self) -> ort.InferenceSession:
         if self._dynamic is None:
@@ -393,7 +424,6 @@ class Engine:
         return results, timing
 
     def _run_dynamic(self, parts, rows, batched) -> tuple[list[dict[str, np.ndarray]], BatchTiming]:
-        session = self._dynamic_session()
         plan = self.plan
         timing = BatchTiming()
         t0 = time.perf_counter_ns()
@@ -406,16 +436,11 @@ class Engine:
                 feeds = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
             else:
                 feeds, lengths = self._pad_to_longest(parts, rows)
-        feeds = {name: to_ort_strings(name, a) if a.dtype == object else a for name, a in feeds.items()}
         t1 = time.perf_counter_ns()
-        try:
-            outputs = session.run(self.output_names, feeds, self._no_graph)
-        except UnicodeDecodeError as exc:  # raised by ORT's binding while it converts a string output
-            raise ValueError(
-                f"the model produced a string output holding bytes that are not UTF-8 ({exc.reason} at "
-                f"byte {exc.start}); onnxruntime's Python API can only return UTF-8 strings"
-            ) from None
-        outputs = [from_ort_strings(a) if a.dtype == object else a for a in outputs]
+        if self._strings is not None:  # exact bytes both ways (the conversion is part of run)
+            outputs = self._strings.run(self.output_names, feeds)
+        else:
+            outputs = self._run_python(feeds)
         t2 = time.perf_counter_ns()
         if not batched or len(parts) == 1:
             split = [dict(zip(self.output_names, outputs))]
@@ -454,6 +479,19 @@ class Engine:
         timing.runs = 1
         return split, timing
 
+    def _run_python(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        session = self._dynamic_session()
+        # Only where the C API is not usable does a string tensor get here (UTF-8 only, see below).
+        feeds = {name: to_ort_strings(name, a) if a.dtype == object else a for name, a in feeds.items()}
+        try:
+            outputs = session.run(self.output_names, feeds, self._no_graph)
+        except UnicodeDecodeError as exc:  # raised by ORT's binding while it converts a string output
+            raise ValueError(
+                f"the model produced a string output holding bytes that are not UTF-8 ({exc.reason} at "
+                f"byte {exc.start}); onnxruntime's Python API can only return UTF-8 strings"
+            ) from None
+        return [from_ort_strings(a) if a.dtype == object else a for a in outputs]
+
     def _pad_to_longest(self, parts, rows):
         """Rows of different lengths in one batch (only where padding is safe): pad to the longest."""
         plan = self.plan
@@ -486,16 +524,30 @@ class Engine:
 
 # -- string tensors ------------------------------------------------------------------------------------
 #
-# The gateway carries BYTES tensors as object arrays of ``bytes``. onnxruntime's Python binding
-# (measured, ORT 1.32) turns each element of an object array into a std::string by type:
+# The gateway carries BYTES tensors as object arrays of ``bytes``, any bytes (NULs, empty strings,
+# bytes that are not UTF-8). A model whose graph has a string input or output runs through ORT's
+# C API (ort_capi.py), which takes and returns each element at its exact length: nothing is
+# converted, so every byte arrives and leaves as sent. Measured in process (ORT 1.32, one thread,
+# identity over 16 strings of 1-63 bytes): a call costs 1.33x the instructions of the Python
+# binding's UTF-8 path (callgrind) and 1.7x its CPU time (``python -m tests.test_ort_capi``),
+# the price of a dozen ctypes calls per run (docs/engines.md, docs/performance.md).
+#
+# The Python binding remains the road only where the C library cannot be used (ort_capi.load()
+# logs why). It (measured, ORT 1.32) turns each element of an object array into a std::string by type:
 #   str   -> its UTF-8 bytes, exactly (NUL and empty strings survive);
 #   bytes -> str(element), i.e. the text "b'abc'" (so bytes must never reach it as bytes);
 # a fixed-width ``S`` array is read as NUL-terminated C strings (NUL cuts an element, and an
 # element filling its width runs on into the next), and a string *output* comes back as ``str``
 # decoded strictly as UTF-8 (a model output holding other bytes raises UnicodeDecodeError).
-# So the one lossless road is UTF-8: bytes -> str on the way in, str -> bytes on the way out.
-# Non-UTF-8 input bytes are refused at decode time, naming the input (gateway/codec.py); the
+# So there the one lossless road is UTF-8: bytes -> str on the way in, str -> bytes on the way
+# out, and the codec refuses other bytes at decode time, naming the input (gateway/codec.py); the
 # check below only guards callers that skip it.
+
+
+def _has_strings(session: ort.InferenceSession) -> bool:
+    """Whether the ONNX graph itself reads or writes a string tensor (a text model's tokeniser
+    runs before the graph: its graph sees token ids only)."""
+    return any(t.type == "tensor(string)" for t in (*session.get_inputs(), *session.get_outputs()))
 
 
 def to_ort_strings(name: str, arr: np.ndarray) -> np.ndarray:
