@@ -319,9 +319,12 @@ def _json_data(t, data: bytes | None, shape: list[int]) -> list:
     if data is None:
         field = dtypes.CONTENTS_FIELD.get(t.datatype)
         values = list(getattr(t.contents, field)) if field else []
-        return [v.decode("utf-8", "replace") for v in values] if t.datatype == "BYTES" else values
-    if t.datatype == "BYTES":
-        items = deserialize_bytes(data, math.prod(shape), t.name)
+        if t.datatype != "BYTES":
+            return values
+        items = values
+    else:
+        items = deserialize_bytes(data, math.prod(shape), t.name) if t.datatype == "BYTES" else None
+    if items is not None:  # BYTES: JSON strings carry UTF-8 only; other bytes are never altered
         try:
             return [b.decode() for b in items]
         except UnicodeDecodeError:
