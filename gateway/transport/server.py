@@ -40,8 +40,9 @@ log = logging.getLogger(__name__)
 
 MiB = 2**20
 # The last step of a drain (DrainGate): hold calls until none has arrived for HOLD_QUIET_S (at most
-# HOLD_MAX_S), then stop gRPC, and answer the held calls GOAWAY_S later.
-HOLD_QUIET_S = 0.1
+# HOLD_MAX_S), then stop gRPC, and answer the held calls GOAWAY_S later. The quiet period is longer
+# than a loaded client's stall (a shorter one can end the hold just before a burst of calls).
+HOLD_QUIET_S = 0.25
 HOLD_MAX_S = 1.0
 GOAWAY_S = 0.2
 MIN_MESSAGE_BYTES = 4 * MiB  # gRPC's own default: never derive a limit below it
