@@ -35,12 +35,14 @@ REFUSED_PAUSE_S = 0.01  # a retrying caller's pause after a refused connection (
 
 
 def _status(exc: grpc.RpcError) -> str:
-    """The code, and for UNAVAILABLE whether the server said it (draining) or the connection was
-    refused; for anything else the details too (they say what went wrong)."""
+    """The code, and for UNAVAILABLE whether the server said it (draining, or overloaded: a loaded
+    machine makes the server shed) or the connection was refused; for anything else the details
+    too (they say what went wrong)."""
     code, details = exc.code(), exc.details() or ""
     if code == grpc.StatusCode.UNAVAILABLE:
-        if "draining" in details:
-            return "UNAVAILABLE draining"
+        for said in ("draining", "overloaded"):
+            if said in details:
+                return "UNAVAILABLE " + said
         return "UNAVAILABLE refused" if "refused" in details or "failed to connect" in details.lower() else (
             "UNAVAILABLE " + details[:80]
         )  # fmt: skip
@@ -59,7 +61,7 @@ def _unary(srv, stop: threading.Event, out: Counter, lock: threading.Lock, retry
                 outcome = _status(exc)
             with lock:
                 out["unary " + outcome] += 1
-            if outcome.startswith("UNAVAILABLE"):
+            if outcome.startswith("UNAVAILABLE") and outcome != "UNAVAILABLE overloaded":
                 if not retry:
                     return  # this replica is going away: use another one
                 if outcome == "UNAVAILABLE refused":
@@ -80,13 +82,13 @@ def _stream(srv, stop: threading.Event, out: Counter, lock: threading.Lock, retr
             try:
                 for answer in stub.ModelStreamInfer(requests(), timeout=30):
                     sem.release()
-                    outcome = (
-                        "ok"
-                        if not answer.error_message
-                        else (
-                            "UNAVAILABLE" if "draining" in answer.error_message else answer.error_message[:60]
-                        )
-                    )
+                    said = answer.error_message
+                    if not said:
+                        outcome = "ok"
+                    elif "draining" in said or "overloaded" in said:
+                        outcome = "UNAVAILABLE"
+                    else:
+                        outcome = said[:60]
                     with lock:
                         out["stream " + outcome] += 1
                 outcome = "end"
@@ -94,7 +96,7 @@ def _stream(srv, stop: threading.Event, out: Counter, lock: threading.Lock, retr
                 outcome = "status " + _status(exc)
             with lock:
                 out["stream " + outcome] += 1
-            if outcome.startswith("status UNAVAILABLE"):
+            if outcome.startswith("status UNAVAILABLE") and outcome != "status UNAVAILABLE overloaded":
                 if not retry:
                     return
                 if outcome == "status UNAVAILABLE refused":
@@ -162,13 +164,14 @@ def _drain_under_load(tmp_path, retry: bool) -> tuple[dict, dict, str]:
     return before, dict(out), log
 
 
-# Every answer a drain may give: ok, UNAVAILABLE from the server ("draining"), a refused
-# connection, 503 with Connection: close, a stream ended by its client. Anything else is a loss:
+# Every answer a drain may give: ok, UNAVAILABLE from the server ("draining", or "overloaded" when
+# the machine is busy), a refused connection, 503 with Connection: close, a stream ended by its client. Anything else is a loss:
 # CANCELLED, a reset (REST) or an UNAVAILABLE the server did not say (a stream cut: "Stream removed").
 GOOD = {
-    "unary ok", "unary UNAVAILABLE draining", "unary UNAVAILABLE refused",
+    "unary ok", "unary UNAVAILABLE draining", "unary UNAVAILABLE overloaded", "unary UNAVAILABLE refused",
     "stream ok", "stream UNAVAILABLE", "stream end", "stream status UNAVAILABLE draining",
-    "stream status UNAVAILABLE refused", "rest 200", "rest 503", "rest refused",
+    "stream status UNAVAILABLE overloaded", "stream status UNAVAILABLE refused",
+    "rest 200", "rest 503", "rest refused",
 }  # fmt: skip
 
 
