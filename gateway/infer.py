@@ -137,6 +137,11 @@ class OverloadGate:
             self._handle.cancel()
             self._handle = None
 
+    def stand_down(self) -> None:
+        """Take every call from now on (the server is draining)."""
+        self.stop()
+        self.admit, self.shedding = 1.0, False
+
     def _tick(self) -> None:
         now = self._loop.time()
         if self.pipeline.plane.lag.s <= self.target_s or self.pipeline.inflight <= self.min_in_flight:

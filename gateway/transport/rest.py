@@ -357,8 +357,16 @@ class HttpFrontend:
 
         @web.middleware
         async def close_when_draining(request: web.Request, handler):
-            resp = await handler(request)
-            if plane.draining:  # the connection ends with this answer: never cut under a request
+            # While draining, the connection ends with this answer (Connection: close), so the
+            # client opens a new one for its next request (refused: the listener is closed) and
+            # none is left open for a later close to cut under a request. Raised answers too.
+            try:
+                resp = await handler(request)
+            except web.HTTPException as exc:
+                if plane.draining:
+                    exc.force_close()
+                raise
+            if plane.draining:
                 resp.force_close()
             return resp
 

@@ -40,6 +40,12 @@ from batchgate.gateway.transport.tls import CertStore
 log = logging.getLogger(__name__)
 
 MiB = 2**20
+# The last step of a drain (DrainGate): hold calls until none has arrived for HOLD_QUIET_S (at most
+# HOLD_MAX_S), then stop gRPC, and answer the held calls GOAWAY_S later. The quiet period is longer
+# than a loaded client's stall (a shorter one can end the hold just before a burst of calls).
+HOLD_QUIET_S = 0.25
+HOLD_MAX_S = 1.0
+GOAWAY_S = 0.2
 MIN_MESSAGE_BYTES = 4 * MiB  # gRPC's own default: never derive a limit below it
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
@@ -136,6 +142,55 @@ def address_in_use(host: str, port: int, what: str) -> OSError:
     )
 
 
+class DrainGate(grpc.GenericRpcHandler):
+    """Holds every gRPC call that arrives in the last moment before gRPC core shuts down, so that
+    none is cancelled.
+
+    ``grpc_server_shutdown_and_notify`` kills (CANCELLED, not retried by clients) every call the core
+    has received but not yet handed to Python, and every call that reaches it afterwards, until the
+    client has read the GOAWAY that the same shutdown sends. A caller that retries this server at
+    once after each UNAVAILABLE always has its next call on the way, so answering UNAVAILABLE up to
+    the shutdown is not enough. Instead, at the end of the drain each new call is held (taken from
+    the core, not answered); when no call has arrived for a moment every such caller is waiting on
+    one, and the core holds none. Then gRPC stops (GOAWAY, listener closed), and only after the
+    GOAWAY has reached the clients are the held calls answered UNAVAILABLE: a retry then opens a new
+    connection, which is refused.
+
+    Registered before the servicer: grpc.aio asks the generic handlers in order, so while not
+    holding this costs one method call per RPC and answers nothing."""
+
+    def __init__(self) -> None:
+        self.holding = False
+        self.held = 0  # calls held by this drain (logged)
+        self.last_arrival = 0.0  # monotonic time of the last call held
+        self._released = asyncio.Event()
+        self._handler = grpc.stream_stream_rpc_method_handler(self._hold)  # reads nothing
+
+    def service(self, handler_call_details):
+        if not self.holding:
+            return None
+        self.last_arrival = time.monotonic()
+        return self._handler
+
+    async def _hold(self, _requests, context) -> None:
+        self.held += 1
+        await self._released.wait()
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica")
+
+    def hold(self) -> None:
+        self.holding = True
+        self.last_arrival = time.monotonic()
+
+    async def quiet(self, quiet_s: float, max_s: float) -> None:
+        """Until no call has arrived for ``quiet_s`` (or ``max_s`` has passed)."""
+        end = time.monotonic() + max_s
+        while (now := time.monotonic()) < end and now - self.last_arrival < quiet_s:
+            await asyncio.sleep(quiet_s / 4)
+
+    def release(self) -> None:
+        self._released.set()
+
+
 class Server:
     """One gateway process: gRPC + HTTP in front of a DataPlane."""
 
@@ -158,6 +213,7 @@ class Server:
         self.http_site: web.TCPSite | None = None
         self.probes: probes.Probes | None = None
         self.takers: CallTakers | None = None
+        self.gate = DrainGate()
 
     async def start(self) -> None:
         s = self.settings
@@ -193,6 +249,7 @@ class Server:
         self.takers.attach(server)
         self.metrics.overload = (gate, self.takers)
         await self.admission.start()  # Redis for global limits, if any; being down is not fatal
+        server.add_generic_rpc_handlers((self.gate,))  # first: while holding it answers every call
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         _register_for_reflection()
@@ -264,6 +321,10 @@ class Server:
             return
         log.info("draining: readiness false; new requests get UNAVAILABLE", extra={"event": "drain"})
         self.plane.draining = True
+        # The overload gate stands down: every call now gets the drain's own answers (UNAVAILABLE,
+        # then the hold), and a call refused at the door would leave its caller's retry in flight
+        # when gRPC stops (and draining refusals would read to the gate as wasted calls).
+        self.pipeline.gate.stand_down()
         # The quiet period of _linger counts from here: callers that have not yet sent their next
         # request (so none was refused) must still get the chance to be told UNAVAILABLE.
         self.plane.last_refused = time.monotonic()
@@ -283,7 +344,7 @@ class Server:
             )
         await self._linger()
         if self._grpc is not None:
-            await self._grpc.stop(grace=2.0)
+            await self._stop_grpc()
         if self._http is not None:
             await self._http.cleanup()
         self.pipeline.gate.stop()
@@ -301,9 +362,8 @@ class Server:
     async def _linger(self) -> None:
         """Keep answering UNAVAILABLE until callers stop arriving (or drain_linger_s passes).
 
-        Closing the transport while calls are arriving makes gRPC cancel the ones it had not yet
-        handed to us (CANCELLED, which clients do not retry elsewhere); a clean UNAVAILABLE tells
-        them to go to another replica, and Kubernetes needs a moment to take us off its endpoints.
+        A clean UNAVAILABLE tells callers to go to another replica, and Kubernetes needs a moment
+        to take us off its endpoints; callers that keep coming back are dealt with by _stop_grpc.
         """
         quiet_s = 0.5  # calls queued in gRPC core behind a busy loop need time to reach us
         end = time.monotonic() + self.settings.drain_linger_s
@@ -311,6 +371,20 @@ class Server:
             if now - self.plane.last_refused >= quiet_s:
                 return
             await asyncio.sleep(quiet_s / 4)
+
+    async def _stop_grpc(self) -> None:
+        """Stop gRPC without a CANCELLED call: hold what arrives until callers are all waiting,
+        stop (GOAWAY), then answer the held calls (see DrainGate)."""
+        assert self._grpc is not None
+        gate = self.gate
+        gate.hold()
+        await gate.quiet(HOLD_QUIET_S, HOLD_MAX_S)
+        stopping = asyncio.create_task(self._grpc.stop(grace=2.0))
+        await asyncio.sleep(0)  # the task's first step calls grpc_server_shutdown_and_notify
+        await asyncio.sleep(GOAWAY_S)  # the GOAWAY reaches the clients before their next call
+        log.info("gRPC stopping (GOAWAY sent); answering %d held call(s) UNAVAILABLE", gate.held)
+        gate.release()
+        await stopping
 
 
 async def serve(settings: Settings) -> None:
