@@ -61,12 +61,17 @@ def test_hopeless_budget_is_refused_at_once_and_never_computed(tmp_path):
             except grpc.RpcError as err:
                 elapsed = time.perf_counter() - t0
                 assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.details()
-                assert "cannot be met" in err.details()
-                # The refusal says when to come back: the queue's drain time, as gRPC's retry
-                # policy reads it and as retry-after-ms (REST turns that into Retry-After).
-                trailers = dict(err.trailing_metadata())
-                assert int(trailers["grpc-retry-pushback-ms"]) >= 1
-                assert trailers["retry-after-ms"] == trailers["grpc-retry-pushback-ms"]
+                # Shed at admission; or, when the backlog happens to be all in the running batch
+                # (nothing queued ahead) and the scheduler lets its one probe a second through,
+                # dropped from the queue before compute. Never computed either way (below).
+                details = err.details()
+                assert "cannot be met" in details or "dropped from the queue before compute" in details
+                if "cannot be met" in details:
+                    # The refusal says when to come back: the queue's drain time, as gRPC's retry
+                    # policy reads it and as retry-after-ms (REST turns that into Retry-After).
+                    trailers = dict(err.trailing_metadata())
+                    assert int(trailers["grpc-retry-pushback-ms"]) >= 1
+                    assert trailers["retry-after-ms"] == trailers["grpc-retry-pushback-ms"]
             for t in threads:
                 t.join(120)
             after = _stats(stub)
