@@ -572,3 +572,33 @@ def test_gpu_data_path_with_a_fake_cupy(tmp_path, reference, monkeypatch, mode, 
         assert pool.device_memory() == {"gpu:0": 2 << 30}  # the driver's used = total - free
     finally:
         pool.close()
+
+
+def test_fixed_shape_batches_answer_each_request_like_the_model_alone(tmp_path):
+    """ranker (no variable dim): the parts go into the pooled buffer in one copy per input and
+    each answer is a view of one copy of the output, cut at the request's rows; padding rows
+    (a batch under its bucket) and a batch past the largest bucket (run in pieces) included."""
+    model = REPO / "ranker" / "1" / "model.onnx"
+    reference = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    options = EngineOptions(cache_dir=tmp_path / "engines")
+    pool = WorkerPool("ranker-test", model, [Device("cpu")], 1, options, bucket_config({}, 256, (64, 128)))
+    pool.start()
+    try:
+        assert pool.plan.pooled and not pool.plan.groups
+        rng = np.random.default_rng(3)
+        for sizes in ([1], [3], [1, 2, 1], [5, 1, 7, 2], [200, 56], [256, 256, 3]):
+            parts = [
+                {
+                    "dense": rng.standard_normal((n, 64)).astype(np.float32),
+                    "sparse_ids": rng.integers(0, 10000, (n, 8), dtype=np.int64),
+                }
+                for n in sizes
+            ]
+            outputs, timing = pool.submit(parts, sizes, True).result(timeout=60)
+            assert timing.rows == sum(sizes) and len(outputs) == len(parts)
+            for part, out in zip(parts, outputs):
+                want = reference.run(None, part)[0]
+                assert out["score"].shape == want.shape
+                np.testing.assert_allclose(out["score"], want, rtol=RTOL, atol=ATOL)
+    finally:
+        pool.close()

@@ -252,3 +252,54 @@ def test_live_http_body_limit(limited):
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(request, timeout=10)
     assert info.value.code == 400 and "64-bit" in info.value.read().decode()
+
+
+def _ranker_request(rows: int, ids: np.ndarray | None = None) -> pb.ModelInferRequest:
+    req = pb.ModelInferRequest(model_name="ranker")
+    req.inputs.add(name="dense", datatype="FP32", shape=[rows, 64])
+    req.inputs.add(name="sparse_ids", datatype="INT64", shape=[rows, 8])
+    dense = np.arange(rows * 64, dtype=np.float32).reshape(rows, 64)
+    ids = np.arange(rows * 8, dtype=np.int64).reshape(rows, 8) if ids is None else ids
+    req.raw_input_contents.extend([dense.tobytes(), ids.tobytes()])
+    return req
+
+
+def test_fast_decode_agrees_with_the_full_checks_and_refuses_the_same(limits):
+    """The one-pass decode of the common request gives what the general path gives, and every
+    request it does not take falls through to the general path's refusal, word for word."""
+    (spec,) = load_model(REPO / "ranker")
+    c = Codec(spec)
+    assert c._fast is not None  # ranker: numeric, fixed dims, batched
+    for rows in (1, 3, 15):  # 15 x 64 elements: within the fixture's max_tensor_elements
+        req = _ranker_request(rows)
+        (fast, n), (full, m) = c.decode(req), c._decode(req)
+        assert n == m == rows and fast.keys() == full.keys()
+        for name in full:
+            assert fast[name].dtype == full[name].dtype and fast[name].shape == full[name].shape
+            assert np.array_equal(fast[name], full[name])
+    bad = [
+        _ranker_request(1, np.array([[0, 1, 2, 3, 4, 5, 6, 10000]], np.int64)),  # outside input_range
+        _ranker_request(1, np.array([[-1, 1, 2, 3, 4, 5, 6, 7]], np.int64)),
+        _ranker_request(257),  # over max_batch_size
+    ]
+    req = _ranker_request(2)
+    req.inputs[1].shape[:] = [3, 8]  # rows disagree
+    bad.append(req)
+    req = _ranker_request(1)
+    req.raw_input_contents[0] = req.raw_input_contents[0][:-4]  # a short buffer
+    bad.append(req)
+    req = _ranker_request(1)
+    req.inputs[0].datatype = "FP64"
+    bad.append(req)
+    req = _ranker_request(1)
+    req.inputs[1].name = "dense"  # given twice
+    bad.append(req)
+    req = _ranker_request(1)
+    req.inputs[0].contents.fp32_contents.extend([0.0] * 64)  # both forms
+    bad.append(req)
+    for req in bad:
+        assert c._decode_fast(req) is None
+        assert refusal(lambda r=req: c.decode(r)) == refusal(lambda r=req: c._decode(r))
+    set_limits(Limits(max_tensor_elements=100))  # 64 x 2 rows: over the limit
+    assert c._decode_fast(_ranker_request(2)) is None
+    assert "max_tensor_elements" in refusal(lambda: c.decode(_ranker_request(2)))

@@ -80,6 +80,7 @@ class DeadlineQueue:
         self._lanes: dict[Hashable, dict[str, _Lane]] = {}
         self._seq = itertools.count()
         self.size = 0
+        self.rows = 0  # rows of the queued requests (all lanes): bounds the work ahead cheaply
         self.dropped = 0
         self.class_size: dict[str, int] = {c: 0 for c in classes}
         self.level_size: dict[int, int] = {}
@@ -151,6 +152,7 @@ class DeadlineQueue:
                 latest_start -= self.latency.estimate(req.key, req.rows)
             heapq.heappush(lane.heap, (req.level, latest_start, next(self._seq), req))
             lane.rows += req.rows
+            self.rows += req.rows
         self.size += n
         self.class_size[cls] += n
         self.level_size[first.level] = self.level_size.get(first.level, 0) + n
@@ -176,19 +178,26 @@ class DeadlineQueue:
             or not self.latency.confident_model()
         ):
             return None  # no estimate worth refusing work on yet: admit, the queue still expires it
-        wait = (self.work_ahead_s(first) + running_s) / max(slots, 1)
         # Its requests run one after another on one slot at worst: their expected times add up,
         # plus the largest of their deviations (a sum of high quantiles would be far above the
         # high quantile of the sum). A bucket that has not run enough yet counts no compute of
         # its own (never over-refuse).
+        latency = self.latency
         mean_own = spread = 0.0
         for r in reqs:
-            if self.latency.confident(r.key):
-                mean = self.latency.estimate(r.key, r.rows)
+            if latency.confident(r.key):
+                mean = latency.estimate(r.key, r.rows)
                 mean_own += mean
-                spread = max(spread, self.latency.estimate_hi(r.key, r.rows) - mean)
+                spread = max(spread, latency.estimate_hi(r.key, r.rows) - mean)
         own = mean_own + spread
         left = self.due(first) - now - self.lag_margin()
+        per_slot = max(slots, 1)
+        # Most calls are far from their deadline: a bound on the work ahead that costs a lookup
+        # per bucket (every queued request a batch of its own) admits them without the exact
+        # bucket-by-bucket sum, which is only needed when the bound does not fit.
+        if (self._work_bound_s() + running_s) / per_slot + own <= left:
+            return None
+        wait = (self.work_ahead_s(first) + running_s) / per_slot
         if wait + own <= left:
             return None
         if wait <= 0.0:
@@ -215,6 +224,28 @@ class DeadlineQueue:
             self._arrivals_per_s = 0.9 * self._arrivals_per_s + 0.1 * (1.0 / gap)
         self._last_arrival = now
 
+    def _work_bound_s(self) -> float:
+        """At least ``work_ahead_s`` for any request: every queued request (of every class) as a
+        batch of its own, at the largest intercept and per-row time among the queued buckets."""
+        if not self.size:
+            return 0.0
+        a_max = b_max = 0.0
+        for key in self._lanes:
+            a, b = self.latency.per_row(key)
+            a_max = max(a_max, a)
+            b_max = max(b_max, b)
+        return self.size * a_max + self.rows * b_max
+
+    def wake_at(self, reqs: list[Request]) -> float | None:
+        """When the batcher must first look at these just-pushed requests if no slot frees before:
+        the moment one of them becomes hopeless by ``take_expired``'s test, or its queue timeout."""
+        lag = self.lag_margin()
+        at = math.inf
+        for r in reqs:
+            est = self.latency.estimate_hi(r.key, r.rows) if self.latency.confident(r.key) else 0.0
+            at = min(at, self.due(r) - est - lag, r.queue_deadline)
+        return None if at == math.inf else at
+
     def work_ahead_s(self, req: Request) -> float:
         """Compute seconds queued ahead of ``req`` (classes at least as urgent), bucket by bucket:
         a row of a long bucket costs more than a short one."""
@@ -239,6 +270,7 @@ class DeadlineQueue:
 
     def _remove(self, lane: _Lane, req: Request) -> None:
         lane.rows -= req.rows
+        self.rows -= req.rows
         self.size -= 1
         self.class_size[lane.cls] -= 1
         self.level_size[req.level] -= 1
@@ -467,6 +499,7 @@ class DeadlineQueue:
                 out.extend(e[3] for e in lane.heap)
         self._lanes.clear()
         self.size = 0
+        self.rows = 0
         for c in self.class_size:
             self.class_size[c] = 0
         self.level_size.clear()

@@ -90,6 +90,9 @@ class FifoQueue:
     def take_expired(self, now: float) -> tuple[list[Request], float | None]:
         return [], None  # no deadlines here
 
+    def wake_at(self, reqs: list[Request]) -> float | None:
+        return None  # nothing here expires: a busy batcher waits for a freed slot
+
     def pop_batch(self, now: float, idle: bool = False) -> tuple[list[Request] | None, float | None]:
         """The batch that should leave at ``now``: the oldest group's when its timer expired, else
         the first group (oldest first) that is full or at a preferred size. Else None and when

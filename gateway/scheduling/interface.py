@@ -52,6 +52,11 @@ class Queue(Protocol):
         deadline (answered DEADLINE_EXCEEDED, never computed), and when the next queued one
         becomes hopeless (None: not before the next push)."""
 
+    def wake_at(self, reqs: list[Request]) -> float | None:
+        """Called after a ``push`` while every worker slot is busy: the earliest moment the batcher
+        must look at these requests even if no slot frees before (one may expire then), or None.
+        Pushes that need nothing sooner than the batcher's current wake-up do not wake it."""
+
     def pop_batch(self, now: float, idle: bool) -> tuple[list[Request] | None, float | None]:
         """Called by the batcher when a worker slot is free (``idle``: every slot is): the batch
         that should leave now, or None and when to ask again (None: only on a push or a freed

@@ -26,8 +26,12 @@ class _Fit:
     sxx: float = 0.0
     sxy: float = 0.0
     batches: int = 0
+    # coefficients(), computed once per batch observed rather than on every estimate (the
+    # request path asks several times per call)
+    ab: tuple[float, float] | None = None
 
     def add(self, rows: int, seconds: float, decay: float) -> None:
+        self.ab = None
         self.w = self.w * decay + 1.0
         self.sx = self.sx * decay + rows
         self.sy = self.sy * decay + seconds
@@ -49,6 +53,12 @@ class _Fit:
 
     def coefficients(self) -> tuple[float, float]:
         """(a, b) with a, b >= 0; falls back to a proportional fit while rows have not varied."""
+        ab = self.ab
+        if ab is None:
+            ab = self.ab = self._coefficients()
+        return ab
+
+    def _coefficients(self) -> tuple[float, float]:
         if self.w == 0:
             return 0.0, 0.0
         line = self.line(min_var=1e-9)

@@ -71,6 +71,10 @@ class Scheduler:
         self._free = slots
         self._wakeup: asyncio.Future | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._wait_at: float | None = None  # when the waiting batcher's timer fires (None: no timer)
+        # A queue that can say when just-pushed requests need the batcher lets a push that
+        # arrives while every slot is busy leave it asleep (one task step and timer less a call).
+        self._wake_at = getattr(queue, "wake_at", None)
         self._task: asyncio.Task | None = None
         self._closing = False
         self._in_flight = 0  # calls accepted and not yet answered
@@ -121,8 +125,28 @@ class Scheduler:
     async def infer(
         self, inputs: dict[str, np.ndarray], rows: int, key: Hashable, budget: Budget | None = None
     ) -> dict[str, np.ndarray]:
-        """One request's outputs: ``submit`` for a call that is one part."""
-        return (await self.submit([(inputs, rows, key)], budget))[0]
+        """One request's outputs: ``submit`` for a call that is one part (the common case, so it
+        takes the short way: one request, one future, no lists)."""
+        if self._closing:
+            raise unavailable(f"model '{self.name}' is draining; retry on another replica")
+        now = self.clock()
+        future = asyncio.get_running_loop().create_future()
+        if budget is None:
+            req = Request(inputs, rows, key, now, future)
+        else:
+            req = Request(
+                inputs, rows, key, now, future, budget.deadline, budget.cls, budget.level,
+                budget.queue_deadline, budget.delay,
+            )  # fmt: skip
+        self._admit([req], req, now)
+        try:
+            # If our caller is cancelled, awaiting cancels the future too; the batcher then
+            # skips the request when it forms the next batch (counted as dropped).
+            return await future
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
 
     async def submit(self, parts: list[Part], budget: Budget | None = None) -> list[dict[str, np.ndarray]]:
         """Admit one call of one or more parts (rows of one bucket each), queue them, and return
@@ -151,6 +175,22 @@ class Scheduler:
                 for inputs, rows, key in parts
             ]
         first = reqs[0]
+        self._admit(reqs, first, now)
+        try:
+            if len(reqs) == 1:
+                # If our caller is cancelled, awaiting cancels req.future too; the batcher then
+                # skips the request when it forms the next batch (counted as dropped).
+                return [await first.future]
+            for r in reqs:
+                r.call = reqs
+            return await self._gather(reqs, loop)
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    def _admit(self, reqs: list[Request], first: Request, now: float) -> None:
+        """Refuse the call (shed, queue full) or queue all its requests and count it in flight."""
         if first.cls is not None:
             refusal = self.queue.refuse(reqs, now, self._running_s(now), self._slots)
             if refusal is not None:
@@ -164,20 +204,16 @@ class Scheduler:
                 f"model '{self.name}' {self.queue.full_reason(first)}; retry later", retry_after_s=drain
             )
         self._in_flight += 1
-        self._idle.clear()
-        self._wake()
-        try:
-            if len(reqs) == 1:
-                # If our caller is cancelled, awaiting cancels req.future too; the batcher then
-                # skips the request when it forms the next batch (counted as dropped).
-                return [await first.future]
-            for r in reqs:
-                r.call = reqs
-            return await self._gather(reqs, loop)
-        finally:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._idle.set()
+        if self._in_flight == 1:
+            self._idle.clear()
+        if self._free or self._wake_at is None:
+            self._wake()
+            return
+        # Every slot is busy: a freed slot wakes the batcher anyway; it needs waking now only if
+        # one of these requests may expire before the wake-up it already has.
+        at = self._wake_at(reqs)
+        if at is not None and (self._wait_at is None or at < self._wait_at):
+            self._wake()
 
     async def _gather(
         self, reqs: list[Request], loop: asyncio.AbstractEventLoop
@@ -285,12 +321,14 @@ class Scheduler:
         wake-up times come from the same tests that act on them, so a timer never fires on a
         moment with nothing to do; one at or before now still yields to the loop once."""
         self._wakeup = self._loop.create_future()
+        self._wait_at = deadline
         if deadline is not None:
             self._timer = self._loop.call_later(max(deadline - self.clock(), 0.0), self._wake)
         try:
             await self._wakeup
         finally:
             self._wakeup = None
+            self._wait_at = None
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None

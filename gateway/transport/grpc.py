@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+from collections import deque
+from functools import partial
 
 import grpc
 
@@ -255,68 +257,98 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def _stream(self, request_iterator, context, caller: Account | None) -> None:
         _request_id(context)  # one id for the stream; the messages' own ids travel in `id`
         edge = self._stream_edge
-        window = asyncio.Semaphore(self.window)
-        # Holds at most `window` answers (each holds a window slot until written) and the end mark.
-        out: asyncio.Queue = asyncio.Queue()
-        tasks: set[asyncio.Task] = set()
         pipeline = self.pipeline
-
-        async def one(request: pb.ModelInferRequest) -> None:
-            try:
-                resp = await pipeline.infer(request, caller, edge)
-                item = pb.ModelStreamInferResponse(infer_response=resp)
-            except GatewayError as exc:
-                item = self._stream_error(request, exc.message)
-            except Exception as exc:
-                log.exception("ModelStreamInfer request for '%s' failed", clip(request.model_name))
-                item = self._stream_error(request, f"internal error: {type(exc).__name__}: {clip(exc, 512)}")
-            await out.put(item)
-
+        plane = self.plane
+        loop = asyncio.get_running_loop()
+        window = self.window
+        # Per message: one task (pipeline.infer itself, no wrapper coroutine) whose done-callback
+        # puts the answer here; this coroutine writes them. Plain futures wake the writer when
+        # answers arrive and the reader when the window has room: an asyncio.Queue and a
+        # Semaphore cost several times that per message.
+        ready: deque = deque()  # answers to write, then None: the end mark
+        tasks: set[asyncio.Task] = set()
+        unwritten = 0  # requests read and not yet answered on the wire: at most `window`
+        writer_wait: asyncio.Future | None = None
+        reader_wait: asyncio.Future | None = None
         cut = False  # the drain ended the reading, not the client
 
+        def push(item) -> None:
+            ready.append(item)
+            if writer_wait is not None and not writer_wait.done():
+                writer_wait.set_result(None)
+
+        def finished(request: pb.ModelInferRequest, t: asyncio.Task) -> None:
+            tasks.discard(t)
+            if t.cancelled():  # the stream is ending: nobody reads this answer
+                return
+            exc = t.exception()
+            if exc is None:
+                push(pb.ModelStreamInferResponse(infer_response=t.result()))
+            elif isinstance(exc, GatewayError):
+                push(self._stream_error(request, exc.message))
+            else:
+                log.error("ModelStreamInfer request for '%s' failed", clip(request.model_name), exc_info=exc)
+                push(self._stream_error(request, f"internal error: {type(exc).__name__}: {clip(exc, 512)}"))
+
         async def reader() -> None:
-            nonlocal cut
+            nonlocal cut, reader_wait, unwritten
             it = request_iterator.__aiter__()
             client_done = False  # the client closed its side: every request it sent is answered
             try:
-                while not self.plane.draining:
-                    await window.acquire()  # backpressure: a full window stops the reading
+                while not plane.draining:
+                    if unwritten >= window:  # backpressure: a full window stops the reading
+                        reader_wait = loop.create_future()
+                        try:
+                            await reader_wait
+                        finally:
+                            reader_wait = None
+                        continue
                     try:
                         request = await it.__anext__()
                     except StopAsyncIteration:
                         client_done = True
                         break
-                    t = asyncio.create_task(one(request))
+                    unwritten += 1
+                    t = loop.create_task(pipeline.infer(request, caller, edge))
                     tasks.add(t)
-                    t.add_done_callback(tasks.discard)
+                    t.add_done_callback(partial(finished, request))
             except asyncio.CancelledError:
-                if not self.plane.draining:
+                if not plane.draining:
                     raise
                 cut = True  # end_streams: answer what was read, then end the stream
-            if self.plane.draining and not client_done:
+            if plane.draining and not client_done:
                 cut = True
             while tasks:
                 await asyncio.gather(*list(tasks), return_exceptions=True)
-            await out.put(None)
+            push(None)
 
         def reader_done(t: asyncio.Task) -> None:
             nonlocal cut
             # A reader cancelled before it ran (a drain as the stream opened) or failed never put
             # its end mark: the writer must still finish.
             if t.cancelled() or t.exception() is not None:
-                cut = cut or self.plane.draining
-                out.put_nowait(None)
+                cut = cut or plane.draining
+                push(None)
 
-        read_task = asyncio.create_task(reader())
+        read_task = loop.create_task(reader())
         read_task.add_done_callback(reader_done)
         self._readers.add(read_task)
         try:
             while True:
-                item = await out.get()
+                if not ready:
+                    writer_wait = loop.create_future()
+                    try:
+                        await writer_wait
+                    finally:
+                        writer_wait = None
+                    continue
+                item = ready.popleft()
                 if item is None:
                     break
                 await context.write(item)
-                window.release()
+                unwritten -= 1
+                if reader_wait is not None and not reader_wait.done():
+                    reader_wait.set_result(None)
             if not read_task.cancelled() and read_task.done():
                 read_task.result()  # a reader's own failure (a bug) surfaces here
         finally:
