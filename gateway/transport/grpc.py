@@ -20,7 +20,7 @@ import grpc
 
 from batchgate.gateway.admission import Account
 from batchgate.gateway.errors import GatewayError, Kind, clip
-from batchgate.gateway.infer import Pipeline
+from batchgate.gateway.infer import GATED, Pipeline
 from batchgate.gateway.logs import REQUEST_ID, REQUEST_ID_KEY, clean_request_id
 from batchgate.gateway.metrics import Metrics
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
@@ -242,6 +242,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         At most ``stream_window`` requests are in flight: the next message is read only when one of
         them has been written back, so a client that never reads its answers stops being read."""
+        GATED.set(False)  # the door took the stream; each of its messages asks the gate itself
         try:
             caller = self._caller(context)
             tenant = caller.tenant.name if caller is not None else ""
