@@ -93,9 +93,11 @@ class OverloadGate:
     - **wasted calls**: of the calls that ended lately (decaying counts, ~100 ms of memory), the
       share that was taken and then dropped — shed by the scheduler, expired in its queue, or
       abandoned by a caller whose deadline passed. Over ``WASTE``, the admitted share is set to what
-      the server is completing: the calls that ended well per call that arrived, plus 5 %. Rates,
-      not steps: a caller's call that dies now was taken up to its budget ago, so cutting by a step
-      per look for as long as drops go on would overshoot to nothing and refuse at 1x;
+      the server is completing: the calls that ended well per call that arrived, plus 5 % — while
+      more than ``min_in_flight`` calls have been inside lately (one caller's run of hopeless
+      deadlines is no overload). Rates, not steps: a caller's call that dies now was taken up to
+      its budget ago, so cutting by a step per look for as long as drops go on would overshoot to
+      nothing and refuse at 1x;
     - **a standing queue on the loop** (CoDel's idea): the event loop's lag has stayed over the
       target for a whole ``STANDING_S`` while more than ``min_in_flight`` calls are inside (a lag
       burst, a big batch's answers, is no overload): the share is cut by a fifth, once per stretch.
@@ -122,6 +124,7 @@ class OverloadGate:
         self.arrived = 0.0  # new calls asked about lately (decaying)
         self.ended = 0.0  # calls that ended lately (decaying)
         self.dropped = 0.0  # of which taken and then dropped (decaying)
+        self.busy = 0.0  # calls inside, a decaying peak
         self._credit = 0.0
         self._lag_low_at = 0.0  # the last time the loop's lag was under the target
         self._handle: asyncio.TimerHandle | None = None
@@ -146,7 +149,9 @@ class OverloadGate:
         now = self._loop.time()
         if self.pipeline.plane.lag.s <= self.target_s or self.pipeline.inflight <= self.min_in_flight:
             self._lag_low_at = now
-        if self.ended >= 16 and self.dropped > self.WASTE * self.ended:
+        # (a busy server only: one caller's run of hopeless deadlines must not shed everyone's calls)
+        self.busy = max(self.busy * self.DECAY, self.pipeline.inflight)
+        if self.busy > self.min_in_flight and self.ended >= 16 and self.dropped > self.WASTE * self.ended:
             completing = (self.ended - self.dropped) / max(self.arrived, 1.0)
             self.admit = max(self.MIN_ADMIT, min(self.admit, 1.05 * completing))
         elif now - self._lag_low_at >= self.STANDING_S:

@@ -92,3 +92,9 @@ def test_what_counts_as_wasted():
     assert not _wasted(GatewayError(Kind.UNAVAILABLE, "overloaded", outcome="overloaded"))  # the gate's own
     assert not _wasted(GatewayError(Kind.INVALID, "bad input"))
     assert not _wasted(GatewayError(Kind.EXHAUSTED, "rate limited"))
+
+
+def test_one_callers_hopeless_deadlines_on_an_idle_server_shed_nobody():
+    gate, _, clock = _gate(lag_s=0.001, inflight=2)  # every call dropped, but hardly any inside
+    _ticks(gate, clock, 50, ended=20, dropped=20, arrived=20)
+    assert not gate.shedding and gate.admit == 1.0
