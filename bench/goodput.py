@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import multiprocessing
 import os
@@ -107,13 +108,18 @@ def model_name() -> str:
     return "minilm" if TEXTS_PER_CALL else "encoder"
 
 
+@functools.cache
+def _text_lines() -> list[str]:
+    return [t for t in _TEXTS.read_text().splitlines() if t.strip()]
+
+
 def _class_request(
     rng: np.random.Generator, cls: str, rows: int, seq: int, params: dict
 ) -> pb.ModelInferRequest:
     n = TEXTS_PER_CALL.get(cls)
     if not n:
         return _request(rng, rows, seq, params)
-    lines = [t for t in _TEXTS.read_text().splitlines() if t.strip()]
+    lines = _text_lines()
     picked = [lines[i] for i in rng.choice(len(lines), size=n, replace=n > len(lines))]
     req = pb.ModelInferRequest(model_name="minilm")
     req.inputs.add(name="text", datatype="BYTES", shape=[n, 1])

@@ -1,7 +1,7 @@
 """What the extra gRPC call takers (gateway/transport/takers.py) buy, in server CPU per call.
 
-Two measurements, each as server CPU µs per call (utime + stime of the server's process tree from
-/proc, divided by the calls answered: robust on a shared machine, where calls/s are not):
+Two measurements, each as server CPU µs per call (utime + stime of the server process, all its
+threads, from /proc, divided by the calls answered: robust on a shared machine, where calls/s are not):
 
 1. ``ranker``, one row per call, closed loop (64 callers on 2 channels, raw bytes): the no-op
    grpc.aio server, batchgate with grpc.aio's own loop alone (``grpc_takers=0``) and with the
@@ -30,6 +30,7 @@ import grpc
 import numpy as np
 
 from batchgate.bench.loadgen import start_batchgate, start_noop
+from batchgate.bench.profile import process_cpu
 
 _INFER = "/inference.GRPCInferenceService/ModelInfer"
 
@@ -44,21 +45,6 @@ def _ranker_request() -> bytes:
     req.raw_input_contents.append(rng.standard_normal((1, 64), dtype=np.float32).tobytes())
     req.raw_input_contents.append(rng.integers(0, 1000, (1, 8), dtype=np.int64).tobytes())
     return req.SerializeToString()
-
-
-def tree_cpu(pid: int) -> float:
-    """CPU seconds of ``pid`` and its children."""
-    kids = subprocess.run(
-        ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True
-    ).stdout.split()
-    total = 0.0
-    for p in [pid, *map(int, kids)]:
-        try:
-            fields = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
 
 
 async def drive(url: str, method: str, request: bytes, calls: int, callers: int) -> collections.Counter:
@@ -84,9 +70,9 @@ def measure(
     pid: int, url: str, method: str, request: bytes, calls: int, callers: int
 ) -> tuple[float, float, dict]:
     asyncio.run(drive(url, method, request, max(20, calls // 6), callers))  # warm-up
-    c0, t0 = tree_cpu(pid), time.perf_counter()
+    c0, t0 = process_cpu(pid), time.perf_counter()
     seen = asyncio.run(drive(url, method, request, calls, callers))
-    wall, cpu = time.perf_counter() - t0, tree_cpu(pid) - c0
+    wall, cpu = time.perf_counter() - t0, process_cpu(pid) - c0
     n = sum(seen.values())
     return n / wall, 1e6 * cpu / n, dict(seen)
 

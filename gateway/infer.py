@@ -84,6 +84,10 @@ def _check_parameters(params) -> None:
 GATED: ContextVar[bool] = ContextVar("batchgate_gated", default=False)  # the door already took it
 
 
+RETRY_S = 0.05  # the overload refusal's retry hint
+_RETRY_TRAILERS = (("grpc-retry-pushback-ms", "50"), ("retry-after-ms", "50"))
+
+
 class OverloadGate:
     """Refuses a share of new calls, before any decoding, while the process is past its ceiling.
 
@@ -125,6 +129,7 @@ class OverloadGate:
         self.ended = 0.0  # calls that ended lately (decaying)
         self.dropped = 0.0  # of which taken and then dropped (decaying)
         self.busy = 0.0  # calls inside, a decaying peak
+        self._message = ""
         self._credit = 0.0
         self._lag_low_at = 0.0  # the last time the loop's lag was under the target
         self._handle: asyncio.TimerHandle | None = None
@@ -143,7 +148,7 @@ class OverloadGate:
     def stand_down(self) -> None:
         """Take every call from now on (the server is draining)."""
         self.stop()
-        self.admit, self.shedding = 1.0, False
+        self._set_admit(1.0)
 
     def _tick(self) -> None:
         now = self._loop.time()
@@ -153,13 +158,13 @@ class OverloadGate:
         self.busy = max(self.busy * self.DECAY, self.pipeline.inflight)
         if self.busy > self.min_in_flight and self.ended >= 16 and self.dropped > self.WASTE * self.ended:
             completing = (self.ended - self.dropped) / max(self.arrived, 1.0)
-            self.admit = max(self.MIN_ADMIT, min(self.admit, 1.05 * completing))
+            admit = max(self.MIN_ADMIT, min(self.admit, 1.05 * completing))
         elif now - self._lag_low_at >= self.STANDING_S:
-            self.admit = max(self.MIN_ADMIT, self.admit * 0.8)
+            admit = max(self.MIN_ADMIT, self.admit * 0.8)
             self._lag_low_at = now  # once per stretch
-        elif self.admit < 1.0:
-            self.admit = min(1.0, self.admit + self.GROW)
-        self.shedding = self.admit < 1.0
+        else:
+            admit = min(1.0, self.admit + self.GROW)
+        self._set_admit(admit)
         self.arrived *= self.DECAY
         self.ended *= self.DECAY
         self.dropped *= self.DECAY
@@ -179,22 +184,23 @@ class OverloadGate:
         return False
 
     def message(self) -> str:
-        return (
-            f"server overloaded: taking {self.admit:.0%} of new calls; "
-            "retry with backoff or on another replica"
-        )
+        """The refusal's words (made once per look, not once per refused call)."""
+        return self._message
 
     def trailing(self) -> tuple:
-        """The refusal's retry hint: the gate's next look at the loop (gRPC's retry pushback)."""
-        ms = str(round(self.TICK_S * 1000 * 5))
-        return (("grpc-retry-pushback-ms", ms), ("retry-after-ms", ms))
+        """The refusal's retry hint: five looks of the gate (gRPC's retry pushback)."""
+        return _RETRY_TRAILERS
 
     def check(self) -> None:
         """Take the call, or raise UNAVAILABLE (outcome ``overloaded``)."""
         if not self.take():
-            raise GatewayError(
-                Kind.UNAVAILABLE, self.message(), outcome="overloaded", retry_after_s=self.TICK_S * 5
-            )
+            raise GatewayError(Kind.UNAVAILABLE, self._message, outcome="overloaded", retry_after_s=RETRY_S)
+
+    def _set_admit(self, admit: float) -> None:
+        if admit != self.admit:
+            self._message = f"server overloaded: taking {admit:.0%} of new calls; retry with backoff or on another replica"
+        self.admit = admit
+        self.shedding = admit < 1.0
 
 
 def _wasted(exc: BaseException) -> bool:

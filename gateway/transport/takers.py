@@ -137,12 +137,6 @@ class CallTakers:
             loop.create_task(self._take(aio, loop), name=f"grpc-taker-{i}") for i in range(self.n)
         ]
 
-    async def stop(self) -> None:
-        for t in self._takers:
-            t.cancel()
-        await asyncio.gather(*self._takers, return_exceptions=True)
-        self._takers = []
-
     def _done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
         self.in_progress -= 1
