@@ -176,6 +176,13 @@ def test_scrape_counts_the_workload(workload):
     assert any(name == "process_cpu_seconds_total" for name, _ in s)  # the per-process registry has them too
 
 
+def test_the_overload_gate_is_exported_and_sheds_nothing_under_a_light_workload(workload):
+    s = scrape(workload)
+    assert value(s, "batchgate_overload_admitted_ratio") == 1.0
+    for where in ("door", "pipeline"):  # present (value() would read a missing sample as 0)
+        assert s[("batchgate_overload_refused_total", (("where", where),))] == 0
+
+
 def test_latency_model_is_exported_per_bucket_and_batch_size(workload):
     s = scrape(workload)
     fit = {dict(labels)["term"]: v for (name, labels), v in s.items()
