@@ -157,6 +157,7 @@ class Point:
     good: Counter = field(default_factory=Counter)
     sent: Counter = field(default_factory=Counter)
     quantiles: dict[str, tuple[float, float, int]] = field(default_factory=dict)  # from the C++ client
+    class_status: dict[str, dict] = field(default_factory=dict)  # per class, from the C++ client
 
     def summary(self) -> dict:
         out = {"offered_rps": self.offered, "goodput_rps": sum(self.good.values()) / self.seconds,
@@ -169,7 +170,8 @@ class Point:
                 len(lat),
             )
             out[cls] = {"p50_ms": p50, "p99_ms": p99, "ok": ok, "good": self.good[cls], "sent": self.sent[cls],
-                        "good_fraction": self.good[cls] / self.sent[cls] if self.sent[cls] else 0.0}  # fmt: skip
+                        "good_fraction": self.good[cls] / self.sent[cls] if self.sent[cls] else 0.0,
+                        "status": self.class_status.get(cls)}  # fmt: skip
         return out
 
 
@@ -333,6 +335,7 @@ def _offer_cxx(url: str, rate: float, seconds: float, seq: int, rows: int, seed:
         point.good[cls] = r["good"]
         point.status.update(r["status"])
         point.quantiles[cls] = (r["p50_ms"], r["p99_ms"], r["ok"])
+        point.class_status[cls] = r["status"]
     point.status["NO_ANSWER"] += out["no_answer"]
     return point
 
@@ -460,6 +463,9 @@ def main() -> int:
             per = "".join(f" {r[c]['good_fraction']:>12.1%} {r[c]['p99_ms']:>12.1f}" for c in MIX)
             print(f"{policy:<9} {r['load']:>4}x {r['offered_rps']:>8.0f} {r['goodput_rps']:>8.0f} {ratio:>6.2f}{per}  "
                   f"{r['status']}")  # fmt: skip
+            for c in MIX:  # where each class's calls went (the C++ client counts them per class)
+                if r[c]["status"]:
+                    print(f"{'':<16}{c}: {r[c]['status']}, p50 {r[c]['p50_ms']:.1f} ms")
     if args.json:
         args.json.write_text(json.dumps({"capacity_rps": capacity, "results": results}, indent=2))
     return 0

@@ -8,11 +8,17 @@ threads, from /proc, divided by the calls answered: robust on a shared machine, 
    takers (default 16). Calls/s are printed too, for the ratio in this run.
 2. The price of a refusal: a bare grpc.aio server whose every call is refused UNAVAILABLE, once
    from its handler (``context.abort``, the cheapest refusal once a handler runs) and once by a
-   taker before any handler (``CallTakers`` with ``take()`` always False).
+   taker before any handler (``CallTakers`` with a gate that refuses all). Beside them, gRPC
+   core's own price of a call no Python code ever sees: a server that never asks for a call, so
+   each waits in core until its 50 ms deadline. No refusal in this process can cost less; it
+   bounds what any door can do (docs/overload.md, "What a refusal costs").
 
-    .venv/bin/python -m batchgate.bench.takers [--calls 300] [--callers 64] [--pin]
+    .venv/bin/python -m batchgate.bench.takers [--calls 300] [--callers 64] [--pin] [--open-loop 5000]
 
-``--pin`` puts the servers on CPU 0 and the client on CPU 1.
+``--pin`` puts the servers on CPU 0 and the client on CPU 1. ``--open-loop RATE`` measures the
+refusals again under the C++ open-loop client (bench/openloop, as bench.goodput's overload points
+use it) at RATE calls/s for 5 s, each call with a 1 s deadline: calls that arrive one by one, as
+an overload's do, are dearer than a closed loop's bursts (core wakes for each).
 """
 
 from __future__ import annotations
@@ -47,7 +53,9 @@ def _ranker_request() -> bytes:
     return req.SerializeToString()
 
 
-async def drive(url: str, method: str, request: bytes, calls: int, callers: int) -> collections.Counter:
+async def drive(
+    url: str, method: str, request: bytes, calls: int, callers: int, timeout: float = 30
+) -> collections.Counter:
     channels = [grpc.aio.insecure_channel(url) for _ in range(2)]
     methods = [ch.unary_unary(method) for ch in channels]
     out: collections.Counter = collections.Counter()
@@ -55,7 +63,7 @@ async def drive(url: str, method: str, request: bytes, calls: int, callers: int)
     async def caller(i: int) -> None:
         for _ in range(calls):
             try:
-                await methods[i % 2](request, timeout=30)
+                await methods[i % 2](request, timeout=timeout)
                 out["OK"] += 1
             except grpc.aio.AioRpcError as exc:
                 out[exc.code().name] += 1
@@ -67,27 +75,64 @@ async def drive(url: str, method: str, request: bytes, calls: int, callers: int)
 
 
 def measure(
-    pid: int, url: str, method: str, request: bytes, calls: int, callers: int
+    pid: int, url: str, method: str, request: bytes, calls: int, callers: int, timeout: float = 30
 ) -> tuple[float, float, dict]:
-    asyncio.run(drive(url, method, request, max(20, calls // 6), callers))  # warm-up
+    asyncio.run(drive(url, method, request, max(20, calls // 6), callers, timeout))  # warm-up
     c0, t0 = process_cpu(pid), time.perf_counter()
-    seen = asyncio.run(drive(url, method, request, calls, callers))
+    seen = asyncio.run(drive(url, method, request, calls, callers, timeout))
     wall, cpu = time.perf_counter() - t0, process_cpu(pid) - c0
     n = sum(seen.values())
     return n / wall, 1e6 * cpu / n, dict(seen)
 
 
+def open_loop(pid: int, url: str, rate: float, pin: bool) -> tuple[float, float, dict]:
+    """The C++ open-loop client at ``rate`` for 5 s (1 s deadlines): calls/s sent, server CPU µs
+    per call, outcomes."""
+    import json
+    import tempfile
+
+    from batchgate.bench.goodput import openloop_binary
+
+    with tempfile.NamedTemporaryFile(suffix=".bin") as f:
+        f.write(b"x")
+        f.flush()
+        cmd = [*(["taskset", "-c", "1"] if pin else []), str(openloop_binary()), url, f"{rate:g}", "5", "1", "1",
+               f"a:1:1000:{f.name}"]  # fmt: skip
+        c0 = process_cpu(pid)
+        out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+        cpu = process_cpu(pid) - c0
+    seen = out["classes"]["a"]["status"]
+    n = sum(seen.values())
+    return n / 5, 1e6 * cpu / n, seen
+
+
 def _refusing_server(how: str, port_q, cpus: str) -> None:
-    """A bare grpc.aio server refusing every call UNAVAILABLE, from its handler or at the door."""
+    """A bare grpc.aio server refusing every call UNAVAILABLE, from its handler or at the door;
+    or (``core``) a gRPC core server that never asks for a call."""
     if cpus:
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+    from types import SimpleNamespace
+
+    from grpc._cython import cygrpc
+
     from batchgate.gateway.transport.takers import CallTakers
+
+    if how == "core":  # no request for a call is ever made: core holds each until its deadline
+        server = cygrpc.Server((), False)
+        server.register_completion_queue(cygrpc.CompletionQueue())
+        port_q.put(server.add_http2_port(b"127.0.0.1:0"))
+        server.start()
+        time.sleep(3600)
+        return
+    refuse_all = SimpleNamespace(
+        shedding=True, take=lambda time_left: False, message=lambda: "overloaded", trailing=lambda: ()
+    )
 
     async def main() -> None:
         async def handler(request, context):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "overloaded")
 
-        door = CallTakers(16 if how == "door" else 0, 10_000, lambda: False, lambda: "overloaded", lambda: ())
+        door = CallTakers(16 if how == "door" else 0, 10_000, refuse_all)
         server = grpc.aio.server(
             interceptors=door.interceptors_for(()), maximum_concurrent_rpcs=door.grpc_cap
         )
@@ -112,6 +157,8 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=300, help="calls per caller")
     ap.add_argument("--callers", type=int, default=64)
     ap.add_argument("--pin", action="store_true", help="servers on CPU 0, the client on CPU 1")
+    ap.add_argument("--open-loop", type=float, default=0, metavar="RATE",
+                    help="also refuse RATE calls/s from the C++ open-loop client (needs libgrpc++-dev)")  # fmt: skip
     args = ap.parse_args()
     server_cpus = "0" if args.pin else ""
     if args.pin:
@@ -136,18 +183,28 @@ def main() -> int:
             srv.stop()
     os.environ.pop("BATCHGATE_GRPC_TAKERS", None)
     ctx = mp.get_context("spawn")
-    for how in ("handler", "door"):
+    labels = {
+        "handler": "refusal from a handler (context.abort)",
+        "door": "refusal at the door (a taker)",
+        "core": "core alone (never taken, 50 ms deadline)",
+    }
+    for how in labels:
         q = ctx.Queue()
         proc = ctx.Process(target=_refusing_server, args=(how, q, server_cpus), daemon=True)
         proc.start()
         try:
             url = f"127.0.0.1:{q.get(timeout=30)}"
-            label = (
-                "refusal from a handler (context.abort)"
-                if how == "handler"
-                else "refusal at the door (a taker)"
+            timeout = 0.05 if how == "core" else 30
+            rows.append(
+                (labels[how], *measure(proc.pid, url, "/t.S/M", b"x", args.calls, args.callers, timeout))
             )
-            rows.append((label, *measure(proc.pid, url, "/t.S/M", b"x", args.calls, args.callers)))
+            if args.open_loop and how != "handler":
+                rows.append(
+                    (
+                        f"  open loop, {args.open_loop:g}/s",
+                        *open_loop(proc.pid, url, args.open_loop, args.pin),
+                    )
+                )
         finally:
             proc.kill()
             proc.join()
@@ -161,8 +218,9 @@ def main() -> int:
     noop = by["no-op grpc.aio server"]
     for name in ("batchgate, grpc_takers=0", "batchgate, grpc_takers=16"):
         print(f"{name}: {by[name][1] / noop[1]:.2f} of the no-op's answered calls/s in this run")
-    h, d = by["refusal from a handler (context.abort)"], by["refusal at the door (a taker)"]
-    print(f"a refusal at the door costs {d[2] / h[2]:.2f} of one from a handler")
+    h, d, c = (by[labels[k]] for k in ("handler", "door", "core"))
+    print(f"a refusal at the door costs {d[2] / h[2]:.2f} of one from a handler; "
+          f"gRPC core's own share of a call: {c[2]:.0f} µs ({c[2] / d[2]:.2f} of the door's)")  # fmt: skip
     return 0
 
 

@@ -107,9 +107,14 @@ class OverloadGate:
       burst, a big batch's answers, is no overload): the share is cut by a fifth, once per stretch.
 
     With neither, the share grows back by half a percent per look (all of it within two seconds).
-    Refusals are spread evenly over arrivals (a credit counter, no randomness), so every latency
-    class keeps the share it sends, and the deadline queue serves the tight ones first. A call pays
-    a counter while not shedding."""
+
+    The door sees no request body, so no latency class; it does see a gRPC call's deadline. While
+    shedding, a call with less than ``TIGHT_S`` left is taken ``TIGHT_S / time left`` times as often
+    as one with time to spare (at most ``BOOST`` times, and never more than every one): a tight
+    class is not starved at 4x by lenient work that can wait, and the deadline queue serves it
+    first. The share is set so that all of them together are what completes. Within each weight,
+    refusals are spread evenly over arrivals (a credit counter, no randomness). A call pays a
+    counter while not shedding."""
 
     TICK_S = 0.010
     WASTE = 0.10  # share of ended calls that were dropped, above which the door sheds
@@ -117,6 +122,8 @@ class OverloadGate:
     DECAY = 0.9  # per tick, for the arrived/ended/dropped counts (~100 ms of memory)
     MIN_ADMIT = 0.02
     GROW = 0.005  # per tick while neither signal is on
+    TIGHT_S = 0.500  # a call with less time left than this is taken more often while shedding
+    BOOST = 8  # ... at most this many times as often (a call with 60 ms left at the full eight)
 
     def __init__(self, pipeline: Pipeline, lag_target_s: float, min_in_flight: int) -> None:
         self.pipeline = pipeline
@@ -129,8 +136,9 @@ class OverloadGate:
         self.ended = 0.0  # calls that ended lately (decaying)
         self.dropped = 0.0  # of which taken and then dropped (decaying)
         self.busy = 0.0  # calls inside, a decaying peak
+        self.weighted = [0.0] * (self.BOOST + 1)  # arrived lately, by weight 2..BOOST (while shedding)
         self._message = ""
-        self._credit = 0.0
+        self._credit = [0.0] * (self.BOOST + 1)  # by weight
         self._lag_low_at = 0.0  # the last time the loop's lag was under the target
         self._handle: asyncio.TimerHandle | None = None
 
@@ -157,8 +165,7 @@ class OverloadGate:
         # (a busy server only: one caller's run of hopeless deadlines must not shed everyone's calls)
         self.busy = max(self.busy * self.DECAY, self.pipeline.inflight)
         if self.busy > self.min_in_flight and self.ended >= 16 and self.dropped > self.WASTE * self.ended:
-            completing = (self.ended - self.dropped) / max(self.arrived, 1.0)
-            admit = max(self.MIN_ADMIT, min(self.admit, 1.05 * completing))
+            admit = max(self.MIN_ADMIT, min(self.admit, self._share(1.05 * (self.ended - self.dropped))))
         elif now - self._lag_low_at >= self.STANDING_S:
             admit = max(self.MIN_ADMIT, self.admit * 0.8)
             self._lag_low_at = now  # once per stretch
@@ -168,18 +175,44 @@ class OverloadGate:
         self.arrived *= self.DECAY
         self.ended *= self.DECAY
         self.dropped *= self.DECAY
+        w = self.weighted
+        for k in range(2, len(w)):
+            w[k] *= self.DECAY
         self._handle = self._loop.call_later(self.TICK_S, self._tick)
 
-    def take(self) -> bool:
-        """Whether to take a new call (False: refuse it, counted). A counter while not shedding;
-        while shedding, refusals are spread evenly over arrivals."""
+    def _share(self, target: float) -> float:
+        """The share ``a`` at which the calls that arrived lately, each taken ``min(1, weight * a)``
+        of the time, add up to ``target``: what the server is completing."""
+        w = self.weighted
+        counts = [(k, w[k]) for k in range(len(w) - 1, 1, -1) if w[k] > 0]
+        counts.append((1, max(self.arrived - sum(n for _, n in counts), 0.0)))
+        # f(a) = sum n * min(1, k * a) is increasing and linear between the breakpoints 1/k;
+        # from the highest weight down, the calls of weight k are taken whole once a >= 1/k
+        whole, slope = 0.0, sum(k * n for k, n in counts)
+        for k, n in counts:  # weights descending: breakpoints 1/k ascending
+            if slope > 0 and (target - whole) / slope <= 1.0 / k:
+                return (target - whole) / slope
+            whole += n
+            slope -= k * n
+        return 1.0
+
+    def take(self, remaining: float | None = None) -> bool:
+        """Whether to take a new call (False: refuse it, counted) with ``remaining`` seconds left
+        (None: no deadline). A counter while not shedding; while shedding, refusals are spread
+        evenly over the arrivals of each weight."""
         self.arrived += 1
         if not self.shedding:
             return True
-        self._credit += self.admit
-        if self._credit >= 1.0:
-            self._credit -= 1.0
+        k = 1
+        if remaining is not None and remaining < self.TIGHT_S:
+            k = min(self.BOOST, int(self.TIGHT_S / max(remaining, 1e-3)))
+            if k > 1:
+                self.weighted[k] += 1
+        credit = self._credit[k] + min(1.0, k * self.admit)
+        if credit >= 1.0:
+            self._credit[k] = credit - 1.0
             return True
+        self._credit[k] = credit
         self.refused += 1
         return False
 
@@ -191,9 +224,9 @@ class OverloadGate:
         """The refusal's retry hint: five looks of the gate (gRPC's retry pushback)."""
         return _RETRY_TRAILERS
 
-    def check(self) -> None:
+    def check(self, remaining: float | None = None) -> None:
         """Take the call, or raise UNAVAILABLE (outcome ``overloaded``)."""
-        if not self.take():
+        if not self.take(remaining):
             raise GatewayError(Kind.UNAVAILABLE, self._message, outcome="overloaded", retry_after_s=RETRY_S)
 
     def _set_admit(self, admit: float) -> None:
@@ -253,7 +286,7 @@ class Pipeline:
             # the cheapest refusal there is once a call has reached Python (a call the door took,
             # gRPC's call takers or REST's, has been asked already)
             if not (gated or GATED.get()):
-                self.gate.check()
+                self.gate.check(time_remaining)
             resp = await self._infer(request, caller, time_remaining)
         except BaseException as exc:
             edge.failed(request.model_name, request.model_version, exc)

@@ -98,3 +98,46 @@ def test_one_callers_hopeless_deadlines_on_an_idle_server_shed_nobody():
     gate, _, clock = _gate(lag_s=0.001, inflight=2)  # every call dropped, but hardly any inside
     _ticks(gate, clock, 50, ended=20, dropped=20, arrived=20)
     assert not gate.shedding and gate.admit == 1.0
+
+
+def test_while_shedding_a_call_near_its_deadline_is_taken_more_often_and_all_add_up_to_what_completes():
+    gate, _, clock = _gate(lag_s=0.001, inflight=500)
+
+    def look():  # 40 calls arrive, 8 of them with 60 ms left; 20 end, 6 dropped: 14 complete
+        for i in range(40):
+            gate.take(0.060 if i % 5 == 0 else gate.TIGHT_S)
+        gate.ended += 20
+        gate.dropped += 6
+        clock[0] += gate.TICK_S
+        gate._tick()
+
+    for _ in range(60):
+        look()
+    a, k = gate.admit, min(gate.BOOST, int(gate.TIGHT_S / 0.060))
+    assert gate.shedding and 0.15 < a < 0.3 and k > 1
+    # the 60 ms calls have weight k (TIGHT_S / 0.06 s, at most BOOST): taken min(1, k a) of the
+    # time; the share is what makes the two add up to what completes (plus 5 %)
+    assert 8 * min(1.0, k * a) + 32 * a == pytest.approx(1.05 * 14, rel=0.02)
+    arrived = gate.arrived
+    taken = {0.060: 0, gate.TIGHT_S: 0, None: 0}
+    for left in taken:
+        for _ in range(1000):
+            taken[left] += gate.take(left)
+    gate.arrived = arrived
+    assert abs(taken[0.060] - 1000 * min(1.0, k * a)) <= 1  # evenly spread within each weight
+    assert (
+        abs(taken[gate.TIGHT_S] - 1000 * a) <= 1 and abs(taken[None] - 1000 * a) <= 1
+    )  # no deadline: weight 1
+    before = gate.weighted[gate.BOOST]
+    gate.take(0.0)  # a deadline already spent: the highest weight (the queue refuses it, by name)
+    assert gate.weighted[gate.BOOST] == before + 1
+
+
+def test_the_share_solves_the_weighted_sum():
+    gate, _, _ = _gate(lag_s=0.001, inflight=500)
+    gate.arrived, gate.weighted[4], gate.weighted[2] = 100.0, 10.0, 20.0  # 70 of weight 1
+    for target in (5.0, 20.0, 47.0, 80.0, 99.0):
+        a = gate._share(target)
+        got = 10 * min(1, 4 * a) + 20 * min(1, 2 * a) + 70 * min(1, a)
+        assert got == pytest.approx(target)
+    assert gate._share(150.0) == 1.0  # more completes than arrives: take all

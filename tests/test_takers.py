@@ -32,6 +32,24 @@ class _Seen(grpc.aio.ServerInterceptor):
         return await continuation(details)
 
 
+class _Gate:
+    """The overload gate as the takers see it: ``decide(time_left)`` answers take()."""
+
+    def __init__(self, decide, shedding: bool = False) -> None:
+        self.decide, self.shedding = decide, shedding
+        self.asked: list[float | None] = []
+
+    def take(self, remaining: float | None) -> bool:
+        self.asked.append(remaining)
+        return self.decide(remaining)
+
+    def message(self) -> str:
+        return "overloaded: test"
+
+    def trailing(self) -> tuple:
+        return (("grpc-retry-pushback-ms", "50"),)
+
+
 async def _serve(n: int, take, cap: int = 1000, hold: asyncio.Event | None = None):
     handled = []
     gated = GATED_SEEN
@@ -45,7 +63,7 @@ async def _serve(n: int, take, cap: int = 1000, hold: asyncio.Event | None = Non
         return request[::-1]
 
     seen = _Seen()
-    door = CallTakers(n, cap, take, lambda: "overloaded: test", lambda: (("grpc-retry-pushback-ms", "50"),))
+    door = CallTakers(n, cap, take if isinstance(take, _Gate) else _Gate(take))
     server = grpc.aio.server(
         interceptors=door.interceptors_for((seen,)), maximum_concurrent_rpcs=door.grpc_cap
     )
@@ -62,7 +80,7 @@ async def _serve(n: int, take, cap: int = 1000, hold: asyncio.Event | None = Non
 @pytest.mark.parametrize("n", [0, 4])
 def test_every_call_is_served_by_the_same_handlers_and_interceptors(n):
     async def main():
-        server, door, port, handled, seen = await _serve(n, lambda: True)
+        server, door, port, handled, seen = await _serve(n, lambda remaining: True)
         assert door.active == (n > 0)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             method = ch.unary_unary(_METHOD)
@@ -85,11 +103,14 @@ def test_every_call_is_served_by_the_same_handlers_and_interceptors(n):
 def test_a_refused_call_never_reaches_a_handler_and_carries_the_retry_hint():
     async def main():
         decisions = {"take": True}
-        server, door, port, handled, seen = await _serve(8, lambda: decisions["take"])
+        gate = _Gate(lambda remaining: decisions["take"])
+        server, door, port, handled, seen = await _serve(8, gate)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             method = ch.unary_unary(_METHOD)
             assert await method(b"x", timeout=10) == b"x"  # warm: the channel is connected
-            decisions["take"] = False
+            assert set(gate.asked) <= {None}  # the time left is not read while the gate takes all
+            decisions["take"], gate.shedding = False, True
+            gate.asked.clear()
             outcomes = []
             for _ in range(40):
                 try:
@@ -101,13 +122,15 @@ def test_a_refused_call_never_reaches_a_handler_and_carries_the_retry_hint():
             # grpc.aio's own loop keeps taking some calls (it knows nothing of the door); the takers
             # refuse every call they take while the door says no
             assert len(refused) == door.refused > 0
+            # while shedding the door is told each call's time left (its gRPC deadline, 10 s; core rounds the timeout header up)
+            assert len(gate.asked) == door.refused and all(9 < t < 10.5 for t in gate.asked)
             for exc in refused:
                 assert exc.code() == grpc.StatusCode.UNAVAILABLE
                 assert exc.details() == "overloaded: test"
                 assert ("grpc-retry-pushback-ms", "50") in tuple(exc.trailing_metadata())
             assert len(handled) == 1 + outcomes.count("ok")  # no refused call ran the handler
             assert len(seen.methods) == len(handled)  # nor the interceptors
-            decisions["take"] = True
+            decisions["take"], gate.shedding = True, False
             assert await method(b"z", timeout=10) == b"z"
         await server.stop(1)
 
@@ -118,7 +141,7 @@ def test_a_refused_call_never_reaches_a_handler_and_carries_the_retry_hint():
 def test_the_cap_on_calls_in_progress_counts_both_loops(n):
     async def main():
         hold = asyncio.Event()
-        server, door, port, handled, _ = await _serve(n, lambda: True, cap=3, hold=hold)
+        server, door, port, handled, _ = await _serve(n, lambda remaining: True, cap=3, hold=hold)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             method = ch.unary_unary(_METHOD)
             held = [asyncio.ensure_future(method(b"hold", timeout=20)) for _ in range(3)]
@@ -156,7 +179,7 @@ def test_a_missing_internal_turns_the_takers_off_and_grpc_aio_serves_alone(monke
     monkeypatch.setattr(takers, "available", lambda: "cygrpc._handle_rpc not found")
 
     async def main():
-        server, door, port, handled, _ = await _serve(4, lambda: True)
+        server, door, port, handled, _ = await _serve(4, lambda remaining: True)
         assert not door.active
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             assert await ch.unary_unary(_METHOD)(b"ab", timeout=10) == b"ba"

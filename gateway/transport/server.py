@@ -241,7 +241,7 @@ class Server:
         # Authentication on metadata, before the message is read; an open server has no interceptor.
         interceptors = () if self.admission.open else (AuthInterceptor(self.pipeline, self.metrics),)
         gate = self.pipeline.gate
-        self.takers = CallTakers(s.grpc_takers, s.max_concurrent_rpcs, gate.take, gate.message, gate.trailing)
+        self.takers = CallTakers(s.grpc_takers, s.max_concurrent_rpcs, gate)
         server = grpc.aio.server(
             options=options, interceptors=self.takers.interceptors_for(interceptors),
             maximum_concurrent_rpcs=self.takers.grpc_cap,

@@ -16,8 +16,8 @@ inside ``_schedule_rpc_coro``, exactly what the main loop does) or, while the ov
 is answered UNAVAILABLE on the spot: one status batch, no handler, no message read, no task for
 the call — measured ~4x cheaper than a refusal from a handler (docs/performance.md).
 
-These are grpc.aio internals (``AioServer._request_call`` and three ``cygrpc`` functions, grpcio
-1.81). ``available()`` checks each is there with the signature used here; when one is not, the
+These are grpc.aio internals (``AioServer._request_call``, three ``cygrpc`` functions and
+``_ServicerContext.time_remaining`` for the call's deadline, grpcio 1.81). ``available()`` checks each is there with the signature used here; when one is not, the
 server runs on grpc.aio's own loop alone and says so once in the log. tests/test_takers.py checks
 the installed grpcio still has them.
 """
@@ -28,7 +28,6 @@ import asyncio
 import contextvars
 import inspect
 import logging
-from collections.abc import Callable
 
 import grpc
 
@@ -61,8 +60,11 @@ def available() -> str:
         code = getattr(fn, "__code__", None)
         if code is None or tuple(code.co_varnames[: code.co_argcount]) != args:
             return f"cygrpc.{name}{args} not found"
-    if not hasattr(cygrpc, "SendInitialMetadataOperation"):
-        return "cygrpc.SendInitialMetadataOperation not found"
+    for name in ("SendInitialMetadataOperation", "_ServicerContext"):
+        if not hasattr(cygrpc, name):
+            return f"cygrpc.{name} not found"
+    if not hasattr(getattr(cygrpc, "_ServicerContext"), "time_remaining"):
+        return "cygrpc._ServicerContext.time_remaining not found"
     if not hasattr(getattr(cygrpc, "AioServer", None), "_request_call"):
         return "cygrpc.AioServer._request_call not found"
     return ""
@@ -75,19 +77,18 @@ class CallTakers:
     ``maximum_concurrent_rpcs=self.grpc_cap``, ``attach`` it before any handler is added (it records
     them as they are), ``start`` it after ``server.start()``.
 
-    ``take()`` is asked once per call taken here, before anything else: False answers the call
-    UNAVAILABLE with ``details()`` and ``trailing()`` at once. It is blind to the method (core has
-    not told Python which one yet), so probes belong on the health port when shedding matters."""
+    ``gate`` is the overload gate (``shedding``, ``take(time_left)``, ``message()``,
+    ``trailing()``): ``take`` is asked once per call taken here, before anything else, with the
+    call's time left (read only while the gate sheds); False answers the call UNAVAILABLE with
+    ``message()`` and ``trailing()`` at once. It is blind to the method (core has not told Python
+    which one yet), so probes belong on the health port when shedding matters."""
 
-    def __init__(
-        self, n: int, cap: int,
-        take: Callable[[], bool], details: Callable[[], str], trailing: Callable[[], tuple],
-    ) -> None:  # fmt: skip
+    def __init__(self, n: int, cap: int, gate) -> None:
         self.n = n
         self.cap = cap
         self.handlers: list = []
         self.interceptors: tuple = ()
-        self._take_call, self._details, self._trailing = take, details, trailing
+        self.gate = gate
         self.taken = 0  # calls taken here (not by grpc.aio's own loop)
         self.refused = 0  # of which answered UNAVAILABLE at the door
         self.in_progress = 0  # calls of both loops, once the takers run
@@ -144,7 +145,8 @@ class CallTakers:
     async def _take(self, aio, loop: asyncio.AbstractEventLoop) -> None:
         handle_rpc, schedule = cygrpc._handle_rpc, cygrpc._schedule_rpc_coro
         send_error, initial_md = cygrpc._send_error_status_from_server, cygrpc.SendInitialMetadataOperation
-        tasks, done = self._tasks, self._done
+        context_of = cygrpc._ServicerContext
+        tasks, done, gate = self._tasks, self._done, self.gate
         taken = contextvars.copy_context()
         taken.run(GATED.set, True)  # the pipeline does not ask the gate again for these calls
         while aio.is_running():
@@ -159,12 +161,13 @@ class CallTakers:
                 coro = _refuse(
                     send_error(state, _RESOURCE_EXHAUSTED, CAP_DETAILS, (), initial_md((), 0), loop)
                 )
-            elif not self._take_call():
+            # the time left is read only while shedding (a context object per call otherwise)
+            elif not gate.take(
+                context_of(state, None, None, loop).time_remaining() if gate.shedding else None
+            ):
                 self.refused += 1
                 coro = _refuse(
-                    send_error(
-                        state, _UNAVAILABLE, self._details(), self._trailing(), initial_md((), 0), loop
-                    )
+                    send_error(state, _UNAVAILABLE, gate.message(), gate.trailing(), initial_md((), 0), loop)
                 )
             else:
                 coro = schedule(handle_rpc(self.handlers, self.interceptors, state, loop, False), state, loop)
