@@ -131,6 +131,29 @@ def parse(out: str) -> dict:
     return res
 
 
+def ort_alone_rows_per_s(batch: int, seconds: float = 2.0) -> float:
+    """ranker's rows/s in ONNX Runtime alone, in this process, one thread, at ``batch`` rows."""
+    import time
+
+    import numpy as np
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = opts.inter_op_num_threads = 1
+    model = Path(__file__).resolve().parent.parent / "model_repository" / "ranker" / "1" / "model.onnx"
+    sess = ort.InferenceSession(str(model), opts, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    feeds = {"dense": rng.standard_normal((batch, 64), dtype=np.float32),
+             "sparse_ids": rng.integers(0, 10_000, (batch, 8), dtype=np.int64)}  # fmt: skip
+    for _ in range(20):
+        sess.run(None, feeds)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        sess.run(None, feeds)
+        n += 1
+    return n * batch / (time.perf_counter() - t0)
+
+
 def _children_cpu() -> float:
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     return ru.ru_utime + ru.ru_stime
@@ -169,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--apis", default="unary,stream")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--interval-ms", type=int, default=3000, help="perf_analyzer's measurement window")
+    ap.add_argument("--batch", type=int, default=1, help="rows per request (perf_analyzer's -b)")
     ap.add_argument("--json", help="write the figures to this file too")
     args = ap.parse_args(argv)
     if args.setup_libs:
@@ -195,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                 before = asyncio.run(model_statistics(server.url, "ranker"))
                 cpu0, kids0 = process_cpu(server.proc.pid), _children_cpu()
                 cmd = [
-                    *base, "-m", "ranker", "-u", server.url, "-i", "grpc", "-b", "1",
+                    *base, "-m", "ranker", "-u", server.url, "-i", "grpc", "-b", str(args.batch),
                     "--concurrency-range", str(args.concurrency),
                     "--measurement-interval", str(args.interval_ms),
                     "--stability-percentage", "100", "--max-trials", "6", "--input-data", str(data),
@@ -232,6 +256,13 @@ def main(argv: list[str] | None = None) -> int:
                 cpu = b["server_cpu_us_per_request"] / n["server_cpu_us_per_request"]
                 line += f", server CPU per request {cpu:.2f}x"
             print(line + " (throughput from a shared, loaded machine)")
+    if args.batch > 1:
+        ort = ort_alone_rows_per_s(args.batch)
+        for r in results:
+            if r["target"] == "batchgate" and r.get("throughput_infer_per_s"):
+                print(f"{r['api']}: batchgate {r['throughput_infer_per_s']:,.0f} rows/s in {args.batch}-row calls = "
+                      f"{r['throughput_infer_per_s'] / ort:.2f} of ONNX Runtime alone in process "
+                      f"({ort:,.0f} rows/s at batch {args.batch}, one thread, this run)")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0 if all(r["rc"] == 0 for r in results) else 1
