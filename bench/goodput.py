@@ -85,6 +85,10 @@ MIXES = {
 }
 
 
+# --mix one-class: every call alike (250 ms), as most services send; with --loads 4 alone the
+# overload starts on a server that was not shedding (a sudden spike)
+MIXES["one-class"] = {"standard": (1.0, 0.250, {"latency_class": "standard", "latency_budget_ms": 250})}
+
 # --mix texts: many texts a call beside single texts (issue 21's overload clause), served by
 # minilm; texts drawn from bench/texts/mixed.txt (most 3-40 tokens, a few at the model's 256).
 MIXES["texts"] = {
