@@ -129,7 +129,7 @@ def test_while_shedding_a_call_near_its_deadline_is_taken_more_often_and_all_add
         abs(taken[gate.TIGHT_S] - 1000 * a) <= 1 and abs(taken[None] - 1000 * a) <= 1
     )  # no deadline: weight 1
     before = gate.weighted[gate.BOOST]
-    gate.take(0.0)  # a deadline already spent: the highest weight (the queue refuses it, by name)
+    gate.take(0.001)  # a millisecond left: the highest weight (the queue refuses it, by name)
     assert gate.weighted[gate.BOOST] == before + 1
 
 
@@ -141,3 +141,38 @@ def test_the_share_solves_the_weighted_sum():
         got = 10 * min(1, 4 * a) + 20 * min(1, 2 * a) + 70 * min(1, a)
         assert got == pytest.approx(target)
     assert gate._share(150.0) == 1.0  # more completes than arrives: take all
+
+
+def test_a_saturated_process_sheds_wasted_calls_even_with_few_inside():
+    """A sudden overload on an idle server: calls wait in gRPC core, reach Python with their
+    deadlines spent and are shed at once, so few are ever inside; the CPU being all used is what
+    says the server is past its ceiling."""
+    gate, _, clock = _gate(lag_s=0.001, inflight=3)
+    cpu = [0.0]
+    gate._cpu_times = lambda: (cpu[0], cpu[0])
+
+    def looks(n: int, busy: float) -> None:
+        for _ in range(n):
+            cpu[0] += busy * gate.TICK_S  # the loop's thread busy this share of each look
+            gate.arrived += 40
+            gate.ended += 40
+            gate.dropped += 36  # nine in ten shed on arrival
+            clock[0] += gate.TICK_S
+            gate._tick()
+
+    looks(30, busy=0.5)  # half idle: one caller's hopeless deadlines, not an overload
+    assert not gate.shedding and gate.saturation < gate.SATURATED
+    looks(30, busy=1.0)
+    assert gate.saturation >= gate.SATURATED
+    assert gate.shedding and gate.admit == pytest.approx(1.05 * 4 / 40, rel=0.05)
+
+
+def test_while_shedding_a_call_whose_deadline_is_spent_is_refused_and_not_counted():
+    gate, _, _ = _gate(lag_s=0.001, inflight=500)
+    gate._set_admit(0.5)
+    arrived = gate.arrived
+    assert not any(gate.take(0.0) for _ in range(100))  # waited in core past its deadline
+    assert gate.spent == 100 and gate.refused == 100 and gate.arrived == arrived
+    assert sum(gate.take(1.0) for _ in range(100)) == 50  # live calls: the share
+    gate._set_admit(1.0)
+    assert gate.take(0.0)  # not shedding: the time left is not looked at (the queue refuses it)
