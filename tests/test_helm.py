@@ -386,7 +386,7 @@ def test_schema_refuses(chart, values, needle):
         ),
         ({"redis": {"mode": "internal", "host": "elsewhere"}}, "mode=internal"),
         ({"terminationGracePeriodSeconds": 10}, "shorter than the drain"),
-        ({"containerPorts": {"grpc": 8000, "http": 8000}}, "same port"),
+        ({"containerPorts": {"grpc": 8000, "http": 8000}}, "three different ports"),
         ({"podDisruptionBudget": {"minAvailable": 1}}, "exactly one"),
         ({"tls": {"enabled": True}}, "exactly one of tls.existingSecret"),
         (
@@ -401,9 +401,10 @@ def test_schema_refuses(chart, values, needle):
         ),
         ({"tls": {"enabled": True, "certManager": {"enabled": True}}}, "issuerRef.name"),
         (
-            {"tls": {"enabled": True, "existingSecret": "s"}, "containerPorts": {"health": 8001}},
+            {"tls": {"enabled": True, "existingSecret": "s"}, "containerPorts": {"metrics": 8001}},
             "four different ports",
         ),
+        ({"containerPorts": {"health": 8000}}, "three different ports"),  # the probes' port, TLS or not
         ({"autoscaling": {"enabled": True}, "resources": {"requests": {"cpu": None}}}, "requests.cpu"),
     ],
 )
@@ -555,17 +556,19 @@ def test_null_and_empty_settings_are_left_to_the_server(chart):
 # -- what the Deployment must get right -----------------------------------------------------------
 
 
-def test_probes_are_native_grpc_on_the_grpc_port(rendered):
-    """... or, while the service ports speak TLS, on the plaintext health port (the kubelet's gRPC
-    probes speak no TLS)."""
+def test_probes_are_native_grpc_on_the_plaintext_health_port(rendered):
+    """Always the health port: under overload the service port's door refuses a share of every new
+    call, health checks included, and a failed liveness probe would restart a busy pod; the
+    kubelet's gRPC probes speak no TLS either."""
     name, values, r = rendered
     tls = values["tls"]["enabled"]
     ports = {p["name"]: p["containerPort"] for p in r.gateway["ports"]}
-    want = {"grpc": 8001, "http": 8000} | ({"metrics": 8002, "health": 8003} if tls else {})
+    want = {"grpc": 8001, "http": 8000, "health": 8003} | ({"metrics": 8002} if tls else {})
     assert ports == want
+    assert r.config["BATCHGATE_HEALTH_PORT"] == "8003"
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         p = r.gateway[probe]
-        assert p["grpc"] == {"port": 8003 if tls else 8001, "service": ""}, (name, probe)
+        assert p["grpc"] == {"port": 8003, "service": ""}, (name, probe)
         assert not {"httpGet", "exec", "tcpSocket"} & set(p), (name, probe)
     # The startup probe is the warm-up budget: minutes, not the liveness probe's seconds.
     st = r.gateway["startupProbe"]
@@ -815,10 +818,7 @@ def test_tls_wiring():
     """TLS on: the server gets the mounted files and the plaintext ports; the probes, the Service's
     metrics port and the ServiceMonitor use those; cert-manager's Secret is the one mounted."""
     plain = _cached("defaults")
-    assert not any(
-        k.startswith("BATCHGATE_TLS_") or k in ("BATCHGATE_METRICS_PORT", "BATCHGATE_HEALTH_PORT")
-        for k in plain.config
-    )
+    assert not any(k.startswith("BATCHGATE_TLS_") or k == "BATCHGATE_METRICS_PORT" for k in plain.config)
     assert not plain.of("Certificate") and not any(v["name"] == "tls" for v in plain.pod["volumes"])
     for set_name, secret, mutual in (
         ("tls-existing-secret", "gateway-tls", True),

@@ -187,5 +187,5 @@ already stored (so an upgrade does not rotate it under running pods) or a new ra
 
 {{/* The port the probes ask: the plaintext health port while the service ports speak TLS. */}}
 {{- define "batchgate.probePort" -}}
-{{- ternary .Values.containerPorts.health .Values.containerPorts.grpc .Values.tls.enabled | int64 }}
+{{- .Values.containerPorts.health | int64 }}
 {{- end }}

@@ -4,8 +4,8 @@ from the Deployment, so a bad combination fails the whole render.
 */}}
 {{- define "batchgate.validate" -}}
 {{- $v := .Values }}
-{{- if eq (int64 $v.containerPorts.grpc) (int64 $v.containerPorts.http) }}
-{{- fail "containerPorts.grpc and containerPorts.http are the same port; give them different ones" }}
+{{- if ne (len (uniq (list (int64 $v.containerPorts.grpc) (int64 $v.containerPorts.http) (int64 $v.containerPorts.health)))) 3 }}
+{{- fail "containerPorts.grpc, http and health must be three different ports" }}
 {{- end }}
 {{- if $v.tls.enabled }}
 {{- $ports := list (int64 $v.containerPorts.grpc) (int64 $v.containerPorts.http) (int64 $v.containerPorts.metrics) (int64 $v.containerPorts.health) }}
