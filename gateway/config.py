@@ -266,8 +266,11 @@ class Settings(BaseSettings):
         description="calls inside the server below which the overload gate never refuses (a slow "
         "machine alone is no overload)",
     )
+    # 64: a sudden 4x of one-row encoder calls (bench.goodput --mix tight-loose-20 --loads 4) kept
+    # 360-385 calls/s in budget with 64 takers, 296 with 32, 92-125 with 16, 262 with 128: more
+    # takers drain core's queue in bigger bursts before calls expire in it (2026-12-02)
     grpc_takers: int = Field(
-        16,
+        64,
         ge=0,
         le=256,
         description="requests for new calls kept outstanding in gRPC core beside grpc.aio's own one: "
