@@ -1,6 +1,7 @@
 """Health checks under overload: the service port against the plaintext health port.
 
-The server is pinned to core 0 and serves with ``--health-port``. The C++ open-loop client
+The server (bench.loadgen's ``start_batchgate``) is pinned to core 0 and serves with
+``--health-port``. The C++ open-loop client
 (bench/openloop, as bench.goodput's overload points use it) offers ``encoder`` one-row calls of
 64 tokens (250 ms budget, as gRPC deadlines) from core 1, at RATE calls/s for SECONDS. Meanwhile two
 threads call ``grpc.health.v1.Health/Check`` every 100 ms with a 3 s timeout (a kubelet probe's
@@ -31,17 +32,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from batchgate.bench.goodput import _request, openloop_binary
-from batchgate.bench.loadgen import free_ports
-
-
-def _check(port: int, timeout: float = 1.0) -> int | None:
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            return (
-                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout).status
-            )
-    except grpc.RpcError:
-        return None
+from batchgate.bench.loadgen import free_ports, start_batchgate
 
 
 def _probe(port: int, seen: collections.Counter, slowest: list[float], stop: threading.Event) -> None:
@@ -63,20 +54,14 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=5000, help="calls/s offered (encoder, 1 row x 64 tokens)")
     ap.add_argument("--seconds", type=float, default=8)
     args = ap.parse_args()
-    grpc_port, http_port, health_port = free_ports(3)
-    server = subprocess.Popen(
-        ["taskset", "-c", "0", sys.executable, "-m", "batchgate", "serve", "--host", "127.0.0.1",
-         "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--health-port", str(health_port),
-         "--log-level", "WARNING"]
-    )  # fmt: skip
+    (health_port,) = free_ports(1)
+    server = start_batchgate("--health-port", str(health_port))
     try:
-        for _ in range(240):
-            if _check(health_port) == health_pb2.HealthCheckResponse.SERVING:
-                break
-            time.sleep(0.5)
-        else:
-            print("the server did not become ready", file=sys.stderr)
-            return 1
+        subprocess.run(
+            ["taskset", "-a", "-p", "-c", "0", str(server.proc.pid)], capture_output=True, check=True
+        )
+        server.ready()
+        grpc_port = int(server.url.rsplit(":", 1)[1])
         os.sched_setaffinity(0, {1})
         params = {"latency_class": "standard", "latency_budget_ms": 250}
         with tempfile.NamedTemporaryFile(suffix=".bin") as f:
@@ -99,8 +84,7 @@ def main() -> int:
             for t in probes:
                 t.join()
     finally:
-        server.terminate()
-        server.wait(30)
+        server.stop()
     print(f"load: {args.rate:g} calls/s for {args.seconds:g} s: {out['classes']['a']['status']}")
     for name in ports:
         print(f"health checks on the {name}: {dict(seen[name])}, slowest {slowest[name][0] * 1000:.0f} ms")

@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -133,8 +134,6 @@ def parse(out: str) -> dict:
 
 def ort_alone_rows_per_s(batch: int, seconds: float = 2.0) -> float:
     """ranker's rows/s in ONNX Runtime alone, in this process, one thread, at ``batch`` rows."""
-    import time
-
     import numpy as np
     import onnxruntime as ort
 

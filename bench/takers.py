@@ -26,10 +26,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import json
 import multiprocessing as mp
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import grpc
@@ -88,10 +90,7 @@ def measure(
 def open_loop(pid: int, url: str, rate: float, pin: bool) -> tuple[float, float, dict]:
     """The C++ open-loop client at ``rate`` for 5 s (1 s deadlines): calls/s sent, server CPU µs
     per call, outcomes."""
-    import json
-    import tempfile
-
-    from batchgate.bench.goodput import openloop_binary
+    from batchgate.bench.goodput import openloop_binary  # (only with --open-loop)
 
     with tempfile.NamedTemporaryFile(suffix=".bin") as f:
         f.write(b"x")

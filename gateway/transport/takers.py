@@ -17,8 +17,9 @@ is answered UNAVAILABLE on the spot: one status batch, no handler, no message re
 the call — measured ~4x cheaper than a refusal from a handler (docs/performance.md).
 
 These are grpc.aio internals (``AioServer._request_call``, three ``cygrpc`` functions and
-``_ServicerContext.time_remaining`` for the call's deadline, grpcio 1.81). ``available()`` checks each is there with the signature used here; when one is not, the
-server runs on grpc.aio's own loop alone and says so once in the log. tests/test_takers.py checks
+``_ServicerContext.time_remaining`` for the call's deadline, grpcio 1.81). ``available()`` checks
+each is there with the signature used here; when one is not, the server runs on grpc.aio's own
+loop alone and says so once in the log. tests/test_takers.py checks
 the installed grpcio still has them.
 """
 
