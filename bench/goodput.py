@@ -356,6 +356,25 @@ def _server_outcomes(http_port: int) -> Counter:
     return out
 
 
+def _thread_cpu(pid: int) -> Counter:
+    """CPU seconds of the server's threads so far, summed by thread name (/proc/PID/task/*/stat):
+    where a point's core went. The main thread runs the event loop; Python's own threads (the
+    model's worker, ONNX Runtime's) are all "python" to the OS, gRPC core's are named."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: Counter = Counter()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended between the listing and the read
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        if task.name == str(pid):
+            name = "main (event loop)"
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[name] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
+
+
 def _serve(policy: str, port: int, http_port: int, extra: list[str], cpus: str = "") -> subprocess.Popen:
     env = {**os.environ, "BATCHGATE_SCHEDULING_POLICY": policy, "PYTHONUNBUFFERED": "1"}
     pin = ["taskset", "-c", cpus] if cpus else []
@@ -438,16 +457,23 @@ def main() -> int:
                     file=sys.stderr,
                 )
                 before = _server_outcomes(http_port)
+                cpu_before, t0 = _thread_cpu(proc.pid), time.perf_counter()
                 if args.client == "cxx":
                     point = _offer_cxx(url, rate, args.seconds, args.seq, args.rows, int(load * 100), client_cpus,
                                        args.grpc_deadline)  # fmt: skip
                 else:
                     point = _offer(url, rate, args.seconds, args.seq, args.rows, int(load * 100), args.client_procs,
                                    args.mix, client_cpus, args.grpc_deadline)  # fmt: skip
+                cpu = _thread_cpu(proc.pid)
+                cpu.subtract(cpu_before)
+                wall = time.perf_counter() - t0
                 seen = _server_outcomes(http_port) - before
                 answered = {c: seen[(c, "success")] + seen[(c, "late")] for c in MIX}
                 late = {c: seen[(c, "late")] / answered[c] if answered[c] else 0.0 for c in MIX}
-                results[policy].append({"load": load, **point.summary(), "server_late_fraction": late})
+                server = {c: {o: int(n) for (cc, o), n in sorted(seen.items()) if cc == c and n} for c in MIX}
+                results[policy].append({"load": load, **point.summary(), "server_late_fraction": late,
+                                        "server_outcomes": server,
+                                        "server_cpu_share": {k: v / wall for k, v in cpu.most_common() if v > 0}})  # fmt: skip
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -467,9 +493,14 @@ def main() -> int:
             per = "".join(f" {r[c]['good_fraction']:>12.1%} {r[c]['p99_ms']:>12.1f}" for c in MIX)
             print(f"{policy:<9} {r['load']:>4}x {r['offered_rps']:>8.0f} {r['goodput_rps']:>8.0f} {ratio:>6.2f}{per}  "
                   f"{r['status']}")  # fmt: skip
+            shares = ", ".join(f"{k} {v:.0%}" for k, v in r["server_cpu_share"].items() if v >= 0.005)
+            print(f"{'':<16}server CPU (share of a core): {shares}")
             for c in MIX:  # where each class's calls went (the C++ client counts them per class)
                 if r[c]["status"]:
                     print(f"{'':<16}{c}: {r[c]['status']}, p50 {r[c]['p50_ms']:.1f} ms")
+                    # The server's side of the same calls: late = computed but answered past the
+                    # deadline (compute spent on nothing), expired = dropped before compute.
+                    print(f"{'':<16}{'':<{len(c)}}  server: {r['server_outcomes'][c]}")
     if args.json:
         args.json.write_text(json.dumps({"capacity_rps": capacity, "results": results}, indent=2))
     return 0

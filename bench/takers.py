@@ -19,6 +19,20 @@ threads, from /proc, divided by the calls answered: robust on a shared machine, 
 refusals again under the C++ open-loop client (bench/openloop, as bench.goodput's overload points
 use it) at RATE calls/s for 5 s, each call with a 1 s deadline: calls that arrive one by one, as
 an overload's do, are dearer than a closed loop's bursts (core wakes for each).
+
+``--beside-compute RATES`` prices a refusal where it matters: in a server whose one core also
+runs the model. The door and core-alone servers then run a compute thread beside them (a float32
+matmul loop that releases the GIL, as ONNX Runtime's run does, one BLAS thread), and the C++
+client sends ``encoder`` calls (1 row x 256 tokens, 4 KiB) at each rate for 5 s. The figure is
+the compute the thread lost per refused call: (1 - its rate under the load / its rate idle) / the
+refusals per second. It counts what /proc cannot: the compute thread preempted at each wake-up of
+core's threads and refilling its caches after (bench.goodput's 4x point of that call refuses
+~700 calls/s).
+
+    .venv/bin/python -m batchgate.bench.takers --pin --beside-compute 700,3000 [--repeat 3]
+
+On this VM one such run moves by ±30 %, so each server runs ``--repeat`` times, alternated, and
+the median is printed beside every run.
 """
 
 from __future__ import annotations
@@ -32,6 +46,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import grpc
@@ -105,11 +120,30 @@ def open_loop(pid: int, url: str, rate: float, pin: bool) -> tuple[float, float,
     return n / 5, 1e6 * cpu / n, seen
 
 
-def _refusing_server(how: str, port_q, cpus: str) -> None:
+def _compute_beside(counter) -> None:
+    """A thread beside the server that computes for ever, counting its iterations in ``counter``:
+    a 200x200 float32 matmul (~0.2 ms), which releases the GIL as an ONNX Runtime run does."""
+    a = np.random.default_rng(0).random((200, 200), dtype=np.float32)
+
+    def spin() -> None:
+        from batchgate.workers.pool import _name_os_thread
+
+        _name_os_thread("compute")
+        while True:
+            a @ a
+            counter.value += 1
+
+    threading.Thread(target=spin, name="compute", daemon=True).start()
+
+
+def _refusing_server(how: str, port_q, cpus: str, counter=None) -> None:
     """A bare grpc.aio server refusing every call UNAVAILABLE, from its handler or at the door;
-    or (``core``) a gRPC core server that never asks for a call."""
+    or (``core``) a gRPC core server that never asks for a call. With ``counter``, a compute
+    thread runs beside it (``_compute_beside``)."""
     if cpus:
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+    if counter is not None:
+        _compute_beside(counter)
     from types import SimpleNamespace
 
     from grpc._cython import cygrpc
@@ -131,7 +165,10 @@ def _refusing_server(how: str, port_q, cpus: str) -> None:
         async def handler(request, context):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "overloaded")
 
-        door = CallTakers(64 if how == "door" else 0, 10_000, refuse_all)
+        # "door" takes with the default 64 takers, "door:N" with N
+        door = CallTakers(
+            int(how.partition(":")[2] or 64) if how.startswith("door") else 0, 10_000, refuse_all
+        )
         server = grpc.aio.server(
             interceptors=door.interceptors_for(()), maximum_concurrent_rpcs=door.grpc_cap
         )
@@ -151,6 +188,52 @@ def _refusing_server(how: str, port_q, cpus: str) -> None:
     asyncio.run(main())
 
 
+def compute_lost(how: str, rate: float, request: bytes, cpus: str, pin: bool) -> tuple[float, float, int]:
+    """Run a refusing server ``how`` with a compute thread beside it; offer ``rate`` calls/s of
+    ``request`` for 5 s. Returns (compute iterations/s idle, under the load, calls refused)."""
+    from batchgate.bench.goodput import openloop_binary  # (only with --beside-compute)
+
+    os.environ["OPENBLAS_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = "1"  # read by the child
+    ctx = mp.get_context("spawn")
+    q, counter = ctx.Queue(), ctx.Value("q", 0, lock=False)
+    proc = ctx.Process(target=_refusing_server, args=(how, q, cpus, counter), daemon=True)
+    proc.start()
+    try:
+        url = f"127.0.0.1:{q.get(timeout=30)}"
+        time.sleep(1.0)  # the compute thread and the server settle
+
+        def rate_over(seconds: float | None, cmd: list[str] | None = None) -> tuple[float, dict]:
+            v0, t0 = counter.value, time.perf_counter()
+            out = {}
+            if cmd is None:
+                time.sleep(seconds)
+            else:
+                out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+            return (counter.value - v0) / (time.perf_counter() - t0), out
+
+        idle, _ = rate_over(3.0)
+        with tempfile.NamedTemporaryFile(suffix=".bin") as f:
+            f.write(request)
+            f.flush()
+            cmd = [*(["taskset", "-c", "1"] if pin else []), str(openloop_binary()), url, f"{rate:g}", "5", "1",
+                   "1", f"a:1:1000:{f.name}"]  # fmt: skip
+            loaded, out = rate_over(None, cmd)
+        return idle, loaded, sum(out["classes"]["a"]["status"].values())
+    finally:
+        proc.kill()
+        proc.join()
+
+
+def _encoder_request() -> bytes:
+    from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
+
+    req = pb.ModelInferRequest(model_name="encoder")
+    for name in ("input_ids", "attention_mask"):
+        req.inputs.add(name=name, datatype="INT64", shape=[1, 256])
+        req.raw_input_contents.append(np.ones((1, 256), np.int64).tobytes())
+    return req.SerializeToString()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=300, help="calls per caller")
@@ -158,10 +241,35 @@ def main() -> int:
     ap.add_argument("--pin", action="store_true", help="servers on CPU 0, the client on CPU 1")
     ap.add_argument("--open-loop", type=float, default=0, metavar="RATE",
                     help="also refuse RATE calls/s from the C++ open-loop client (needs libgrpc++-dev)")  # fmt: skip
+    ap.add_argument(
+        "--beside-compute",
+        default="",
+        metavar="RATES",
+        help="only: the compute lost per refusal beside a compute thread, at each rate (e.g. 700,3000)",
+    )
+    ap.add_argument("--repeat", type=int, default=3, help="--beside-compute: runs of each server, alternated")  # fmt: skip
     args = ap.parse_args()
     server_cpus = "0" if args.pin else ""
     if args.pin:
         os.sched_setaffinity(0, {1})
+    if args.beside_compute:
+        big = _encoder_request()
+        labels = {"door": "at the door (a taker)", "core": "gRPC core alone (never taken, 1 s deadline)"}
+        print(f"{'refusing server, one core shared with a compute thread':<48} {'refused/s':>9} "
+              f"{'µs of compute lost per refusal: median [runs]':>46}")  # fmt: skip
+        for rate in (float(r) for r in args.beside_compute.split(",")):
+            seen: dict[str, list[float]] = {how: [] for how in labels}
+            refused = 0
+            for _ in range(args.repeat):  # alternated: the machine's noise falls on both alike
+                for how in labels:
+                    idle, loaded, n = compute_lost(how, rate, big, server_cpus, args.pin)
+                    seen[how].append(1e6 * (1.0 - loaded / idle) / (n / 5))
+                    refused = n
+            for how, label in labels.items():
+                us = sorted(seen[how])
+                runs = ", ".join(f"{u:.0f}" for u in seen[how])
+                print(f"{label:<48} {refused / 5:>9.0f} {us[len(us) // 2]:>12.0f} [{runs}]")
+        return 0
     request = _ranker_request()
     rows = []
     for name, env in (("no-op grpc.aio server", None), ("batchgate, grpc_takers=0", "0"),

@@ -602,3 +602,16 @@ def test_fixed_shape_batches_answer_each_request_like_the_model_alone(tmp_path):
                 np.testing.assert_allclose(out["score"], want, rtol=RTOL, atol=ATOL)
     finally:
         pool.close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux /proc only")
+def test_worker_threads_carry_their_name_at_the_os_level(tmp_path):
+    """top -H, /proc/PID/task/*/comm and bench.goodput's per-thread CPU tell the model's workers
+    from gRPC's threads and the event loop: the worker names its OS thread bg:<worker>."""
+    pool = _pool(tmp_path)
+    try:
+        comms = {p.read_text().strip() for p in Path("/proc/self/task").glob("*/comm")}
+        want = ("bg:" + pool.workers[0].name)[:15]  # Linux keeps 15 bytes of a thread's name
+        assert want in comms, comms
+    finally:
+        pool.close()
