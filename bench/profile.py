@@ -321,7 +321,10 @@ async def measure(
                 if not os.path.getsize(raw):
                     raise RuntimeError(f"py-spy wrote nothing: {err.decode(errors='replace')[-500:]}")
                 w.stages, w.names = parse_raw(raw)
-                os.unlink(raw)
+                if os.environ.get("BATCHGATE_PROFILE_KEEP_RAW"):  # for a finer look than the stages
+                    print(f"py-spy's raw samples kept in {raw}", file=sys.stderr)
+                else:
+                    os.unlink(raw)
             windows.append(w)
     finally:
         for s in streams:

@@ -156,6 +156,57 @@ def test_busy_model_holds_for_the_timer_when_batching_pays():
     assert names(q.pop_batch(0.005, idle=True)[0]) == ["x"]
 
 
+def _lone_call(q: DeadlineQueue, now: float, name: str = "x") -> list[str]:
+    """One closed-loop caller's call on an idle worker: pushed, looked at, then (if held) taken when
+    the timer says; returns the batch's names, or [] if it was held."""
+    q.push([make_req(name, "bulk", now)])
+    q._arrivals_per_s = 1e4  # a fast caller: the arrival rate alone promises company
+    batch, wake = q.pop_batch(now, idle=True)
+    if batch is not None:
+        return names(batch)
+    assert names(q.pop_batch(wake, idle=True)[0]) == [name]  # nobody came: it leaves alone
+    return []
+
+
+def test_idle_holds_stop_once_nobody_joins_them_and_a_probe_a_second_tries_again():
+    """A caller whose call is held sends nothing more: holding for company it cannot bring only
+    adds the max-wait timer to every call. After a few lone holds the idle worker takes a lone
+    call at once, but for one probe hold per HOLD_PROBE_S."""
+    q = queue(max_bs=8, delay=0.002, latency=trained(a=0.010, b=0.0001))
+    now, held = 0.0, 0
+    while _lone_call(q, now) == []:  # every hold scored a loss
+        held += 1
+        now += 0.003
+        assert held < 10
+    # 1.0 -> 0.8 -> 0.64 -> 0.51 -> 0.41 after four; the fifth is the first probe (0.33)
+    assert held == 5 and q.hold_score < q.HOLD_PAYS
+    for _ in range(50):  # no more holds for a while: each lone call leaves at once
+        now += 0.001
+        assert _lone_call(q, now) == ["x"]
+    now += q.HOLD_PROBE_S
+    assert _lone_call(q, now) == []  # the probe
+    assert _lone_call(q, now + 0.003) == ["x"]
+
+
+def test_holding_resumes_when_held_batches_gain_company():
+    q = queue(max_bs=8, delay=0.002, latency=trained(a=0.010, b=0.0001))
+    q.hold_score = 0.1  # lone calls lately
+    now = 10.0
+    for i in range(6):  # probes, a second apart, each joined by a second caller
+        q.push([make_req("a", "bulk", now)])
+        q._arrivals_per_s = 1e4
+        batch, wake = q.pop_batch(now, idle=True)
+        if batch is None:
+            q.push([make_req("b", "bulk", now + 0.001)])
+            assert names(q.pop_batch(wake, idle=True)[0]) == ["a", "b"]
+        else:
+            assert names(batch) == ["a"] and q.hold_score < q.HOLD_PAYS
+        now += q.HOLD_PROBE_S
+    assert q.hold_score >= q.HOLD_PAYS
+    q.push([make_req("c", "bulk", now)])  # holding again, without waiting for a probe
+    assert q.pop_batch(now + 0.0001, idle=True)[0] is None
+
+
 def test_full_batch_leaves_at_once_and_merges_classes_in_edf_order():
     q = queue(max_bs=4, delay=1.0)
     for i, cls in enumerate(["bulk", "standard", "realtime", "standard"]):
