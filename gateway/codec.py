@@ -232,7 +232,9 @@ class Codec:
             arrays[name] = np.frombuffer(buf, dtype).reshape(shape)
         for name, rng in self.ranges.items():
             a = arrays[name]
-            if a.dtype.kind in "iu" and a.size <= 256:  # a few ids: Python's min/max beat numpy's
+            # a few ids: Python's min/max beat numpy's two reductions up to ~48 values (0.55 against
+            # 2.1 µs at 8, 1.7 against 2.1 at 32, but 10.2 against 2.3 at 256: one 256-token row)
+            if a.dtype.kind in "iu" and a.size <= 32:
                 values = a.ravel().tolist()
                 low, high = min(values), max(values)
             else:

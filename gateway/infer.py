@@ -150,6 +150,7 @@ class OverloadGate:
         self._credit = [0.0] * (self.BOOST + 1)  # by weight
         self._lag_low_at = 0.0  # the last time the loop's lag was under the target
         self._handle: asyncio.TimerHandle | None = None
+        self._beat = None  # the LoopLag whose timer this gate looks on, when it runs
         self.saturation = 0.0  # share of the time busy lately (decaying)
         self._cpu_times = _cpu_times  # (the loop thread's, the process's) CPU seconds
         self._cores = (
@@ -158,16 +159,24 @@ class OverloadGate:
         self._cpu_at = (0.0, 0.0, 0.0)
 
     def start(self) -> None:
-        if self.target_s > 0 and self._handle is None:
+        if self.target_s > 0 and self._handle is None and self._beat is None:
             self._loop = asyncio.get_running_loop()
             self._lag_low_at = self._loop.time()
             self._cpu_at = (self._lag_low_at, *self._cpu_times())
-            self._handle = self._loop.call_later(self.TICK_S, self._tick)
+            lag = self.pipeline.plane.lag
+            if getattr(lag, "running", False) and lag.interval_s == self.TICK_S:
+                self._beat = lag  # look on the lag monitor's timer: one wake-up for both
+                lag.listeners.append(self._look)
+            else:
+                self._handle = self._loop.call_later(self.TICK_S, self._tick)
 
     def stop(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+        if self._beat is not None:
+            self._beat.listeners.remove(self._look)
+            self._beat = None
 
     def stand_down(self) -> None:
         """Take every call from now on (the server is draining)."""
@@ -175,7 +184,11 @@ class OverloadGate:
         self._set_admit(1.0)
 
     def _tick(self) -> None:
-        now = self._loop.time()
+        """A look on the gate's own timer (when no lag monitor runs to beat for it)."""
+        self._look(self._loop.time())
+        self._handle = self._loop.call_later(self.TICK_S, self._tick)
+
+    def _look(self, now: float) -> None:
         thread_cpu, process_cpu = self._cpu_times()
         t0, thread0, process0 = self._cpu_at
         if now > t0:
@@ -201,7 +214,6 @@ class OverloadGate:
         w = self.weighted
         for k in range(2, len(w)):
             w[k] *= self.DECAY
-        self._handle = self._loop.call_later(self.TICK_S, self._tick)
 
     def _share(self, target: float) -> float:
         """The share ``a`` at which the calls that arrived lately, each taken ``min(1, weight * a)``

@@ -176,3 +176,31 @@ def test_while_shedding_a_call_whose_deadline_is_spent_is_refused_and_not_counte
     assert sum(gate.take(1.0) for _ in range(100)) == 50  # live calls: the share
     gate._set_admit(1.0)
     assert gate.take(0.0)  # not shedding: the time left is not looked at (the queue refuses it)
+
+
+def test_the_gate_looks_on_the_lag_monitors_heartbeat():
+    """One timer for both: with the loop's lag monitor running at the gate's own interval the gate
+    takes no timer of its own and looks each time the monitor samples; stop() unsubscribes it."""
+    from batchgate.gateway.scheduling import LoopLag
+
+    async def main() -> tuple[int, int, bool]:
+        lag = LoopLag()
+        lag.start()
+        pipeline = SimpleNamespace(plane=SimpleNamespace(lag=lag), inflight=0)
+        gate = OverloadGate(pipeline, lag_target_s=0.02, min_in_flight=32)
+        looks: list[float] = []
+        look = gate._look
+        gate._look = lambda now: (looks.append(now), look(now))  # the subscription sees this one
+        gate.start()
+        own_timer = gate._handle is not None
+        await asyncio.sleep(0.105)
+        seen = len(looks)
+        gate.stop()
+        await asyncio.sleep(0.03)
+        lag.stop()
+        return seen, len(looks), own_timer
+
+    seen, after_stop, own_timer = asyncio.run(main())
+    assert not own_timer
+    assert 7 <= seen <= 11  # ~every 10 ms
+    assert after_stop == seen

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 
@@ -215,15 +215,24 @@ def bucket_label(key: Hashable) -> str:
 class LoopLag:
     """How late the event loop runs a timer: sampled every ``interval_s``; ``s`` is an EWMA of the
     lag plus twice its mean deviation (a high quantile), what a request loses to the loop on its
-    way in and again on its way out. Started once per server loop; ``s`` is 0 until then."""
+    way in and again on its way out. Started once per server loop; ``s`` is 0 until then.
 
-    def __init__(self, interval_s: float = 0.005, alpha: float = 0.05) -> None:
+    Its timer is the process's one heartbeat: ``listeners`` (the overload gate's look) run on it
+    with the loop's time, so an idle server wakes 100 times a second, not 300 (every wake-up of
+    the loop preempts a model thread on a shared core; docs/overload.md)."""
+
+    def __init__(self, interval_s: float = 0.010, alpha: float = 0.1) -> None:
         self.interval_s = interval_s
-        self.alpha = alpha
+        self.alpha = alpha  # 0.1 a sample at 10 ms: ~100 ms of memory
         self.mean = 0.0
         self.dev = 0.0
         self.s = 0.0
+        self.listeners: list[Callable[[float], None]] = []
         self._handle: asyncio.TimerHandle | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._handle is not None
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Begin sampling on ``loop`` (the running one by default); a second call does nothing."""
@@ -246,4 +255,6 @@ class LoopLag:
         self.dev += self.alpha * (abs(err) - self.dev)
         self.s = self.mean + 2.0 * self.dev
         self._due = now + self.interval_s
-        self._handle = self._loop.call_at(self._due, self._tick)
+        self._handle = self._loop.call_at(self._due, self._tick)  # first: a listener's bug stops no beat
+        for listener in self.listeners:
+            listener(now)
