@@ -31,6 +31,13 @@ tight-loose-20` keeps the tight class feasible at 4x, and `--mix texts` mixes ma
         --rows 1 --seq 64 --policies deadline --loads 1,4 --seconds 8
     .venv/bin/python -m batchgate.bench.goodput --pin --client cxx --grpc-deadline --mix texts \
         --policies deadline --loads 1,4 --seconds 20
+
+One such pair moves by ±0.15 between runs on this VM: ``--repeat 3`` runs the loads three times on
+the same server and prints each load's median ratio, each round against its own 1x. Before every
+point after the first the bench waits until the overload gate takes every call again (its
+``batchgate_overload_admitted_ratio``), so a 1x point never starts with a 4x point's shedding.
+The capacity is the median of three closed-loop probes; ``vs cap`` is a point's goodput over it
+(1x itself runs under it: Poisson arrivals at the mean rate queue and miss now and then).
 """
 
 from __future__ import annotations
@@ -356,6 +363,24 @@ def _server_outcomes(http_port: int) -> Counter:
     return out
 
 
+def _settle(http_port: int, timeout_s: float = 15.0) -> float:
+    """Wait until the overload gate takes every call again (its gauge at 1), then 1 s for the
+    queue to empty: a point after a 4x one must not start with the last one's shedding (the gate
+    grows back by half a percent every 10 ms). Returns the seconds waited."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
+        admitted = next(
+            (s.value for f in text_string_to_metric_families(text) for s in f.samples
+             if s.name == "batchgate_overload_admitted_ratio"), 1.0,
+        )  # fmt: skip
+        if admitted >= 1.0:
+            break
+        time.sleep(0.2)
+    time.sleep(1.0)
+    return time.perf_counter() - t0
+
+
 def _thread_cpu(pid: int) -> Counter:
     """CPU seconds of the server's threads so far, summed by thread name (/proc/PID/task/*/stat):
     where a point's core went. The main thread runs the event loop; Python's own threads (the
@@ -414,6 +439,11 @@ def main() -> int:
     ap.add_argument("--mix", choices=sorted(MIXES), default="default", help="latency classes of the load")
     ap.add_argument("--policies", default="deadline,fifo", help="scheduling policies to compare")
     ap.add_argument(
+        "--repeat", type=int, default=1,
+        help="rounds of the loads, one after another on the same server; with more than one, the median "
+        "of each load's goodput ratio (each round against its own 1x) is printed at the end",
+    )  # fmt: skip
+    ap.add_argument(
         "--pin", action="store_true",
         help="server on CPU 0 (taskset), the load generators on CPU 1: the front end's own ceiling",
     )  # fmt: skip
@@ -444,14 +474,20 @@ def main() -> int:
             asyncio.run(_ready(url))
             if capacity is None:  # measured once, on the first server, and used for both
                 asyncio.run(_capacity(url, args.seq, args.rows, 1.0))  # warm-up
-                capacity = asyncio.run(_capacity(url, args.seq, args.rows, 3.0))
+                # the median of three probes: one 3 s probe moved by up to a third between runs
+                probes = sorted(asyncio.run(_capacity(url, args.seq, args.rows, 2.0)) for _ in range(3))
+                capacity = probes[1]
                 print(
-                    f"capacity: {capacity:.0f} requests/s ({args.rows} rows x {args.seq} tokens)",
+                    f"capacity: {capacity:.0f} requests/s ({args.rows} rows x {args.seq} tokens; probes "
+                    + ", ".join(f"{p:.0f}" for p in probes)
+                    + ")",
                     file=sys.stderr,
                 )
             results[policy] = []
-            for load in loads:
+            for i, (rnd, load) in enumerate((r, x) for r in range(args.repeat) for x in loads):
                 rate = capacity * load
+                if i:
+                    _settle(http_port)
                 print(
                     f"  {policy}: offering {load}x = {rate:.0f} req/s for {args.seconds:.0f}s ...",
                     file=sys.stderr,
@@ -471,7 +507,7 @@ def main() -> int:
                 answered = {c: seen[(c, "success")] + seen[(c, "late")] for c in MIX}
                 late = {c: seen[(c, "late")] / answered[c] if answered[c] else 0.0 for c in MIX}
                 server = {c: {o: int(n) for (cc, o), n in sorted(seen.items()) if cc == c and n} for c in MIX}
-                results[policy].append({"load": load, **point.summary(), "server_late_fraction": late,
+                results[policy].append({"load": load, "round": rnd, **point.summary(), "server_late_fraction": late,
                                         "server_outcomes": server,
                                         "server_cpu_share": {k: v / wall for k, v in cpu.most_common() if v > 0}})  # fmt: skip
         finally:
@@ -480,18 +516,24 @@ def main() -> int:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    base = {p: next(r for r in rs if r["load"] == 1.0)["goodput_rps"] if any(r["load"] == 1.0 for r in rs) else None
-            for p, rs in results.items()}  # fmt: skip
+    # each round's points against that round's 1x
+    base = {(p, r["round"]): r["goodput_rps"] for p, rs in results.items() for r in rs if r["load"] == 1.0}
     budgets = ", ".join(f"{c} {b * 1e3:g} ms" for c, (_, b, _) in MIX.items())
     shares = "/".join(f"{sh * 100:g}" for sh, _, _ in MIX.values())
     print(f"\ncapacity {capacity:.0f} req/s; budgets: {budgets}; mix {shares}")
     cols = "".join(f" {c[:8] + ' ok':>12} {c[:8] + ' p99':>12}" for c in MIX)
-    print(f"{'policy':<9} {'load':>5} {'offered':>8} {'goodput':>8} {'vs 1x':>6}{cols}  statuses")
+    print(
+        f"{'policy':<9} {'load':>5} {'offered':>8} {'goodput':>8} {'vs 1x':>6} {'vs cap':>6}{cols}  statuses"
+    )
+    ratios: dict[tuple[str, float], list[float]] = {}
     for policy, rows in results.items():
         for r in rows:
-            ratio = r["goodput_rps"] / base[policy] if base[policy] else float("nan")
+            one = base.get((policy, r["round"]))
+            ratio = r["goodput_rps"] / one if one else float("nan")
+            ratios.setdefault((policy, r["load"]), []).append(ratio)
             per = "".join(f" {r[c]['good_fraction']:>12.1%} {r[c]['p99_ms']:>12.1f}" for c in MIX)
-            print(f"{policy:<9} {r['load']:>4}x {r['offered_rps']:>8.0f} {r['goodput_rps']:>8.0f} {ratio:>6.2f}{per}  "
+            print(f"{policy:<9} {r['load']:>4}x {r['offered_rps']:>8.0f} {r['goodput_rps']:>8.0f} {ratio:>6.2f} "
+                  f"{r['goodput_rps'] / capacity:>6.2f}{per}  "
                   f"{r['status']}")  # fmt: skip
             shares = ", ".join(f"{k} {v:.0%}" for k, v in r["server_cpu_share"].items() if v >= 0.005)
             print(f"{'':<16}server CPU (share of a core): {shares}")
@@ -501,6 +543,14 @@ def main() -> int:
                     # The server's side of the same calls: late = computed but answered past the
                     # deadline (compute spent on nothing), expired = dropped before compute.
                     print(f"{'':<16}{'':<{len(c)}}  server: {r['server_outcomes'][c]}")
+    if args.repeat > 1:
+        print(f"\ngoodput vs 1x, median of {args.repeat} rounds (each round against its own 1x):")
+        for (policy, load), rs in ratios.items():
+            print(
+                f"  {policy:<9} {load:>4}x  {sorted(rs)[len(rs) // 2]:.2f}  ["
+                + ", ".join(f"{x:.2f}" for x in rs)
+                + "]"
+            )
     if args.json:
         args.json.write_text(json.dumps({"capacity_rps": capacity, "results": results}, indent=2))
     return 0
