@@ -173,17 +173,22 @@ class Codec:
 
     def _fast_inputs(self) -> dict[str, tuple] | None:
         """The common request, decoded in one pass (``_decode_fast``): a batched model whose
-        inputs are all numeric with fixed dims, sent as raw_input_contents. Per input: (datatype,
-        dims as a list, bytes per row, elements per row, numpy dtype).
-        None when some input needs the general checks (BYTES, a -1 dim, a tied or bounded dim)."""
-        if not self.batched or self.tied or self.max_dim:
+        inputs are all numeric, sent as raw_input_contents. Per input: (datatype, dims as a list,
+        bytes per row, elements per row, numpy dtype, the variable-dim limit); bytes and
+        elements per row are None when a dim is variable (-1: a token model's sequence), which
+        is then checked against ``max_dim`` and the dims tied across inputs.
+        None when some input needs the general checks (BYTES, a text model's flat input)."""
+        if not self.batched or self.flat_text:
             return None
         fast = {}
         for t in self.spec.inputs:
-            if t.datatype == "BYTES" or not t.dims or any(d < 1 for d in t.dims):
+            if t.datatype == "BYTES" or not t.dims or any(d < 1 and d != -1 for d in t.dims):
                 return None
-            per_row = math.prod(t.dims)
-            fast[t.name] = (t.datatype, list(t.dims), per_row * t.dtype.itemsize, per_row, t.dtype)
+            if -1 in t.dims:
+                fast[t.name] = (t.datatype, list(t.dims), None, None, t.dtype, self.max_dim.get(t.name))
+            else:
+                per_row = math.prod(t.dims)
+                fast[t.name] = (t.datatype, list(t.dims), per_row * t.dtype.itemsize, per_row, t.dtype, None)
         return fast
 
     # -- decode -------------------------------------------------------------------------------
@@ -215,9 +220,20 @@ class Codec:
             entry = fast.get(name)
             if entry is None or name in arrays or t.HasField("contents"):
                 return None
-            datatype, dims, row_bytes, per_row, dtype = entry
+            datatype, dims, row_bytes, per_row, dtype, limit = entry
             shape = t.shape[:]
-            if t.datatype != datatype or shape[1:] != dims:
+            if t.datatype != datatype:
+                return None
+            if row_bytes is None:  # variable dims: each >= 1, at most max_dim, fixed ones equal
+                if len(shape) != len(dims) + 1:
+                    return None
+                per_row = 1
+                for d, w in zip(shape[1:], dims):
+                    if d < 1 or (d != w if w != -1 else (limit is not None and d > limit)):
+                        return None
+                    per_row *= d
+                row_bytes = per_row * dtype.itemsize
+            elif shape[1:] != dims:
                 return None
             n_rows = shape[0]
             if rows == -1:
@@ -230,6 +246,12 @@ class Codec:
             if len(buf) != rows * row_bytes or rows * per_row > max_elements:
                 return None
             arrays[name] = np.frombuffer(buf, dtype).reshape(shape)
+        for _, members in self.tied:  # dims the model uses one length for (token ids and mask)
+            first, axis = members[0]
+            size = arrays[first].shape[axis]
+            for other, other_axis in members[1:]:
+                if arrays[other].shape[other_axis] != size:
+                    return None
         for name, rng in self.ranges.items():
             a = arrays[name]
             # a few ids: Python's min/max beat numpy's two reductions up to ~48 values (0.55 against

@@ -303,3 +303,44 @@ def test_fast_decode_agrees_with_the_full_checks_and_refuses_the_same(limits):
     set_limits(Limits(max_tensor_elements=100))  # 64 x 2 rows: over the limit
     assert c._decode_fast(_ranker_request(2)) is None
     assert "max_tensor_elements" in refusal(lambda: c.decode(_ranker_request(2)))
+
+
+def _encoder_request(rows: int, seq: int, mask_seq: int | None = None) -> pb.ModelInferRequest:
+    req = pb.ModelInferRequest(model_name="encoder")
+    req.inputs.add(name="input_ids", datatype="INT64", shape=[rows, seq])
+    req.inputs.add(name="attention_mask", datatype="INT64", shape=[rows, mask_seq or seq])
+    ids = (np.arange(rows * seq, dtype=np.int64) % 1000).reshape(rows, seq)
+    mask = np.ones((rows, mask_seq or seq), np.int64)
+    req.raw_input_contents.extend([ids.tobytes(), mask.tobytes()])
+    return req
+
+
+def test_fast_decode_takes_variable_dims_within_max_dim_and_tied_lengths(limits):
+    """A token model (encoder: input_ids and attention_mask [-1], one tied length, max_dim 512)
+    goes through the one-pass decode too; a length over max_dim, lengths that disagree, a zero
+    length or a wrong rank fall through to the general path's refusal, word for word."""
+    (spec,) = load_model(REPO / "encoder")
+    c = Codec(spec)
+    assert c._fast is not None and c.tied and c.max_dim
+    for rows, seq in ((1, 1), (2, 16), (3, 300)):
+        set_limits(Limits(max_tensor_elements=rows * seq))
+        req = _encoder_request(rows, seq)
+        fast = c._decode_fast(req)
+        assert fast is not None
+        (arrays, n), (full, m) = fast, c._decode(req)
+        assert n == m == rows and arrays.keys() == full.keys()
+        for name in full:
+            assert arrays[name].shape == full[name].shape == (rows, seq)
+            assert np.array_equal(arrays[name], full[name])
+    set_limits(Limits())
+    bad = [_encoder_request(1, 513), _encoder_request(2, 16, mask_seq=15), _encoder_request(1, 16)]
+    bad[2].inputs[0].shape[:] = [1, 0]  # a zero length (and a buffer that does not match it)
+    req = _encoder_request(1, 16)
+    req.inputs[1].shape[:] = [1, 4, 4]  # a wrong rank
+    bad.append(req)
+    req = _encoder_request(1, 16)
+    req.raw_input_contents[0] = (np.full(16, 1000, np.int64)).tobytes()  # outside input_range
+    bad.append(req)
+    for req in bad:
+        assert c._decode_fast(req) is None
+        assert refusal(lambda r=req: c.decode(r)) == refusal(lambda r=req: c._decode(r))
