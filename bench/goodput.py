@@ -49,6 +49,7 @@ import json
 import multiprocessing
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -547,7 +548,7 @@ def main() -> int:
         print(f"\ngoodput vs 1x, median of {args.repeat} rounds (each round against its own 1x):")
         for (policy, load), rs in ratios.items():
             print(
-                f"  {policy:<9} {load:>4}x  {sorted(rs)[len(rs) // 2]:.2f}  ["
+                f"  {policy:<9} {load:>4}x  {statistics.median(rs):.2f}  ["
                 + ", ".join(f"{x:.2f}" for x in rs)
                 + "]"
             )
