@@ -43,6 +43,7 @@ import collections
 import json
 import multiprocessing as mp
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -266,9 +267,8 @@ def main() -> int:
                     seen[how].append(1e6 * (1.0 - loaded / idle) / (n / 5))
                     refused = n
             for how, label in labels.items():
-                us = sorted(seen[how])
                 runs = ", ".join(f"{u:.0f}" for u in seen[how])
-                print(f"{label:<48} {refused / 5:>9.0f} {us[len(us) // 2]:>12.0f} [{runs}]")
+                print(f"{label:<48} {refused / 5:>9.0f} {statistics.median(seen[how]):>12.0f} [{runs}]")
         return 0
     request = _ranker_request()
     rows = []
