@@ -229,7 +229,7 @@ class Codec:
                     return None
                 per_row = 1
                 for d, w in zip(shape[1:], dims):
-                    if d < 1 or (d != w if w != -1 else (limit is not None and d > limit)):
+                    if d < 1 or (w != -1 and d != w) or (w == -1 and limit is not None and d > limit):
                         return None
                     per_row *= d
                 row_bytes = per_row * dtype.itemsize

@@ -151,6 +151,7 @@ class OverloadGate:
         self._lag_low_at = 0.0  # the last time the loop's lag was under the target
         self._handle: asyncio.TimerHandle | None = None
         self._beat = None  # the LoopLag whose timer this gate looks on, when it runs
+        self._looked_at = 0.0
         self.saturation = 0.0  # share of the time busy lately (decaying)
         self._cpu_times = _cpu_times  # (the loop thread's, the process's) CPU seconds
         self._cores = (
@@ -164,9 +165,10 @@ class OverloadGate:
             self._lag_low_at = self._loop.time()
             self._cpu_at = (self._lag_low_at, *self._cpu_times())
             lag = self.pipeline.plane.lag
-            if getattr(lag, "running", False) and lag.interval_s == self.TICK_S:
-                self._beat = lag  # look on the lag monitor's timer: one wake-up for both
-                lag.listeners.append(self._look)
+            if getattr(lag, "running", False) and lag.interval_s <= self.TICK_S:
+                self._beat = lag  # look on the lag monitor's timer: no timer of the gate's own
+                self._looked_at = self._lag_low_at
+                lag.listeners.append(self._on_beat)
             else:
                 self._handle = self._loop.call_later(self.TICK_S, self._tick)
 
@@ -175,7 +177,7 @@ class OverloadGate:
             self._handle.cancel()
             self._handle = None
         if self._beat is not None:
-            self._beat.listeners.remove(self._look)
+            self._beat.listeners.remove(self._on_beat)
             self._beat = None
 
     def stand_down(self) -> None:
@@ -187,6 +189,13 @@ class OverloadGate:
         """A look on the gate's own timer (when no lag monitor runs to beat for it)."""
         self._look(self._loop.time())
         self._handle = self._loop.call_later(self.TICK_S, self._tick)
+
+    def _on_beat(self, now: float) -> None:
+        """The lag monitor sampled: look if ``TICK_S`` has passed since the last look (every
+        second beat of its 5 ms timer)."""
+        if now - self._looked_at >= self.TICK_S - 0.001:
+            self._looked_at = now
+            self._look(now)
 
     def _look(self, now: float) -> None:
         thread_cpu, process_cpu = self._cpu_times()

@@ -179,8 +179,8 @@ def test_while_shedding_a_call_whose_deadline_is_spent_is_refused_and_not_counte
 
 
 def test_the_gate_looks_on_the_lag_monitors_heartbeat():
-    """One timer for both: with the loop's lag monitor running at the gate's own interval the gate
-    takes no timer of its own and looks each time the monitor samples; stop() unsubscribes it."""
+    """One timer for both: with the loop's lag monitor running (5 ms) the gate takes no timer of
+    its own and looks on every second sample, every 10 ms; stop() unsubscribes it."""
     from batchgate.gateway.scheduling import LoopLag
 
     async def main() -> tuple[int, int, bool]:
