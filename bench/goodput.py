@@ -67,6 +67,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from batchgate.bench.loadgen import free_ports
+from batchgate.bench.profile import thread_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 # class -> (share of requests, budget seconds the client judges by, parameters sent)
@@ -130,7 +131,7 @@ def _class_request(
 ) -> pb.ModelInferRequest:
     n = TEXTS_PER_CALL.get(cls)
     if not n:
-        return _request(rng, rows, seq, params)
+        return encoder_request(rng, rows, seq, params)
     lines = _text_lines()
     picked = [lines[i] for i in rng.choice(len(lines), size=n, replace=n > len(lines))]
     req = pb.ModelInferRequest(model_name="minilm")
@@ -150,7 +151,8 @@ def _set_params(req: pb.ModelInferRequest, params: dict) -> None:
             req.parameters[k].int64_param = v
 
 
-def _request(rng: np.random.Generator, rows: int, seq: int, params: dict) -> pb.ModelInferRequest:
+def encoder_request(rng: np.random.Generator, rows: int, seq: int, params: dict) -> pb.ModelInferRequest:
+    """One `encoder` call: ``rows`` x ``seq`` random token ids, a full mask, ``params`` set."""
     req = pb.ModelInferRequest(model_name="encoder")
     req.inputs.add(name="input_ids", datatype="INT64", shape=[rows, seq])
     req.inputs.add(name="attention_mask", datatype="INT64", shape=[rows, seq])
@@ -352,15 +354,19 @@ def _offer_cxx(url: str, rate: float, seconds: float, seq: int, rows: int, seed:
     return point
 
 
+def _metric_samples(http_port: int) -> list:
+    """Every sample the server's /metrics shows now."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
+    return [sample for fam in text_string_to_metric_families(text) for sample in fam.samples]
+
+
 def _server_outcomes(http_port: int) -> Counter:
     """The server's own count of answers per (class, outcome) for the encoder, from /metrics:
     ``late`` = answered after the deadline on the server's clock."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
     out: Counter = Counter()
-    for fam in text_string_to_metric_families(text):
-        for sample in fam.samples:
-            if sample.name == "batchgate_class_requests_total" and sample.labels.get("model") == model_name():
-                out[(sample.labels["class"], sample.labels["outcome"])] += sample.value
+    for sample in _metric_samples(http_port):
+        if sample.name == "batchgate_class_requests_total" and sample.labels.get("model") == model_name():
+            out[(sample.labels["class"], sample.labels["outcome"])] += sample.value
     return out
 
 
@@ -370,11 +376,10 @@ def _settle(http_port: int, timeout_s: float = 15.0) -> float:
     grows back by half a percent every 10 ms). Returns the seconds waited."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout_s:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
         admitted = next(
-            (s.value for f in text_string_to_metric_families(text) for s in f.samples
-             if s.name == "batchgate_overload_admitted_ratio"), 1.0,
-        )  # fmt: skip
+            (s.value for s in _metric_samples(http_port) if s.name == "batchgate_overload_admitted_ratio"),
+            1.0,
+        )
         if admitted >= 1.0:
             break
         time.sleep(0.2)
@@ -383,21 +388,19 @@ def _settle(http_port: int, timeout_s: float = 15.0) -> float:
 
 
 def _thread_cpu(pid: int) -> Counter:
-    """CPU seconds of the server's threads so far, summed by thread name (/proc/PID/task/*/stat):
-    where a point's core went. The main thread runs the event loop; Python's own threads (the
-    model's worker, ONNX Runtime's) are all "python" to the OS, gRPC core's are named."""
-    tick = os.sysconf("SC_CLK_TCK")
+    """CPU seconds of the server's threads so far (bench.profile's /proc reader), summed by thread
+    name: where a point's core went. The main thread runs the event loop, the model's workers are
+    ``bg:<worker>``, gRPC core's threads carry core's names."""
     out: Counter = Counter()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            stat = (task / "stat").read_text()
-        except OSError:  # the thread ended between the listing and the read
-            continue
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        if task.name == str(pid):
+    for tid, seconds in thread_cpu(pid).items():
+        if tid == pid:
             name = "main (event loop)"
-        fields = stat[stat.rindex(")") + 2 :].split()
-        out[name] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        else:
+            try:
+                name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            except OSError:  # the thread ended between the two reads
+                continue
+        out[name] += seconds
     return out
 
 
@@ -477,7 +480,7 @@ def main() -> int:
                 asyncio.run(_capacity(url, args.seq, args.rows, 1.0))  # warm-up
                 # the median of three probes: one 3 s probe moved by up to a third between runs
                 probes = sorted(asyncio.run(_capacity(url, args.seq, args.rows, 2.0)) for _ in range(3))
-                capacity = probes[1]
+                capacity = statistics.median(probes)
                 print(
                     f"capacity: {capacity:.0f} requests/s ({args.rows} rows x {args.seq} tokens; probes "
                     + ", ".join(f"{p:.0f}" for p in probes)

@@ -31,7 +31,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from batchgate.bench.goodput import _request, openloop_binary
+from batchgate.bench.goodput import encoder_request, openloop_binary
 from batchgate.bench.loadgen import free_ports, start_batchgate
 
 
@@ -65,7 +65,7 @@ def main() -> int:
         os.sched_setaffinity(0, {1})
         params = {"latency_class": "standard", "latency_budget_ms": 250}
         with tempfile.NamedTemporaryFile(suffix=".bin") as f:
-            f.write(_request(np.random.default_rng(0), 1, 64, params).SerializeToString())
+            f.write(encoder_request(np.random.default_rng(0), 1, 64, params).SerializeToString())
             f.flush()
             stop = threading.Event()
             ports = {"service port": grpc_port, "health port": health_port}

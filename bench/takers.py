@@ -103,19 +103,25 @@ def measure(
     return n / wall, 1e6 * cpu / n, dict(seen)
 
 
-def open_loop(pid: int, url: str, rate: float, pin: bool) -> tuple[float, float, dict]:
-    """The C++ open-loop client at ``rate`` for 5 s (1 s deadlines): calls/s sent, server CPU µs
-    per call, outcomes."""
-    from batchgate.bench.goodput import openloop_binary  # (only with --open-loop)
+def _openloop(url: str, rate: float, request: bytes, pin: bool) -> dict:
+    """The C++ open-loop client (bench/openloop) sending ``request`` at ``rate`` calls/s for 5 s,
+    each with a 1 s deadline: its JSON report."""
+    from batchgate.bench.goodput import openloop_binary  # (only with --open-loop, --beside-compute)
 
     with tempfile.NamedTemporaryFile(suffix=".bin") as f:
-        f.write(b"x")
+        f.write(request)
         f.flush()
         cmd = [*(["taskset", "-c", "1"] if pin else []), str(openloop_binary()), url, f"{rate:g}", "5", "1", "1",
                f"a:1:1000:{f.name}"]  # fmt: skip
-        c0 = process_cpu(pid)
-        out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-        cpu = process_cpu(pid) - c0
+        return json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+
+
+def open_loop(pid: int, url: str, rate: float, pin: bool) -> tuple[float, float, dict]:
+    """The C++ open-loop client at ``rate`` for 5 s (1 s deadlines): calls/s sent, server CPU µs
+    per call, outcomes."""
+    c0 = process_cpu(pid)
+    out = _openloop(url, rate, b"x", pin)
+    cpu = process_cpu(pid) - c0
     seen = out["classes"]["a"]["status"]
     n = sum(seen.values())
     return n / 5, 1e6 * cpu / n, seen
@@ -192,8 +198,6 @@ def _refusing_server(how: str, port_q, cpus: str, counter=None) -> None:
 def compute_lost(how: str, rate: float, request: bytes, cpus: str, pin: bool) -> tuple[float, float, int]:
     """Run a refusing server ``how`` with a compute thread beside it; offer ``rate`` calls/s of
     ``request`` for 5 s. Returns (compute iterations/s idle, under the load, calls refused)."""
-    from batchgate.bench.goodput import openloop_binary  # (only with --beside-compute)
-
     os.environ["OPENBLAS_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = "1"  # read by the child
     ctx = mp.get_context("spawn")
     q, counter = ctx.Queue(), ctx.Value("q", 0, lock=False)
@@ -202,37 +206,16 @@ def compute_lost(how: str, rate: float, request: bytes, cpus: str, pin: bool) ->
     try:
         url = f"127.0.0.1:{q.get(timeout=30)}"
         time.sleep(1.0)  # the compute thread and the server settle
-
-        def rate_over(seconds: float | None, cmd: list[str] | None = None) -> tuple[float, dict]:
-            v0, t0 = counter.value, time.perf_counter()
-            out = {}
-            if cmd is None:
-                time.sleep(seconds)
-            else:
-                out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-            return (counter.value - v0) / (time.perf_counter() - t0), out
-
-        idle, _ = rate_over(3.0)
-        with tempfile.NamedTemporaryFile(suffix=".bin") as f:
-            f.write(request)
-            f.flush()
-            cmd = [*(["taskset", "-c", "1"] if pin else []), str(openloop_binary()), url, f"{rate:g}", "5", "1",
-                   "1", f"a:1:1000:{f.name}"]  # fmt: skip
-            loaded, out = rate_over(None, cmd)
+        v0, t0 = counter.value, time.perf_counter()
+        time.sleep(3.0)
+        idle = (counter.value - v0) / (time.perf_counter() - t0)
+        v0, t0 = counter.value, time.perf_counter()
+        out = _openloop(url, rate, request, pin)
+        loaded = (counter.value - v0) / (time.perf_counter() - t0)
         return idle, loaded, sum(out["classes"]["a"]["status"].values())
     finally:
         proc.kill()
         proc.join()
-
-
-def _encoder_request() -> bytes:
-    from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
-
-    req = pb.ModelInferRequest(model_name="encoder")
-    for name in ("input_ids", "attention_mask"):
-        req.inputs.add(name=name, datatype="INT64", shape=[1, 256])
-        req.raw_input_contents.append(np.ones((1, 256), np.int64).tobytes())
-    return req.SerializeToString()
 
 
 def main() -> int:
@@ -254,7 +237,9 @@ def main() -> int:
     if args.pin:
         os.sched_setaffinity(0, {1})
     if args.beside_compute:
-        big = _encoder_request()
+        from batchgate.bench.goodput import encoder_request
+
+        big = encoder_request(np.random.default_rng(0), 1, 256, {}).SerializeToString()  # 4 KiB
         labels = {"door": "at the door (a taker)", "core": "gRPC core alone (never taken, 1 s deadline)"}
         print(f"{'refusing server, one core shared with a compute thread':<48} {'refused/s':>9} "
               f"{'µs of compute lost per refusal: median [runs]':>46}")  # fmt: skip
