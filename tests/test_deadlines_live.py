@@ -13,7 +13,7 @@ import numpy as np
 
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
-from batchgate.bench.goodput import _request as encoder_request
+from batchgate.bench.goodput import encoder_request
 from tests.conftest import REPO, start_server
 
 
