@@ -579,8 +579,24 @@ def start_batchgate(*extra: str) -> Started:
     return Started("batchgate", cmd, f"127.0.0.1:{grpc_port}", f"127.0.0.1:{http_port}")
 
 
-def start_noop() -> Started:
+# bench/noop_server.py's kinds, by target name
+NOOPS = {"noop": (), "noop-suspend": ("--suspend",), "noop-batch": ("--batch",)}
+
+
+def start_target(target: str, *serve_args: str) -> Started:
+    """A bench target by name: a kind of no-op server (``NOOPS``) or ``batchgate`` (with
+    ``serve_args``)."""
+    if target in NOOPS:
+        return start_noop(*NOOPS[target])
+    if target == "batchgate":
+        return start_batchgate(*serve_args)
+    raise SystemExit(f"unknown target '{target}' ({', '.join([*NOOPS, 'batchgate'])})")
+
+
+def start_noop(*flags: str) -> Started:
+    """bench/noop_server.py with ``flags`` (``--suspend``, ``--batch``)."""
     (port,) = free_ports(1)
+    name = "-".join(("noop", *(f.lstrip("-") for f in flags)))
     return Started(
-        "noop", [sys.executable, "-m", "batchgate.bench.noop_server", str(port)], f"127.0.0.1:{port}"
+        name, [sys.executable, "-m", "batchgate.bench.noop_server", str(port), *flags], f"127.0.0.1:{port}"
     )

@@ -12,13 +12,26 @@ divide the server's CPU time by them whichever client drove it.
 as any batching server's handler must wait for its batch: the floor of a handler that suspends
 (one suspension and resumption of grpc.aio's coroutine chain, one extra callback per request).
 
-    python -m batchgate.bench.noop_server PORT [--suspend]
+``--batch`` is the least a dynamic-batching server can do on grpc.aio, with nothing of
+batchgate's: each request's inputs are read with ``np.frombuffer`` (no checks), queued; when no
+batch is running the queue is taken whole as one batch (up to 256 rows), run by ONNX Runtime on
+the bundled ``ranker`` in one worker thread, and handed back to the loop with one
+``call_soon_threadsafe`` per batch, which resolves each request's future; each answer is a slice
+of the batch's output. A stream reads ahead as batchgate does (a task-free done-callback per
+message puts its answer on a deque that a writer drains). No auth, limits, classes, cache,
+metrics or timers: the floor that issue 15's "0.8 of the no-op" asks batchgate to reach beside
+the no-op, measured in the same run (``bench.perf_analyzer --targets noop,noop-batch,batchgate``).
+
+    python -m batchgate.bench.noop_server PORT [--suspend | --batch]
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -47,23 +60,134 @@ async def _suspended() -> None:
     await fut
 
 
+_RANKER = Path(__file__).resolve().parent.parent / "model_repository" / "ranker" / "1" / "model.onnx"
+
+
+class Batcher:
+    """The least dynamic batcher: the queue taken whole whenever no batch runs, one worker thread,
+    one loop wake-up per batch (``--batch``)."""
+
+    MAX_ROWS = _MAX_BATCH
+
+    def __init__(self) -> None:
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 1
+        self.session = ort.InferenceSession(str(_RANKER), opts, providers=["CPUExecutionProvider"])
+        self.pool = ThreadPoolExecutor(1)
+        self.queue: list = []  # (dense, ids, rows, future)
+        self.running = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def submit(self, request: pb.ModelInferRequest) -> asyncio.Future:
+        loop = self.loop or asyncio.get_running_loop()
+        self.loop = loop
+        raw = request.raw_input_contents
+        dense = np.frombuffer(raw[0], np.float32).reshape(-1, 64)
+        ids = np.frombuffer(raw[1], np.int64).reshape(-1, 8)
+        fut = loop.create_future()
+        self.queue.append((dense, ids, fut))
+        if not self.running:
+            self._start()
+        return fut
+
+    def _start(self) -> None:
+        batch, rows = [], 0
+        while self.queue and rows + len(self.queue[0][0]) <= self.MAX_ROWS:
+            item = self.queue.pop(0)
+            batch.append(item)
+            rows += len(item[0])
+        self.running = True
+        self.pool.submit(self._run, batch)
+
+    def _run(self, batch: list) -> None:
+        dense = np.concatenate([b[0] for b in batch])
+        ids = np.concatenate([b[1] for b in batch])
+        (score,) = self.session.run(None, {"dense": dense, "sparse_ids": ids})
+        self.loop.call_soon_threadsafe(self._deliver, batch, score)
+
+    def _deliver(self, batch: list, score: np.ndarray) -> None:
+        at = 0
+        for dense, _, fut in batch:
+            n = len(dense)
+            if not fut.done():
+                fut.set_result(score[at : at + n])
+            at += n
+        self.running = False
+        if self.queue:
+            self._start()
+
+
+def _batched_answer(request: pb.ModelInferRequest, score: np.ndarray) -> pb.ModelInferResponse:
+    resp = pb.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
+    resp.outputs.add(name="score", datatype="FP32", shape=score.shape)
+    resp.raw_output_contents.append(score.tobytes())
+    return resp
+
+
 class Noop(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, suspend: bool = False) -> None:
+    def __init__(self, suspend: bool = False, batch: bool = False) -> None:
         self.answered = 0
         self.suspend = suspend
+        self.batcher = Batcher() if batch else None
 
     async def ModelInfer(self, request, context):
         self.answered += 1
+        if self.batcher is not None:
+            return _batched_answer(request, await self.batcher.submit(request))
         if self.suspend:
             await _suspended()
         return _answer(request)
 
     async def ModelStreamInfer(self, request_iterator, context):
+        if self.batcher is not None:
+            async for answer in self._batched_stream(request_iterator):
+                yield answer
+            return
         async for request in request_iterator:
             self.answered += 1
             if self.suspend:
                 await _suspended()
             yield pb.ModelStreamInferResponse(infer_response=_answer(request))
+
+    async def _batched_stream(self, request_iterator):
+        """Read ahead: every message goes to the batcher as it is read; a done-callback puts its
+        answer on a deque, drained here (as batchgate's stream does, without its window)."""
+        loop = asyncio.get_running_loop()
+        ready: deque = deque()
+        wake: list = [None]
+        pending = [0]
+        closed = [False]
+
+        def done(request, fut) -> None:
+            ready.append(pb.ModelStreamInferResponse(infer_response=_batched_answer(request, fut.result())))
+            pending[0] -= 1
+            if wake[0] is not None and not wake[0].done():
+                wake[0].set_result(None)
+
+        async def reader() -> None:
+            async for request in request_iterator:
+                self.answered += 1
+                pending[0] += 1
+                fut = self.batcher.submit(request)
+                fut.add_done_callback(lambda f, r=request: done(r, f))
+            closed[0] = True
+            if wake[0] is not None and not wake[0].done():
+                wake[0].set_result(None)
+
+        task = loop.create_task(reader())
+        try:
+            while True:
+                while ready:
+                    yield ready.popleft()
+                if closed[0] and not pending[0]:
+                    break
+                wake[0] = loop.create_future()
+                await wake[0]
+                wake[0] = None
+        finally:
+            task.cancel()
 
     async def ModelStatistics(self, request, context):
         resp = pb.ModelStatisticsResponse()
@@ -104,13 +228,13 @@ class Noop(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelConfigResponse(config=cfg)
 
 
-async def main(port: int, suspend: bool = False) -> None:
+async def main(port: int, suspend: bool = False, batch: bool = False) -> None:
     server = grpc.aio.server()
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(Noop(suspend), server)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(Noop(suspend, batch), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
 
 
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1]), "--suspend" in sys.argv[2:]))
+    asyncio.run(main(int(sys.argv[1]), "--suspend" in sys.argv[2:], "--batch" in sys.argv[2:]))

@@ -36,7 +36,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from batchgate.bench.loadgen import model_statistics, start_batchgate, start_noop
+from batchgate.bench.loadgen import model_statistics, start_target
 from batchgate.bench.profile import process_cpu
 
 _MULTIARCH = "usr/lib/x86_64-linux-gnu"
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     data = input_data(Path(tempfile.mkdtemp(prefix="pa-")) / "ranker.json")
     for target in args.targets.split(","):
-        server = start_noop() if target == "noop" else start_batchgate()
+        server = start_target(target)
         try:
             server.ready()
             for api in args.apis.split(","):
@@ -247,10 +247,13 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     by = {(r["target"], r["api"]): r for r in results}
     for api in args.apis.split(","):
-        n, b = by.get(("noop", api)), by.get(("batchgate", api))
-        if n and b and n.get("throughput_infer_per_s") and b.get("throughput_infer_per_s"):
+        n = by.get(("noop", api))
+        for target in (t for t in args.targets.split(",") if t != "noop"):
+            b = by.get((target, api))
+            if not (n and b and n.get("throughput_infer_per_s") and b.get("throughput_infer_per_s")):
+                continue
             tput = b["throughput_infer_per_s"] / n["throughput_infer_per_s"]
-            line = f"{api}: batchgate/noop throughput {tput:.2f}"
+            line = f"{api}: {target}/noop throughput {tput:.2f}"
             if n.get("server_cpu_us_per_request") and b.get("server_cpu_us_per_request"):
                 cpu = b["server_cpu_us_per_request"] / n["server_cpu_us_per_request"]
                 line += f", server CPU per request {cpu:.2f}x"

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from batchgate.bench.loadgen import Started, Workload, _Stream, free_ports, start_batchgate, start_noop
+from batchgate.bench.loadgen import Started, Workload, _Stream, start_target
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -225,16 +225,7 @@ async def read_loop_counts(pid: int, path: str, timeout_s: float = 5.0) -> dict:
 
 def start_server(target: str, serve_args: list[str], loop_counts: str | None) -> Started:
     """The target, started plainly or under bench/loopcount.py."""
-    if target == "noop-suspend":  # the no-op whose handler waits once per request (noop_server.py)
-        (port,) = free_ports(1)
-        cmd = [sys.executable, "-m", "batchgate.bench.noop_server", str(port), "--suspend"]
-        server = Started(target, cmd, f"127.0.0.1:{port}")
-    elif target == "noop":
-        server = start_noop()
-    elif target == "batchgate":
-        server = start_batchgate(*serve_args)
-    else:
-        raise SystemExit(f"unknown target '{target}' (noop, noop-suspend, batchgate)")
+    server = start_target(target, *serve_args)
     if not loop_counts:
         return server
     server.proc.kill()  # only its command line was wanted: start it again under the counter
@@ -373,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--targets",
         default="noop,batchgate",
-        help="comma-separated: noop, noop-suspend (its handler waits once per request), batchgate",
+        help="comma-separated: noop, noop-suspend (its handler waits once per request), noop-batch (the least "
+        "dynamic batcher: bench/noop_server.py --batch), batchgate",
     )
     ap.add_argument("--apis", default="unary,stream")
     ap.add_argument("--calls", type=int, default=20000, help="calls per measured window")

@@ -246,3 +246,53 @@ def test_suspending_noop_still_answers_every_request(tmp_path):
     assert rc == 0
     for p in json.loads(out.read_text()):
         assert p["target"] == "noop-suspend" and p["calls"] == 800 and p["errors"] == 0
+
+
+def test_batching_noop_answers_with_the_rankers_own_scores_in_batches():
+    """bench/noop_server.py --batch, the floor of a dynamic batcher: each request's rows scored by
+    ONNX Runtime on the bundled ranker (the same scores the model gives alone), over unary calls
+    and a read-ahead stream, with concurrent calls sharing batches."""
+    import onnxruntime as ort
+
+    from batchgate.bench.loadgen import ROOT, start_target
+
+    reqs = Workload("ranker", rows=3, variants=8).requests()
+    sess = ort.InferenceSession(str(ROOT / "model_repository/ranker/1/model.onnx"))
+
+    def expected(r: pb.ModelInferRequest) -> np.ndarray:
+        dense = np.frombuffer(r.raw_input_contents[0], np.float32).reshape(-1, 64)
+        ids = np.frombuffer(r.raw_input_contents[1], np.int64).reshape(-1, 8)
+        return sess.run(None, {"dense": dense, "sparse_ids": ids})[0]
+
+    srv = start_target("noop-batch")
+    try:
+        srv.ready(60)
+
+        async def go():
+            async with grpc.aio.insecure_channel(srv.url) as ch:
+                stub = pb_grpc.GRPCInferenceServiceStub(ch)
+                unary = await asyncio.gather(*(stub.ModelInfer(r, timeout=10) for r in reqs))
+
+                async def messages():
+                    for i, r in enumerate(reqs):
+                        m = pb.ModelInferRequest()
+                        m.CopyFrom(r)
+                        m.id = f"m{i}"
+                        yield m
+
+                streamed = [a.infer_response async for a in stub.ModelStreamInfer(messages(), timeout=10)]
+                stats = await model_statistics(srv.url, "ranker")
+            return unary, streamed, stats
+
+        unary, streamed, stats = asyncio.run(go())
+    finally:
+        srv.stop()
+    for r, a in zip(reqs, unary):
+        got = np.frombuffer(a.raw_output_contents[0], np.float32).reshape(list(a.outputs[0].shape))
+        np.testing.assert_allclose(got, expected(r), rtol=1e-5)
+    assert sorted(a.id for a in streamed) == [f"m{i}" for i in range(len(reqs))]
+    for a in streamed:
+        r = reqs[int(a.id[1:])]
+        got = np.frombuffer(a.raw_output_contents[0], np.float32).reshape(list(a.outputs[0].shape))
+        np.testing.assert_allclose(got, expected(r), rtol=1e-5)
+    assert stats["requests"] == 2 * len(reqs)
