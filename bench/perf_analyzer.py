@@ -18,6 +18,10 @@ perf_analyzer ...``.
     .venv/bin/python -m batchgate.bench.perf_analyzer --setup-libs /tmp/pa-libs   # once
     .venv/bin/python -m batchgate.bench.perf_analyzer --libs /tmp/pa-libs (or PERF_ANALYZER_LIBS=/tmp/pa-libs)
         [--perf-analyzer PATH] [--targets noop,batchgate] [--apis unary,stream] [--concurrency 64]
+
+``--targets`` takes any of bench.loadgen's targets: ``noop``, ``noop-suspend``, ``noop-batch`` (the
+least dynamic batcher, bench/noop_server.py --batch) and ``batchgate``; each is set against the
+no-op in the same run.
 """
 
 from __future__ import annotations
@@ -187,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         help="run perf_analyzer through the glibc unpacked in DIR (default $PERF_ANALYZER_LIBS)",
     )
     ap.add_argument("--perf-analyzer", help="path of the binary (default: the pip wheel's, or PATH)")
-    ap.add_argument("--targets", default="noop,batchgate")
+    ap.add_argument("--targets", default="noop,batchgate", help="noop, noop-suspend, noop-batch, batchgate")
     ap.add_argument("--apis", default="unary,stream")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--interval-ms", type=int, default=3000, help="perf_analyzer's measurement window")
