@@ -587,16 +587,14 @@ def start_target(target: str, *serve_args: str) -> Started:
     """A bench target by name: a kind of no-op server (``NOOPS``) or ``batchgate`` (with
     ``serve_args``)."""
     if target in NOOPS:
-        return start_noop(*NOOPS[target])
+        return start_noop(target)
     if target == "batchgate":
         return start_batchgate(*serve_args)
     raise SystemExit(f"unknown target '{target}' ({', '.join([*NOOPS, 'batchgate'])})")
 
 
-def start_noop(*flags: str) -> Started:
-    """bench/noop_server.py with ``flags`` (``--suspend``, ``--batch``)."""
+def start_noop(kind: str = "noop") -> Started:
+    """bench/noop_server.py of one of its ``NOOPS`` kinds."""
     (port,) = free_ports(1)
-    name = "-".join(("noop", *(f.lstrip("-") for f in flags)))
-    return Started(
-        name, [sys.executable, "-m", "batchgate.bench.noop_server", str(port), *flags], f"127.0.0.1:{port}"
-    )
+    cmd = [sys.executable, "-m", "batchgate.bench.noop_server", str(port), *NOOPS[kind]]
+    return Started(kind, cmd, f"127.0.0.1:{port}")

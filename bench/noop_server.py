@@ -45,11 +45,14 @@ _OUTPUT = ("score", "FP32", mc.TYPE_FP32, 1)
 _MAX_BATCH = 256
 
 
-def _answer(request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-    rows = request.inputs[0].shape[0] if request.inputs and request.inputs[0].shape else 1
+def _answer(request: pb.ModelInferRequest, score: np.ndarray | None = None) -> pb.ModelInferResponse:
+    """The answer to ``request``: ``score`` (rows x 1), or zeros of the request's rows."""
+    if score is None:
+        rows = request.inputs[0].shape[0] if request.inputs and request.inputs[0].shape else 1
+        score = np.zeros((rows, 1), np.float32)
     resp = pb.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
-    resp.outputs.add(name="score", datatype="FP32", shape=[rows, 1])
-    resp.raw_output_contents.append(np.zeros((rows, 1), np.float32).tobytes())
+    resp.outputs.add(name="score", datatype="FP32", shape=score.shape)
+    resp.raw_output_contents.append(score.tobytes())
     return resp
 
 
@@ -76,7 +79,7 @@ class Batcher:
         opts.intra_op_num_threads = 1
         self.session = ort.InferenceSession(str(_RANKER), opts, providers=["CPUExecutionProvider"])
         self.pool = ThreadPoolExecutor(1)
-        self.queue: list = []  # (dense, ids, rows, future)
+        self.queue: list = []  # (dense, ids, future) per request, oldest first
         self.running = False
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -119,13 +122,6 @@ class Batcher:
             self._start()
 
 
-def _batched_answer(request: pb.ModelInferRequest, score: np.ndarray) -> pb.ModelInferResponse:
-    resp = pb.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
-    resp.outputs.add(name="score", datatype="FP32", shape=score.shape)
-    resp.raw_output_contents.append(score.tobytes())
-    return resp
-
-
 class Noop(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, suspend: bool = False, batch: bool = False) -> None:
         self.answered = 0
@@ -135,7 +131,7 @@ class Noop(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         self.answered += 1
         if self.batcher is not None:
-            return _batched_answer(request, await self.batcher.submit(request))
+            return _answer(request, await self.batcher.submit(request))
         if self.suspend:
             await _suspended()
         return _answer(request)
@@ -156,36 +152,39 @@ class Noop(pb_grpc.GRPCInferenceServiceServicer):
         answer on a deque, drained here (as batchgate's stream does, without its window)."""
         loop = asyncio.get_running_loop()
         ready: deque = deque()
-        wake: list = [None]
-        pending = [0]
-        closed = [False]
+        wake: asyncio.Future | None = None  # the writer's, while it waits
+        pending = 0  # read, not yet answered
+        closed = False  # the client has sent its last message
+
+        def wake_writer() -> None:
+            if wake is not None and not wake.done():
+                wake.set_result(None)
 
         def done(request, fut) -> None:
-            ready.append(pb.ModelStreamInferResponse(infer_response=_batched_answer(request, fut.result())))
-            pending[0] -= 1
-            if wake[0] is not None and not wake[0].done():
-                wake[0].set_result(None)
+            nonlocal pending
+            ready.append(pb.ModelStreamInferResponse(infer_response=_answer(request, fut.result())))
+            pending -= 1
+            wake_writer()
 
         async def reader() -> None:
+            nonlocal pending, closed
             async for request in request_iterator:
                 self.answered += 1
-                pending[0] += 1
-                fut = self.batcher.submit(request)
-                fut.add_done_callback(lambda f, r=request: done(r, f))
-            closed[0] = True
-            if wake[0] is not None and not wake[0].done():
-                wake[0].set_result(None)
+                pending += 1
+                self.batcher.submit(request).add_done_callback(lambda f, r=request: done(r, f))
+            closed = True
+            wake_writer()
 
         task = loop.create_task(reader())
         try:
             while True:
                 while ready:
                     yield ready.popleft()
-                if closed[0] and not pending[0]:
+                if closed and not pending:
                     break
-                wake[0] = loop.create_future()
-                await wake[0]
-                wake[0] = None
+                wake = loop.create_future()
+                await wake
+                wake = None
         finally:
             task.cancel()
 
