@@ -24,10 +24,11 @@ COPY bench ./bench
 COPY client ./client
 # A regular (not editable) install, so the runtime stage needs site-packages only. The checks
 # fail the build if both onnxruntime wheels ended up here (each provides the same module) or if
-# the server cannot import.
+# the server cannot import. -P: the sources' ./batchgate (here in WORKDIR) would otherwise shadow
+# the installed package, whose batchgate.gateway it lacks.
 RUN pip install ".[cpu]" \
  && ! pip show --quiet onnxruntime-gpu 2>/dev/null \
- && python -c "import batchgate.gateway.server, batchgate.workers.engine, onnxruntime"
+ && python -P -c "import batchgate.gateway.transport.server, batchgate.workers.engine, onnxruntime"
 
 # The committed bundled models (ranker, encoder). minilm (text -> embedding) is not committed and
 # is left out of the build context; BAKE_MINILM=true builds it here instead, deterministically

@@ -14,7 +14,7 @@ SERVE_STAMP := $(VENV)/.installed-$(RUNTIME)
 TEST_STAMP  := $(VENV)/.installed-$(RUNTIME)-test
 OTHER_ORT   := $(if $(filter gpu,$(RUNTIME)),onnxruntime,onnxruntime-gpu)
 
-.PHONY: serve test lint proto bench clean redis-server
+.PHONY: serve test lint proto bench clean redis-server valgrind chromium
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,22 @@ serve: $(SERVE_STAMP)
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 
+# The regression guard (tests/test_instruction_guard.py, bench/instructions.py) counts instructions
+# per row under callgrind: install valgrind when the machine lacks it.
+valgrind:
+	@command -v valgrind >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq valgrind >/dev/null)
+
+# tests/test_openapi.py opens /docs (Swagger UI) in headless Chromium: install it when the machine lacks it.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+
+# tests/test_helm_platform.py scans the rendered chart with checkov, in a venv of its own:
+# checkov caps packaging below 24, which the setuptools that builds batchgate's wheel needs.
+CHECKOV_VENV := .venv-checkov
+$(CHECKOV_VENV)/bin/checkov:
+	$(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install -q 'checkov>=3.2'
+
 # Lint and format check (ruff's rules are chosen in pyproject.toml); RUFF_FORMAT=0 skips the
 # format check.
 RUFF_FORMAT ?= 1
@@ -59,7 +75,7 @@ lint: $(TEST_STAMP)
 # After the tests, the quick benchmark (< 1 min): batchgate/no-op request rate, printed; it fails
 # only on a collapse (ratio < 0.3). QUICK_BENCH=0 skips it.
 QUICK_BENCH ?= 1
-test: $(TEST_STAMP) redis-server lint
+test: $(TEST_STAMP) $(CHECKOV_VENV)/bin/checkov redis-server valgrind chromium lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	@if [ "$(QUICK_BENCH)" != 0 ]; then $(BIN)/python -m batchgate.bench.quick; fi
 

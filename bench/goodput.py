@@ -54,7 +54,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -62,11 +61,10 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
-from batchgate.bench.loadgen import free_ports
+from batchgate.bench.loadgen import free_ports, metric_samples
 from batchgate.bench.profile import thread_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -354,17 +352,11 @@ def _offer_cxx(url: str, rate: float, seconds: float, seq: int, rows: int, seed:
     return point
 
 
-def _metric_samples(http_port: int) -> list:
-    """Every sample the server's /metrics shows now."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
-    return [sample for fam in text_string_to_metric_families(text) for sample in fam.samples]
-
-
 def _server_outcomes(http_port: int) -> Counter:
     """The server's own count of answers per (class, outcome) for the encoder, from /metrics:
     ``late`` = answered after the deadline on the server's clock."""
     out: Counter = Counter()
-    for sample in _metric_samples(http_port):
+    for sample in metric_samples(http_port):
         if sample.name == "batchgate_class_requests_total" and sample.labels.get("model") == model_name():
             out[(sample.labels["class"], sample.labels["outcome"])] += sample.value
     return out
@@ -377,7 +369,7 @@ def _settle(http_port: int, timeout_s: float = 15.0) -> float:
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout_s:
         admitted = next(
-            (s.value for s in _metric_samples(http_port) if s.name == "batchgate_overload_admitted_ratio"),
+            (s.value for s in metric_samples(http_port) if s.name == "batchgate_overload_admitted_ratio"),
             1.0,
         )
         if admitted >= 1.0:

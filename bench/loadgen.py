@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -509,6 +510,14 @@ def batching(before: dict | None, after: dict | None) -> dict:
     }
 
 
+def metric_samples(http_port: int) -> list:
+    """Every sample a server's /metrics shows now (prometheus_client's parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
+    return [sample for fam in text_string_to_metric_families(text) for sample in fam.samples]
+
+
 async def wait_ready(url: str, timeout_s: float = 60.0, proc: subprocess.Popen | None = None) -> None:
     """Until the server at ``url`` says ServerReady; with ``proc``, fail at once if it exits."""
     deadline = time.monotonic() + timeout_s
@@ -551,7 +560,9 @@ class Started:
         self.log = tempfile.TemporaryFile()  # a pipe nobody reads would block a chatty server
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
 
-    def stop(self) -> None:
+    def stop(self, report: bool = True) -> None:
+        """SIGTERM, then SIGKILL after 20 s; with ``report``, the log's tail when it had not
+        exited cleanly (a crash in the middle of a bench)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -559,12 +570,15 @@ class Started:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if report and self.proc.returncode not in (0, -signal.SIGTERM):
+            self.log.seek(0)
+            print(self.log.read().decode(errors="replace")[-2000:], file=sys.stderr)
 
     def ready(self, timeout_s: float = 60.0) -> None:
         try:
             asyncio.run(wait_ready(self.url, timeout_s))
         except RuntimeError:
-            self.stop()
+            self.stop(report=False)
             self.log.seek(0)
             err = self.log.read().decode(errors="replace")[-2000:]
             raise RuntimeError(f"{self.name} did not become ready at {self.url}\n{err}") from None

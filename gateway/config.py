@@ -40,12 +40,18 @@ class Settings(BaseSettings):
         "gRPC probes, which speak no TLS); unset = none, 0 picks a free one",
     )
     workers_per_device: int | None = Field(
-        None, ge=1, description="workers per device for every model; default: instance_group count"
+        None,
+        ge=1,
+        description="workers on each device (every GPU, or the CPU) for every model; "
+        "default: instance_group count",
     )
     intra_op_threads: int = Field(1, ge=1, description="ONNX Runtime intra-op threads per worker")
     inter_op_threads: int = Field(1, ge=1, description="ONNX Runtime inter-op threads per worker")
     device: Literal["auto", "cpu", "gpu"] = Field(
-        "auto", description="auto: follow instance_group kind (GPU when usable); cpu: force CPU"
+        "auto",
+        description="auto: follow instance_group kind; cpu: every model on the CPU; gpu: every "
+        "model on a GPU (string models stay on the CPU provider); a GPU asked for where none is usable: "
+        "the model's gpu_fallback (fail, or cpu)",
     )
     default_max_batch_size: int = Field(
         64, ge=0, description="max_batch_size given to models whose config.pbtxt is missing"
@@ -120,9 +126,29 @@ class Settings(BaseSettings):
         description="Redis URL (redis:// or rediss://, with user:password@ when needed); turns on the "
         "shared result cache and global rate limits",
     )
+    redis_url_file: Path | None = Field(
+        None, description="a file holding the Redis URL (a mounted Secret); wins over redis_url"
+    )
+    redis_password_file: Path | None = Field(
+        None,
+        description="a file holding the Redis password (a mounted Secret), put into redis_url's "
+        "authority (user:password@host)",
+    )
     # -- tenants ---------------------------------------------------------------------------------
     api_keys_file: Path | None = Field(
         None, description="tenant file (API-key hashes, allowed models, limits); none = open server"
+    )
+    otel_endpoint: str | None = Field(
+        None,
+        description="OpenTelemetry: an OTLP/HTTP collector (e.g. http://otel-collector:4318) to export "
+        "traces to; none = tracing off (and free)",
+    )
+    otel_service_name: str = Field("batchgate", description="OpenTelemetry: the service.name of the spans")
+    tenants_reload_s: float = Field(
+        2.0,
+        ge=0,
+        description="how often the tenant file is checked for changes and re-read (revoked keys "
+        "refused, new ones taken, without a restart); 0 = read once at start",
     )
     # -- tenants and rate limits -----------------------------------------------------------------
     ratelimit_redis_timeout_ms: float = Field(
@@ -255,10 +281,11 @@ class Settings(BaseSettings):
     overload_lag_ms: float = Field(
         100.0,
         ge=0,
-        description="overload gate: while the event loop has run this late for 100 ms on end with more "
-        "than overload_min_in_flight calls inside, or while more than a tenth of the calls that end were "
-        "dropped (shed, expired, abandoned by their callers), a share of new calls is refused UNAVAILABLE "
-        "before any decoding, every class alike, so the calls taken still meet their budgets; 0 = off",
+        description="overload gate: while more than a tenth of the calls that end were dropped (shed by "
+        "the calibrated admission estimate, expired in the queue, abandoned by their callers), or while "
+        "the event loop has run this late for 100 ms on end with more than overload_min_in_flight calls "
+        "inside and calls being dropped, a share of new calls is refused UNAVAILABLE before any decoding, "
+        "so the calls taken still meet their budgets; 0 = off",
     )
     overload_min_in_flight: int = Field(
         32,
@@ -303,6 +330,21 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _read_redis_files(self) -> Settings:
+        """The Redis URL, or its password, from files (mounted Secrets), so no credential need
+        travel in the environment."""
+        if self.redis_url_file is not None:
+            self.redis_url = _read_secret(self.redis_url_file, "redis_url_file")
+        if self.redis_password_file is not None:
+            if not self.redis_url:
+                raise ValueError(
+                    "redis_password_file needs redis_url (or redis_url_file): the URL it goes into"
+                )
+            password = _read_secret(self.redis_password_file, "redis_password_file")
+            self.redis_url = _with_password(self.redis_url, password)
+        return self
+
+    @model_validator(mode="after")
     def _check_cache(self) -> Settings:
         if self.cache_tiers in ("redis", "memory+redis") and not self.redis_url:
             raise ValueError(
@@ -327,3 +369,27 @@ class Settings(BaseSettings):
                 if pa and pa == pb:  # 0 (a free port each) and None (off) never clash
                     raise ValueError(f"{a} and {b} are both {pa}; give them different ports")
         return self
+
+
+def _read_secret(path: Path, setting: str) -> str:
+    try:
+        value = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"{setting}: cannot read {path}: {exc.strerror}") from None
+    if not value:
+        raise ValueError(f"{setting}: {path} is empty")
+    return value
+
+
+def _with_password(url: str, password: str) -> str:
+    """``url`` with ``password`` in its authority (quoted), keeping its user, host and the rest."""
+    from urllib.parse import quote, urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if not parts.hostname:
+        raise ValueError(
+            f"redis_url has no host to put the password of redis_password_file on: {parts.scheme}://..."
+        )
+    user = quote(parts.username, safe="") if parts.username else ""
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}"))

@@ -306,6 +306,14 @@ def _server_families(m: Metrics, plane) -> Iterator:
         if name not in plane.models:
             model_ready.add_metric([name, failure.version], 0)
     yield model_ready
+    variant = GaugeMetricFamily(
+        P + "model_variant_info",
+        "1 per served model version: the engine variant answering (parameter variant) and its precision",
+        labels=MV + ["variant", "precision"],
+    )
+    for rt in plane.runtimes():
+        variant.add_metric([rt.spec.name, rt.spec.version, rt.spec.variant, rt.spec.precision], 1)
+    yield variant
 
 
 def _edge_families(m: Metrics) -> Iterator:
@@ -390,6 +398,20 @@ def _scheduler_families(snaps) -> Iterator:
         "its deadline, shed, expired, rejected, failed)",
         labels=["model", "version", "class", "outcome"],
     )
+    shadow = CounterMetricFamily(
+        P + "shed_shadow",
+        "shed_at_admission off: calls the admission estimate would have refused, queued anyway, by "
+        "whether they then made their deadline (verdict would_have_made_it = a false refusal avoided)",
+        labels=["model", "version", "class", "verdict"],
+    )
+    ratio = GaugeMetricFamily(
+        P + "admission_estimate_ratio",
+        "the admission estimate checked against what happened: a call's real time from admission to "
+        "its answer over the time predicted for it (stat mean and deviation, EWMA; samples: calls "
+        "compared), for calls near enough to their deadline that the estimate was made; refusals use "
+        "the low end, mean - 2 deviations",
+        labels=["model", "version", "stat"],
+    )
     est = GaugeMetricFamily(
         P + "batch_time_estimate_seconds",
         "the scheduler's latency model: recent compute time of one batch (EWMA), per shape bucket and "
@@ -415,6 +437,14 @@ def _scheduler_families(snaps) -> Iterator:
         for cls, outcomes in st.by_class.items():
             for outcome, n in outcomes.items():
                 by_class.add_metric(lv + [cls, outcome], n)
+        if sched.estimate_ratio is not None:
+            n, mean, dev = sched.estimate_ratio
+            ratio.add_metric(lv + ["samples"], n)
+            ratio.add_metric(lv + ["mean"], mean)
+            ratio.add_metric(lv + ["deviation"], dev)
+        for cls, verdicts in st.shadow.items():
+            for verdict, n in verdicts.items():
+                shadow.add_metric(lv + [cls, verdict], n)
         for cls, n in sched.queued_by_class.items():
             depth.add_metric(lv + [cls], n)
         sched_inflight.add_metric(lv, sched.in_flight)
@@ -431,6 +461,8 @@ def _scheduler_families(snaps) -> Iterator:
         dropped,
         abandoned,
         by_class,
+        shadow,
+        ratio,
         depth,
         sched_inflight,
         est,
@@ -450,7 +482,22 @@ def _worker_families(snaps) -> Iterator:
         workers.add_metric(lv, len(snap.workers))
         for name, busy_s in snap.workers:
             busy.add_metric(lv + [name], busy_s)
-    yield from (busy, workers)
+    # Per device and memory pool, over every model: buffers add up; the driver's figure is the
+    # whole device's, the same from every model on it.
+    memory: dict[tuple[str, str], int] = {}
+    for snap in snaps:
+        for device, pool, size in snap.memory:
+            key = (device, pool)
+            memory[key] = size if pool == "driver_used" else memory.get(key, 0) + size
+    mem = GaugeMetricFamily(
+        P + "device_memory_bytes",
+        "bytes by device and memory pool: io_buffers (pooled batch buffers), pinned_host (a GPU's "
+        "staging buffers), driver_used (the GPU's used memory as the driver reports it)",
+        labels=["device", "pool"],
+    )
+    for (device, pool), size in sorted(memory.items()):
+        mem.add_metric([device, pool], size)
+    yield from (busy, workers, mem)
 
 
 def _overload_families(m: Metrics) -> Iterator:

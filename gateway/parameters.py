@@ -180,6 +180,24 @@ DECLARED: tuple[Declared, ...] = (
     Declared("max_batch_tokens", "int", "0 (no limit)", ">= 0", "text stage, buckets",
              "token budget of one engine run, rows x bucket lengths: a larger batch runs as several "
              "(bounds activation memory and warm-up time)", _int(0), "max_batch_tokens"),
+    Declared("text_pair", "bool", "false", "true/false (1/0, yes/no, on/off)", "text stage",
+             "each row is a pair of texts joined by U+001F (a cross-encoder's query and document), "
+             "tokenised as the tokenizer pairs two sequences", _bool, "text_pair"),
+    # recorded by `batchgate prepare-model` (gateway/build/hf_model.py, docs/embeddings.md)
+    Declared("pooling", "'mean', 'cls' or 'lasttoken'", "none", "one of the three", "nothing (recorded)",
+             "how the graph pools token states into the embedding; the graph does it, this says which",
+             _choice("mean", "cls", "lasttoken"), "pooling"),
+    Declared("normalize", "bool", "none", "true/false (1/0, yes/no, on/off)", "nothing (recorded)",
+             "whether the graph L2-normalises the embedding", _bool, "normalize"),
+    Declared("prompt.<name>", "text", "none", "any text, empty included", "prompts",
+             "a prompt the model was trained with (sentence-transformers' prompts): prepended to a "
+             "text whose call names it", str, "prompts"),
+    Declared("default_prompt_name", "prompt name", "none", "a prompt.<name> key of the model", "prompts",
+             "the prompt a call that names none gets", _nonempty, "default_prompt_name"),
+    Declared("matryoshka_dimensions", "int list", "none", "strictly ascending, >= 1, below the output's size",
+             "embedding routes", "the sizes a Matryoshka-trained embedding may be cut to: a call's "
+             "`dimensions` keeps that many leading values and re-normalises", _ascending,
+             "matryoshka_dimensions"),
     # shape buckets (workers/buckets.py)
     Declared("batch_buckets", "int list", "powers of two up to max_batch_size, plus preferred_batch_size",
              "each in [1, max_batch_size]", "buckets",
@@ -212,9 +230,20 @@ DECLARED: tuple[Declared, ...] = (
     Declared("learned_batch_limit", "bool", "true", "true/false (1/0, yes/no, on/off)", "queue factory",
              "let the deadline queue learn the largest batch that still meets deadlines", _bool,
              "learned_batch_limit"),
+    # engine file (gateway/repository.py; built by `batchgate optimize`, docs/engines.md)
+    Declared("variant", "'fp32', 'optimized', 'fp16' or 'int8'", "fp32", "one of the four", "repository",
+             "which engine serves: model.onnx (fp32) or the variant built beside it (model.<variant>.onnx); "
+             "refused at load unless its report model.<variant>.report.json passed and matches both files",
+             _choice("fp32", "optimized", "fp16", "int8"), "variant"),
     Declared("shed_at_admission", "bool", "true", "true/false (1/0, yes/no, on/off)", "queue factory",
-             "refuse at admission a request whose deadline is already out of reach; false admits it "
-             "(to count false refusals)", _bool, "shed_at_admission"),
+             "refuse at admission a request whose deadline is already out of reach; false queues it "
+             "anyway and counts whether it made its deadline (batchgate_shed_shadow_total: the "
+             "estimate's false refusals)", _bool, "shed_at_admission"),
+    # placement (gateway/runtime.py, workers/devices.py; docs/engines.md "Where a model runs")
+    Declared("gpu_fallback", "'fail' or 'cpu'", "fail", "one of the two", "placement",
+             "a GPU asked for (device=gpu, or KIND_GPU) where none is usable: the load fails, or the "
+             "model serves on the CPU; one log line says which and why", _choice("fail", "cpu"),
+             "gpu_fallback"),
 )  # fmt: skip
 
 # Triton's ONNX Runtime backend reads these from the same map (onnxruntime_backend README): they
@@ -250,6 +279,16 @@ class ModelParameters:
     scheduling_policy: str | None = None  # None: the server's
     learned_batch_limit: bool = True
     shed_at_admission: bool = True
+    gpu_fallback: str = "fail"
+    variant: str = "fp32"
+    text_pair: bool = False
+    pooling: str | None = None  # recorded: the graph pools
+    normalize: bool | None = None  # recorded: the graph normalises
+    prompts: Mapping[str, str] = field(default_factory=dict)  # prompt name -> text
+    default_prompt_name: str | None = None
+    matryoshka_dimensions: tuple[
+        int, ...
+    ] = ()  # sizes `dimensions` may ask for (the full size is always served)
     given: frozenset[str] = frozenset()  # keys the config set, as written
 
     def bucket_config(self, max_batch_size: int, preferred: tuple[int, ...] = ()) -> BucketConfig:
@@ -333,6 +372,12 @@ def parse(
             values[decl.field] = value
         else:
             families.setdefault(decl.field, {})[suffix] = value
+    default_prompt = values.get("default_prompt_name")
+    if default_prompt is not None and default_prompt not in families.get("prompts", {}):
+        raise ParameterError(
+            f"parameter 'default_prompt_name' names no prompt '{default_prompt}'; the model's: "
+            f"{sorted(families.get('prompts', {}))} (parameters prompt.<name>)"
+        )
     return ModelParameters(**values, **families, given=frozenset(raw)), ignored
 
 

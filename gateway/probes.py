@@ -35,10 +35,13 @@ class Probes:
     metrics_port: int | None = None
     _grpc: grpc.aio.Server | None = None
     _http: web.AppRunner | None = None
+    _listener: object | None = None  # rest.Listener: its socket is not the runner's to close
 
     async def stop(self) -> None:
         if self._grpc is not None:
             await self._grpc.stop(grace=0.5)
+        if self._listener is not None:
+            self._listener.stop_accepting()
         if self._http is not None:
             await self._http.cleanup()
 
@@ -80,10 +83,11 @@ async def start(server: Server) -> Probes:
     if s.metrics_port is not None:
         runner = web.AppRunner(_app(server), access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, s.host, s.metrics_port, reuse_port=s.reuse_port)
-        await site.start()
+        from batchgate.gateway.transport.rest import Listener
+
         probes._http = runner
-        probes.metrics_port = site._server.sockets[0].getsockname()[1]  # the real port when 0 was asked
+        probes._listener = await Listener.open(runner, s.host, s.metrics_port, reuse_port=s.reuse_port)
+        probes.metrics_port = probes._listener.port
     opened = [
         f"{what} {s.host}:{port}"
         for what, port in (("gRPC health", probes.health_port), ("HTTP metrics+health", probes.metrics_port))

@@ -9,6 +9,8 @@ holds inside ``parameters {}`` (gateway/parameters.py): an undeclared key fails 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 from dataclasses import dataclass, field, replace
@@ -34,6 +36,10 @@ ONNX_PLATFORMS = {"", "onnxruntime_onnx"}
 ONNX_BACKENDS = {"", "onnxruntime"}
 TOKENIZER_PARAMETER = "tokenizer"
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+# Engine variants `batchgate optimize` builds beside model.onnx (gateway/build/optimize.py), and the
+# precision each computes in; parameter `variant` chooses one (docs/engines.md).
+VARIANT_PARAMETER = "variant"
+VARIANT_PRECISION = {"fp32": "FP32", "optimized": "FP32", "fp16": "FP16", "int8": "INT8"}
 
 # Dotted field paths of ModelConfig that batchgate implements.
 SUPPORTED = {
@@ -104,6 +110,12 @@ class ModelSpec:
     # The engines' shape settings (buckets, reshape), from params and the config; None: plain
     # dynamic-shape engines (specs built by hand in tests).
     buckets: BucketConfig | None = None
+    # The engine variant serving (parameter `variant`); `path` is its file, `fingerprint` its hash.
+    variant: str = "fp32"
+
+    @property
+    def precision(self) -> str:
+        return VARIANT_PRECISION.get(self.variant, "FP32")
 
     @property
     def max_batch_size(self) -> int:
@@ -379,6 +391,62 @@ def _validate(config: mc.ModelConfig) -> None:
             )
 
 
+def variant_path(model_file: Path, variant: str) -> Path:
+    """``1/model.onnx`` -> ``1/model.int8.onnx`` (``fp32`` is the file itself)."""
+    if variant == "fp32":
+        return model_file
+    return model_file.with_name(f"{model_file.stem}.{variant}{model_file.suffix}")
+
+
+def report_path(model_file: Path, variant: str) -> Path:
+    """The gate's report of a variant: ``1/model.int8.report.json``."""
+    return model_file.with_name(f"{model_file.stem}.{variant}.report.json")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_variant(name: str, version: str, model_file: Path, variant: str) -> Path:
+    """The engine file of ``variant``, or ConfigError saying why it may not serve: only a variant
+    whose gate report passed, and was made from the model.onnx that is there now, serves."""
+    if variant == "fp32":
+        return model_file
+    where = f"model '{name}' version {version}: variant '{variant}'"
+    rebuild = f"build it with `batchgate optimize {name} --{variant}`"
+    path, report = variant_path(model_file, variant), report_path(model_file, variant)
+    if not path.is_file():
+        raise ConfigError(f"{where}: {version}/{path.name} is missing; {rebuild}")
+    if not report.is_file():
+        raise ConfigError(f"{where}: its gate report {version}/{report.name} is missing; {rebuild}")
+    try:
+        data = json.loads(report.read_text())
+        status, failures = data["status"], data.get("failures", [])
+        want_orig, want_var = data["original"]["sha256"], data["variant"]["sha256"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"{where}: its gate report {version}/{report.name} is unreadable ({exc!r})"
+        ) from None
+    if status != "passed":
+        why = "; ".join(failures) or status
+        raise ConfigError(f"{where}: its gate report says '{status}' ({why}); it is not served")
+    if sha256_file(model_file) != want_orig:
+        raise ConfigError(
+            f"{where}: stale: {model_file.name} changed since the variant was built (its report names "
+            f"sha256 {want_orig[:16]}…); {rebuild}"
+        )
+    if sha256_file(path) != want_var:
+        raise ConfigError(
+            f"{where}: {path.name} is not the file its report measured (sha256 {want_var[:16]}… in the "
+            f"report); {rebuild}"
+        )
+    return path
+
+
 def select_versions(model_dir: Path, config: mc.ModelConfig) -> list[str]:
     filename = config.default_model_filename or DEFAULT_MODEL_FILE
     found = sorted(
@@ -407,8 +475,11 @@ def select_versions(model_dir: Path, config: mc.ModelConfig) -> list[str]:
     return [str(v) for v in chosen]
 
 
-def load_model(model_dir: Path, default_max_batch_size: int = 64) -> list[ModelSpec]:
-    """Parse, complete and check one model directory; one spec per served version."""
+def load_model(
+    model_dir: Path, default_max_batch_size: int = 64, variant: str | None = None
+) -> list[ModelSpec]:
+    """Parse, complete and check one model directory; one spec per served version. ``variant``
+    overrides the config's (``batchgate optimize`` reads the original, whatever serves)."""
     config = mc.ModelConfig()
     cfg_path = model_dir / CONFIG_FILE
     if cfg_path.exists():
@@ -447,6 +518,11 @@ def load_model(model_dir: Path, default_max_batch_size: int = 64) -> list[ModelS
         buckets = replace(buckets, reshape_inputs=_reshapes(cfg.input, False),
                           reshape_outputs=_reshapes(cfg.output, True))  # fmt: skip
         ignored = ignored + [f"parameters.{k}" for k in hints if f"parameters.{k}" not in ignored]
+        if variant is not None:
+            params = replace(params, variant=variant)
+        engine_file = check_variant(cfg.name, version, path, params.variant)
+        # ModelConfig answers which variant serves, also when the config left it at its default.
+        cfg.parameters[VARIANT_PARAMETER].string_value = params.variant
         if not cfg.platform and not cfg.backend:
             cfg.platform = "onnxruntime_onnx"
         if not cfg.instance_group:
@@ -455,7 +531,7 @@ def load_model(model_dir: Path, default_max_batch_size: int = 64) -> list[ModelS
             ModelSpec(
                 name=cfg.name,
                 version=version,
-                path=path,
+                path=engine_file,
                 config=cfg,
                 inputs=[
                     TensorSpec(t.name, dtypes.from_config(t.data_type), tuple(t.dims)) for t in cfg.input
@@ -463,12 +539,13 @@ def load_model(model_dir: Path, default_max_batch_size: int = 64) -> list[ModelS
                 outputs=[
                     TensorSpec(t.name, dtypes.from_config(t.data_type), tuple(t.dims)) for t in cfg.output
                 ],
-                fingerprint=file_fingerprint(path),
+                fingerprint=file_fingerprint(engine_file),
                 ignored=ignored,
                 tied_dims={} if tokenized(cfg) else tied_dims(model, cfg.max_batch_size > 0),
                 model_inputs=model_inputs,
                 params=params,
                 buckets=buckets,
+                variant=params.variant,
             )
         )
     return specs

@@ -13,6 +13,7 @@ place batches are formed within the budget.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -37,10 +38,21 @@ from batchgate.gateway.scheduling import (
 )
 from batchgate.gateway.text import TextStage
 from batchgate.proto.inference.v2 import model_config_pb2 as mc
-from batchgate.workers import EngineOptions, WorkerPool, default_cache_dir, discover
+from batchgate.workers import (
+    Device,
+    EngineOptions,
+    Placement,
+    WorkerPool,
+    default_cache_dir,
+    gpu_probe,
+    place,
+    read_model_io,
+)
 
 _KIND = {mc.ModelInstanceGroup.KIND_GPU: "gpu", mc.ModelInstanceGroup.KIND_CPU: "cpu"}
 _NO_LIMIT = 1 << 30
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +63,7 @@ class RuntimeSnapshot:
     version: str
     scheduler: SchedulerSnapshot
     workers: tuple[tuple[str, float], ...]  # (worker name, seconds spent running batches)
+    memory: tuple[tuple[str, str, int], ...] = ()  # (device, memory pool, bytes): WorkerPool.memory_by_pool
 
 
 @dataclass(slots=True)
@@ -72,6 +85,7 @@ class ModelRuntime:
             self.spec.version,
             self.scheduler.snapshot(),
             tuple((w.name, w.busy_ns * 1e-9) for w in self.pool.workers),
+            tuple((d, p, b) for (d, p), b in self.pool.memory_by_pool().items()),
         )
 
     async def infer(
@@ -183,18 +197,42 @@ def _numeric_row_limit(pool: WorkerPool, max_batch_tokens: int) -> Callable[[Has
     return limit
 
 
+def place_model(spec: ModelSpec, s: Settings, probe: Callable[[], tuple[int, str]] = gpu_probe) -> Placement:
+    """Where ``spec`` runs under ``s.device`` (docs/engines.md, "Where a model runs"): every
+    instance group placed by the one rule (workers/devices.py), devices merged in order. A
+    fallback to the CPU is logged once, as a WARNING naming the model."""
+    strings = any(t.dtype == object for ts in read_model_io(spec.path) for t in ts)
+    groups = list(spec.config.instance_group) or [mc.ModelInstanceGroup(kind=mc.ModelInstanceGroup.KIND_AUTO)]
+    visible, why = probe() if s.device != "cpu" else (0, "")
+    devices: list[Device] = []
+    notes: list[str] = []
+    fallback = ""
+    for group in groups:
+        # NoGPU propagates: the data plane logs it as this model's one "failed to start" line.
+        p = place(_KIND.get(group.kind, "auto"), s.device, visible=visible, gpus=tuple(group.gpus),
+                  fallback=spec.params.gpu_fallback, strings=strings, why_none=why)  # fmt: skip
+        devices.extend(d for d in p.devices if d not in devices)
+        if p.note and p.note not in notes:
+            notes.append(p.note)
+        fallback = fallback or p.fallback
+    if fallback:
+        log.warning("model %s version %s: %s", spec.name, spec.version, fallback)
+    return Placement(tuple(devices), "; ".join(notes), fallback)
+
+
+def workers_per_device(spec: ModelSpec, s: Settings) -> int:
+    """Workers on each device the model runs on, a GPU as the CPU: the server's workers_per_device,
+    else the instance groups' count (per device, as Triton's)."""
+    return s.workers_per_device or max([g.count or 1 for g in spec.config.instance_group] or [1])
+
+
 async def build_runtime(
     spec: ModelSpec, s: Settings, classes: dict[str, LatencyClass], lag: LoopLag, cache: TieredCache | None
 ) -> ModelRuntime:
     """Start one model version: text stage, worker pool (engines warmed), queue and scheduler."""
-    devices = []
-    count = 1
-    for group in spec.config.instance_group:
-        kind = "cpu" if s.device == "cpu" else _KIND.get(group.kind, "auto")
-        devices.extend(d for d in discover(kind, tuple(group.gpus)) if d not in devices)
-        count = max(count, group.count or 1)
-    if s.workers_per_device:
-        count = s.workers_per_device
+    placement = await asyncio.to_thread(place_model, spec, s)
+    devices = list(placement.devices)
+    count = workers_per_device(spec, s)
     text = await asyncio.to_thread(TextStage, spec) if tokenized(spec.config) else None
     options = EngineOptions(intra_op_threads=s.intra_op_threads, inter_op_threads=s.inter_op_threads,
                             preprocess=text, mode=s.engine_mode, warmup=s.engine_warmup,
@@ -203,6 +241,7 @@ async def build_runtime(
     pool = WorkerPool(
         f"{spec.name}-v{spec.version}", spec.path, devices, count, options, spec.buckets, spec.fingerprint
     )
+    pool.note = placement.note  # the startup line says why a model runs where it does
     await asyncio.to_thread(pool.start)
     try:
         # The token budget has one owner, the queue: text rows by their length bucket, numeric

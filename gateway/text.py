@@ -30,6 +30,11 @@ Parameters (all ``string_value``):
                     capped at max_tokens); the engines pad to the same buckets
   max_batch_tokens  token budget of one batch, rows x length bucket; 0 = none (the queue
                     forms batches within it; workers/buckets.py keeps it as a guard)
+  text_pair         "true": each row is two texts joined by PAIR_SEPARATOR (U+001F), a
+                    cross-encoder's query and document, encoded as the tokenizer pairs two
+                    sequences (its pair template; truncation longest-first, as transformers'
+                    tokenizers truncate a pair). One string per row keeps everything before
+                    the worker (validation, length estimate, cache key, batching) as it is.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ from batchgate.gateway.repository import TOKEN_INPUTS, ConfigError, ModelSpec
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
 DEFAULT_MAX_TOKENS = 512
+# ASCII's unit separator: a control character no text a caller means to embed contains.
+PAIR_SEPARATOR = "\x1f"
 # ASCII punctuation: BERT-style pre-tokenizers make each mark a token of its own.
 _PUNCT = re.compile(rb"[!-/:-@\[-`{-~]")
 
@@ -74,6 +81,7 @@ class TextSettings:
     length_buckets: tuple[int, ...]
     max_text_bytes: int
     max_batch_tokens: int  # 0: no token budget
+    pair: bool = False  # rows are PAIR_SEPARATOR-joined text pairs
 
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> TextSettings:
@@ -96,6 +104,7 @@ class TextSettings:
             length_buckets=buckets,
             max_text_bytes=p.max_text_bytes,
             max_batch_tokens=p.max_batch_tokens,
+            pair=p.text_pair,
         )
 
 
@@ -124,7 +133,7 @@ class TextStage:
             "pad_token": pad_token,
             "pad_type_id": int(padding.get("pad_type_id", 0)),
         }
-        self.specials = probe.num_special_tokens_to_add(False)
+        self.specials = probe.num_special_tokens_to_add(s.pair)
         # Every token covers at least one byte of the text, so a text of at most this many bytes
         # cannot exceed max_tokens; only longer ones need an exact count in reject mode.
         self._surely_fits = s.max_tokens - self.specials
@@ -156,7 +165,9 @@ class TextStage:
                 ) from None
             except AttributeError:  # not bytes: cannot come from the codec, but never a bare INTERNAL
                 raise invalid(f"input '{self.input}' row {i}: expected BYTES holding UTF-8 text") from None
-            if not text.strip():
+            if s.pair:
+                self._check_pair(i, text)
+            elif not text.strip():
                 raise invalid(
                     f"input '{self.input}' row {i}: text is empty"
                     + (" (whitespace only)" if text else "")
@@ -177,6 +188,14 @@ class TextStage:
                     )
                 keys[i] = self.bucket(count)  # exact where it was counted
         return keys, decoded
+
+    def _check_pair(self, i: int, text: str) -> None:
+        first, sep, second = text.partition(PAIR_SEPARATOR)
+        if not sep or not first.strip() or not second.strip():
+            raise invalid(
+                f"input '{self.input}' row {i}: model '{self.model}' takes a pair per row, two non-empty "
+                "texts joined by U+001F (parameter text_pair)"
+            )
 
     def row_keys(self, arrays: dict[str, np.ndarray]) -> list[int]:
         """Each row's length bucket for texts ``check`` already passed (the rows the result cache
@@ -205,8 +224,12 @@ class TextStage:
             cache[truncate] = tok
         return tok
 
+    def _inputs(self, texts: list[str]) -> list:
+        # A pair row splits at its first separator: the query cannot hold one, the document may.
+        return [tuple(t.split(PAIR_SEPARATOR, 1)) for t in texts] if self.settings.pair else texts
+
     def count_tokens(self, texts: list[str]) -> list[int]:
-        return [len(e.ids) for e in self._tokenizer(False).encode_batch(texts)]
+        return [len(e.ids) for e in self._tokenizer(False).encode_batch(self._inputs(texts))]
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The engine's preprocess hook: the merged batch's texts -> the model's token inputs.
@@ -214,7 +237,7 @@ class TextStage:
         Truncation is on in reject mode too: texts were counted at admission, so it only ever
         guards the model against a count that disagreed."""
         texts = [t if isinstance(t, str) else t.decode() for t in feeds[self.input].reshape(-1)]
-        encodings = self._tokenizer(True).encode_batch(texts)
+        encodings = self._tokenizer(True).encode_batch(self._inputs(texts))
         out = {"input_ids": np.array([e.ids for e in encodings], dtype=np.int64)}
         if "attention_mask" in self.outputs:
             out["attention_mask"] = np.array([e.attention_mask for e in encodings], dtype=np.int64)

@@ -59,9 +59,10 @@ def start_server(
     ready_timeout: float = 60.0,
     credentials: grpc.ChannelCredentials | None = None,
     ports: tuple[int, int] | None = None,
+    cpus: str | None = None,
 ) -> ServerProcess:
     """Serve ``repo`` on free ports (or ``ports``: gRPC, HTTP) and wait until gRPC health says
-    SERVING (over TLS with ``credentials``)."""
+    SERVING (over TLS with ``credentials``); ``cpus``: pinned to those cores (taskset -c)."""
     grpc_port, http_port = ports or free_ports(2)
     log_path = tmp / f"server-{grpc_port}.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -70,6 +71,8 @@ def start_server(
         "--model-repository", str(repo), "--host", "127.0.0.1",
         "--grpc-port", str(grpc_port), "--http-port", str(http_port), *args,
     ]  # fmt: skip
+    if cpus is not None:
+        cmd = ["taskset", "-c", cpus, *cmd]
     log_file = log_path.open("w")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log_file, stderr=subprocess.STDOUT)
     server = ServerProcess(proc, grpc_port, http_port, log_path, env or {})

@@ -221,3 +221,18 @@ def test_a_drain_mid_run_is_retried_on_the_other_server(tmp_path: Path):
         stop.set()
         a.stop()
         b.stop()
+
+
+def test_embed_of_a_thousand_texts_is_a_thousand_vectors_in_order(srv, bg, triton):
+    texts = [f"sentence {i}: " + " ".join(["word"] * (i % 23)) for i in range(1000)]
+    vectors = bg.embed(texts)  # minilm takes 64 a request: 16 requests, in flight together
+    assert vectors.shape == (1000, 384)
+    for i in (0, 1, 63, 64, 65, 500, 998, 999):
+        np.testing.assert_allclose(vectors[i], bg.embed(texts[i]), atol=1e-6)
+    np.testing.assert_allclose(vectors[128:192], triton_embed(triton, texts[128:192]), atol=1e-6)
+
+    async def run():
+        async with AsyncClient(srv.grpc_url, api_key=KEY) as c:
+            return await c.embed(texts)
+
+    np.testing.assert_allclose(asyncio.run(run()), vectors, atol=1e-6)

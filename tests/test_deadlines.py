@@ -328,6 +328,18 @@ class Clock:
         return self.now
 
 
+def one_slot(calibrated: bool = False):
+    """A started scheduler with one slot, its fake engine and clock, over a queue that knows a
+    10 ms batch (``calibrated``: and has checked its predictions)."""
+    clock, engine = Clock(), FakeEngine()
+    q = DeadlineQueue(4, (), 0.0, CLASSES, trained(a=0.010, b=0.0, key=None))
+    if calibrated:
+        _calibrated(q)
+    s = Scheduler("m", q, engine.execute, slots=1, clock=clock)
+    s.start()
+    return clock, engine, q, s
+
+
 def budget(cls: str, now: float, budget_s: float | None = None):
     from batchgate.gateway.scheduling import Budget
 
@@ -341,11 +353,7 @@ async def _settle() -> None:
 
 
 async def test_shed_at_admission_when_work_ahead_exceeds_the_budget():
-    clock = Clock()
-    engine = FakeEngine()
-    q = DeadlineQueue(4, (), 0.0, CLASSES, trained(a=0.010, b=0.0, key=None))
-    s = Scheduler("m", q, engine.execute, slots=1, clock=clock)
-    s.start()
+    clock, engine, q, s = one_slot()
     try:
         first = asyncio.create_task(s.infer({"x": 1}, 1, None, budget("standard", clock.now)))
         await _settle()
@@ -444,12 +452,16 @@ async def test_every_waiter_answered_once_under_mixed_classes():
         await s.close()
 
 
+def _calibrated(q: DeadlineQueue) -> DeadlineQueue:
+    """As after calls whose real times matched their predictions: decisions at the edge trusted
+    (an unchecked prediction refuses only when half of it already misses)."""
+    for _ in range(q.CALIBRATE_AFTER):
+        q.calibrate(1.0, 1.0)
+    return q
+
+
 async def test_shedding_counts_what_the_running_batch_has_left():
-    clock = Clock()
-    engine = FakeEngine()
-    q = DeadlineQueue(4, (), 0.0, CLASSES, trained(a=0.010, b=0.0, key=None))
-    s = Scheduler("m", q, engine.execute, slots=1, clock=clock)
-    s.start()
+    clock, engine, q, s = one_slot(calibrated=True)
     try:
         first = asyncio.create_task(s.infer({"x": 1}, 1, None, budget("bulk", clock.now)))
         await _settle()
@@ -518,8 +530,21 @@ def test_loop_lag_widens_the_margin_of_every_deadline_decision():
     q = queue(max_bs=8, latency=trained(a=0.010, b=0.0), lag=lag)
     q.push([make_req("rt", "realtime", 0.0)])  # deadline 25 ms, 10 ms compute
     assert q.take_expired(0.010)[0] == []  # 15 ms left
-    lag.s = 0.004  # the loop runs 4 ms late: 8 ms of the 15 go to getting in and out
+    lag.mean = lag.s = 0.004  # the loop runs 4 ms late: 8 ms of the 15 go to getting in and out
     assert names(q.take_expired(0.010)[0]) == ["rt"]
+
+
+def test_a_jittery_loop_drops_on_its_expected_lag_not_its_high_quantile():
+    """Dropping a call is a prediction that it would miss: the loop's mean lag, not the bound its
+    deviation adds (which plans batches), or a loaded machine drops calls that would have made it."""
+    lag = LoopLag()
+    q = queue(max_bs=8, latency=trained(a=0.010, b=0.0), lag=lag)
+    q.push([make_req("rt", "realtime", 0.0)])  # deadline 25 ms, 10 ms compute
+    lag.mean, lag.s = 0.001, 0.006  # usually 1 ms late, now and then far more
+    assert q.take_expired(0.010)[0] == []  # 15 ms left: 10 compute + 2 expected lag fit
+    assert q.wake_at([]) is None
+    lag.mean = 0.003
+    assert names(q.take_expired(0.010)[0]) == ["rt"]  # 10 + 6 > 15
 
 
 def test_loop_lag_monitor_sees_a_blocked_loop():
@@ -609,3 +634,80 @@ def test_fixed_margin_never_takes_more_than_a_fifth_of_a_budget():
     assert names(q.take_expired(0.0026)[0]) == ["tight"]  # 2.6 + 1.5 > 4
     # the 25 ms request keeps the full 4 ms: due at 21 ms
     assert q.take_expired(0.0194)[0] == [] and names(q.take_expired(0.0196)[0]) == ["rt"]
+
+
+# -- the admission estimate: right at capacity ----------------------------------------------------
+
+
+def _two_buckets(a: float, b: float) -> LatencyModel:
+    m = LatencyModel()
+    for key in ("short", "long"):
+        for rows in (1, 4, 8, 16, 32, 1, 4, 8):
+            m.observe(key, rows, a + b * rows)
+    return m
+
+
+def test_a_part_that_joins_queued_work_of_its_bucket_costs_its_rows_not_a_batch():
+    """A many-text call is one request per length bucket. Queued behind work of the same buckets,
+    each part rides in a batch that runs anyway: charging each a batch of its own (intercept
+    included) put a 32-text call at twice its real time and refused callers at capacity."""
+    q = _calibrated(DeadlineQueue(64, (), 0.0, CLASSES, _two_buckets(a=0.050, b=0.001)))
+    ahead = [make_req(f"a{i}", "standard", 0.0, rows=4, key=k) for i, k in enumerate(("short", "long"))]
+    assert q.push(ahead)
+    # queued ahead: one batch per bucket, 2 x (50 + 4) ms = 108 ms; this call's two parts join
+    # those batches: 2 x 4 ms more, 116 ms in all. A budget of 120 ms fits (charged as batches
+    # of their own: 108 + 2 x 54 = 216 ms, refused).
+    call = [make_req(f"c{k}", "standard", 0.0, rows=4, key=k, budget_s=0.120) for k in ("short", "long")]
+    assert q.refuse(call, 0.0, 0.0, 1) is None
+    # with nothing of its buckets queued a part pays its batch
+    q2 = _calibrated(DeadlineQueue(64, (), 0.0, CLASSES, _two_buckets(a=0.050, b=0.001)))
+    lone = [make_req(f"l{k}", "standard", 0.0, rows=4, key=k, budget_s=0.090) for k in ("short", "long")]
+    assert q2.refuse(lone, 0.0, 0.0, 1) is None  # nothing ahead: one probe a second is let through
+    refusal = q2.refuse(lone, 0.0, 0.0, 1)
+    assert refusal is not None and refusal.own_s == pytest.approx(0.108, rel=1e-3)
+
+
+def test_predictions_are_scaled_by_how_they_compared_with_real_times():
+    """Refused only where even the low end of (real / predicted) lately says the call misses:
+    unchecked predictions refuse only a call that half of its prediction already misses; checked
+    ones that ran 40 % high stop refusing calls that would make it."""
+    q = queue(latency=trained(0.0, 0.010))
+    assert q.push([make_req(f"w{i}", "standard", 0.0, rows=1) for i in range(20)])  # 200 ms ahead
+    call = [make_req("c", "standard", 0.0, rows=1, budget_s=0.180)]
+    assert q.refuse(call, 0.0, 0.0, 1) is None  # unchecked: 210 ms predicted, half of it fits 180
+    assert q.refuse([make_req("h", "standard", 0.0, rows=1, budget_s=0.090)], 0.0, 0.0, 1) is not None
+    predicted = q.prediction
+    for _ in range(q.CALIBRATE_AFTER):
+        q.calibrate(predicted, predicted)  # predictions matched what happened
+    assert q.refuse(call, 0.0, 0.0, 1) is not None  # now trusted: 210 ms misses 180
+    for _ in range(60):
+        q.calibrate(predicted, 0.6 * predicted)  # calls like it took 60 % of their prediction
+    n, mean, dev = q.ratio()
+    assert mean == pytest.approx(0.6, abs=0.01) and dev < 0.01
+    assert q.refuse(call, 0.0, 0.0, 1) is None  # 0.6 x 210 ms fits 180
+    # ... while a call that misses even then is still refused
+    assert q.refuse([make_req("t", "standard", 0.0, rows=1, budget_s=0.080)], 0.0, 0.0, 1) is not None
+
+
+async def test_an_admitted_call_that_expires_still_calibrates_the_estimate():
+    """A call admitted near its deadline that then expires took at least until its deadline: a
+    censored comparison, without which a spike whose admitted calls all expire would never
+    calibrate and the queue would go on admitting calls that expire."""
+    clock, engine, q, s = one_slot()
+    try:
+        running = asyncio.create_task(s.infer({"x": 1}, 1, None, budget("bulk", clock.now)))
+        await _settle()
+        # 10 ms running + 10 ms own against 14 ms: predicted at 20, admitted while unchecked
+        doomed = asyncio.create_task(s.infer({"x": 2}, 1, None, budget("realtime", clock.now, 0.014)))
+        await _settle()
+        assert not doomed.done() and q.ratio()[0] == 0
+        clock.now += 0.050  # the running batch is slow: the 14 ms pass while queued
+        s._wake()
+        (err,) = await asyncio.wait_for(asyncio.gather(doomed, return_exceptions=True), 2)
+        assert isinstance(err, GatewayError) and err.kind is Kind.DEADLINE
+        n, mean, _ = q.ratio()
+        assert n == 1 and mean >= 0.014 / 0.020 - 1e-9  # at least to its deadline over the prediction
+        engine.finish(0)
+        await asyncio.wait_for(running, 2)
+    finally:
+        await s.close()

@@ -85,25 +85,36 @@ def test_hopeless_budget_is_refused_at_once_and_never_computed(tmp_path):
 
 
 def test_grpc_deadline_is_the_budget(tmp_path):
-    """A caller's gRPC deadline is honoured as its budget (shed, not computed late)."""
+    """A caller's gRPC deadline is honoured as its budget: behind a backlog it cannot wait out, the
+    server sheds the call itself (its words, its fail count) and never computes its rows."""
     srv = start_server(tmp_path, "--workers-per-device", "1")
     try:
         with grpc.insecure_channel(srv.grpc_url) as ch:
             stub = pb_grpc.GRPCInferenceServiceStub(ch)
             heavy = _encoder(16, 256, latency_class="bulk")
+            t0 = time.perf_counter()
             for _ in range(3):
                 stub.ModelInfer(heavy)
+            one_batch_s = (time.perf_counter() - t0) / 3
+            before = _stats(stub)
             futures = [stub.ModelInfer.future(heavy) for _ in range(8)]
-            time.sleep(0.05)
+            time.sleep(one_batch_s * 1.5)  # the backlog is queued now
+            deadline_s = max(one_batch_s / 4, 0.02)  # less than the running batch, more than a hop
             try:
-                stub.ModelInfer(_encoder(1, 16), timeout=0.002)
+                stub.ModelInfer(_encoder(7, 16), timeout=deadline_s)
                 raise AssertionError("expected DEADLINE_EXCEEDED")
             except grpc.RpcError as err:
                 assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                details = err.details()
             for f in futures:
                 f.result(timeout=120)
+            after = _stats(stub)
     finally:
         srv.stop()
+    # the server's refusal, not the client's own timer ("Deadline Exceeded")
+    assert "cannot be met" in details or "dropped from the queue before compute" in details, details
+    assert after.inference_stats.fail.count - before.inference_stats.fail.count == 1
+    assert after.inference_count - before.inference_count == 8 * 16  # the probe's 7 rows never ran
 
 
 def test_a_model_can_keep_triton_fifo_while_the_server_schedules_by_deadline(tmp_path):

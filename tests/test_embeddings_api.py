@@ -21,7 +21,7 @@ import pytest
 import tritonclient.grpc as tc
 from tokenizers import Tokenizer
 
-from batchgate.gateway.embeddings_api import plan
+from batchgate.gateway.transport.embeddings import plan
 from batchgate.gateway.text import TextStage
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.tenants import hash_key
@@ -30,6 +30,7 @@ from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import REPO, start_server
 
 FULL, TIGHT, RANKER_ONLY = "full-0123456789abcdef", "tight-0123456789abcd", "ranker-0123456789abcd"
+ONCE = "once-0123456789abcdef-once"  # one request, ever (within the test)
 TENANTS = f"""
 tenants:
   - name: full
@@ -41,6 +42,9 @@ tenants:
   - name: ranker-only
     key_hashes: ["{hash_key(RANKER_ONLY)}"]
     models: [ranker]
+  - name: once
+    key_hashes: ["{hash_key(ONCE)}"]
+    limits: {{requests_per_s: 0.001, requests_burst: 1}}
 """
 
 LONG = " ".join(["the quick brown fox jumps over the lazy dog near the river bank"] * 40)  # > 256 tokens
@@ -136,7 +140,9 @@ def post(url: str, body, key: str | None = FULL, headers: dict | None = None) ->
 
 
 def test_float_many_texts_equal_the_kserve_path_and_usage_counts_real_tokens(oai, triton, tokenizer, stage):
-    resp = oai.embeddings.create(model="minilm", input=TEXTS, encoding_format="float")
+    resp = oai.embeddings.create(
+        model="minilm", input=TEXTS, encoding_format="float", extra_body={"truncate": True}
+    )
     got = np.array([d.embedding for d in resp.data], dtype=np.float32)
     assert [d.index for d in resp.data] == list(range(len(TEXTS)))
     assert resp.model == "minilm" and resp.object == "list" and resp.data[0].object == "embedding"
@@ -242,7 +248,9 @@ def test_auth_limits_and_permissions_are_the_kserve_paths(base):
 
     tight = openai.OpenAI(base_url=base + "/v1", api_key=TIGHT, max_retries=0)
     # the burst of 1: one call of many texts of many lengths is one request against the limit
-    assert len(tight.embeddings.create(model="minilm", input=TEXTS).data) == len(TEXTS)
+    assert len(
+        tight.embeddings.create(model="minilm", input=TEXTS, extra_body={"truncate": True}).data
+    ) == len(TEXTS)
     with pytest.raises(openai.RateLimitError) as e:
         tight.embeddings.create(model="minilm", input="x")
     assert e.value.status_code == 429 and e.value.code == "rate_limit_exceeded"
@@ -339,3 +347,31 @@ def test_request_id_is_echoed(base):
     for path, body in (("/v1/embeddings", {"model": "minilm", "input": "x"}), ("/embed", {"inputs": "x"})):
         status, headers, _ = post(base + path, body, headers={"X-Request-Id": "embed-test-42"})
         assert status == 200 and {k.lower(): v for k, v in headers.items()}["x-request-id"] == "embed-test-42"
+
+
+def test_a_list_of_texts_is_one_call_at_the_door_and_against_the_tenants_limits(base):
+    """200 texts go to the model as four requests of 64, but the caller made one call: a tenant
+    allowed one request is answered, whole, and refused the next (before, each of the four parts
+    was admitted on its own and the second was refused its rate)."""
+    texts = [f"text number {i} of a long list" for i in range(200)]
+    status, _, body = post(base + "/v1/embeddings", {"model": "minilm", "input": texts}, key=ONCE)
+    assert status == 200, body
+    assert [d["index"] for d in body["data"]] == list(range(200))
+    status, headers, body = post(base + "/v1/embeddings", {"model": "minilm", "input": texts[:1]}, key=ONCE)
+    assert status == 429 and body["error"]["code"] == "rate_limit_exceeded", body
+
+
+def test_an_over_length_text_is_refused_as_openai_does_unless_the_call_asks_to_truncate(oai, triton, base):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.embeddings.create(model="minilm", input=["fine", LONG])
+    assert "input 1 is" in str(e.value) and "tokens; model 'minilm' takes at most 256" in str(e.value)
+    resp = oai.embeddings.create(model="minilm", input=["fine", LONG], extra_body={"truncate": True})
+    assert np.array_equal(np.float32([d.embedding for d in resp.data]), kserve(triton, ["fine", LONG]))
+    # over the 32 KiB text bound: refused by its size, unless truncation was asked for: then cut
+    huge = "word " * 8000  # 40,000 bytes
+    status, _, body = post(base + "/v1/embeddings", {"model": "minilm", "input": [huge]})
+    assert status == 400 and "40000 bytes" in body["error"]["message"], body
+    status, _, body = post(base + "/v1/embeddings", {"model": "minilm", "input": [huge], "truncate": True})
+    assert status == 200, body
+    want = kserve(triton, [huge[:32768]])[0]
+    assert np.allclose(np.float32(body["data"][0]["embedding"]), want, atol=1e-6)

@@ -177,10 +177,23 @@ def test_keyless_60mib_rest_body_is_refused_from_its_headers(keyed):
           f"concurrent keyed call max {max(latencies) * 1e3:.1f} ms")  # fmt: skip
 
 
+def _unauthenticated(server) -> float:
+    """Keyless gRPC calls the server itself refused on their metadata (the interceptor counts them
+    under empty model labels): a refusal core made on the message size never reaches it."""
+    from batchgate.bench.loadgen import metric_samples
+
+    return sum(
+        s.value for s in metric_samples(server.http_port)
+        if s.name == "batchgate_requests_total" and s.labels.get("outcome") == "unauthenticated"
+        and s.labels.get("transport") == "grpc"
+    )  # fmt: skip
+
+
 def test_eight_keyless_60mib_grpc_messages_are_refused(keyed):
     big = pb.ModelInferRequest(model_name="ranker", raw_input_contents=[b"\x00" * (60 * MiB)])
     codes: list[grpc.StatusCode] = []
     ch, stub = _stub(keyed)
+    before = _unauthenticated(keyed)
     with ch, PeakRss(keyed.proc.pid) as rss:
 
         def one() -> None:
@@ -198,6 +211,9 @@ def test_eight_keyless_60mib_grpc_messages_are_refused(keyed):
         latency = _keyed_latency(stub)
     assert len(codes) == 8 and grpc.StatusCode.OK not in codes, codes
     assert set(codes) <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    # The key is refused before the size: the server's own count of keyless refusals saw all
+    # eight (a server without auth answers RESOURCE_EXHAUSTED too, and counts none of them).
+    assert _unauthenticated(keyed) - before == 8
     assert rss.growth < 200 * MiB, rss.growth / MiB
     print(f"8 keyless 60 MiB gRPC: {sorted({c.name for c in codes})}, RSS +{rss.growth / MiB:.1f} MiB, "
           f"keyed call after {latency * 1e3:.1f} ms")  # fmt: skip

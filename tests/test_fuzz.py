@@ -1,7 +1,7 @@
 """Fuzz the live server with malformed ModelInferRequests (hypothesis).
 
 Each example is a batch of requests sent at once on one channel: most are a valid request for a
-served model (ranker, encoder, minilm when served, or an unknown name) bent by one to three
+served model (ranker, encoder, minilm, or an unknown name) bent by one to three
 mutations (datatype, shape with negative, zero and huge dims, raw bytes of the wrong length,
 missing, duplicated and unknown inputs, unknown and ill-typed parameters, typed contents in the
 wrong field or of the wrong length, raw and typed together, extra raw entries, bad outputs,
@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
-from tests.conftest import REPO
+from tests.conftest import REPO, start_server
 
 EXAMPLES = 120  # batches
 BATCH = 24  # requests per batch, of which VALID are valid ranker requests
@@ -58,11 +58,7 @@ _LEN = struct.Struct("<I")
 # -- valid requests -------------------------------------------------------------------------------
 
 
-def _served_minilm() -> bool:
-    return (REPO / "minilm" / "1" / "model.onnx").exists() and (REPO / "minilm" / "config.pbtxt").exists()
-
-
-MODELS = ["ranker", "encoder"] + (["minilm"] if _served_minilm() else [])
+MODELS = ["ranker", "encoder", "minilm"]  # served by this module's own server (``fuzzed``)
 
 
 def bytes_raw(items: list[bytes]) -> bytes:
@@ -255,12 +251,28 @@ def malformed(draw) -> pb.ModelInferRequest:
 
 
 @pytest.fixture(scope="module")
+def fuzzed(tmp_path_factory, minilm_dir):
+    """ranker, encoder and minilm, whatever the checkout holds: minilm is built for a fresh clone
+    (``minilm_dir``), so its text path is fuzzed everywhere, CI included."""
+    tmp = tmp_path_factory.mktemp("fuzz")
+    repo = tmp / "repo"
+    repo.mkdir()
+    for m in ("ranker", "encoder"):
+        (repo / m).symlink_to(REPO / m, target_is_directory=True)
+    (repo / "minilm").symlink_to(minilm_dir.resolve(), target_is_directory=True)
+    srv = start_server(tmp, "--no-build-models", repo=repo)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
 def ranker_ref():
     sess = ort.InferenceSession(str(REPO / "ranker" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
     return lambda dense, ids: sess.run(None, {"dense": dense, "sparse_ids": ids})[0]
 
 
-def test_fuzz_malformed_requests(server, ranker_ref):
+def test_fuzz_malformed_requests(fuzzed, ranker_ref):
+    server = fuzzed
     log_start = len(server.log())
     seen: collections.Counter = collections.Counter()
     bad: list[str] = []
@@ -322,6 +334,14 @@ def test_fuzz_malformed_requests(server, ranker_ref):
     assert "Traceback" not in new_log, new_log[-3000:]
     assert counts["valid"] >= VALID * EXAMPLES // 2
     assert seen["INVALID_ARGUMENT"] > counts["sent"] // 2
+    # every model's path was fuzzed: the server itself counted answers for each of them
+    from batchgate.bench.loadgen import metric_samples
+
+    answered = collections.Counter()
+    for m in metric_samples(server.http_port):
+        if m.name == "batchgate_requests_total":
+            answered[m.labels.get("model")] += m.value
+    assert all(answered[name] >= 100 for name in MODELS), answered
     # and it still serves
     with grpc.insecure_channel(server.grpc_url) as ch2:
         assert pb_grpc.GRPCInferenceServiceStub(ch2).ServerReady(pb.ServerReadyRequest(), timeout=5).ready

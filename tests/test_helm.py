@@ -406,6 +406,19 @@ def test_schema_refuses(chart, values, needle):
         ),
         ({"containerPorts": {"health": 8000}}, "three different ports"),  # the probes' port, TLS or not
         ({"autoscaling": {"enabled": True}, "resources": {"requests": {"cpu": None}}}, "requests.cpu"),
+        (
+            {"modelRepository": {"source": "initContainer", "initContainer": {"image": {"repository": "m"}}}},
+            "needs a tag (a fixed version) or a digest",
+        ),
+        (
+            {
+                "modelRepository": {
+                    "source": "initContainer",
+                    "initContainer": {"image": {"repository": "m", "tag": "latest"}},
+                }
+            },
+            "tag latest is mutable",
+        ),  # fmt: skip
     ],
 )
 def test_render_refuses_inconsistent_values(chart, values, needle):
@@ -556,20 +569,23 @@ def test_null_and_empty_settings_are_left_to_the_server(chart):
 # -- what the Deployment must get right -----------------------------------------------------------
 
 
-def test_probes_are_native_grpc_on_the_plaintext_health_port(rendered):
-    """Always the health port: under overload the service port's door refuses a share of every new
+def test_probes_use_the_plaintext_probe_ports(rendered):
+    """Never the service ports: under overload the service port's door refuses a share of every new
     call, health checks included, and a failed liveness probe would restart a busy pod; the
-    kubelet's gRPC probes speak no TLS either."""
+    kubelet's probes speak no TLS either. Readiness is the gRPC health signal; startup and liveness
+    are /v2/health/live on the metrics port, which a model that failed to load does not turn off
+    (tests/test_helm_platform.py checks that on a live server)."""
     name, values, r = rendered
-    tls = values["tls"]["enabled"]
     ports = {p["name"]: p["containerPort"] for p in r.gateway["ports"]}
-    want = {"grpc": 8001, "http": 8000, "health": 8003} | ({"metrics": 8002} if tls else {})
-    assert ports == want
-    assert r.config["BATCHGATE_HEALTH_PORT"] == "8003"
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    assert ports == {"grpc": 8001, "http": 8000, "metrics": 8002, "health": 8003}
+    assert (r.config["BATCHGATE_HEALTH_PORT"], r.config["BATCHGATE_METRICS_PORT"]) == ("8003", "8002")
+    ready = r.gateway["readinessProbe"]
+    assert ready["grpc"] == {"port": 8003, "service": ""}, name
+    assert not {"httpGet", "exec", "tcpSocket"} & set(ready), name
+    for probe in ("startupProbe", "livenessProbe"):
         p = r.gateway[probe]
-        assert p["grpc"] == {"port": 8003, "service": ""}, (name, probe)
-        assert not {"httpGet", "exec", "tcpSocket"} & set(p), (name, probe)
+        assert p["httpGet"] == {"path": "/v2/health/live", "port": "metrics", "scheme": "HTTP"}, (name, probe)
+        assert not {"grpc", "exec", "tcpSocket"} & set(p), (name, probe)
     # The startup probe is the warm-up budget: minutes, not the liveness probe's seconds.
     st = r.gateway["startupProbe"]
     assert st["periodSeconds"] * st["failureThreshold"] >= 120
@@ -638,7 +654,7 @@ def test_gpu_only_when_enabled(rendered):
     assert ("runtimeClassName" in r.pod) == (on and bool(values["gpu"]["runtimeClassName"]))
     if on:
         assert limits["nvidia.com/gpu"] == values["gpu"]["count"]
-        assert limits["memory"] == values["resources"]["limits"]["memory"]  # merged, not replaced
+        assert limits["memory"] == values["gpu"]["resources"]["limits"]["memory"]  # merged, not replaced
         assert r.config.get("BATCHGATE_DEVICE") == values["config"].get("device", "gpu")
         for k, v in values["gpu"]["nodeSelector"].items():
             assert r.pod["nodeSelector"][k] == v
@@ -651,14 +667,100 @@ def test_gpu_workers_per_device(chart):
     assert r.config["BATCHGATE_WORKERS_PER_DEVICE"] == "2"
 
 
+def test_gpu_pods_are_ready_only_with_every_model(chart):
+    # device=gpu on a node without a usable GPU fails each model's load (gpu_fallback fail): such a
+    # pod must not report ready and take traffic it cannot answer.
+    assert _cached("gpu").config["BATCHGATE_STRICT_READINESS"] == "true"
+    assert "BATCHGATE_STRICT_READINESS" not in _cached("defaults").config
+    r = render(chart, {"gpu": {"enabled": True}, "config": {"strict_readiness": False}})
+    assert r.config["BATCHGATE_STRICT_READINESS"] == "false"
+
+
+def test_gpu_pods_replace_one_at_a_time(rendered):
+    # A surge pod needs a spare GPU: on a cluster without one it stays Pending and the rollout hangs.
+    name, values, r = rendered
+    strategy = r.deployment["spec"]["strategy"]
+    assert strategy["type"] == "RollingUpdate"
+    if values["gpu"]["enabled"]:
+        assert strategy["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}, name
+        pdb = r.of("PodDisruptionBudget")
+        assert not pdb or pdb[0]["spec"].get("maxUnavailable", 1) >= 1  # the budget allows that one pod
+    else:
+        assert strategy["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}, name
+
+
+def test_gpu_update_strategy_is_a_value(chart):
+    custom = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    r = render(chart, {"gpu": {"enabled": True, "updateStrategy": custom}})
+    assert r.deployment["spec"]["strategy"] == custom
+
+
+def test_gpu_pods_get_gpu_sized_resources(rendered):
+    name, values, r = rendered
+    res = r.gateway["resources"]
+    if values["gpu"]["enabled"]:
+        assert res["requests"] == {"cpu": "4", "memory": "8Gi"}, name
+        assert res["limits"] == {"memory": "8Gi", "nvidia.com/gpu": values["gpu"]["count"]}, name
+    else:
+        assert res == {"requests": {"cpu": "2", "memory": "2Gi"}, "limits": {"memory": "2Gi"}}, name
+
+
+def test_gpu_resources_are_a_value_and_the_hpa_measures_against_them(chart):
+    mine = {"requests": {"cpu": "6", "memory": "12Gi"}, "limits": {"memory": "12Gi"}}
+    r = render(chart, {"gpu": {"enabled": True, "resources": mine}})
+    assert r.gateway["resources"]["requests"] == mine["requests"]
+    with pytest.raises(helm.HelmRenderError, match=re.escape("gpu.resources.requests.cpu")):
+        chart.render({"gpu": {"enabled": True, "resources": {"requests": {"cpu": None}}},
+                      "autoscaling": {"enabled": True}}, name=RELEASE, namespace=NAMESPACE)  # fmt: skip
+
+
+def test_a_pod_without_gpu_enabled_sees_no_gpu(rendered):
+    # The CUDA image's base sets NVIDIA_VISIBLE_DEVICES=all; a -cuda tag on a GPU node without
+    # gpu.enabled would see every GPU of the node. With gpu.enabled the device plugin sets it.
+    name, values, r = rendered
+    env = r.env()
+    if values["gpu"]["enabled"]:
+        assert "NVIDIA_VISIBLE_DEVICES" not in env, name
+    else:
+        assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "void", name
+
+
+def test_a_cuda_tag_without_gpu_enabled_sees_no_gpu(chart):
+    r = render(chart, {"image": {"tag": "0.1.0-cuda"}})
+    assert r.gateway["image"].endswith(":0.1.0-cuda")
+    assert r.env()["NVIDIA_VISIBLE_DEVICES"]["value"] == "void"
+
+
+def test_the_model_image_is_pinned_by_digest_or_tag(chart):
+    digest = "sha256:" + "ab" * 32
+    base = {
+        "modelRepository": {
+            "source": "initContainer",
+            "initContainer": {"image": {"repository": "reg/models"}},
+        }
+    }
+
+    def init_image(image: dict) -> str:
+        values = _merge(base, {"modelRepository": {"initContainer": {"image": image}}})
+        (init,) = render(chart, values).pod["initContainers"]
+        return init["image"]
+
+    assert init_image({"tag": "2025-01"}) == "reg/models:2025-01"
+    assert init_image({"tag": "2025-01", "digest": digest}) == f"reg/models@{digest}"  # the digest wins
+    assert init_image({"digest": digest}) == f"reg/models@{digest}"
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())["modelRepository"]["initContainer"][
+        "image"
+    ]
+    assert defaults["tag"] != "latest" and defaults["digest"] == ""
+
+
 def test_services(rendered):
     name, values, r = rendered
     gateway_labels = r.deployment["spec"]["template"]["metadata"]["labels"]
     main = r.one("Service", FULLNAME)
     assert main["spec"]["type"] == "ClusterIP"
+    # The service ports only; the plaintext metrics port has its own Service (never on this one).
     want = {"grpc": (8001, "grpc"), "http": (8000, "http")}
-    if values["tls"]["enabled"]:  # the plaintext metrics port, for the ServiceMonitor
-        want["metrics"] = (8002, "metrics")
     assert {p["name"]: (p["port"], p["targetPort"]) for p in main["spec"]["ports"]} == want
     headless = r.of("Service", f"{FULLNAME}-headless")
     assert bool(headless) == values["service"]["headless"]["enabled"], name
@@ -734,8 +836,13 @@ def test_redis_url_wiring():
         assert env["value"] == f"redis://:$(REDIS_PASSWORD)@{host}:6379/0"
         redis_pod = r.one("Deployment", host)["spec"]["template"]["spec"]
         (redis,) = redis_pod["containers"]
-        assert {e["name"]: e for e in redis["env"]}["REDIS_PASSWORD"] == r.env()["REDIS_PASSWORD"]
-        assert "$(REDIS_PASSWORD)" in redis["args"] and "--requirepass" in redis["args"]
+        # The Redis pod reads it as a file (never env or argv; tests/test_helm_platform.py runs the command).
+        assert "env" not in redis
+        (auth,) = [v for v in redis_pod["volumes"] if v["name"] == "auth"]
+        ref = _secret_ref(r.env()["REDIS_PASSWORD"])
+        assert auth["secret"]["secretName"] == ref["name"]
+        assert auth["secret"]["items"] == [{"key": ref["key"], "path": "password"}]
+        assert "/etc/redis-auth/password" in redis["command"][2] and "--requirepass" not in redis["args"]
         assert redis["args"][redis["args"].index("--save") + 1] == ""  # no persistence
         svc = r.one("Service", host)
         redis_labels = r.one("Deployment", host)["spec"]["template"]["metadata"]["labels"]
@@ -807,18 +914,18 @@ def test_autoscaling_disruption_budget_and_service_monitor():
     sm = r.one("ServiceMonitor")
     assert sm["metadata"]["labels"]["release"] == "prometheus"
     assert sm["spec"]["endpoints"] == [
-        {"port": "http", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}
+        {"port": "metrics", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}
     ]
-    # It must pick the main Service only, not the headless one too (that would scrape every pod twice).
+    # It must pick the metrics Service only, not the main or headless one too (each pod scraped once).
     selected = [s for s in r.of("Service") if _selects(sm["spec"]["selector"], s["metadata"]["labels"])]
-    assert [s["metadata"]["name"] for s in selected] == [FULLNAME]
+    assert [s["metadata"]["name"] for s in selected] == [f"{FULLNAME}-metrics"]
 
 
 def test_tls_wiring():
     """TLS on: the server gets the mounted files and the plaintext ports; the probes, the Service's
     metrics port and the ServiceMonitor use those; cert-manager's Secret is the one mounted."""
     plain = _cached("defaults")
-    assert not any(k.startswith("BATCHGATE_TLS_") or k == "BATCHGATE_METRICS_PORT" for k in plain.config)
+    assert not any(k.startswith("BATCHGATE_TLS_") for k in plain.config)
     assert not plain.of("Certificate") and not any(v["name"] == "tls" for v in plain.pod["volumes"])
     for set_name, secret, mutual in (
         ("tls-existing-secret", "gateway-tls", True),

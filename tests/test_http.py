@@ -409,3 +409,11 @@ def test_rest_bytes_input_matches_grpc_on_minilm(server, triton):
     np.testing.assert_allclose(
         np.asarray(out["data"], np.float32).reshape(out["shape"]), expected, rtol=1e-4, atol=1e-5
     )
+
+
+def test_a_wrong_method_names_the_allowed_ones_and_ready_must_be_a_bool(server):
+    status, headers, body = call(server, "DELETE", "/v2/repository/index")
+    assert status == 405 and "POST" in headers.get("Allow", ""), headers
+    assert json.loads(body)["error"]
+    status, _, body = call(server, "POST", "/v2/repository/index", {"ready": -13941})
+    assert status == 400 and "ready" in json.loads(body)["error"], body

@@ -34,10 +34,16 @@ def checkout(tmp_path) -> Path:
     for name in ("python", "ruff", "batchgate"):
         (bin_dir / name).write_text(STAND_IN)
         (bin_dir / name).chmod(0o755)
-    # `make test` installs redis-server with apt when it is not on PATH: give it one.
+    # `make test` installs redis-server, valgrind and chromium with apt when they are not on PATH,
+    # and checkov into a venv of its own when that is missing: give it all of them.
     (tmp_path / "path").mkdir()
-    (tmp_path / "path" / "redis-server").write_text(STAND_IN)
-    (tmp_path / "path" / "redis-server").chmod(0o755)
+    checkov = tmp_path / ".venv-checkov" / "bin"
+    checkov.mkdir(parents=True)
+    (checkov / "checkov").write_text(STAND_IN)
+    (checkov / "checkov").chmod(0o755)
+    for tool in ("redis-server", "valgrind", "chromium"):
+        (tmp_path / "path" / tool).write_text(STAND_IN)
+        (tmp_path / "path" / tool).chmod(0o755)
     return tmp_path
 
 

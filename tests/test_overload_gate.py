@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from batchgate.gateway.errors import GatewayError, Kind
-from batchgate.gateway.infer import OverloadGate, _wasted
+from batchgate.gateway.admission.gate import OverloadGate, _wasted
 
 
 def _gate(lag_s: float, inflight: int) -> tuple[OverloadGate, SimpleNamespace, list[float]]:
@@ -39,17 +39,26 @@ def test_a_slow_machine_alone_is_no_overload():
 
 def test_a_lag_burst_is_no_overload_a_standing_lag_is():
     gate, p, clock = _gate(lag_s=0.1, inflight=500)
-    _ticks(gate, clock, 9)  # 90 ms over the target: a burst (a big batch's answers, say)
+    # 20 calls end per look, 1 of them lost: under the wasted-call threshold, over the lag's
+    _ticks(gate, clock, 9, ended=20, dropped=1)  # 90 ms over the target: a burst
     assert not gate.shedding
     p.plane.lag.s = 0.001
-    _ticks(gate, clock, 1)
+    _ticks(gate, clock, 1, ended=20, dropped=1)
     p.plane.lag.s = 0.1
-    _ticks(gate, clock, 9)
+    _ticks(gate, clock, 9, ended=20, dropped=1)
     assert not gate.shedding  # the burst clock restarted when the lag fell
-    _ticks(gate, clock, 2)  # now over the target for a whole 100 ms
+    _ticks(gate, clock, 2, ended=20, dropped=1)  # now over the target for a whole 100 ms
     assert gate.shedding and gate.admit == pytest.approx(0.8, abs=0.01)
-    _ticks(gate, clock, 5)  # one cut per 100 ms stretch, not one per look
+    _ticks(gate, clock, 5, ended=20, dropped=1)  # one cut per 100 ms stretch, not one per look
     assert gate.admit >= 0.79
+
+
+def test_a_standing_lag_that_loses_no_call_sheds_nothing():
+    """A loop that runs late while every call is answered in time is a server at work: a closed
+    loop at capacity on one core lags behind its model thread and loses nothing."""
+    gate, _, clock = _gate(lag_s=0.5, inflight=500)
+    _ticks(gate, clock, 100, ended=20, arrived=20)
+    assert not gate.shedding and gate.admit == 1.0
 
 
 def test_wasted_calls_set_the_share_to_what_completes_spread_evenly_and_recovery_restores_it():

@@ -408,6 +408,7 @@ def test_engine_strings_cpu(tmp_path):
     _engine_round_trip(tmp_path, Device("cpu"))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(gpu_count() == 0, reason="no CUDA device usable by both onnxruntime-gpu and CuPy")
 def test_engine_strings_gpu(tmp_path):
     # String tensors live on the host in onnxruntime (string kernels exist on the CPU only): a GPU

@@ -4,10 +4,12 @@ and authentication, permissions and limits against a live server with stock and 
 from __future__ import annotations
 
 import io
+import shutil
 import json
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -27,7 +29,8 @@ from batchgate.gateway.tenants import (
 )
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
-from tests.conftest import ROOT, start_server
+from batchgate.bench.loadgen import metric_samples
+from tests.conftest import REPO, ROOT, start_server
 
 ALPHA, BETA, TIGHT, SOLO = (
     "alpha-0123456789abcdef",
@@ -345,3 +348,114 @@ def test_in_flight_cap_and_slots_come_back_after_errors_and_cancels(keyed, kstub
     # every slot was given back: one at a time, all admitted
     why: list[str] = []
     assert [code_of(kstub, ranker(2), md, details=why) for _ in range(10)] == [grpc.StatusCode.OK] * 10, why
+
+
+# -- what a tenant's settings do on a live server -------------------------------------------------
+
+
+def test_cache_namespace_separates_tenants_rows_and_default_class_is_their_budget(tmp_path):
+    """Two tenants sending the same rows: the one with its own namespace is never answered from the
+    other's cached rows, two keys of one namespace share them; each tenant's calls are scheduled in
+    its default class (the scheduler's per-class counts)."""
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO / "ranker", repo / "ranker")
+    cfg = repo / "ranker" / "config.pbtxt"
+    cfg.write_text(cfg.read_text() + "response_cache { enable: true }\n")
+    keys = {"a1": "ns-a-first-0123456789", "a2": "ns-a-second-0123456789", "b": "ns-b-only-0123456789"}
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"""
+tenants:
+  - name: a
+    key_hashes: ["{hash_key(keys["a1"])}", "{hash_key(keys["a2"])}"]
+    cache_namespace: team-a
+    default_class: bulk
+  - name: b
+    key_hashes: ["{hash_key(keys["b"])}"]
+    cache_namespace: team-b
+""")
+    srv = start_server(tmp_path, "--api-keys-file", str(path), "--no-build-models", repo=repo)
+    try:
+        with grpc.insecure_channel(srv.grpc_url) as ch:
+            stub = pb_grpc.GRPCInferenceServiceStub(ch)
+
+            def stats():
+                s = (
+                    stub.ModelStatistics(
+                        pb.ModelStatisticsRequest(name="ranker"), metadata=(("x-api-key", keys["a1"]),)
+                    )
+                    .model_stats[0]
+                    .inference_stats
+                )
+                return s.cache_hit.count, s.cache_miss.count
+
+            req = ranker(3)
+            answers = {}
+            seen = []
+            for who in ("a1", "a1", "b", "a2", "b"):
+                resp = stub.ModelInfer(req, metadata=(("x-api-key", keys[who]),), timeout=10)
+                answers[who] = resp.raw_output_contents[0]
+                seen.append(stats())
+        classes = {
+            s.labels["class"]: s.value
+            for s in metric_samples(srv.http_port)
+            if s.name == "batchgate_class_requests_total" and s.labels.get("model") == "ranker"
+            and s.labels.get("outcome") == "success"
+        }  # fmt: skip
+    finally:
+        srv.stop()
+    # (hits, misses) after each call: a1 computes; a1 hits; b misses (its own namespace); a2 hits
+    # (a1's namespace); b hits its own row
+    assert seen == [(0, 1), (1, 1), (1, 2), (2, 2), (3, 2)], seen
+    assert len(set(answers.values())) == 1  # the same model, the same answer
+    # a's default class is bulk, b has none: the server's default (standard)
+    assert classes == {"bulk": 1, "standard": 1}, classes
+
+
+def test_a_revoked_key_is_refused_within_seconds_without_a_restart(tmp_path):
+    keys = {
+        "old": "revoked-soon-0123456789",
+        "kept": "kept-key-0123456789ab",
+        "new": "added-later-0123456789",
+    }
+
+    def write(names: list[str], text: str | None = None) -> None:
+        tmp = tmp_path / "tenants.next"
+        tmp.write_text(text if text is not None else "tenants:\n" + "".join(
+            f'  - name: {n}\n    key_hashes: ["{hash_key(keys[n])}"]\n' for n in names
+        ))  # fmt: skip
+        tmp.replace(tmp_path / "tenants.yaml")  # one rename, as a mounted Secret's update swaps a link
+
+    write(["old", "kept"])
+    env = {"BATCHGATE_TENANTS_RELOAD_S": "0.2"}
+    srv = start_server(
+        tmp_path, "--api-keys-file", str(tmp_path / "tenants.yaml"), "--no-build-models",
+        repo=REPO, env=env,
+    )  # fmt: skip
+    try:
+        with grpc.insecure_channel(srv.grpc_url) as ch:
+            stub = pb_grpc.GRPCInferenceServiceStub(ch)
+
+            def code(who: str) -> grpc.StatusCode:
+                return code_of(stub, ranker(1), (("x-api-key", keys[who]),))
+
+            assert (code("old"), code("kept"), code("new")) == (
+                grpc.StatusCode.OK, grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED,
+            )  # fmt: skip
+            write(["kept", "new"])
+            t0 = time.monotonic()
+            while code("old") == grpc.StatusCode.OK and time.monotonic() - t0 < 10:
+                time.sleep(0.1)
+            took = time.monotonic() - t0
+            assert code("old") == grpc.StatusCode.UNAUTHENTICATED
+            assert (code("kept"), code("new")) == (grpc.StatusCode.OK, grpc.StatusCode.OK)
+            assert took < 2.0, took
+            # a file that does not parse changes nothing: the tenants read before stay
+            write([], text="tenants: [")
+            time.sleep(1.0)
+            assert (code("kept"), code("new"), code("old")) == (
+                grpc.StatusCode.OK, grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED,
+            )  # fmt: skip
+        assert "cannot be used (the previous tenants stay)" in srv.log()
+        print(f"revoked key refused {took:.2f} s after the file changed (checked every 0.2 s)")
+    finally:
+        srv.stop()

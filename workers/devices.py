@@ -1,7 +1,19 @@
-"""Device discovery: which devices the workers may use.
+"""Device discovery and the one rule for where a model runs (docs/engines.md, "Where a model runs").
 
-The CPU path runs everywhere. The GPU path is chosen only when onnxruntime offers the CUDA
-execution provider *and* CuPy can see a device; either missing means CPU, never an error.
+A GPU is usable when onnxruntime offers the CUDA execution provider *and* CuPy sees a device.
+``place`` decides a model's devices from three inputs: the operator's ``device`` setting (flag,
+env, chart), the model's ``instance_group.kind``, and what is visible. It is a pure function of
+them (the visible GPU count is passed in), so the rule is tested with fake device lists:
+
+* ``device=cpu``: the CPU, whatever the config says.
+* ``device=gpu``: a GPU for every model that can run there, overriding ``KIND_CPU``; a model whose
+  ONNX graph reads or writes strings stays on the CPU provider (ORT has string kernels on the CPU
+  only) and its startup line says so.
+* ``device=auto``: the config decides; ``KIND_GPU`` asks for a GPU, ``KIND_CPU`` for the CPU,
+  ``KIND_AUTO``/``KIND_MODEL`` take a GPU when one is usable, else the CPU.
+* A GPU asked for (by ``device=gpu`` or by ``KIND_GPU``) where none is usable: the model's
+  ``gpu_fallback`` parameter says what happens, ``fail`` (the default, as Triton fails a KIND_GPU
+  model on a machine without one) or ``cpu`` (serve on the CPU); either way one line says why.
 """
 
 from __future__ import annotations
@@ -13,6 +25,8 @@ import onnxruntime as ort
 
 log = logging.getLogger(__name__)
 
+GPU_FALLBACKS = ("fail", "cpu")
+
 
 @dataclass(frozen=True, slots=True)
 class Device:
@@ -23,36 +37,93 @@ class Device:
         return f"{self.kind}:{self.id}"
 
 
-def gpu_count() -> int:
-    """Number of CUDA devices usable by both onnxruntime and CuPy (0 when either is missing)."""
+class NoGPU(RuntimeError):
+    """A GPU was asked for where none is usable, and the model's gpu_fallback is ``fail``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one model runs, and why in a phrase for its startup line ("" when it simply runs
+    where its config says). ``fallback`` is the one WARNING line of a GPU fallback, else ""."""
+
+    devices: tuple[Device, ...]
+    note: str = ""
+    fallback: str = ""
+
+
+def gpu_probe() -> tuple[int, str]:
+    """(usable CUDA devices, why none when 0): both onnxruntime's CUDA provider and CuPy are needed."""
     if "CUDAExecutionProvider" not in ort.get_available_providers():
-        return 0
+        return 0, f"onnxruntime {ort.__version__} has no CUDAExecutionProvider: the CPU wheel is installed"
     try:
         import cupy  # optional dependency: only present with the `gpu` extra
     except ImportError:
-        return 0
+        return 0, "CuPy is not installed (pip install 'batchgate[gpu]')"
     try:
-        return int(cupy.cuda.runtime.getDeviceCount())
+        n = int(cupy.cuda.runtime.getDeviceCount())
     except Exception as exc:  # a driver without devices raises rather than returning 0
-        log.info("CuPy sees no CUDA device (%s); using CPU", exc)
-        return 0
+        return 0, f"CuPy sees no CUDA device ({exc})"
+    return n, "" if n else "CuPy sees no CUDA device"
+
+
+def gpu_count() -> int:
+    """Number of CUDA devices usable by both onnxruntime and CuPy (0 when either is missing)."""
+    return gpu_probe()[0]
+
+
+def place(
+    kind: str,
+    device: str = "auto",
+    *,
+    visible: int,
+    gpus: tuple[int, ...] = (),
+    fallback: str = "fail",
+    strings: bool = False,
+    why_none: str = "",
+) -> Placement:
+    """Apply the rule (module docstring). ``kind``: the config's "cpu", "gpu" or "auto";
+    ``device``: the operator's "auto", "cpu" or "gpu"; ``visible``: usable GPUs (``why_none``
+    says why there are none); ``gpus``: the instance group's device ids; ``strings``: the graph
+    has string tensors. Raises NoGPU, or ValueError for a GPU id that is not visible."""
+    if kind not in ("cpu", "gpu", "auto") or device not in ("auto", "cpu", "gpu"):
+        raise ValueError(f"kind must be cpu/gpu/auto and device auto/cpu/gpu, got {kind!r}, {device!r}")
+    if fallback not in GPU_FALLBACKS:
+        raise ValueError(f"gpu_fallback must be one of {GPU_FALLBACKS}, got {fallback!r}")
+    cpu = (Device("cpu"),)
+    if device == "cpu":
+        return Placement(cpu, "device=cpu" if kind == "gpu" else "")
+    want = "gpu" if device == "gpu" else kind
+    asker = "device=gpu" if device == "gpu" else f"instance_group KIND_{kind.upper()}"
+    if want == "cpu":
+        return Placement(cpu)
+    if strings:  # ORT keeps string tensors in host memory, with string kernels on the CPU only
+        note = f"{asker}, but the graph has string tensors: CPU provider"
+        return Placement(cpu, note if want == "gpu" else "")
+    if visible == 0:
+        why = why_none or "no CUDA device is usable"
+        if want == "auto":
+            return Placement(cpu)
+        if fallback == "cpu":
+            msg = f"{asker} asks for a GPU but none is usable ({why}); gpu_fallback=cpu: serving on the CPU"
+            return Placement(cpu, f"{asker}: no usable GPU, gpu_fallback=cpu", msg)
+        raise NoGPU(
+            f"{asker} asks for a GPU but none is usable ({why}); the model's gpu_fallback is 'fail' "
+            "(parameter gpu_fallback 'cpu' serves it on the CPU instead)"
+        )
+    ids = gpus or tuple(range(visible))  # Triton: the group's gpus, else every visible one
+    bad = [i for i in ids if i >= visible]
+    if bad:
+        raise ValueError(f"instance_group names GPU(s) {bad} but only {visible} are visible")
+    note = "device=gpu overrides KIND_CPU" if device == "gpu" and kind == "cpu" else ""
+    return Placement(tuple(Device("gpu", i) for i in ids), note)
 
 
 def discover(kind: str, gpus: tuple[int, ...] = ()) -> list[Device]:
-    """Devices for an instance group: ``kind`` is "cpu", "gpu" or "auto".
-
-    "auto" takes every visible GPU, or the CPU when there is none. "gpu" without a GPU falls back to
-    the CPU with a warning, so a repository written for a GPU box still serves on a laptop.
-    """
-    n = gpu_count()
-    if kind == "cpu":
-        return [Device("cpu")]
-    if n == 0:
-        if kind == "gpu":
-            log.warning("instance_group asks for KIND_GPU but no CUDA device is usable; serving on CPU")
-        return [Device("cpu")]
-    ids = gpus or tuple(range(n))
-    bad = [i for i in ids if i >= n]
-    if bad:
-        raise ValueError(f"instance_group names GPU(s) {bad} but only {n} are visible")
-    return [Device("gpu", i) for i in ids]
+    """Devices for an instance group of ``kind`` ("cpu", "gpu" or "auto") under ``device=auto``
+    with ``gpu_fallback=cpu``: the CPU when no GPU is usable (logged). For tools and tests; the
+    server places models with ``place``."""
+    n, why = gpu_probe() if kind != "cpu" else (0, "")
+    p = place(kind, visible=n, gpus=gpus, fallback="cpu", why_none=why)
+    if p.fallback:
+        log.warning("%s", p.fallback)
+    return list(p.devices)

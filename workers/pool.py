@@ -11,7 +11,10 @@ worker dies on it too.
 With a ``BucketConfig`` the pool reads the model's inputs and outputs at start, plans its shape
 buckets (``workers.buckets``) and has every worker build and warm all of them before ``start``
 returns, so a model is never ready with a cold bucket. ``shape_key`` gives the batcher the key
-that groups rows by bucket. A GPU gets one worker (its engines, its CUDA stream, its buffers).
+that groups rows by bucket. Every device, a GPU as the CPU, gets ``count`` workers; each worker
+has its own engines, buffers and, on a GPU, its own CuPy stream and memory pool and its own ORT
+sessions (each on the CUDA provider's own stream), so N workers on one GPU overlap their copies
+and kernels instead of queueing behind one thread.
 """
 
 from __future__ import annotations
@@ -206,7 +209,7 @@ def _test_kill(name: str) -> None:
 
 
 class WorkerPool:
-    """``count`` workers per CPU device and one per GPU, all serving the same model file.
+    """``count`` workers per device (CPU or GPU), all serving the same model file.
 
     ``buckets`` None keeps the plain dynamic-shape engines (no padding, no pools).
     """
@@ -231,12 +234,8 @@ class WorkerPool:
         self._lock = threading.Lock()
         self.workers = []
         for dev in devices:
-            # One worker owns a GPU: its stream, its buffers and (with CUDA graphs) its captured
-            # graphs; a second worker would only interleave on the same device.
-            n = 1 if dev.kind == "gpu" else count
-            if dev.kind == "gpu" and count > 1:
-                log.info("%s: one worker per GPU; instance count %d applies to CPU only", name, count)
-            self.workers.extend(_Worker(f"{name}-{dev}-{i}", model_path, dev, options) for i in range(n))
+            self.workers.extend(_Worker(f"{name}-{dev}-{i}", model_path, dev, options) for i in range(count))
+        self.note = ""  # why the model runs where it does (gateway/runtime.py), for summary()
         for w in self.workers:
             w.on_death = self._worker_died
         self._closed = False
@@ -269,7 +268,7 @@ class WorkerPool:
         """One phrase for the model's startup line: workers, devices, engines and shape buckets.
         Every worker builds the same buckets, so the first live one speaks for all."""
         devices = ",".join(sorted({str(w.device) for w in self.workers}))
-        text = f"{len(self.workers)} worker(s) on {devices}"
+        text = f"{len(self.workers)} worker(s) on {devices}" + (f" ({self.note})" if self.note else "")
         plan = self.plan
         if plan is None or not plan.pooled:
             why = f" ({plan.why_not_pooled})" if plan is not None and plan.why_not_pooled else ""
@@ -377,6 +376,26 @@ class WorkerPool:
                 out[key] = e.device_memory()  # the whole device: the same for every engine on it
             else:
                 out[key] = out.get(key, 0) + e.device_memory()
+        return out
+
+    def memory_by_pool(self) -> dict[tuple[str, str], int]:
+        """Bytes by (device, memory pool), for batchgate_device_memory_bytes: ``io_buffers`` the
+        workers' pooled input/output buffers on the device (CuPy pool on a GPU, numpy on the CPU),
+        ``pinned_host`` a GPU worker's pinned staging buffers, ``driver_used`` what the driver
+        reports used on the GPU (ORT arenas, CUDA contexts, other processes: the whole device)."""
+        out: dict[tuple[str, str], int] = {}
+        for w in self.workers:
+            e = w.engine
+            if e is None:
+                continue
+            dev = str(w.device)
+            host, device = e.buffer_bytes()
+            if w.device.kind == "gpu":
+                out[(dev, "io_buffers")] = out.get((dev, "io_buffers"), 0) + device
+                out[(dev, "pinned_host")] = out.get((dev, "pinned_host"), 0) + host
+                out[(dev, "driver_used")] = e.device_memory()
+            else:
+                out[(dev, "io_buffers")] = out.get((dev, "io_buffers"), 0) + host
         return out
 
     def buffer_memory(self) -> dict[str, dict[str, int]]:

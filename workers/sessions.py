@@ -101,6 +101,17 @@ def _use_shared_cpu_arena(so: ort.SessionOptions) -> None:
     so.add_session_config_entry("session.use_env_allocators", "1")
 
 
+# Graph fusions CPU sessions skip: ONNX Runtime's CPU SkipLayerNormalization (residual Add +
+# LayerNormalization fused, as in an INT8 variant's graph) runs slower than the two ops it
+# replaces at every width and thread count measured (docs/engines.md, "Optimisation: variants").
+CPU_DISABLED_FUSIONS = ("SkipLayerNormFusion",)
+
+
+def disabled_fusions(device_kind: str) -> list[str]:
+    """The graph fusions a session on ``device_kind`` ("cpu" or "gpu") is created without."""
+    return list(CPU_DISABLED_FUSIONS) if device_kind == "cpu" else []
+
+
 class SessionFactory:
     """Creates one worker's sessions; caches optimised graphs under ``cache_dir`` when given."""
 
@@ -149,7 +160,8 @@ class SessionFactory:
         if provider == "cuda":
             hw += f":gpu{self.device.id}:{_gpu_name(self.device.id)}"
         dims = ",".join(f"{k}={v}" for k, v in sorted((overrides or {}).items()))
-        ident = f"{self.fingerprint}|ort {ort.__version__}|{provider}|{hw}|{dims}|graphs={int(cuda_graphs)}"
+        skipped = ",".join(disabled_fusions(self.device.kind))
+        ident = f"{self.fingerprint}|ort {ort.__version__}|{provider}|{hw}|{dims}|graphs={int(cuda_graphs)}|no={skipped}"
         digest = hashlib.sha256(ident.encode()).hexdigest()[:20]
         model = self.model_path.parent.parent.name or "model"
         return self.cache_dir / f"{model}-{self.fingerprint[:12]}-{digest}.onnx"
@@ -171,10 +183,11 @@ class SessionFactory:
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
             try:
                 sess = ort.InferenceSession(str(cached), sess_options=so, providers=provs)
-                self.hits += 1
-                return sess
             except Exception as exc:  # a truncated or foreign file: rebuild it
                 log.warning("cached engine %s failed to load (%s); rebuilding it", cached, exc)
+            else:
+                self.hits += 1
+                return on_its_device(sess, self.device)
         so = self._options(overrides, shared_arena)
         level = ort.GraphOptimizationLevel
         so.graph_optimization_level = (
@@ -190,15 +203,25 @@ class SessionFactory:
             # so ORT's warning about that says nothing new.
             so.log_severity_level = 3
         try:
-            sess = ort.InferenceSession(str(self.model_path), sess_options=so, providers=provs)
+            sess = ort.InferenceSession(
+                str(self.model_path),
+                sess_options=so,
+                providers=provs,
+                disabled_optimizers=disabled_fusions(self.device.kind),
+            )
         except Exception:
             if tmp is None:
                 raise
             log.warning("saving the optimised model to %s failed; no cache for it", tmp, exc_info=True)
             _unlink(tmp)
             so = self._options(overrides, shared_arena)
-            sess = ort.InferenceSession(str(self.model_path), sess_options=so, providers=provs)
-            return sess
+            sess = ort.InferenceSession(
+                str(self.model_path),
+                sess_options=so,
+                providers=provs,
+                disabled_optimizers=disabled_fusions(self.device.kind),
+            )
+            return on_its_device(sess, self.device)
         self.misses += 1
         if tmp is not None:
             try:
@@ -206,7 +229,22 @@ class SessionFactory:
             except OSError as exc:
                 log.warning("could not store cached engine %s: %s", cached, exc)
                 _unlink(tmp)
-        return sess
+        return on_its_device(sess, self.device)
+
+
+def on_its_device(sess: ort.InferenceSession, device: Device) -> ort.InferenceSession:
+    """``sess``, or RuntimeError when a GPU worker's session ended up on the CPU provider: ORT does
+    that with only a warning when its CUDA provider is built in but cannot load (CUDA or cuDNN
+    libraries missing or of another version), and a GPU pod would then serve on its CPU unnoticed.
+    (With the CPU wheel there is no CUDA provider to lose; placement never puts a model on a GPU.)"""
+    if device.kind == "gpu" and "CUDAExecutionProvider" in ort.get_available_providers():
+        got = sess.get_providers()
+        if not got or got[0] != "CUDAExecutionProvider":
+            raise RuntimeError(
+                f"{device}: onnxruntime put the session on {got}, not the CUDA provider: it could not "
+                "load it (ONNX Runtime's log above says why; CUDA 13 and cuDNN 9 libraries are needed)"
+            )
+    return sess
 
 
 def _unlink(path: Path) -> None:

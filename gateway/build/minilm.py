@@ -33,7 +33,6 @@ import importlib.util
 import io
 import json
 import logging
-import math
 import os
 import subprocess
 import sys
@@ -45,16 +44,9 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
 
-from batchgate.gateway.build.onnx_graph import (
-    GraphBuilder,
-    attend,
-    finish_model,
-    gelu,
-    split_heads,
-    write_atomic,
-)
+from batchgate.gateway.build.encoder import EncoderConfig, Head, build_model
+from batchgate.gateway.build.onnx_graph import write_atomic
 
 Log = Callable[[str], object]
 
@@ -79,24 +71,10 @@ MAX_BATCH_TOKENS = 1024
 # Finer than powers of two: on CPU a batch costs what its padded tokens cost, so the rows that
 # share a batch should be close in length (the estimate that groups them is within ~6%).
 LENGTH_BUCKETS = (16, 24, 32, 48, 64, 96, 128, 192, 256)
-# Large enough that exp() of a masked score underflows to exactly 0 in float32.
-MASK_PENALTY = -1e9
-# sentence-transformers clamps the token count with 1e-9 and F.normalize the norm with 1e-12.
-POOL_EPSILON = 1e-9
-NORM_EPSILON = 1e-12
 
 
 @dataclass(frozen=True)
-class BertConfig:
-    hidden: int
-    layers: int
-    heads: int
-    intermediate: int
-    max_positions: int
-    type_vocab: int
-    ln_epsilon: float
-    max_seq_length: int  # what sentence-transformers truncates at
-
+class BertConfig(EncoderConfig):
     @classmethod
     def from_files(cls, config: dict, st_config: dict | None) -> BertConfig:
         if config.get("model_type") != "bert" or config.get("hidden_act", "gelu") != "gelu":
@@ -244,170 +222,20 @@ def load_source(source: Path | None = None, log: Log = print) -> Source:
 # the ONNX graph
 
 
-class _Graph(GraphBuilder):
-    """The shared builder; weights come transposed out of safetensors, so each is made
-    contiguous before it is stored (which also keeps the built file byte-identical)."""
-
-    def const(self, name: str, value: np.ndarray) -> str:
-        return super().const(name, np.ascontiguousarray(value))
-
-
-def _linear(g: GraphBuilder, name: str, x: str, weight: np.ndarray, bias: np.ndarray) -> str:
-    # torch Linear stores [out, in]; MatMul wants [in, out].
-    w = g.const(f"{name}.weight", weight.T.astype(np.float32))
-    b = g.const(f"{name}.bias", bias.astype(np.float32))
-    return g.op("Add", [g.op("MatMul", [x, w], f"{name}.matmul"), b], name)
-
-
-def _layer_norm(g: GraphBuilder, name: str, x: str, w: dict[str, np.ndarray], prefix: str, eps: float) -> str:
-    scale = g.const(f"{name}.scale", w[f"{prefix}.weight"])
-    bias = g.const(f"{name}.bias", w[f"{prefix}.bias"])
-    return g.op("LayerNormalization", [x, scale, bias], name, axis=-1, epsilon=eps)
-
-
-def _attention(
-    g: GraphBuilder, name: str, x: str, key_bias: str, w: dict[str, np.ndarray], p: str, cfg: BertConfig
-) -> str:
-    head_dim = cfg.hidden // cfg.heads
-    scale = 1.0 / math.sqrt(head_dim)
-    # One [hidden, 3*hidden] GEMM instead of three; the 1/sqrt(head_dim) score scale is folded
-    # into the query weights, which saves a Mul over every [heads, seq, seq] score tensor.
-    weight = np.concatenate([w[f"{p}.query.weight"] * scale, w[f"{p}.key.weight"], w[f"{p}.value.weight"]])
-    bias = np.concatenate([w[f"{p}.query.bias"] * scale, w[f"{p}.key.bias"], w[f"{p}.value.bias"]])
-    qkv = _linear(g, f"{name}.qkv", x, weight, bias)
-    q, k, v = g.ops("Split", [qkv, "qkv_split"], [f"{name}.q", f"{name}.k", f"{name}.v"], axis=-1)
-    q = split_heads(g, q, [0, 2, 1, 3], "t")
-    k = split_heads(g, k, [0, 2, 3, 1], "t")
-    v = split_heads(g, v, [0, 2, 1, 3], "t")
-    merged = attend(g, name, q, k, v, key_bias)  # the scale is in the query weights
-    return _linear(
-        g,
-        f"{name}.out",
-        merged,
-        w[f"{p[: -len('.self')]}.output.dense.weight"],
-        w[f"{p[: -len('.self')]}.output.dense.bias"],
-    )
-
-
-def _layer(g: GraphBuilder, i: int, x: str, key_bias: str, w: dict[str, np.ndarray], cfg: BertConfig) -> str:
-    # Post-LN, as BERT: LayerNorm(x + sublayer(x)).
-    p = f"encoder.layer.{i}"
-    name = f"layer{i}"
-    attn = _attention(g, f"{name}.attn", x, key_bias, w, f"{p}.attention.self", cfg)
-    x = _layer_norm(
-        g,
-        f"{name}.ln1",
-        g.op("Add", [x, attn], f"{name}.resid1"),
-        w,
-        f"{p}.attention.output.LayerNorm",
-        cfg.ln_epsilon,
-    )
-    hidden = _linear(
-        g, f"{name}.ffn1", x, w[f"{p}.intermediate.dense.weight"], w[f"{p}.intermediate.dense.bias"]
-    )
-    ffn = _linear(
-        g,
-        f"{name}.ffn2",
-        gelu(g, f"{name}.gelu", hidden, one="one_f", half="half_f", sqrt2="sqrt2"),
-        w[f"{p}.output.dense.weight"],
-        w[f"{p}.output.dense.bias"],
-    )
-    return _layer_norm(
-        g, f"{name}.ln2", g.op("Add", [x, ffn], f"{name}.resid2"), w, f"{p}.output.LayerNorm", cfg.ln_epsilon
-    )
-
-
 def build_onnx(weights: dict[str, np.ndarray], cfg: BertConfig) -> onnx.ModelProto:
-    """input_ids, attention_mask, token_type_ids (INT64 [batch, seq]) -> embedding (FP32 [batch, hidden])."""
-    g = _Graph()
-    head_dim = cfg.hidden // cfg.heads
-    g.const("one_f", np.array(1.0, np.float32))
-    g.const("half_f", np.array(0.5, np.float32))
-    g.const("sqrt2", np.array(math.sqrt(2), np.float32))
-    g.const("heads_shape", np.array([0, 0, cfg.heads, head_dim], np.int64))
-    g.const("merge_shape", np.array([0, 0, cfg.hidden], np.int64))
-    g.const("qkv_split", np.array([cfg.hidden] * 3, np.int64))
-
-    # Embeddings. seq is read from the input at run time, so one graph serves 1..max_positions;
-    # a longer input fails its Gather instead of silently wrapping.
-    words = g.op(
-        "Gather",
-        [g.const("word_embeddings", weights["embeddings.word_embeddings.weight"]), "input_ids"],
-        "word_states",
-        axis=0,
-    )
-    # positions = table[:seq], with seq taken from the input's shape. (Range + Gather says the
-    # same, but onnxruntime 1.32's extended optimiser rewrites that into a Slice that fails.)
-    seq = g.op("Shape", ["input_ids"], "seq_len", start=1, end=2)
-    positions = g.op(
-        "Slice",
-        [
-            g.const("position_embeddings", weights["embeddings.position_embeddings.weight"]),
-            g.const("zero_1d", np.array([0], np.int64)),
-            seq,
-            g.const("axis0_1d", np.array([0], np.int64)),
-        ],
-        "position_states",
-    )
-    types = g.op(
-        "Gather",
-        [
-            g.const("token_type_embeddings", weights["embeddings.token_type_embeddings.weight"]),
-            "token_type_ids",
-        ],
-        "type_states",
-        axis=0,
-    )
-    x = g.op("Add", [g.op("Add", [words, positions], "word_pos"), types], "embedded")
-    x = _layer_norm(g, "embeddings.ln", x, weights, "embeddings.LayerNorm", cfg.ln_epsilon)
-
-    # [batch, 1, 1, seq] additive key mask: 0 for real tokens, MASK_PENALTY for padding.
-    mask = g.op("Cast", ["attention_mask"], "mask_f", to=TensorProto.FLOAT)
-    penalty = g.op(
-        "Mul",
-        [
-            g.op("Sub", ["one_f", mask], "padding_f"),
-            g.const("mask_penalty", np.array(MASK_PENALTY, np.float32)),
-        ],
-        "key_penalty",
-    )
-    key_bias = g.op("Unsqueeze", [penalty, g.const("key_bias_axes", np.array([1, 2], np.int64))], "key_bias")
-
-    for i in range(cfg.layers):
-        x = _layer(g, i, x, key_bias, weights, cfg)
-
-    # sentence-transformers' mean pooling over real tokens, then L2 normalisation.
-    seq_axes = g.const("seq_axes", np.array([1], np.int64))
-    mask_3d = g.op("Unsqueeze", [mask, g.const("mask_axes", np.array([2], np.int64))], "mask_3d")
-    total = g.op(
-        "ReduceSum", [g.op("Mul", [x, mask_3d], "masked_states"), seq_axes], "pooled_sum", keepdims=0
-    )
-    count = g.op("ReduceSum", [mask, seq_axes], "token_count", keepdims=1)
-    count = g.op(
-        "Max", [count, g.const("pool_eps", np.array(POOL_EPSILON, np.float32))], "token_count_clamped"
-    )
-    pooled = g.op("Div", [total, count], "pooled")
-    # ReduceL2 still takes axes as an attribute at opset 17 (ReduceSum moved them to an input).
-    norm = g.op("ReduceL2", [pooled], "norm", axes=[1], keepdims=1)
-    norm = g.op("Max", [norm, g.const("norm_eps", np.array(NORM_EPSILON, np.float32))], "norm_clamped")
-    g.op("Div", [pooled, norm], "embedding")
-
-    ids = ["batch", "seq"]
-    inputs = [
-        helper.make_tensor_value_info(n, TensorProto.INT64, ids)
-        for n in ("input_ids", "attention_mask", "token_type_ids")
-    ]
-    outputs = [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", cfg.hidden])]
-    return finish_model(g, MODEL_NAME, inputs, outputs, producer=PRODUCER)
+    """input_ids, attention_mask, token_type_ids (INT64 [batch, seq]) -> embedding (FP32 [batch, hidden]):
+    the encoder, sentence-transformers' mean pooling over real tokens, L2 normalisation."""
+    return build_model(weights, cfg, Head(pooling="mean", normalize=True), name=MODEL_NAME, producer=PRODUCER)
 
 
 # --------------------------------------------------------------------------------------------
 # config.pbtxt
 
 
-def render_config(cfg: BertConfig, max_tokens: int) -> str:
+def text_parameters(max_tokens: int) -> dict[str, str]:
+    """The text stage's parameters (gateway/text.py) at this build's CPU defaults."""
     buckets = [b for b in LENGTH_BUCKETS if b < max_tokens] + [max_tokens]
-    params = {
+    return {
         # The preprocessing stage: strings in, the ONNX model's token inputs out (gateway/preprocess.py).
         "tokenizer": "tokenizer.json",
         "max_tokens": str(max_tokens),
@@ -420,11 +248,20 @@ def render_config(cfg: BertConfig, max_tokens: int) -> str:
         # this line to get the static bucket engines (and CUDA graphs).
         "seq_buckets": "none",
     }
+
+
+def render_text_config(
+    name: str, generated_by: str, output: str, dims: int, params: dict[str, str], notes: Sequence[str] = ()
+) -> str:
+    """A text model's config.pbtxt: one TYPE_STRING input ``text``, one FP32 output and the
+    text stage's ``params`` (values already escaped for text format); ``notes`` are comment
+    lines under the first."""
     return (
         "\n".join(
             [
-                "# Generated by gateway/build/minilm.py (batchgate prepare-minilm); rerun it instead of editing.",
-                f'name: "{MODEL_NAME}"',
+                f"# Generated by {generated_by}; rerun it instead of editing.",
+                *(f"# {n}" for n in notes),
+                f'name: "{name}"',
                 'platform: "onnxruntime_onnx"',
                 f"max_batch_size: {MAX_BATCH_SIZE}",
                 "input [",
@@ -436,9 +273,9 @@ def render_config(cfg: BertConfig, max_tokens: int) -> str:
                 "]",
                 "output [",
                 "  {",
-                '    name: "embedding"',
+                f'    name: "{output}"',
                 "    data_type: TYPE_FP32",
-                f"    dims: [ {cfg.hidden} ]",
+                f"    dims: [ {dims} ]",
                 "  }",
                 "]",
                 "dynamic_batching {",
@@ -462,6 +299,16 @@ def render_config(cfg: BertConfig, max_tokens: int) -> str:
             ]
         )
         + "\n"
+    )
+
+
+def render_config(cfg: BertConfig, max_tokens: int) -> str:
+    return render_text_config(
+        MODEL_NAME,
+        "gateway/build/minilm.py (batchgate prepare-minilm)",
+        "embedding",
+        cfg.hidden,
+        text_parameters(max_tokens),
     )
 
 

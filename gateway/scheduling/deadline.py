@@ -83,10 +83,13 @@ class DeadlineQueue:
         # pool, out of deadline order.
         self.row_limit = row_limit
         self.learn_limit = learn_limit  # hold batches to the size the latency model says pays
-        # Off only to measure what shedding costs (bench/text_batches.py: false refusals):
+        # Off only to check the estimate (bench/text_batches.py: false refusals): ``refuse`` still
+        # answers, the scheduler queues the call anyway and counts whether it made its deadline;
         # hopeless requests still expire before compute.
         self.shed = shed
         self._probe_at = -math.inf  # when an idle queue last admitted a call its estimate refused
+        self.prediction: float | None = None  # the last ``refuse`` that computed one (seconds)
+        self._ratio = (0, 1.0, 0.0)  # actual / predicted time of admitted calls: (n, mean, mean |dev|)
         self._lanes: dict[Hashable, dict[str, _Lane]] = {}
         self._seq = itertools.count()
         self.size = 0
@@ -130,8 +133,15 @@ class DeadlineQueue:
         return r.deadline - self._fixed_margin(r.deadline - r.arrival)
 
     def lag_margin(self) -> float:
-        """The loop's lag, paid on the way in and again on the way out."""
+        """The loop's lag, paid on the way in and again on the way out: its high quantile, for
+        planning (what a batch may take on, how long it may be held)."""
         return 2.0 * self.lag.s
+
+    def lag_expected(self) -> float:
+        """The loop's lag in and out as expected (its mean), for refusing: a call is refused or
+        dropped only when it would likely miss, not when a pessimistic bound says it might (a
+        25 ms realtime call dropped at once with 24.9 ms left, on a loaded CI machine)."""
+        return 2.0 * self.lag.mean
 
     # -- admission ----------------------------------------------------------------------------
 
@@ -182,28 +192,27 @@ class DeadlineQueue:
     def refuse(self, reqs: list[Request], now: float, running_s: float, slots: int) -> Refusal | None:
         """A call whose deadline is out of reach: the compute queued ahead of it (bucket by bucket,
         the rows as they will run), what the running batches still have to do, then its own
-        requests' compute, all from the learned latency model, would end past its due time."""
+        requests' compute, all from the learned latency model and scaled by how such predictions
+        have lately compared with what happened (``calibrate``), would end past its due time even
+        at the low end of that comparison. A refusal is a call nobody gets an answer to, so it is
+        made only where the call would almost surely miss; one that is admitted and then falls
+        behind is still dropped before compute (``take_expired``)."""
+        self.prediction = None
         first = reqs[0]
-        if (
-            not self.shed
-            or first.cls is None
-            or first.deadline == math.inf
-            or not self.latency.confident_model()
-        ):
+        if first.cls is None or first.deadline == math.inf or not self.latency.confident_model():
             return None  # no estimate worth refusing work on yet: admit, the queue still expires it
-        # Its requests run one after another on one slot at worst: their expected times add up,
-        # plus the largest of their deviations (a sum of high quantiles would be far above the
-        # high quantile of the sum). A bucket that has not run enough yet counts no compute of
-        # its own (never over-refuse).
+        # Its requests run one after another on one slot at worst: their expected times add up.
+        # A request of a bucket with work queued joins one of its batches and adds its rows' share
+        # only (a 32-text call's six parts charged six batches of their own came out at twice its
+        # real time). A bucket that has not run enough yet counts no compute of its own (never
+        # over-refuse).
         latency = self.latency
-        mean_own = spread = 0.0
+        own = spread = 0.0
         for r in reqs:
             if latency.confident(r.key):
-                mean = latency.estimate(r.key, r.rows)
-                mean_own += mean
-                spread = max(spread, latency.estimate_hi(r.key, r.rows) - mean)
-        own = mean_own + spread
-        left = self.due(first) - now - self.lag_margin()
+                own += self._own_s(r)
+                spread = max(spread, latency.estimate_hi(r.key, r.rows) - latency.estimate(r.key, r.rows))
+        left = self.due(first) - now - self.lag_expected()
         per_slot = max(slots, 1)
         # Most calls are far from their deadline: a bound on the work ahead that costs a lookup
         # per bucket (every queued request a batch of its own) admits them without the exact
@@ -211,19 +220,58 @@ class DeadlineQueue:
         if (self._work_bound_s() + running_s) / per_slot + own <= left:
             return None
         wait = (self.work_ahead_s(first) + running_s) / per_slot
-        if wait + own <= left:
+        self.prediction = wait + own  # checked against the call's real time (``calibrate``)
+        if self.prediction * self._ratio_low() - spread <= left:
             return None
         if wait <= 0.0:
             # Nothing ahead and a slot free: only the estimate of its own compute is against it.
-            # Refused when even the expected time is over its budget, but one such call a second
-            # is let through: refusing on the model alone could refuse for ever, since nothing
-            # would run to correct an estimate that has become too high.
-            if mean_own <= left:
-                return None
+            # One such call a second is let through: refusing on the model alone could refuse for
+            # ever, since nothing would run to correct an estimate that has become too high.
             if now - self._probe_at >= 1.0:
                 self._probe_at = now
                 return None
         return Refusal(wait, own, max(wait, 0.001))
+
+    # Admission predictions checked against the calls' real times: enough samples before the
+    # ratio moves the decision, and the low end used (mean less twice the mean deviation).
+    CALIBRATE_AFTER = 8
+    CALIBRATE_ALPHA = 0.1
+    RATIO_FLOOR = 0.5
+
+    def calibrate(self, predicted_s: float, actual_s: float) -> None:
+        """A call admitted with ``prediction`` = ``predicted_s`` (work ahead plus its own) took
+        ``actual_s`` from admission to its answer."""
+        if predicted_s <= 0.0:
+            return
+        ratio = actual_s / predicted_s
+        n, mean, dev = self._ratio
+        if n == 0:
+            self._ratio = (1, ratio, 0.0)
+            return
+        err = ratio - mean
+        a = self.CALIBRATE_ALPHA
+        self._ratio = (n + 1, mean + a * err, dev + a * (abs(err) - dev))
+
+    def _ratio_low(self) -> float:
+        """The low end of real over predicted time lately. Before CALIBRATE_AFTER samples, the
+        floor: a call is refused on an unchecked prediction only when half of it already misses
+        (a backlog many budgets long), never at the edge of capacity."""
+        n, mean, dev = self._ratio
+        if n < self.CALIBRATE_AFTER:
+            return self.RATIO_FLOOR
+        return max(self.RATIO_FLOOR, mean - 2.0 * dev)
+
+    def ratio(self) -> tuple[int, float, float]:
+        return self._ratio
+
+    def _own_s(self, r: Request) -> float:
+        """The compute ``r`` adds: its rows' share when its bucket has work queued that it can
+        join, else a batch of its own."""
+        a, b = self.latency.per_row(r.key)
+        lanes = self._lanes.get(r.key)
+        if lanes and any(lane.rows for lane in lanes.values()):
+            return b * r.rows
+        return a + b * r.rows
 
     def drain_s(self, req: Request, slots: int) -> float | None:
         if req.cls is None or not self.latency.confident_model():
@@ -252,7 +300,7 @@ class DeadlineQueue:
     def wake_at(self, reqs: list[Request]) -> float | None:
         """When the batcher must first look at these just-pushed requests if no slot frees before:
         the moment one of them becomes hopeless by ``take_expired``'s test, or its queue timeout."""
-        lag = self.lag_margin()
+        lag = self.lag_expected()
         at = math.inf
         for r in reqs:
             est = self.latency.estimate_hi(r.key, r.rows) if self.latency.confident(r.key) else 0.0
@@ -299,7 +347,7 @@ class DeadlineQueue:
         requests past their queue timeout are moved behind everything instead), and when the
         most urgent one left becomes hopeless, by the same test, so that wake-up is never early."""
         out: list[Request] = []
-        lag = self.lag_margin()
+        lag = self.lag_expected()
         wake = math.inf
         for key, lanes in self._lanes.items():
             confident = self.latency.confident(key)  # no estimate until the bucket is known

@@ -38,6 +38,8 @@ class FifoQueue:
         self.max_delay_s = max_delay_s
         self.max_queue_size = max_queue_size
         self._groups: dict[Hashable, _Group] = {}
+        self.shed = True  # (never refuses at admission: nothing to check)
+        self.prediction = None
         self.size = 0  # requests queued (including ones whose caller left, until popped)
         self.dropped = 0  # callers that left before their request was batched
 
@@ -46,6 +48,12 @@ class FifoQueue:
 
     def refuse(self, reqs: list[Request], now: float, running_s: float, slots: int) -> Refusal | None:
         return None  # Triton's batcher never sheds: requests wait their turn
+
+    def calibrate(self, predicted_s: float, actual_s: float) -> None:
+        pass  # no predictions made
+
+    def ratio(self) -> None:
+        return None
 
     def push(self, reqs: list[Request]) -> bool:
         """Queue all of ``reqs``; False when max_queue_size would be passed (nothing queued)."""

@@ -30,11 +30,23 @@ class Refusal:
 class Queue(Protocol):
     size: int  # requests queued (a cancelled one counts until the queue drops it)
     dropped: int  # requests whose caller left before they were batched
+    shed: bool  # False: a call ``refuse`` would refuse is queued anyway and the estimate checked
+    prediction: float | None  # seconds to the answer that the last ``refuse`` predicted, if any
 
     def refuse(self, reqs: list[Request], now: float, running_s: float, slots: int) -> Refusal | None:
         """Called once per call, before ``push``: a Refusal when the call's deadline is out of
         reach given the work ahead of it (``running_s``: what running batches still have to do),
-        else None. A policy that never sheds returns None."""
+        else None. A policy that never sheds returns None. With ``shed`` off it still answers:
+        the scheduler then queues the call and counts whether it made its deadline (the shadow
+        check of the estimate)."""
+
+    def calibrate(self, predicted_s: float, actual_s: float) -> None:
+        """Called when a call admitted with a ``prediction`` is answered: how long it really
+        took from admission, so later admission tests can scale their predictions."""
+
+    def ratio(self) -> tuple[int, float, float] | None:
+        """For metrics: (samples, mean, mean deviation) of real over predicted time of the calls
+        ``calibrate`` saw; None for a policy that predicts nothing."""
 
     def push(self, reqs: list[Request]) -> bool:
         """Called once per admitted call with all its requests: queue all of them, or none and

@@ -219,9 +219,8 @@ class LoopLag:
 
     Its timer is the process's heartbeat: ``listeners`` (the overload gate's look) run on it with
     the loop's time, so the loop keeps no second timer (every wake-up of the loop preempts a
-    model thread on a shared core; docs/overload.md). The interval and alpha stay 5 ms and 0.05:
-    sampled at 10 ms with alpha 0.1 (the same memory), one stall weighed twice as much, and a
-    realtime call (25 ms) was dropped as hopeless with 24.8 ms left in one CI run."""
+    model thread on a shared core; docs/overload.md). Refusals use ``mean`` (the expected lag),
+    planning uses ``s``; why the interval and alpha are 5 ms and 0.05: docs/scheduling.md."""
 
     def __init__(self, interval_s: float = 0.005, alpha: float = 0.05) -> None:
         self.interval_s = interval_s

@@ -177,6 +177,7 @@ class Request:
 
     __slots__ = (
         "inputs", "rows", "key", "arrival", "future", "deadline", "cls", "level", "queue_deadline", "delay", "call",
+        "trace",
     )  # fmt: skip
 
     def __init__(
@@ -202,6 +203,7 @@ class Request:
         self.level = level
         self.queue_deadline = queue_deadline
         self.delay = delay
+        self.trace = None  # the call's span context while tracing is on (gateway/tracing.py)
         # The call's requests when it has several (None when it is the whole call): one that
         # fails drops the others before compute, nobody would read their rows.
         self.call: list[Request] | None = None

@@ -33,6 +33,7 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 
 import numpy as np
+from batchgate.gateway import tracing
 from batchgate.gateway.errors import GatewayError, Kind, unavailable
 from batchgate.gateway.scheduling.interface import Queue
 from batchgate.gateway.scheduling.latency import LatencyModel
@@ -61,6 +62,7 @@ class Scheduler:
     ) -> None:
         self.name = name
         self.queue = queue
+        self._spans: dict[int, tuple] = {}  # batch -> its spans, while tracing is on
         self.latency = latency or getattr(queue, "latency", None) or LatencyModel()
         self._running: dict[int, tuple[float, float]] = {}  # batch id -> (start, estimated seconds)
         self.execute = execute
@@ -118,6 +120,7 @@ class Scheduler:
             busy_slots=self._slots - self._free,
             slots=self._slots,
             latency=self.latency.snapshot(),
+            estimate_ratio=self.queue.ratio(),
         )
 
     # -- request side ---------------------------------------------------------------------------
@@ -138,15 +141,25 @@ class Scheduler:
                 inputs, rows, key, now, future, budget.deadline, budget.cls, budget.level,
                 budget.queue_deadline, budget.delay,
             )  # fmt: skip
-        self._admit([req], req, now)
+        if tracing.TRACER is not None:
+            req.trace = tracing.current()
+        predicted_miss = self._admit([req], req, now)
+        prediction = self.queue.prediction  # set by the admission test of this call, if it made one
         try:
             # If our caller is cancelled, awaiting cancels the future too; the batcher then
             # skips the request when it forms the next batch (counted as dropped).
-            return await future
+            out = await future
+        except (GatewayError, asyncio.CancelledError) as exc:
+            if prediction is not None:
+                self._judge(req, now, prediction, predicted_miss, exc)
+            raise
         finally:
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
+        if prediction is not None:
+            self._judge(req, now, prediction, predicted_miss)
+        return out
 
     async def submit(self, parts: list[Part], budget: Budget | None = None) -> list[dict[str, np.ndarray]]:
         """Admit one call of one or more parts (rows of one bucket each), queue them, and return
@@ -175,26 +188,43 @@ class Scheduler:
                 for inputs, rows, key in parts
             ]
         first = reqs[0]
-        self._admit(reqs, first, now)
+        if tracing.TRACER is not None:
+            trace = tracing.current()
+            for r in reqs:
+                r.trace = trace
+        predicted_miss = self._admit(reqs, first, now)
+        prediction = self.queue.prediction  # set by the admission test of this call, if it made one
         try:
             if len(reqs) == 1:
                 # If our caller is cancelled, awaiting cancels req.future too; the batcher then
                 # skips the request when it forms the next batch (counted as dropped).
-                return [await first.future]
-            for r in reqs:
-                r.call = reqs
-            return await self._gather(reqs, loop)
+                out = [await first.future]
+            else:
+                for r in reqs:
+                    r.call = reqs
+                out = await self._gather(reqs, loop)
+            if prediction is not None:
+                self._judge(first, now, prediction, predicted_miss)
+            return out
+        except (GatewayError, asyncio.CancelledError) as exc:
+            if prediction is not None:
+                self._judge(first, now, prediction, predicted_miss, exc)
+            raise
         finally:
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
 
-    def _admit(self, reqs: list[Request], first: Request, now: float) -> None:
-        """Refuse the call (shed, queue full) or queue all its requests and count it in flight."""
+    def _admit(self, reqs: list[Request], first: Request, now: float) -> bool:
+        """Refuse the call (shed, queue full) or queue all its requests and count it in flight.
+        True: the estimate would have refused it, but shedding is off (the shadow check)."""
+        predicted_miss = False
         if first.cls is not None:
             refusal = self.queue.refuse(reqs, now, self._running_s(now), self._slots)
             if refusal is not None:
-                raise self._shed(first, refusal, now)
+                if self.queue.shed:
+                    raise self._shed(first, refusal, now)
+                predicted_miss = True
         if not self.queue.push(reqs):
             self.stats.rejected_full += 1
             if first.cls is not None:
@@ -208,12 +238,42 @@ class Scheduler:
             self._idle.clear()
         if self._free or self._wake_at is None:
             self._wake()
-            return
+            return predicted_miss
         # Every slot is busy: a freed slot wakes the batcher anyway; it needs waking now only if
         # one of these requests may expire before the wake-up it already has.
         at = self._wake_at(reqs)
         if at is not None and (self._wait_at is None or at < self._wait_at):
             self._wake()
+        return predicted_miss
+
+    def _judge(
+        self, first: Request, admitted_at: float, prediction: float, predicted_miss: bool,
+        exc: BaseException | None = None,
+    ) -> None:  # fmt: skip
+        """A call admitted with a prediction has ended (``exc``: how it failed): its real time
+        calibrates the queue's estimate, and with shedding off the shadow check counts whether a
+        call the estimate would have refused made its deadline. One that expired, or whose caller
+        gave up (its deadline, usually), took at least until its deadline: a censored sample, but
+        without it a spike whose admitted calls all expire would never calibrate."""
+        if exc is None:
+            end = self.clock()
+            made_it = end <= first.deadline
+        elif isinstance(exc, asyncio.CancelledError) or exc.kind is Kind.DEADLINE:
+            end = max(self.clock(), first.deadline)
+            made_it = False
+        else:
+            return  # a failure that says nothing of time
+        self.queue.calibrate(prediction, end - admitted_at)
+        if predicted_miss:
+            self._shadow(first, made_it)
+
+    def _shadow(self, first: Request, made_it: bool) -> None:
+        """A call the estimate would have refused, queued anyway (shedding off): did it make its
+        deadline? ``would_have_made_it`` counts the refusals that shedding would have got wrong."""
+        by = self.stats.shadow.get(first.class_name)
+        if by is None:
+            by = self.stats.shadow[first.class_name] = {"would_have_made_it": 0, "missed": 0}
+        by["would_have_made_it" if made_it else "missed"] += 1
 
     async def _gather(
         self, reqs: list[Request], loop: asyncio.AbstractEventLoop
@@ -347,7 +407,13 @@ class Scheduler:
             why = "its queue timeout (Triton 'timeout' / default_timeout_microseconds) passed"
         else:
             est_ms = self.latency.estimate_hi(r.key, r.rows) * 1e3
-            why = f"{left_ms:.1f} ms were left, less than the estimated {est_ms:.1f} ms compute"
+            lag = getattr(self.queue, "lag_expected", None)  # only the deadline queue expires early
+            lag_ms = lag() * 1e3 if lag else 0.0
+            margin_ms = (r.deadline - self.queue.due(r)) * 1e3 if hasattr(self.queue, "due") else 0.0
+            why = (
+                f"{left_ms:.1f} ms were left, less than the estimated {est_ms:.1f} ms compute, "
+                f"{lag_ms:.1f} ms of event-loop lag and the {margin_ms:.1f} ms margin"
+            )
         self._fail(
             r,
             GatewayError(
@@ -377,6 +443,9 @@ class Scheduler:
         rows = [r.rows for r in batch]
         est = self.latency.estimate_hi(batch[0].key, sum(rows))
         self._running[id(batch)] = (start, est)
+        if tracing.TRACER is not None:
+            tracing.queue_spans(batch, start)
+            self._spans[id(batch)] = tracing.batch_span(batch, start, self.name)
         try:
             fut = self.execute([r.inputs for r in batch], rows, self.batched)
         except BaseException as exc:
@@ -411,6 +480,10 @@ class Scheduler:
         """``retry``: the batch is a half of a failed one (its queue time was counted then)."""
         self._free += 1
         self._running.pop(id(batch), None)
+        if self._spans:
+            spans = self._spans.pop(id(batch), None)
+            if spans is not None:
+                tracing.end_batch(spans, exc)
         self._wake()
         now = self.clock()
         st = self.stats

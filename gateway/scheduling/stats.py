@@ -44,6 +44,9 @@ class Stats:
     by_batch_size: dict[int, BatchStats] = field(default_factory=dict)
     # latency class -> outcome -> count (success, shed, expired, rejected, failed)
     by_class: dict[str, dict[str, int]] = field(default_factory=dict)
+    # shedding off (shed_at_admission: false): latency class -> calls the estimate would have
+    # refused -> whether each made its deadline (would_have_made_it) or not (missed)
+    shadow: dict[str, dict[str, int]] = field(default_factory=dict)
     # Called once per executed batch as observer(batch, start, rows, timing): the metrics'
     # histograms (gateway/metrics.py BatchObserver); None costs one test per batch.
     observer: Callable | None = None
@@ -66,3 +69,6 @@ class SchedulerSnapshot:
     busy_slots: int  # worker slots running a batch
     slots: int
     latency: dict[str, dict]  # LatencyModel.snapshot(): bucket -> fit
+    # admission predictions against the calls' real times: (samples, mean ratio, mean |deviation|);
+    # None for a policy that predicts nothing
+    estimate_ratio: tuple[int, float, float] | None = None

@@ -20,7 +20,9 @@ import grpc
 
 from batchgate.gateway.admission import Account
 from batchgate.gateway.errors import GatewayError, Kind, clip
-from batchgate.gateway.infer import GATED, Pipeline
+from batchgate.gateway import tracing
+from batchgate.gateway.admission.door import ASKED
+from batchgate.gateway.infer import Pipeline
 from batchgate.gateway.logs import REQUEST_ID, REQUEST_ID_KEY, clean_request_id
 from batchgate.gateway.metrics import Metrics
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
@@ -87,7 +89,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if not method.startswith(_PREFIX) or method in OPEN_METHODS:
             return await continuation(details)
         try:
-            caller = self.pipeline.identify(details.invocation_metadata)
+            caller = self.pipeline.door.identify(details.invocation_metadata)
         except GatewayError as exc:
             edge = self._edges.get(method)
             if edge is not None:
@@ -104,39 +106,6 @@ def _refusal(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     return grpc.stream_stream_rpc_method_handler(refuse)
 
 
-class StreamSlots:
-    """Open ModelStreamInfer calls per tenant and per client connection (gRPC's peer string names
-    the connection), each capped; a slot is taken when a stream opens and given back when it ends."""
-
-    def __init__(self, per_tenant: int, per_connection: int) -> None:
-        self.per_tenant = per_tenant
-        self.per_connection = per_connection
-        self.tenants: dict[str, int] = {}
-        self.connections: dict[str, int] = {}
-
-    def take(self, tenant: str, peer: str) -> None:
-        if self.tenants.get(tenant, 0) >= self.per_tenant:
-            who = f"tenant '{tenant}'" if tenant else "this server"
-            raise GatewayError(
-                Kind.EXHAUSTED, f"{who} has {self.per_tenant} streams open (max_streams_per_tenant)"
-            )
-        if self.connections.get(peer, 0) >= self.per_connection:
-            raise GatewayError(
-                Kind.EXHAUSTED,
-                f"this connection has {self.per_connection} streams open (max_streams_per_connection)",
-            )
-        self.tenants[tenant] = self.tenants.get(tenant, 0) + 1
-        self.connections[peer] = self.connections.get(peer, 0) + 1
-
-    def give(self, tenant: str, peer: str) -> None:
-        for d, k in ((self.tenants, tenant), (self.connections, peer)):
-            n = d.get(k, 0) - 1
-            if n > 0:
-                d[k] = n
-            else:
-                d.pop(k, None)  # nothing kept for a connection or tenant with no stream
-
-
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, pipeline: Pipeline, metrics: Metrics) -> None:
         self.pipeline = pipeline
@@ -144,7 +113,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.metrics = metrics
         s = pipeline.settings
         self.window = s.stream_window
-        self.streams = StreamSlots(s.max_streams_per_tenant, s.max_streams_per_connection)
+        self.door = pipeline.door
+        self.streams = pipeline.door.streams
         self._unary_edge = metrics.transport("grpc")
         self._stream_edge = metrics.transport("grpc_stream")
         self._readers: set[asyncio.Task] = set()  # each open stream's reader, stopped by a drain
@@ -160,7 +130,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         caller = CALLER.get()
         # The interceptor has identified every keyed call; this is the fallback for a servicer
         # mounted without it (tests), and it refuses the same way.
-        return caller if caller is not None else self.pipeline.identify(context.invocation_metadata())
+        return caller if caller is not None else self.door.identify(context.invocation_metadata())
 
     async def _abort(self, context, exc: GatewayError, rid: str = "") -> None:
         trailing = getattr(exc, "trailing_metadata", ())
@@ -225,9 +195,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         rid = _request_id(context)
         try:
-            return await self.pipeline.infer(
-                request, self._caller(context), self._unary_edge, context.time_remaining()
-            )
+            try:
+                md = context.invocation_metadata() if tracing.TRACER is not None else ()  # traceparent
+                pass_ = self.door.enter(md, context.time_remaining(), self._caller(context))
+            except GatewayError as exc:
+                self._unary_edge.failed(request.model_name, request.model_version, exc)
+                raise
+            return await self.pipeline.infer(request, pass_, self._unary_edge)
         except GatewayError as exc:
             await self._abort(context, exc, rid)
         except Exception as exc:  # a bug, not the client's fault: say so, keep serving
@@ -242,7 +216,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         At most ``stream_window`` requests are in flight: the next message is read only when one of
         them has been written back, so a client that never reads its answers stops being read."""
-        GATED.set(False)  # the door took the stream; each of its messages asks the gate itself
+        ASKED.set(False)  # a call taker took the stream; each of its messages asks the gate itself
         try:
             caller = self._caller(context)
             tenant = caller.tenant.name if caller is not None else ""
@@ -259,6 +233,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         _request_id(context)  # one id for the stream; the messages' own ids travel in `id`
         edge = self._stream_edge
         pipeline = self.pipeline
+        door = self.door
         plane = self.plane
         loop = asyncio.get_running_loop()
         window = self.window
@@ -310,7 +285,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                         client_done = True
                         break
                     unwritten += 1
-                    t = loop.create_task(pipeline.infer(request, caller, edge))
+                    try:
+                        pass_ = door.enter((), None, caller)  # each message is a call at the door
+                    except GatewayError as exc:
+                        edge.failed(request.model_name, request.model_version, exc)
+                        push(self._stream_error(request, exc.message))
+                        continue
+                    t = loop.create_task(pipeline.infer(request, pass_, edge))
                     tasks.add(t)
                     t.add_done_callback(partial(finished, request))
             except asyncio.CancelledError:

@@ -11,7 +11,7 @@ gRPC status codes. Only the translation lives here: JSON <-> protobuf, and the e
 Cheap refusals first: the API key is checked from the headers before the body is read; a body
 larger than the limit is refused from its Content-Length; a body that takes longer than
 ``http_body_timeout_s`` to arrive gets 408; connections are capped and a connection that does not
-send a whole request head in ``http_header_timeout_s`` is closed (``_Site``).
+send a whole request head in ``http_header_timeout_s`` is closed (``Listener``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import numpy as np
 from aiohttp import web
 
 from batchgate.gateway import codec as codec_module
+from batchgate.gateway import tracing
 from batchgate.gateway import dtypes
 from batchgate.gateway.codec import deserialize_bytes, serialize_bytes
 from batchgate.gateway.errors import GatewayError, Kind, clip, invalid, retry_headers
@@ -339,6 +340,78 @@ def _json_data(t, data: bytes | None, shape: list[int]) -> list:
     return np.frombuffer(data, dtype=dtype).tolist()
 
 
+class BodyRefused(Exception):
+    """A request body not taken: larger than the limit (413) or slower than the body deadline
+    (408). The connection closes with the answer: what is left of the body is never parsed."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+async def read_body(req: web.Request, max_body: int, timeout_s: float) -> bytes:
+    """The one reader of every REST route's body: refused by its declared length when too large,
+    cut off at ``max_body`` when undeclared (chunked), and within the body deadline (a client
+    trickling its body holds a connection, not the server)."""
+    n = req.content_length
+    if n is not None and n > max_body:
+        raise BodyRefused(
+            413, f"the request body is {n} bytes; at most {max_body} are accepted (max_http_body_bytes)"
+        )
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await req.read()
+    except TimeoutError:
+        raise BodyRefused(
+            408, f"the request body did not arrive within {timeout_s:g} s (http_body_timeout_s)"
+        ) from None
+    except web.HTTPRequestEntityTooLarge:
+        raise BodyRefused(
+            413, f"the request body is larger than {max_body} bytes (max_http_body_bytes)"
+        ) from None
+
+
+BODY_REFUSED = "batchgate.body_refused"  # a response mark: the connection ends with it (``_close_refused``)
+
+
+def body_error(exc: BodyRefused, doc: dict, headers: dict | None = None) -> web.Response:
+    """``doc`` (the route's own error shape) as the answer to a refused body, closing the connection."""
+    return closing(web.json_response(doc, status=exc.status, headers=headers))
+
+
+def closing(resp: web.StreamResponse) -> web.StreamResponse:
+    """Mark ``resp`` as the last answer on its connection, with nothing more of the body read."""
+    resp.force_close()
+    resp[BODY_REFUSED] = True
+    return resp
+
+
+@web.middleware
+async def _close_refused(request: web.Request, handler):
+    """After the answer to a refused body, the connection closes at once: aiohttp would otherwise
+    keep reading and discarding the rest of the body for its lingering time (10 s), on which a
+    trickling client holds the connection."""
+    resp = await handler(request)
+    if resp.get(BODY_REFUSED):
+        await resp.prepare(request)
+        await resp.write_eof()
+        if request.transport is not None:
+            request.transport.close()  # after the answer: asyncio flushes what is written first
+    return resp
+
+
+def _metadata(req: web.Request) -> list[tuple[str, str]]:
+    """The headers the door reads, as gRPC-style metadata (lower-case keys; aiohttp's headers are
+    case-insensitive)."""
+    h = req.headers
+    keys = ("x-api-key", "authorization", *tracing.HEADERS) if tracing.TRACER is not None else _KEY_HEADERS
+    return [(k, h[k]) for k in keys if k in h]
+
+
+_KEY_HEADERS = ("x-api-key", "authorization")
+
+
 class HttpFrontend:
     """Routes and handlers; every handler stays thin: translate, call the pipeline, translate."""
 
@@ -370,7 +443,9 @@ class HttpFrontend:
                 resp.force_close()
             return resp
 
-        app = web.Application(client_max_size=self.max_body, middlewares=[close_when_draining, _json_errors])
+        app = web.Application(
+            client_max_size=self.max_body, middlewares=[_close_refused, close_when_draining, _json_errors]
+        )
         r = app.router
         r.add_get("/v2/health/live", self.live)
         r.add_get("/v2/health/ready", self.ready)
@@ -386,9 +461,12 @@ class HttpFrontend:
             r.add_get(base + "/config", self.model_config)
             r.add_get(base + "/stats", self.statistics)
             r.add_post(base + "/infer", self.infer)
-        from batchgate.gateway.embeddings_api import add_routes  # OpenAI /v1/embeddings, TEI /embed
+        from batchgate.gateway.transport.embeddings import add_routes  # OpenAI /v1/embeddings, TEI /embed
 
-        add_routes(app, self.server)
+        add_routes(app, self.server, self.max_body, self.body_timeout_s)
+        from batchgate.gateway.transport import openapi  # GET /openapi.json, GET /docs
+
+        openapi.add_routes(app)
         return app
 
     # -- the cheap checks, before any body ------------------------------------------------------
@@ -398,25 +476,10 @@ class HttpFrontend:
         gRPC's lower-case keys). UNAUTHENTICATED before a byte of the body is read."""
         if self.pipeline.open:
             return None
-        h = req.headers
-        metadata = [(k, h[k]) for k in ("x-api-key", "authorization") if k in h]
-        return self.pipeline.identify(metadata)
+        return self.pipeline.identify(_metadata(req))
 
     async def _body(self, req: web.Request) -> bytes:
-        """The whole body, refused by its declared length when too large, and within the body
-        deadline (a client trickling its body holds a connection, not the server)."""
-        n = req.content_length
-        if n is not None and n > self.max_body:
-            raise web.HTTPRequestEntityTooLarge(max_size=self.max_body, actual_size=n)
-        try:
-            async with asyncio.timeout(self.body_timeout_s):
-                return await req.read()
-        except TimeoutError:
-            raise web.HTTPRequestTimeout(
-                text=json.dumps({"error": f"the request body did not arrive within {self.body_timeout_s:g} s "
-                                          "(http_body_timeout_s)"}),
-                content_type=JSON_TYPE, headers={"Connection": "close"},
-            ) from None  # fmt: skip
+        return await read_body(req, self.max_body, self.body_timeout_s)
 
     async def _json_body(self, req: web.Request) -> dict:
         if not req.can_read_body:
@@ -486,7 +549,11 @@ class HttpFrontend:
     async def repository_index(self, req: web.Request) -> web.Response:
         try:
             self._caller(req)
-            ready = bool((await self._json_body(req)).get("ready", False))
+            ready = (await self._json_body(req)).get("ready", False)
+            if not isinstance(ready, bool):
+                raise invalid("'ready' must be true or false")
+        except BodyRefused as exc:
+            return body_error(exc, {"error": exc.message})
         except GatewayError as exc:
             if exc.kind is Kind.INVALID:
                 return _error(400, 'the request body must be a JSON object such as {"ready": true}')
@@ -503,6 +570,8 @@ class HttpFrontend:
             if not isinstance(params, dict):
                 raise invalid("'parameters' must be an object")
             await self.pipeline.load(caller, req.match_info["model"], params)
+        except BodyRefused as exc:
+            return body_error(exc, {"error": exc.message})
         except GatewayError as exc:
             return _error(HTTP_STATUS[exc.kind], exc.message)
         return web.Response(status=200)
@@ -513,6 +582,8 @@ class HttpFrontend:
             caller = self._caller(req)
             await self._json_body(req)
             await self.pipeline.unload(caller, req.match_info["model"])
+        except BodyRefused as exc:
+            return body_error(exc, {"error": exc.message})
         except GatewayError as exc:
             return _error(HTTP_STATUS[exc.kind], exc.message)
         return web.Response(status=200)
@@ -526,16 +597,17 @@ class HttpFrontend:
         token = REQUEST_ID.set(rid)
         try:
             try:
-                caller = self._caller(req)  # before the body: a key-less 60 MiB body is never read
-                if self.pipeline.gate.shedding:  # overloaded: refused before the body is read too
-                    self.pipeline.gate.check()
+                # before the body: a key-less 60 MiB body is never read, nor one the gate refuses
+                pass_ = self.pipeline.door.enter(_metadata(req))
                 body = await self._body(req)
                 msg, binary_out = build_request(model, version, body, req.headers.get(HEADER_LENGTH))
             except GatewayError as exc:  # refused before the pipeline: counted here
                 self.edge.failed(model, version, exc)
                 return _error(HTTP_STATUS[exc.kind], exc.message, echo)
+            except BodyRefused as exc:
+                return body_error(exc, {"error": exc.message}, echo)
             try:
-                resp = await self.pipeline.infer(msg, caller, self.edge, gated=True)
+                resp = await self.pipeline.infer(msg, pass_, self.edge)
                 payload, header_len = build_response(resp, binary_out)
             except GatewayError as exc:
                 return _error(HTTP_STATUS[exc.kind], exc.message, retry_headers(exc, echo))
@@ -558,7 +630,10 @@ async def _json_errors(request: web.Request, handler):
     except web.HTTPException as exc:
         if exc.status < 400 or exc.content_type == JSON_TYPE:
             raise
-        return _error(exc.status, exc.reason if exc.status != 413 else exc.text or exc.reason)
+        headers = (
+            {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        )  # a 405 names the methods
+        return _error(exc.status, exc.reason if exc.status != 413 else exc.text or exc.reason, headers)
     except Exception as exc:  # a bug: say so, keep serving
         log.exception("HTTP %s %s failed", request.method, clip(request.path))
         return _error(500, f"internal error: {type(exc).__name__}: {clip(exc, 512)}")
@@ -575,30 +650,52 @@ class _Refuse(asyncio.Protocol):
         transport.close()
 
 
-class _Site(web.TCPSite):
-    """TCPSite with a connection cap in front of aiohttp's protocol factory."""
+class Listener:
+    """A listening socket for an aiohttp runner, through public API only (the runner's protocol
+    factory and asyncio's ``create_server``), with an optional connection cap in front of the
+    factory: a connection over it gets ``_Refuse`` before any parsing."""
 
-    def __init__(self, runner: web.AppRunner, *args, max_connections: int, **kwargs) -> None:
-        super().__init__(runner, *args, **kwargs)
+    def __init__(self, server: asyncio.Server, cap: _Cap | None) -> None:
+        self._listening = server
+        self._cap = cap
+        self.port = (
+            server.sockets[0].getsockname()[1] if server.sockets else 0
+        )  # the real port when 0 was asked
+
+    @property
+    def refused(self) -> int:
+        return self._cap.refused if self._cap is not None else 0
+
+    @classmethod
+    async def open(
+        cls, runner: web.AppRunner, host: str, port: int, *, reuse_port: bool = False,
+        ssl_context=None, max_connections: int | None = None,
+    ) -> Listener:  # fmt: skip
+        factory = runner.server
+        if factory is None:
+            raise RuntimeError("the runner is not set up")
+        cap = _Cap(factory, max_connections) if max_connections else None
+        server = await asyncio.get_running_loop().create_server(
+            cap or factory, host, port, ssl=ssl_context, reuse_address=True, reuse_port=reuse_port or None,
+        )  # fmt: skip
+        return cls(server, cap)
+
+    def stop_accepting(self) -> None:
+        """Close the listening socket only; connections already open go on being served."""
+        self._listening.close()
+
+
+class _Cap:
+    def __init__(self, factory: web.Server, max_connections: int) -> None:
+        self.factory = factory
         self.max_connections = max_connections
         self.refused = 0
 
-    async def start(self) -> None:
-        await web.BaseSite.start(self)
-        server = self._runner.server
-        assert server is not None
-
-        def factory():
-            if len(server.connections) >= self.max_connections:
-                self.refused += 1
-                return _Refuse()
-            return server()
-
-        self._server = await asyncio.get_running_loop().create_server(
-            factory, self._host, self._port, ssl=self._ssl_context, backlog=self._backlog,
-            reuse_address=self._reuse_address, reuse_port=self._reuse_port,
-        )  # fmt: skip
-        self._bound_port = self._server.sockets[0].getsockname()[1] if self._server.sockets else self._port
+    def __call__(self):
+        if len(self.factory.connections) >= self.max_connections:
+            self.refused += 1
+            return _Refuse()
+        return self.factory()
 
 
 async def start(server: Server) -> tuple[web.AppRunner, int]:
@@ -610,20 +707,15 @@ async def start(server: Server) -> tuple[web.AppRunner, int]:
     runner = web.AppRunner(
         HttpFrontend(server).app(), access_log=None, keepalive_timeout=s.http_header_timeout_s,
         max_field_size=16 * 1024, max_line_size=16 * 1024,
+        # A caller that hangs up cancels its handler: its queued rows leave the queue before
+        # compute (counted as outcome "cancelled"), as a gRPC cancellation does.
+        handler_cancellation=True,
     )  # fmt: skip
     await runner.setup()
     tls = getattr(server, "tls", None)
-    site = _Site(
+    listener = await Listener.open(
         runner, s.host, s.http_port, reuse_port=s.reuse_port, ssl_context=tls.ssl_context() if tls else None,
         max_connections=s.http_max_connections,
     )  # fmt: skip
-    await site.start()
-    server.http_site = site
-    port = site._server.sockets[0].getsockname()[1]  # the real port when 0 was asked
-    return runner, port
-
-
-def stop_accepting(site: web.TCPSite) -> None:
-    """Close the listening socket only; connections already open go on being served."""
-    if site._server is not None:
-        site._server.close()
+    server.http_site = listener
+    return runner, listener.port

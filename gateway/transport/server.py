@@ -23,7 +23,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from batchgate import proto
-from batchgate.gateway import dtypes, probes
+from batchgate.gateway import dtypes, probes, tracing
 from batchgate.gateway.admission import Admission
 from batchgate.gateway.codec import Limits, set_limits
 from batchgate.gateway.config import Settings
@@ -210,7 +210,7 @@ class Server:
         self.http_port = 0
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
-        self.http_site: web.TCPSite | None = None
+        self.http_site: rest.Listener | None = None
         self.probes: probes.Probes | None = None
         self.takers: CallTakers | None = None
         self.gate = DrainGate()
@@ -241,13 +241,14 @@ class Server:
         # Authentication on metadata, before the message is read; an open server has no interceptor.
         interceptors = () if self.admission.open else (AuthInterceptor(self.pipeline, self.metrics),)
         gate = self.pipeline.gate
-        self.takers = CallTakers(s.grpc_takers, s.max_concurrent_rpcs, gate)
+        self.takers = CallTakers(s.grpc_takers, s.max_concurrent_rpcs, self.pipeline.door)
         server = grpc.aio.server(
             options=options, interceptors=self.takers.interceptors_for(interceptors),
             maximum_concurrent_rpcs=self.takers.grpc_cap,
         )  # fmt: skip
         self.takers.attach(server)
         self.metrics.overload = (gate, self.takers)
+        tracing.setup(s)  # on only with otel_endpoint
         await self.admission.start()  # Redis for global limits, if any; being down is not fatal
         server.add_generic_rpc_handlers((self.gate,))  # first: while holding it answers every call
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)
@@ -333,7 +334,7 @@ class Server:
         # the open ones are answered 503 with "Connection: close", so each closes after its answer
         # instead of being cut under a request later.
         if self.http_site is not None:
-            rest.stop_accepting(self.http_site)
+            self.http_site.stop_accepting()
         # Streams stop being read; what they hold is answered, then each ends UNAVAILABLE.
         self.servicer.end_streams()
         ok = await self.plane.drain(self.settings.drain_timeout_s)
@@ -345,6 +346,8 @@ class Server:
         await self._linger()
         if self._grpc is not None:
             await self._stop_grpc()
+        if self.http_site is not None:
+            self.http_site.stop_accepting()  # (again, if a drain closed it: a no-op)
         if self._http is not None:
             await self._http.cleanup()
         self.pipeline.gate.stop()
@@ -355,6 +358,7 @@ class Server:
                 extra={"event": "unload", "model": rt.spec.name, "version": rt.spec.version},
             )  # fmt: skip
         await self.admission.close()
+        tracing.stop()  # flushes the spans still buffered
         if self.probes is not None:  # last: probes see the drain through
             await self.probes.stop()
         log.info("stopped", extra={"event": "stopped"})

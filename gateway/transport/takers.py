@@ -32,7 +32,7 @@ import logging
 
 import grpc
 
-from batchgate.gateway.infer import GATED
+from batchgate.gateway.admission.door import ASKED
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,13 @@ _NEEDED = (
 )  # fmt: skip
 
 
+WRITTEN_FOR = "1.81."  # the grpcio line these internals were read from; any other turns the takers off
+
+
 def available() -> str:
     """'' when the grpc.aio internals used here are present as expected, else what is missing."""
+    if not grpc.__version__.startswith(WRITTEN_FOR):
+        return f"written against grpcio {WRITTEN_FOR}x, installed {grpc.__version__}"
     if cygrpc is None:
         return "grpc._cython.cygrpc not importable"
     for name, args in _NEEDED:
@@ -78,7 +83,7 @@ class CallTakers:
     ``maximum_concurrent_rpcs=self.grpc_cap``, ``attach`` it before any handler is added (it records
     them as they are), ``start`` it after ``server.start()``.
 
-    ``gate`` is the overload gate (``shedding``, ``take(time_left)``, ``message()``,
+    ``gate`` is the door to the overload gate (``shedding``, ``take(time_left)``, ``message()``,
     ``trailing()``): ``take`` is asked once per call taken here, before anything else, with the
     call's time left (read only while the gate sheds); False answers the call UNAVAILABLE with
     ``message()`` and ``trailing()`` at once. It is blind to the method (core has not told Python
@@ -133,6 +138,10 @@ class CallTakers:
                     "extra gRPC call takers off: %s; grpc.aio's own loop takes every call", self.why_not
                 )
             return
+        if self.n > 0:
+            log.info(
+                "gRPC call takers on: %d beside grpc.aio's own loop (grpcio %s)", self.n, grpc.__version__
+            )
         aio = self.server._server
         loop = asyncio.get_running_loop()
         self._takers = [
@@ -149,7 +158,7 @@ class CallTakers:
         context_of = cygrpc._ServicerContext
         tasks, done, gate = self._tasks, self._done, self.gate
         taken = contextvars.copy_context()
-        taken.run(GATED.set, True)  # the pipeline does not ask the gate again for these calls
+        taken.run(ASKED.set, True)  # the door does not ask the gate again for these calls
         while aio.is_running():
             try:
                 state = await aio._request_call()
@@ -173,7 +182,7 @@ class CallTakers:
             else:
                 coro = schedule(handle_rpc(self.handlers, self.interceptors, state, loop, False), state, loop)
             self.in_progress += 1
-            task = loop.create_task(coro, context=taken.copy())  # its own copy, GATED=True in it
+            task = loop.create_task(coro, context=taken.copy())  # its own copy, ASKED=True in it
             tasks.add(task)
             task.add_done_callback(done)
 

@@ -55,6 +55,16 @@ app.kubernetes.io/component: redis
 {{- end }}
 {{- end }}
 
+{{/* The model-copy init image: by digest when given, else by its (required, never latest) tag. */}}
+{{- define "batchgate.modelImage" -}}
+{{- $i := .Values.modelRepository.initContainer.image }}
+{{- if $i.digest }}
+{{- printf "%s@%s" $i.repository $i.digest }}
+{{- else }}
+{{- printf "%s:%s" $i.repository $i.tag }}
+{{- end }}
+{{- end }}
+
 {{- define "batchgate.image" -}}
 {{- $tag := .Values.image.tag | default (printf "%s%s" .Chart.AppVersion (ternary "-cuda" "" .Values.gpu.enabled)) }}
 {{- if .Values.image.digest }}
@@ -165,9 +175,9 @@ already stored (so an upgrade does not rotate it under running pods) or a new ra
 {{- toYaml .Values.securityContext }}
 {{- end }}
 
-{{/* Resources, with the GPU count added to the limits when gpu.enabled (and only then). */}}
+{{/* Resources: gpu.resources with the GPU count added to the limits when gpu.enabled, else resources. */}}
 {{- define "batchgate.resources" -}}
-{{- $res := deepCopy .Values.resources }}
+{{- $res := deepCopy (ternary .Values.gpu.resources .Values.resources .Values.gpu.enabled) }}
 {{- if .Values.gpu.enabled }}
 {{- $limits := deepCopy (default (dict) $res.limits) }}
 {{- $_ := set $limits .Values.gpu.resourceName (int64 .Values.gpu.count) }}
@@ -188,4 +198,29 @@ already stored (so an upgrade does not rotate it under running pods) or a new ra
 {{/* The port the probes ask: the plaintext health port while the service ports speak TLS. */}}
 {{- define "batchgate.probePort" -}}
 {{- .Values.containerPorts.health | int64 }}
+{{- end }}
+
+{{/* External Redis TLS with a private CA: the mounted PEM, named in the URL as ssl_ca_certs. */}}
+{{- define "batchgate.redis.caEnabled" -}}
+{{- $ca := .Values.redis.tlsCA }}
+{{- if and (eq .Values.redis.mode "external") (or $ca.existingSecret $ca.existingConfigMap) }}true{{ end }}
+{{- end }}
+
+{{- define "batchgate.redis.caMountDir" -}}/etc/batchgate/redis-ca{{- end }}
+
+{{/* The URL query that points redis-py at the CA; empty without one. */}}
+{{- define "batchgate.redis.caQuery" -}}
+{{- if include "batchgate.redis.caEnabled" . }}
+{{- printf "ssl_ca_certs=%s/%s" (include "batchgate.redis.caMountDir" .) .Values.redis.tlsCA.key }}
+{{- end }}
+{{- end }}
+
+{{/* A URL with the CA query appended, unless the URL already names one. */}}
+{{- define "batchgate.redis.withCa" -}}
+{{- $q := include "batchgate.redis.caQuery" .ctx }}
+{{- if and $q (not (contains "ssl_ca_certs=" .url)) }}
+{{- printf "%s%s%s" .url (ternary "&" "?" (contains "?" .url)) $q }}
+{{- else }}
+{{- .url }}
+{{- end }}
 {{- end }}

@@ -40,6 +40,7 @@ $(REDIS_PASSWORD) into the composed URL when it starts the container. Nothing wh
 {{- else if .username }}
 {{- $auth = printf "%s@" .username }}
 {{- end }}
+{{- $url := printf "%s://%s%s:%s/%s" (ternary "rediss" "redis" .tls) $auth .host (include "batchgate.envValue" .port) (include "batchgate.envValue" .db) }}
 - name: BATCHGATE_REDIS_URL
-  value: {{ printf "%s://%s%s:%s/%s" (ternary "rediss" "redis" .tls) $auth .host (include "batchgate.envValue" .port) (include "batchgate.envValue" .db) | quote }}
+  value: {{ include "batchgate.redis.withCa" (dict "ctx" .ctx "url" $url) | quote }}
 {{- end }}

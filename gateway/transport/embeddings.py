@@ -26,9 +26,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from aiohttp import web
 
+from batchgate.gateway.admission.door import Pass
 from batchgate.gateway.codec import serialize_bytes
 from batchgate.gateway.errors import GatewayError, Kind, retry_headers
+from batchgate.gateway.infer import prompt_of
 from batchgate.gateway.logs import REQUEST_ID, REQUEST_ID_KEY, clean_request_id
+from batchgate.gateway.text import PAIR_SEPARATOR
+from batchgate.gateway.transport.rest import BodyRefused, closing, read_body
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 
 if TYPE_CHECKING:
@@ -47,7 +51,7 @@ class Refused(Exception):
 
     def __init__(
         self, kind: Kind, message: str, param: str | None = None, headers: dict | None = None,
-        too_large: bool = False,
+        too_large: bool = False, status: int | None = None,
     ) -> None:  # fmt: skip
         super().__init__(message)
         self.kind = kind
@@ -55,6 +59,7 @@ class Refused(Exception):
         self.param = param
         self.headers = headers or {}
         self.too_large = too_large  # TEI answers these 413 (its "validation" errors)
+        self.status = status  # the body was refused (408/413): this status, and the connection closes
 
 
 @dataclass(slots=True)
@@ -68,31 +73,39 @@ class Embedded:
 # -- the seam ---------------------------------------------------------------------------------------
 
 
-def text_models(server: Server) -> list[str]:
-    """Served models that take text (parameter ``tokenizer``), sorted."""
+def text_models(server: Server, pairs: bool | None = None) -> list[str]:
+    """Served models that take text (parameter ``tokenizer``), sorted; ``pairs``: only those that
+    do (True: rerank models) or do not (False: embedding models) take pairs."""
     plane = server.plane
-    return sorted(
-        name for name, versions in plane.models.items() if versions and versions[plane.latest[name]].text
-    )
+    out = []
+    for name, versions in plane.models.items():
+        stage = versions[plane.latest[name]].text if versions else None
+        if stage is not None and (pairs is None or stage.settings.pair == pairs):
+            out.append(name)
+    return sorted(out)
+
+
+def rerank_models(server: Server) -> list[str]:
+    return text_models(server, pairs=True)
 
 
 async def embed_texts(
     server: Server, model: str, texts: list[str], metadata: tuple, *,
     latency_class: str | None = None, latency_budget_ms: float | None = None, exact_limit: bool = False,
+    pass_: Pass | None = None, pairs: bool = False, prompt_name: str | None = None, cut: bool = False,
 ) -> Embedded:  # fmt: skip
     """Embed ``texts`` with text model ``model`` on the serving path; raises ``Refused``.
 
     ``metadata``: the caller's headers as gRPC metadata (lower-case keys; the API key, x-request-id).
+    ``pass_``: the door's pass when the route has been through it already (before its body).
     ``exact_limit``: refuse a text over the model's ``max_tokens`` (413 in TEI) instead of letting
-    the model's ``truncate`` setting decide. The list is sent as one request per length bucket
-    (``plan``), each at most max_batch_size texts; they run, and batch with other callers' texts,
-    side by side."""
-    adm = server.admission
-    if not adm.open:  # before anything says whether the model exists
-        try:
-            adm.identify(metadata)
-        except GatewayError as exc:
-            raise Refused(exc.kind, exc.message) from None
+    the model's ``truncate`` setting decide. ``cut``: the caller asked for truncation, so a text
+    over ``max_text_bytes`` is cut to it (at a character) instead of refused; the model keeps its
+    first ``max_tokens`` tokens. The whole list is one call: through the door once,
+    admitted once against the tenant's limits for all its rows, then sent as requests of at most
+    max_batch_size texts (``plan``) that run, and batch with other callers' texts, side by side."""
+    if pass_ is None:  # before anything says whether the model exists
+        pass_ = _enter(server, metadata)
     try:
         rt = server.plane.get(model)
     except GatewayError as exc:
@@ -102,12 +115,36 @@ async def embed_texts(
         raise Refused(
             Kind.INVALID, f"model '{model}' does not take text; text models: {text_models(server)}", "model"
         )
+    if stage.settings.pair != pairs:
+        if pairs:
+            message = f"model '{model}' is not a rerank model (a cross-encoder); rerank models: {rerank_models(server)}"
+        else:
+            message = f"model '{model}' is a rerank model: send its query and texts to /rerank or /v1/rerank"
+        raise Refused(Kind.INVALID, message, "model")
     spec = rt.spec
     output = next((t for t in spec.outputs if t.datatype == "FP32"), None)
     if output is None:
         raise Refused(Kind.INVALID, f"model '{model}' has no FP32 output to return as an embedding", "model")
+    try:
+        prompt = prompt_of(spec, prompt_name)  # the pipeline prefixes it; the checks see what the model will
+    except GatewayError as exc:
+        raise Refused(exc.kind, exc.message, "prompt_name") from None
     max_tokens = stage.settings.max_tokens
     max_bytes = stage.settings.max_text_bytes
+    if cut:
+        if not stage.settings.truncate:
+            raise Refused(
+                Kind.INVALID,
+                f"model '{model}' does not truncate (parameter truncate is 'reject')",
+                "truncate",
+            )
+        # Every token covers at least one byte: the first max_text_bytes bytes hold more tokens
+        # than max_tokens for any text this bound was made for; cutting first bounds the work.
+        room = max_bytes - len(prompt.encode())
+        texts = [_cut_text(t, room) if len(t) * 4 > room else t for t in texts]
+    sent = texts
+    if prompt:
+        texts = [prompt + t for t in texts]
     fits = max_tokens - stage.specials  # a text of at most this many bytes cannot be over max_tokens
     long = []
     for i, t in enumerate(texts):
@@ -131,7 +168,7 @@ async def embed_texts(
                     raise Refused(
                         Kind.INVALID,
                         f"input {i} is {n} tokens; model '{model}' takes at most {max_tokens} "
-                        "(send truncate: true to embed its first tokens)",
+                        "(send truncate: true to keep its first tokens)",
                         "input", too_large=True,
                     )  # fmt: skip
     params: dict[str, Any] = {}
@@ -139,12 +176,22 @@ async def embed_texts(
         params["latency_class"] = latency_class
     if latency_budget_ms is not None:
         params["latency_budget_ms"] = latency_budget_ms
+    if prompt_name is not None:
+        params["prompt_name"] = prompt_name
+    rid = next((clean_request_id(v) for k, v in metadata if k == REQUEST_ID_KEY), "")
+    echo = {REQUEST_ID_KEY: rid} if rid else {}
+    try:
+        ticket = await server.pipeline.door.admit(pass_, spec.name, len(texts))
+    except GatewayError as exc:
+        raise Refused(exc.kind, exc.message, None, retry_headers(exc, echo)) from None
     counting = asyncio.create_task(asyncio.to_thread(stage.count_tokens, texts))
     name = spec.inputs[0].name
-    encoded = [t.encode() for t in texts]
+    encoded = [t.encode() for t in sent]
     groups = plan(len(encoded), spec.max_batch_size or 1)
     tasks = [
-        asyncio.create_task(_infer_chunk(server, model, name, output.name, encoded, rows, params, metadata))
+        asyncio.create_task(
+            _infer_chunk(server, model, name, output.name, encoded, rows, params, rid, pass_, ticket)
+        )
         for rows in groups
     ]
     try:
@@ -154,6 +201,8 @@ async def embed_texts(
             t.cancel()
         counting.cancel()
         raise
+    finally:
+        ticket.release()
     counts = await counting
     if len(parts) == 1:
         vectors = parts[0][0]
@@ -166,6 +215,13 @@ async def embed_texts(
     return Embedded(vectors, counts, spec.name, parts[0][1])
 
 
+def _cut_text(text: str, max_bytes: int) -> str:
+    raw = text.encode()
+    if len(raw) <= max_bytes:
+        return text
+    return raw[: max(max_bytes, 0)].decode("utf-8", "ignore")  # (a character cut in two is dropped)
+
+
 def plan(n: int, max_rows: int) -> list[list[int]]:
     """The KServe requests a list of ``n`` texts is sent as: as few as the model's batch size
     allows, in the caller's order. No split by length here: the scheduler already sends each row
@@ -176,7 +232,7 @@ def plan(n: int, max_rows: int) -> list[list[int]]:
 
 async def _infer_chunk(
     server: Server, model: str, input_name: str, output: str, encoded: list[bytes], rows: list[int],
-    params: dict[str, Any], metadata: tuple,
+    params: dict[str, Any], rid: str, pass_: Pass, ticket,
 ) -> tuple[np.ndarray, dict]:  # fmt: skip
     """One KServe request of the caller's texts ``rows``; its vectors in that order."""
     req = pb.ModelInferRequest(model_name=model)
@@ -187,13 +243,10 @@ async def _infer_chunk(
             req.parameters[key].string_param = value
         else:
             req.parameters[key].double_param = float(value)
-    rid = next((clean_request_id(v) for k, v in metadata if k == REQUEST_ID_KEY), "")
     echo = {REQUEST_ID_KEY: rid} if rid else {}
-    pipeline = server.pipeline
     token = REQUEST_ID.set(rid)
     try:
-        caller = pipeline.identify(metadata)
-        resp = await pipeline.infer(req, caller, server.metrics.transport("http"))
+        resp = await server.pipeline.infer(req, pass_, server.metrics.transport("http"), ticket)
     except GatewayError as exc:
         message = exc.message
         m = _ROW.match(message)
@@ -216,22 +269,25 @@ def _metadata(request: web.Request) -> tuple:
 # -- request parsing shared by both APIs ------------------------------------------------------------
 
 
-async def _body(request: web.Request, server: Server) -> Any:
-    """The JSON body, read only after the API key in the headers is known good (a key-less caller
-    costs its headers, not its body)."""
+def _enter(server: Server, metadata) -> Pass:
+    """Through the door (the API key, the overload gate), as ``Refused`` when it says no."""
     try:
-        server.pipeline.identify(_metadata(request))
+        return server.pipeline.door.enter(metadata)
     except GatewayError as exc:
-        raise Refused(exc.kind, exc.message) from None
+        raise Refused(exc.kind, exc.message, None, retry_headers(exc, {})) from None
+
+
+async def _body(request: web.Request, api: EmbeddingsApi) -> tuple[Pass, Any]:
+    """The door's pass and the JSON body, read only once the door has taken the call (a key-less
+    caller costs its headers, not its body), by the REST listener's one body reader."""
+    pass_ = _enter(api.server, _metadata(request))
     try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise Refused(
-            Kind.INVALID, f"the request body is larger than {exc.text or 'the limit'}", too_large=True
-        ) from None
+        raw = await read_body(request, api.max_body, api.body_timeout_s)
+    except BodyRefused as exc:
+        raise Refused(Kind.INVALID, exc.message, too_large=exc.status == 413, status=exc.status) from None
     try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+        return pass_, json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise Refused(Kind.INVALID, f"the request body is not valid JSON: {exc}") from None
 
 
@@ -279,18 +335,45 @@ def _latency(request: web.Request, doc: dict) -> tuple[str | None, float | None]
     return cls, budget
 
 
-def _dimensions(value: Any, dim: int, model: str) -> None:
+def _prompt_name(doc: dict) -> str | None:
+    name = doc.get("prompt_name")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise Refused(
+            Kind.INVALID, "'prompt_name' must be the name of one of the model's prompts", "prompt_name"
+        )
+    return name
+
+
+def _dimensions(value: Any, dim: int, model: str, allowed: tuple[int, ...]) -> int | None:
+    """The size a call's ``dimensions`` cuts the vectors to (None: the model's own size)."""
     if value is None:
-        return
+        return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise Refused(Kind.INVALID, "'dimensions' must be an integer", "dimensions")
-    if value != dim:
-        raise Refused(
-            Kind.INVALID,
-            f"model '{model}' does not support 'dimensions' {value}: it returns {dim}-dim vectors "
-            f"(omit 'dimensions' or send {dim})",
-            "dimensions",
-        )
+    if value == dim:
+        return None
+    if value in allowed and value < dim:
+        return value
+    sizes = sorted({*(a for a in allowed if a < dim), dim})
+    why = (
+        "its Matryoshka sizes (parameter matryoshka_dimensions) and its own"
+        if allowed
+        else "none declared: it returns"
+    )
+    raise Refused(
+        Kind.INVALID,
+        f"model '{model}' does not support 'dimensions' {value}: {why} {sizes}-dim vectors "
+        f"(omit 'dimensions' or send one of {sizes})",
+        "dimensions",
+    )
+
+
+def _cut(vectors: np.ndarray, size: int | None) -> np.ndarray:
+    """Matryoshka: the leading ``size`` values of each vector, re-normalised to unit length."""
+    if size is None:
+        return vectors
+    head = vectors[:, :size].astype(np.float32)
+    return (head / np.maximum(np.linalg.norm(head, axis=1, keepdims=True), 1e-12)).astype(np.float32)
 
 
 # -- OpenAI -----------------------------------------------------------------------------------------
@@ -309,6 +392,8 @@ OPENAI = {
 }
 _OPENAI_FIELDS = {
     "model", "input", "encoding_format", "dimensions", "user", "latency_class", "latency_budget_ms",
+    "prompt_name",  # an extension: sentence-transformers' word for one of the model's prompts
+    "truncate",  # an extension: cut texts over the model's length instead of refusing them (OpenAI refuses)
 }  # fmt: skip
 
 
@@ -316,8 +401,14 @@ def openai_error(exc: Refused) -> web.Response:
     status, type_, code = OPENAI[exc.kind]
     if exc.too_large and exc.kind is Kind.INVALID and exc.param is None:
         status = 413
+    if exc.status == 408:
+        status, code = 408, "request_timeout"
     body = {"error": {"message": exc.message, "type": type_, "param": exc.param, "code": code}}
-    return web.json_response(body, status=status, headers=exc.headers)
+    return _closing(web.json_response(body, status=status, headers=exc.headers), exc)
+
+
+def _closing(resp: web.Response, exc: Refused) -> web.Response:
+    return closing(resp) if exc.status is not None else resp  # a refused body: the connection ends
 
 
 def _openai_vector(vec: np.ndarray, fmt: str) -> Any:
@@ -327,12 +418,14 @@ def _openai_vector(vec: np.ndarray, fmt: str) -> Any:
 
 
 class EmbeddingsApi:
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, max_body: int, body_timeout_s: float) -> None:
         self.server = server
+        self.max_body = max_body
+        self.body_timeout_s = body_timeout_s
 
     async def openai_embeddings(self, request: web.Request) -> web.Response:
         try:
-            doc = await _body(request, self.server)
+            pass_, doc = await _body(request, self)
             if not isinstance(doc, dict):
                 raise Refused(Kind.INVALID, "the request body must be a JSON object with 'model' and 'input'")
             unknown = sorted(set(doc) - _OPENAI_FIELDS)
@@ -351,12 +444,12 @@ class EmbeddingsApi:
             if "user" in doc and not isinstance(doc["user"], str):
                 raise Refused(Kind.INVALID, "'user' must be a string", "user")
             cls, budget = _latency(request, doc)
-            dims = doc.get("dimensions")
-            if dims is not None:
-                self._check_dimensions(model, dims)
+            size = self._check_dimensions(model, doc.get("dimensions"))
+            truncate = _flag(doc, "truncate", False)
             out = await embed_texts(
-                self.server, model, texts, _metadata(request), latency_class=cls, latency_budget_ms=budget
-            )
+                self.server, model, texts, _metadata(request), latency_class=cls, latency_budget_ms=budget,
+                pass_=pass_, prompt_name=_prompt_name(doc), exact_limit=not truncate, cut=truncate,
+            )  # fmt: skip
         except Refused as exc:
             return openai_error(exc)
         total = sum(out.tokens)
@@ -364,7 +457,7 @@ class EmbeddingsApi:
             "object": "list",
             "data": [
                 {"object": "embedding", "index": i, "embedding": _openai_vector(v, fmt)}
-                for i, v in enumerate(out.vectors)
+                for i, v in enumerate(_cut(out.vectors, size))
             ],
             "model": out.model,
             "usage": {"prompt_tokens": total, "total_tokens": total},
@@ -373,23 +466,26 @@ class EmbeddingsApi:
             text=json.dumps(body, separators=(",", ":")), content_type="application/json", headers=out.headers
         )
 
-    def _check_dimensions(self, model: str, dims: Any) -> None:
+    def _check_dimensions(self, model: str, dims: Any) -> int | None:
+        if dims is None:
+            return None
         try:
             rt = self.server.plane.get(model)
         except GatewayError:
-            return  # embed_texts answers for the model (after the key is checked)
+            return None  # embed_texts answers for the model (after the key is checked)
         output = next((t for t in rt.spec.outputs if t.datatype == "FP32"), None)
         if output is not None and len(output.dims) == 1:
-            _dimensions(dims, output.dims[0], model)
+            return _dimensions(dims, output.dims[0], model, rt.spec.params.matryoshka_dimensions)
+        return None
 
     def _visible(self, request: web.Request) -> list[str]:
         """The text models this caller may call (all of them on an open server)."""
-        adm = self.server.admission
+        door = self.server.pipeline.door
         names = text_models(self.server)
-        if adm.open:
+        if door.open:
             return names
         try:
-            account = adm.identify(_metadata(request))
+            account = door.identify(_metadata(request))
         except GatewayError as exc:
             raise Refused(exc.kind, exc.message) from None
         allowed = account.models
@@ -420,7 +516,7 @@ class EmbeddingsApi:
 
     async def tei_embed(self, request: web.Request) -> web.Response:
         try:
-            doc = await _body(request, self.server)
+            pass_, doc = await _body(request, self)
             if not isinstance(doc, dict):
                 raise Refused(Kind.INVALID, "the request body must be a JSON object with 'inputs'")
             unknown = sorted(set(doc) - _TEI_FIELDS)
@@ -438,23 +534,21 @@ class EmbeddingsApi:
                 raise Refused(
                     Kind.INVALID, "'truncation_direction' must be 'Right': texts keep their first tokens"
                 )
-            if doc.get("prompt_name") is not None:
-                raise Refused(
-                    Kind.INVALID, "'prompt_name' is not supported: send the prompt as part of the text"
-                )
+            prompt_name = _prompt_name(doc)
             model = doc.get("model", DEFAULT_MODEL)
             if not isinstance(model, str):
                 raise Refused(Kind.INVALID, "'model' must be the name of a text model")
             cls, budget = _latency(request, doc)
-            if doc.get("dimensions") is not None:
-                self._check_dimensions(model, doc["dimensions"])
+            size = self._check_dimensions(model, doc.get("dimensions"))
             out = await embed_texts(
                 self.server, model, texts, _metadata(request), latency_class=cls, latency_budget_ms=budget,
-                exact_limit=not truncate,
+                exact_limit=not truncate, pass_=pass_, prompt_name=prompt_name, cut=truncate,
             )  # fmt: skip
         except Refused as exc:
             return tei_error(exc)
         vectors = out.vectors
+        if size is not None:  # TEI: cut, then normalised only if asked
+            vectors = vectors[:, :size].copy()
         if normalize:
             vectors = _unit(vectors)
         total = sum(out.tokens)
@@ -491,11 +585,16 @@ TEI = {
 
 def tei_error(exc: Refused) -> web.Response:
     status, type_ = TEI[exc.kind]
-    if exc.too_large:
+    if exc.status is not None:
+        status = exc.status
+    elif exc.too_large:
         status = 413
     elif exc.param == "empty":
         status, type_ = 400, "empty"
-    return web.json_response({"error": exc.message, "error_type": type_}, status=status, headers=exc.headers)
+    return _closing(
+        web.json_response({"error": exc.message, "error_type": type_}, status=status, headers=exc.headers),
+        exc,
+    )
 
 
 def _flag(doc: dict, key: str, default: bool) -> bool:
@@ -521,11 +620,164 @@ def _model_card(name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "batchgate"}
 
 
-def add_routes(app: web.Application, server: Server) -> None:
-    """Register the OpenAI and TEI routes on the REST app (gateway/http.py calls this)."""
-    api = EmbeddingsApi(server)
+# -- rerank: TEI's /rerank and the Cohere/Jina-style /v1/rerank ------------------------------------
+
+_TEI_RERANK_FIELDS = {
+    "query", "texts", "truncate", "truncation_direction", "raw_scores", "return_text", "model",
+    "latency_class", "latency_budget_ms",
+}  # fmt: skip
+_V1_RERANK_FIELDS = {
+    "model", "query", "documents", "top_n", "return_documents", "max_chunks_per_doc", "rank_fields",
+    "latency_class", "latency_budget_ms",
+}  # fmt: skip
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return (1.0 / (1.0 + np.exp(-x.astype(np.float64)))).astype(np.float32)
+
+
+def _query(doc: dict) -> str:
+    q = doc.get("query")
+    if not isinstance(q, str) or not q.strip():
+        raise Refused(Kind.INVALID, "'query' is required: a non-empty string", "query")
+    if PAIR_SEPARATOR in q:
+        raise Refused(Kind.INVALID, "'query' may not hold U+001F (the pair separator)", "query")
+    return q
+
+
+async def _rerank(api: EmbeddingsApi, request: web.Request, pass_: Pass, doc: dict, texts: list[str],
+                  exact_limit: bool, cut: bool = False) -> tuple[np.ndarray, Embedded]:  # fmt: skip
+    """The raw scores of (query, text) for each text, in the caller's order."""
+    server = api.server
+    model = doc.get("model")
+    if model is None:
+        names = rerank_models(server)
+        if len(names) != 1:
+            raise Refused(
+                Kind.INVALID, f"'model' is required: this server serves rerank models {names}", "model"
+            )
+        model = names[0]
+    if not isinstance(model, str) or not model:
+        raise Refused(Kind.INVALID, "'model' must be the name of a rerank model", "model")
+    query = _query(doc)
+    cls, budget = _latency(request, doc)
+    rows = [query + PAIR_SEPARATOR + t for t in texts]
+    out = await embed_texts(
+        server, model, rows, _metadata(request), latency_class=cls, latency_budget_ms=budget,
+        exact_limit=exact_limit, pass_=pass_, pairs=True, cut=cut,
+    )  # fmt: skip
+    return out.vectors[:, 0].copy(), out
+
+
+def _documents(value: Any) -> list[str]:
+    """Cohere's and Jina's ``documents``: strings, or objects with a ``text``."""
+    if not isinstance(value, list):
+        raise Refused(
+            Kind.INVALID, "'documents' must be a list of strings or {'text': ...} objects", "documents"
+        )
+    out = []
+    for i, d in enumerate(value):
+        if isinstance(d, dict) and isinstance(d.get("text"), str):
+            d = d["text"]
+        if not isinstance(d, str):
+            raise Refused(
+                Kind.INVALID, f"'documents[{i}]' must be a string or an object with 'text'", "documents"
+            )
+        out.append(d)
+    return _texts(out, "documents")
+
+
+class RerankApi:
+    def __init__(self, api: EmbeddingsApi) -> None:
+        self.api = api
+
+    async def tei_rerank(self, request: web.Request) -> web.Response:
+        """TEI's ``POST /rerank``: ``[{index, score, text?}]`` sorted by score, highest first;
+        scores through a sigmoid unless ``raw_scores`` (what TEI answers for a one-label model)."""
+        try:
+            pass_, doc = await _body(request, self.api)
+            if not isinstance(doc, dict):
+                raise Refused(Kind.INVALID, "the request body must be a JSON object with 'query' and 'texts'")
+            unknown = sorted(set(doc) - _TEI_RERANK_FIELDS)
+            if unknown:
+                raise Refused(Kind.INVALID, f"unknown field(s): {unknown}", unknown[0])
+            if doc.get("texts") == []:
+                raise Refused(Kind.INVALID, "Input cannot be empty", "empty")
+            texts = _texts(doc.get("texts"), "texts")
+            truncate = _flag(doc, "truncate", False)
+            raw = _flag(doc, "raw_scores", False)
+            return_text = _flag(doc, "return_text", False)
+            if doc.get("truncation_direction", "Right") not in ("Right", "right"):
+                raise Refused(
+                    Kind.INVALID, "'truncation_direction' must be 'Right': texts keep their first tokens"
+                )
+            scores, out = await _rerank(
+                self.api, request, pass_, doc, texts, exact_limit=not truncate, cut=truncate
+            )
+        except Refused as exc:
+            return tei_error(exc)
+        if not raw:
+            scores = _sigmoid(scores)
+        order = sorted(range(len(texts)), key=lambda i: -float(scores[i]))
+        body = []
+        for i in order:
+            item: dict[str, Any] = {"index": i, "score": float(scores[i])}
+            if return_text:
+                item["text"] = texts[i]
+            body.append(item)
+        return web.Response(
+            text=json.dumps(body, separators=(",", ":")), content_type="application/json",
+            headers={**out.headers, "x-compute-tokens": str(sum(out.tokens))},
+        )  # fmt: skip
+
+    async def v1_rerank(self, request: web.Request) -> web.Response:
+        """Cohere's / Jina's ``POST /v1/rerank``: ``{results: [{index, relevance_score,
+        document?}]}`` sorted by relevance, the first ``top_n``; relevance through a sigmoid."""
+        try:
+            pass_, doc = await _body(request, self.api)
+            if not isinstance(doc, dict):
+                raise Refused(
+                    Kind.INVALID, "the request body must be a JSON object with 'query' and 'documents'"
+                )
+            unknown = sorted(set(doc) - _V1_RERANK_FIELDS)
+            if unknown:
+                raise Refused(Kind.INVALID, f"unrecognized request argument(s): {unknown}", unknown[0])
+            if "documents" not in doc:
+                raise Refused(Kind.INVALID, "'documents' is required: a list of texts", "documents")
+            texts = _documents(doc["documents"])
+            top_n = doc.get("top_n")
+            if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
+                raise Refused(Kind.INVALID, "'top_n' must be a positive integer", "top_n")
+            return_documents = _flag(doc, "return_documents", False)
+            scores, out = await _rerank(self.api, request, pass_, doc, texts, exact_limit=False)
+        except Refused as exc:
+            return openai_error(exc)
+        relevance = _sigmoid(scores)
+        order = sorted(range(len(texts)), key=lambda i: -float(relevance[i]))[: top_n or len(texts)]
+        results = []
+        for i in order:
+            item: dict[str, Any] = {"index": i, "relevance_score": float(relevance[i])}
+            if return_documents:
+                item["document"] = {"text": texts[i]}
+            results.append(item)
+        tokens = sum(out.tokens)
+        body = {
+            "model": out.model, "results": results,
+            "usage": {"total_tokens": tokens}, "meta": {"billed_units": {"search_units": 1}},
+        }  # fmt: skip
+        return web.Response(
+            text=json.dumps(body, separators=(",", ":")), content_type="application/json", headers=out.headers
+        )
+
+
+def add_routes(app: web.Application, server: Server, max_body: int, body_timeout_s: float) -> None:
+    """Register the OpenAI and TEI routes on the REST app (gateway/transport/rest.py calls this)."""
+    api = EmbeddingsApi(server, max_body, body_timeout_s)
     r = app.router
     r.add_post("/v1/embeddings", api.openai_embeddings)
     r.add_get("/v1/models", api.openai_models)
     r.add_get("/v1/models/{model}", api.openai_model)
     r.add_post("/embed", api.tei_embed)
+    rerank = RerankApi(api)
+    r.add_post("/rerank", rerank.tei_rerank)
+    r.add_post("/v1/rerank", rerank.v1_rerank)

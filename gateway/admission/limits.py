@@ -17,8 +17,10 @@ charged, so a refused request costs the tenant nothing.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterable
 
@@ -113,6 +115,28 @@ class Ticket:
 OPEN_TICKET = Ticket(ANONYMOUS, None)
 
 
+def _load(settings) -> list[Tenant]:
+    tenants = load_tenants(settings.api_keys_file)
+    classes = settings.classes
+    for t in tenants:
+        if t.default_class is not None and t.default_class not in classes:
+            raise TenantFileError(
+                f"tenant '{t.name}' in {settings.api_keys_file}: default_class '{t.default_class}' is not one "
+                f"of the latency classes {sorted(classes)}"
+            )
+    return tenants
+
+
+def _file_state(path) -> tuple:
+    """What says a file changed: its inode, size and modification time (following symlinks, as a
+    mounted Secret's ``..data`` link is swapped)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ()
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 class Admission:
     def __init__(
         self,
@@ -156,14 +180,7 @@ class Admission:
         tenant has a global limit and a Redis URL is set."""
         if settings.api_keys_file is None:
             return cls()
-        tenants = load_tenants(settings.api_keys_file)
-        classes = settings.classes
-        for t in tenants:
-            if t.default_class is not None and t.default_class not in classes:
-                raise TenantFileError(
-                    f"tenant '{t.name}' in {settings.api_keys_file}: default_class '{t.default_class}' is not one "
-                    f"of the latency classes {sorted(classes)}"
-                )
+        tenants = _load(settings)
         share = settings.ratelimit_local_share or 1.0 / settings.ratelimit_expected_replicas
         has_global = any(
             not g.empty for t in tenants for g in (t.global_limits, *(o[1] for o in t.model_limits.values()))
@@ -183,6 +200,7 @@ class Admission:
                 share,
             )
         adm = cls(tenants, limiter, local_share=share, redis_prefix=settings.ratelimit_redis_prefix)
+        adm._source = (settings, _file_state(settings.api_keys_file))
         log.info(
             "tenants: %d loaded from %s; global limits %s",
             len(tenants), settings.api_keys_file, adm.limiter.backend if adm.limiter else "none",
@@ -192,10 +210,77 @@ class Admission:
     async def start(self) -> None:
         if self.limiter is not None:
             await self.limiter.start()
+        source = getattr(self, "_source", None)
+        if source is not None and source[0].tenants_reload_s > 0:
+            self._watch = asyncio.create_task(self._watch_file(), name="tenant-file-watch")
 
     async def close(self) -> None:
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.cancel()
         if self.limiter is not None:
             await self.limiter.close()
+
+    # -- the tenant file, re-read when it changes ------------------------------------------------
+
+    async def _watch_file(self) -> None:
+        settings, _ = self._source
+        while True:
+            await asyncio.sleep(settings.tenants_reload_s)
+            try:
+                tenants = await asyncio.to_thread(self._read_if_changed)  # the file is read off the loop
+                if tenants is not None:
+                    self._swap(tenants)  # on the loop: a call sees the old tenants or the new ones whole
+            except Exception:  # a bug here must not stop the checks, nor the server
+                log.exception("tenant file check failed")
+
+    def reload_if_changed(self) -> bool:
+        """Re-read the tenant file if it changed since it was read (a Kubernetes Secret's update,
+        an edit): new keys work and revoked ones are refused from then on, without a restart. A
+        file that no longer parses is refused with its reason and the tenants read before stay.
+        Tenants whose entry did not change keep their counters (in flight, buckets)."""
+        tenants = self._read_if_changed()
+        if tenants is None:
+            return False
+        self._swap(tenants)
+        return True
+
+    def _read_if_changed(self) -> list[Tenant] | None:
+        settings, state = self._source
+        path = settings.api_keys_file
+        now = _file_state(path)
+        if now == state:
+            return None
+        self._source = (settings, now)
+        try:
+            return _load(settings)
+        except TenantFileError as exc:
+            log.warning(
+                "tenant file %s changed but cannot be used (the previous tenants stay): %s", path, exc
+            )
+            return None
+
+    def _swap(self, tenants: list[Tenant]) -> None:
+        settings = self._source[0]
+        fresh = Admission(
+            tenants, self.limiter, local_share=self.local_share, redis_prefix=settings.ratelimit_redis_prefix
+        )
+        if fresh.limiter is not None and self.limiter is None:
+            # (a local limiter: a Redis one starts with the server)
+            log.warning(
+                "tenant file %s: global limits were added; restart the server to enforce them in Redis",
+                settings.api_keys_file,
+            )
+            self.limiter = fresh.limiter
+        for name, account in fresh.accounts.items():
+            old = self.accounts.get(name)
+            if old is not None and old.tenant == account.tenant:
+                fresh.accounts[name] = old
+        self.directory, self.accounts = fresh.directory, fresh.accounts
+        self._by_hash = {h: self.accounts[t.name] for h, t in self.directory.by_hash.items()}
+        log.info(
+            "tenants: %d reloaded from %s (the file changed)", len(self.accounts), settings.api_keys_file
+        )
 
     # -- the per-call path ---------------------------------------------------------------------
 

@@ -1,0 +1,211 @@
+"""The regression guard: CPU instructions per row of each bundled model and variant, counted by
+callgrind, against a committed baseline.
+
+Instruction counts do not move with a shared machine's load, so a 20 % slow-down of an engine shows
+as 20 % more instructions however noisy the neighbours (measured here: 4 and 8 encoder rows gave
+3.416 and 3.418 M instructions per row). Each figure is one child process under
+``valgrind --tool=callgrind`` with instrumentation off through Python's start-up, imports and
+session creation (``--instr-atstart=no``, switched on by ``callgrind_control`` once the child says
+it is ready) and collection only inside a libc ``qsort`` whose comparator runs the rows
+(``--toggle-collect``): the count is the rows' work, not the interpreter's start.
+
+The baseline (``bench/baselines/instructions.json``) is kept per machine (CPU flags, as the engine
+cache keys them: ONNX Runtime picks kernels by them) and ONNX Runtime version; on another machine
+the figures are printed and nothing is compared. A figure more than ``TOLERANCE`` above its
+baseline fails.
+
+    .venv/bin/python -m batchgate.bench.instructions [--update]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from batchgate.workers.sessions import disabled_fusions
+
+ROOT = Path(__file__).resolve().parent.parent
+BASELINE = Path(__file__).resolve().parent / "baselines" / "instructions.json"
+TOLERANCE = 0.10  # a real regression to catch is 20 %; run-to-run noise is ~0.1 %
+
+# The child: builds its feeds, creates the session, runs once, says ready, waits for the flag
+# (instrumentation is switched on meanwhile), then runs the counted rows inside qsort.
+_CHILD = r"""
+import ctypes, os, sys, time
+import numpy as np
+import onnxruntime as ort
+path, kind, runs, flag = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+so = ort.SessionOptions(); so.intra_op_num_threads = 1; so.inter_op_num_threads = 1
+so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+s = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"], disabled_optimizers=sys.argv[5:])
+if kind == "tokens":
+    ids = (np.arange(32, dtype=np.int64).reshape(1, 32) * 7) % 997 + 1
+    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+else:
+    rng = np.random.default_rng(0)
+    feed = {"dense": rng.standard_normal((64, 64)).astype(np.float32),
+            "sparse_ids": rng.integers(0, 10000, (64, 8)).astype(np.int64)}
+s.run(None, feed)
+print("ready", flush=True)
+while not os.path.exists(flag):
+    time.sleep(0.01)
+CMP = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+def work(a, b):
+    for _ in range(runs):
+        s.run(None, feed)
+    return 0
+arr = (ctypes.c_int * 2)(1, 2)
+ctypes.CDLL(None).qsort(arr, 2, ctypes.sizeof(ctypes.c_int), CMP(work))
+"""
+
+# model/variant -> (input kind, runs, rows per run)
+CASES = {
+    "encoder/fp32": ("tokens", 4, 1),
+    "encoder/int8": ("tokens", 4, 1),
+    "ranker/fp32": ("dense", 5, 64),
+}
+
+
+def machine_key() -> str:
+    import onnxruntime as ort
+
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()}:{hashlib.sha256(flags.encode()).hexdigest()[:12]}|ort {ort.__version__}"
+
+
+def available() -> str | None:
+    """None when valgrind and callgrind_control are here, else what is missing."""
+    missing = [t for t in ("valgrind", "callgrind_control") if shutil.which(t) is None]
+    return f"{' and '.join(missing)} not installed (apt-get install valgrind)" if missing else None
+
+
+def count(model: Path, kind: str, runs: int, timeout: float = 300.0) -> int:
+    """Instructions of ``runs`` engine runs of ``model``, counted by callgrind."""
+    with tempfile.TemporaryDirectory(prefix="bg-callgrind-") as tmp:
+        t = Path(tmp)
+        flag, out = t / "go", t / "callgrind.out"
+        cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
+               "--toggle-collect=qsort*", f"--callgrind-out-file={out}",
+               sys.executable, "-c", _CHILD, str(model), kind, str(runs), str(flag),
+               *disabled_fusions("cpu")]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            line = proc.stdout.readline()
+            if "ready" not in line:
+                proc.wait(timeout)
+                raise RuntimeError(f"callgrind child for {model} failed: {proc.stderr.read()[-2000:]}")
+            subprocess.run(
+                ["callgrind_control", "-i", "on", str(proc.pid)], capture_output=True, timeout=60, check=True
+            )
+            flag.touch()
+            _, err = proc.communicate(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if proc.returncode != 0:
+            raise RuntimeError(f"callgrind child for {model} exited {proc.returncode}: {err[-2000:]}")
+        for ln in err.splitlines():
+            if "I   refs:" in ln:
+                return int(ln.split(":", 1)[1].replace(",", "").strip())
+        raise RuntimeError(f"no instruction count in callgrind's output for {model}: {err[-2000:]}")
+
+
+def build_models(work: Path, log=print) -> dict[str, Path]:
+    """The models each case counts: the bundled originals, and the encoder's INT8 built here from
+    them (its build is deterministic, so its count is comparable across runs)."""
+    from batchgate.gateway.build.optimize import Options, build_int8, model_rows
+    from batchgate.gateway.repository import load_model
+
+    repo = ROOT / "model_repository"
+    enc = load_model(repo / "encoder", variant="fp32")[-1]
+    int8 = work / "encoder.int8.onnx"
+    build_int8(
+        enc.path, int8, model_rows(enc, "calibration"), Options("int8", search_rows=24), log=lambda m: None
+    )
+    return {
+        "encoder/fp32": enc.path,
+        "encoder/int8": int8,
+        "ranker/fp32": repo / "ranker" / "1" / "model.onnx",
+    }
+
+
+def measure(models: dict[str, Path]) -> dict[str, float]:
+    """Instructions per row per case (two children at a time: they are single-threaded)."""
+
+    def one(case: str) -> tuple[str, float]:
+        kind, runs, rows = CASES[case]
+        return case, count(models[case], kind, runs) / (runs * rows)
+
+    with ThreadPoolExecutor(2) as pool:
+        return dict(pool.map(one, [c for c in CASES if c in models]))
+
+
+def compare(figures: dict[str, float], baseline: dict[str, float], tolerance: float = TOLERANCE) -> list[str]:
+    """The regressions, each naming its figure, its baseline and the change; [] when none."""
+    bad = []
+    for case, value in sorted(figures.items()):
+        base = baseline.get(case)
+        if base and value > base * (1 + tolerance):
+            bad.append(f"{case}: {value:,.0f} instructions/row, baseline {base:,.0f} (+{value / base - 1:.1%}, "
+                       f"allowed +{tolerance:.0%})")  # fmt: skip
+    return bad
+
+
+def load_baseline() -> dict[str, float] | None:
+    if not BASELINE.is_file():
+        return None
+    return json.loads(BASELINE.read_text()).get(machine_key())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--update", action="store_true", help="record these figures as this machine's baseline")
+    args = p.parse_args()
+    why = available()
+    if why:
+        print(f"regression guard: {why}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        figures = measure(build_models(Path(tmp)))
+    base = load_baseline()
+    print(f"instructions per row (callgrind; {machine_key()}; {time.perf_counter() - t0:.0f} s):")
+    for case, v in figures.items():
+        ref = (
+            f"baseline {base[case]:,.0f} ({v / base[case] - 1:+.2%})"
+            if base and case in base
+            else "no baseline"
+        )
+        print(f"  {case:<14} {v:>14,.0f}  {ref}")
+    if args.update:
+        data = json.loads(BASELINE.read_text()) if BASELINE.is_file() else {}
+        data[machine_key()] = {k: round(v) for k, v in figures.items()}
+        BASELINE.parent.mkdir(parents=True, exist_ok=True)
+        BASELINE.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        print(f"baseline written to {BASELINE}")
+        return 0
+    bad = compare(figures, base or {})
+    for b in bad:
+        print(f"REGRESSION {b}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

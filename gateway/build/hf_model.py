@@ -1,0 +1,449 @@
+"""Bring your own model: a local sentence-transformers or Hugging Face folder as a served model.
+
+``batchgate prepare-model SOURCE_DIR --name NAME [--model-repository DIR]`` writes::
+
+    <repo>/NAME/config.pbtxt      text (BYTES) in; embedding (FP32 [hidden]) or score (FP32 [1]) out
+    <repo>/NAME/tokenizer.json    the folder's tokenizer, unchanged
+    <repo>/NAME/1/model.onnx      the encoder and its head (gateway/build/encoder.py)
+
+What it reads from SOURCE_DIR: ``config.json``, ``model.safetensors`` and ``tokenizer.json`` (in
+the Transformer module's folder when ``modules.json`` names one), and when present
+sentence-transformers' ``modules.json``, the Pooling module's ``config.json``,
+``sentence_bert_config.json`` and ``config_sentence_transformers.json``. The weights are read
+with safetensors' numpy API and the graph is spelled out with ``onnx.helper``: no PyTorch here
+or at serving time.
+
+What it decides, and where from (docs/embeddings.md, "Bringing your own model"):
+
+* architecture: BERT, RoBERTa or XLM-RoBERTa (``model_type``); an ``*ForSequenceClassification``
+  with one label becomes a rerank model whose rows are pairs (parameter ``text_pair``) and
+  whose output is the raw logit. Anything else is refused by name (``PrepareError``, exit 2).
+* max length: sentence-transformers' ``max_seq_length``, else the tokenizer's
+  ``model_max_length``, never more than the position table allows (RoBERTa's loses
+  ``padding_idx + 1`` rows to its offset).
+* pooling and normalisation: as ``modules.json`` declares them (a ``Normalize`` module means
+  unit vectors, none means raw pooled vectors); a plain Hugging Face folder, which declares
+  neither, gets mean pooling and L2 normalisation, what sentence-transformers' own fallback
+  pools and what cosine-similarity callers expect. ``--pooling`` and ``--normalize`` override.
+* prompts: ``config_sentence_transformers.json``'s ``prompts`` and ``default_prompt_name``,
+  recorded as parameters ``prompt.<name>`` and ``default_prompt_name``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from batchgate.gateway.build.encoder import POOLINGS, EncoderConfig, Head
+
+Log = Callable[[str], object]
+
+PRODUCER = "batchgate.prepare_model"
+VERSION = "1"
+# model_type -> family: the family fixes the embeddings (offset positions) and the classifier head.
+FAMILIES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta"}
+# The class-name stems Hugging Face gives each model_type, for the architectures check.
+_STEMS = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta"}
+# Heads whose checkpoints hold the bare encoder under a prefix; their head is not served.
+_ENCODER_ARCHS = ("Model", "ForMaskedLM", "ForPreTraining")
+SUPPORTED = (
+    "BERT, RoBERTa and XLM-RoBERTa encoders (model_type bert, roberta, xlm-roberta; "
+    "architectures *Model, *ForMaskedLM, *ForPreTraining) and their *ForSequenceClassification "
+    "cross-encoders with one label"
+)
+_POOLING_MODES = {
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_lasttoken": "lasttoken",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+}
+# A tokenizer_config.json without a limit says 1e30 (transformers' VERY_LARGE_INTEGER).
+_NO_LIMIT = 1_000_000
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+class PrepareError(ValueError):
+    """The folder cannot be prepared; the message is the one line the command prints."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the folder declares, read and checked before anything is built or written."""
+
+    source: Path
+    model_dir: Path  # the Transformer module's folder: config.json, weights, tokenizer
+    tokenizer: Path
+    architecture: str
+    model_type: str
+    cfg: EncoderConfig
+    head: Head
+    max_tokens: int
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
+
+    @property
+    def rerank(self) -> bool:
+        return self.head.classifier is not None
+
+
+# --------------------------------------------------------------------------------------------
+# reading the folder
+
+
+def _json(path: Path, required: bool = True) -> dict | list | None:
+    if not path.is_file():
+        if required:
+            raise PrepareError(f"{path} is missing")
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise PrepareError(f"{path} is not readable JSON: {exc}") from None
+
+
+def _modules(source: Path) -> tuple[Path, Path | None, bool] | None:
+    """sentence-transformers' pipeline: (Transformer folder, Pooling folder, Normalize), or None
+    for a plain Hugging Face folder."""
+    modules = _json(source / "modules.json", required=False)
+    if modules is None:
+        return None
+    kinds = [(str(m.get("type", "")).rsplit(".", 1)[-1], str(m.get("path", ""))) for m in modules]
+    for kind, path in kinds:
+        if kind not in ("Transformer", "Pooling", "Normalize"):
+            raise PrepareError(
+                f"{source / 'modules.json'}: module {kind} ({path or 'no path'}) is not supported; "
+                "supported: Transformer, then Pooling, then optionally Normalize"
+            )
+    order = [k for k, _ in kinds]
+    if order not in (["Transformer", "Pooling"], ["Transformer", "Pooling", "Normalize"]):
+        raise PrepareError(
+            f"{source / 'modules.json'}: modules {', '.join(order)}; supported: Transformer, then Pooling, "
+            "then optionally Normalize"
+        )
+    return source / kinds[0][1], source / kinds[1][1], len(order) == 3
+
+
+def _pooling(pool_dir: Path, hidden: int, has_prompts: bool) -> str:
+    cfg = _json(pool_dir / "config.json")
+    modes = [mode for key, mode in _POOLING_MODES.items() if cfg.get(key)]
+    if len(modes) != 1 or modes[0] not in POOLINGS:
+        raise PrepareError(
+            f"{pool_dir / 'config.json'}: pooling {' + '.join(modes) or 'none'} is not supported; "
+            f"supported: one of {', '.join(POOLINGS)}"
+        )
+    dim = cfg.get("word_embedding_dimension", hidden)
+    if dim != hidden:
+        raise PrepareError(
+            f"{pool_dir / 'config.json'}: word_embedding_dimension {dim}, the model's hidden size {hidden}"
+        )
+    if cfg.get("include_prompt") is False and modes[0] == "mean" and has_prompts:
+        # sentence-transformers would leave the prompt's tokens out of the mean; the graph
+        # cannot know where a prompt ends.
+        raise PrepareError(
+            f"{pool_dir / 'config.json'}: include_prompt false (prompt tokens left out of the mean) "
+            "is not supported"
+        )
+    return modes[0]
+
+
+def _architecture(config: dict, where: Path) -> tuple[str, str, bool]:
+    """(architecture, model_type, whether it is a cross-encoder), or PrepareError naming it."""
+    model_type = str(config.get("model_type", ""))
+    archs = config.get("architectures") or []
+    arch = str(archs[0]) if archs else ""
+    shown = f"{arch} (model_type '{model_type}')" if arch else f"model_type '{model_type}'"
+    stem = _STEMS.get(model_type)
+    if stem is None:
+        raise PrepareError(f"{where}: unsupported architecture {shown}; supported: {SUPPORTED}")
+    tail = arch[len(stem) :] if arch.startswith(stem) else None
+    if arch and tail not in (*_ENCODER_ARCHS, "ForSequenceClassification"):
+        raise PrepareError(f"{where}: unsupported architecture {shown}; supported: {SUPPORTED}")
+    if config.get("is_decoder") or config.get("add_cross_attention"):
+        raise PrepareError(f"{where}: {shown} is configured as a decoder; supported: {SUPPORTED}")
+    act = config.get("hidden_act", "gelu")
+    if act != "gelu":
+        raise PrepareError(f"{where}: hidden_act '{act}' is not supported; supported: 'gelu' (erf GELU)")
+    pos = config.get("position_embedding_type", "absolute")
+    if pos != "absolute":
+        raise PrepareError(
+            f"{where}: position_embedding_type '{pos}' is not supported; supported: 'absolute'"
+        )
+    return arch or f"{stem}Model", model_type, tail == "ForSequenceClassification"
+
+
+def _max_tokens(config: dict, model_dir: Path, position_limit: int) -> int:
+    """sentence-transformers' rule: its max_seq_length, else min(positions, the tokenizer's
+    model_max_length); here also never past the position table."""
+    st = _json(model_dir / "sentence_bert_config.json", required=False) or {}
+    limit = st.get("max_seq_length")
+    if limit is None:
+        tok_cfg = _json(model_dir / "tokenizer_config.json", required=False) or {}
+        limit = tok_cfg.get("model_max_length")
+        if not isinstance(limit, int | float) or limit >= _NO_LIMIT:
+            limit = None
+    return min(int(limit), position_limit) if limit else position_limit
+
+
+def _lowercases(tokenizer: dict) -> bool:
+    text = json.dumps(tokenizer.get("normalizer"))
+    return '"lowercase": true' in text or '"Lowercase"' in text
+
+
+def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | None = None) -> Plan:
+    """Read and check ``source``; PrepareError (one line) on anything the build would not serve
+    as the folder's own library would."""
+    source = Path(source)
+    if not source.is_dir():
+        raise PrepareError(
+            f"{source} is not a directory (expected a sentence-transformers or Hugging Face model folder)"
+        )
+    modules = _modules(source)
+    model_dir = modules[0] if modules else source
+    # The architecture first: a folder of another kind is refused by name, not for a file it lacks.
+    config = _json(model_dir / "config.json")
+    arch, model_type, rerank = _architecture(config, model_dir / "config.json")
+    family = FAMILIES[model_type]
+    for name in ("model.safetensors", "tokenizer.json"):
+        if not (model_dir / name).is_file():
+            hint = ""
+            if name == "model.safetensors" and any(model_dir.glob("*.bin")):
+                hint = " (pytorch_model.bin is not read: it needs PyTorch; save the model with safetensors)"
+            elif name == "model.safetensors" and any(model_dir.glob("model-*-of-*.safetensors")):
+                hint = " (sharded weights are not read: save them as one file)"
+            raise PrepareError(f"{model_dir / name} is missing{hint}")
+
+    padding_idx = int(config.get("pad_token_id", 1)) if family == "roberta" else None
+    max_positions = int(config["max_position_embeddings"])
+    position_limit = max_positions - (padding_idx + 1 if padding_idx is not None else 0)
+    hidden = int(config["hidden_size"])
+    cfg = EncoderConfig(
+        hidden=hidden,
+        layers=int(config["num_hidden_layers"]),
+        heads=int(config["num_attention_heads"]),
+        intermediate=int(config["intermediate_size"]),
+        max_positions=max_positions,
+        type_vocab=int(config.get("type_vocab_size", 2)),
+        ln_epsilon=float(config.get("layer_norm_eps", 1e-12)),
+        max_seq_length=_max_tokens(config, model_dir, position_limit),
+        padding_idx=padding_idx,
+    )
+
+    st = _json(source / "config_sentence_transformers.json", required=False) or {}
+    prompts = st.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()
+    ):
+        raise PrepareError(f"{source / 'config_sentence_transformers.json'}: prompts must map names to texts")
+    default_prompt = st.get("default_prompt_name")
+    if default_prompt is not None and default_prompt not in prompts:
+        raise PrepareError(
+            f"{source / 'config_sentence_transformers.json'}: default_prompt_name '{default_prompt}' "
+            f"names no prompt; the folder's: {sorted(prompts)}"
+        )
+
+    st_model = _json(model_dir / "sentence_bert_config.json", required=False) or {}
+    tokenizer = _json(model_dir / "tokenizer.json")
+    if st_model.get("do_lower_case") and not _lowercases(tokenizer):
+        raise PrepareError(
+            f"{model_dir / 'sentence_bert_config.json'}: do_lower_case is set but tokenizer.json does not "
+            "lowercase; add a Lowercase normalizer to tokenizer.json"
+        )
+
+    if rerank:
+        if pooling is not None or normalize is not None:
+            raise PrepareError(
+                f"{source}: --pooling and --normalize are for embedding models; {arch} is a cross-encoder"
+            )
+        head = Head(classifier=family)
+    else:
+        if modules:
+            found_pooling = _pooling(modules[1], hidden, any(prompts.values()))
+            found_normalize = modules[2]
+        else:
+            found_pooling, found_normalize = "mean", True
+        head = Head(
+            pooling=pooling or found_pooling, normalize=found_normalize if normalize is None else normalize
+        )
+    return Plan(
+        source=source,
+        model_dir=model_dir,
+        tokenizer=model_dir / "tokenizer.json",
+        architecture=arch,
+        model_type=model_type,
+        cfg=cfg,
+        head=head,
+        max_tokens=cfg.max_seq_length,
+        prompts=dict(prompts),
+        default_prompt_name=default_prompt,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# weights
+
+
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Every float tensor as float32 (float16 and bfloat16 checkpoints included)."""
+    # ml_dtypes (onnx's own dependency) registers bfloat16 with numpy, without which
+    # safetensors' numpy API refuses a bfloat16 file.
+    import ml_dtypes  # noqa: F401
+    from safetensors.numpy import load_file
+
+    # Integer buffers (an old checkpoint's position_ids) are left out: the graph computes its own.
+    return {
+        k: v.astype(np.float32) for k, v in load_file(path).items() if not np.issubdtype(v.dtype, np.integer)
+    }
+
+
+def _split_weights(
+    weights: dict[str, np.ndarray], plan: Plan
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(encoder weights named as in a bare model, head weights); the encoder may sit under the
+    family's prefix (``bert.``, ``roberta.``), as every task model's checkpoint has it."""
+    word = "embeddings.word_embeddings.weight"
+    prefix = next((p for p in ("", "bert.", "roberta.") if p + word in weights), None)
+    if prefix is None:
+        raise PrepareError(
+            f"{plan.model_dir / 'model.safetensors'} has no tensor {word} (nor bert./roberta. {word})"
+        )
+    encoder = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+    head: dict[str, np.ndarray] = {}
+    if plan.head.classifier == "bert":
+        names = ("pooler.dense.weight", "pooler.dense.bias", "classifier.weight", "classifier.bias")
+        head = {n: encoder.get(n, weights.get(n)) for n in names}
+    elif plan.head.classifier == "roberta":
+        names = ("classifier.dense.weight", "classifier.dense.bias", "classifier.out_proj.weight",
+                 "classifier.out_proj.bias")  # fmt: skip
+        head = {n: weights.get(n) for n in names}
+    missing = [n for n, v in head.items() if v is None]
+    if missing:
+        raise PrepareError(
+            f"{plan.model_dir / 'model.safetensors'} has no tensor {missing[0]} ({plan.architecture})"
+        )
+    if head:
+        labels = head[names[2]].shape[0]
+        if labels != 1:
+            # Several labels make a classifier (NLI, sentiment), not a relevance score.
+            raise PrepareError(
+                f"{plan.model_dir / 'config.json'}: {plan.architecture} has {labels} labels; a rerank model "
+                "needs one (its logit is the score)"
+            )
+    return encoder, head
+
+
+# --------------------------------------------------------------------------------------------
+# config.pbtxt
+
+
+def _escape(text: str) -> str:
+    from google.protobuf import text_encoding
+
+    return text_encoding.CEscape(text, as_utf8=True)
+
+
+def render_config(name: str, plan: Plan) -> str:
+    from batchgate.gateway.build.minilm import render_text_config, text_parameters
+
+    params = text_parameters(plan.max_tokens)
+    kind = "rerank: pairs in, the classifier's logit out" if plan.rerank else "embedding"
+    notes = [
+        f"Source: {plan.architecture} ({plan.model_type}), {plan.cfg.layers} layers, hidden {plan.cfg.hidden}; {kind}."
+    ]
+    if plan.rerank:
+        notes.append(
+            "Each row is a pair: query and document joined by U+001F (gateway/text.py PAIR_SEPARATOR)."
+        )
+        params["text_pair"] = "true"
+    else:
+        notes.append(
+            "pooling and normalize record what the graph does; prompt.<name> are the folder's prompts."
+        )
+        params["pooling"] = plan.head.pooling
+        params["normalize"] = "true" if plan.head.normalize else "false"
+    for prompt, text in sorted(plan.prompts.items()):
+        params[f"prompt.{_escape(prompt)}"] = _escape(text)
+    if plan.default_prompt_name is not None:
+        params["default_prompt_name"] = _escape(plan.default_prompt_name)
+    return render_text_config(
+        name,
+        "gateway/build/hf_model.py (batchgate prepare-model)",
+        plan.head.output,
+        1 if plan.rerank else plan.cfg.hidden,
+        params,
+        notes,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# the command
+
+
+def prepare_model(source: Path, name: str, repo: Path, *, pooling: str | None = None,
+                  normalize: bool | None = None, log: Log = print) -> Path:  # fmt: skip
+    """Write ``<repo>/<name>`` from the folder ``source``; returns the model directory. Raises
+    PrepareError (one line) when the folder is not one this build serves faithfully."""
+    from batchgate.gateway.build.encoder import build_model
+    from batchgate.gateway.build.onnx_graph import write_atomic
+
+    if not _NAME.fullmatch(name):
+        raise PrepareError(f"--name '{name}': a model name is letters, digits, '_', '.' and '-'")
+    t0 = time.monotonic()
+    plan = read_folder(source, pooling=pooling, normalize=normalize)
+    encoder, head = _split_weights(_read_safetensors(plan.model_dir / "model.safetensors"), plan)
+    _check_vocab(plan, encoder)
+    try:
+        model = build_model(encoder, plan.cfg, plan.head, name=name, producer=PRODUCER, head_weights=head)
+    except KeyError as exc:
+        raise PrepareError(f"{plan.model_dir / 'model.safetensors'} has no tensor {exc.args[0]}") from None
+    model_bytes = model.SerializeToString(deterministic=True)
+    out = Path(repo) / name
+    write_atomic(out / VERSION / "model.onnx", model_bytes)
+    write_atomic(out / "tokenizer.json", plan.tokenizer.read_bytes())
+    # Config last, so a repository scan never finds a config whose other files are missing.
+    write_atomic(out / "config.pbtxt", render_config(name, plan).encode())
+    what = (
+        "rerank, raw logit"
+        if plan.rerank
+        else f"embedding, {plan.head.pooling} pooling{', normalised' if plan.head.normalize else ''}"
+    )
+    log(
+        f"{name}: wrote {out} from {plan.source} ({plan.architecture}, {what}, max {plan.max_tokens} tokens"
+        f"{f', prompts {sorted(plan.prompts)}' if plan.prompts else ''}) in {time.monotonic() - t0:.1f}s"
+    )
+    return out
+
+
+def _check_vocab(plan: Plan, encoder: dict[str, np.ndarray]) -> None:
+    from tokenizers import Tokenizer
+
+    rows = encoder["embeddings.word_embeddings.weight"].shape[0]
+    tokens = Tokenizer.from_file(str(plan.tokenizer)).get_vocab_size(with_added_tokens=True)
+    if tokens > rows:
+        raise PrepareError(
+            f"{plan.tokenizer} has {tokens} tokens; the model's embedding table has {rows} rows"
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    """``batchgate prepare-model``: 0; 2 for a folder it refuses, 1 for a failure; one line on stderr."""
+    try:
+        prepare_model(
+            args.source, args.name, args.model_repository, pooling=args.pooling, normalize=args.normalize
+        )
+    except PrepareError as exc:
+        print(f"batchgate prepare-model: {str(exc).replace(chr(10), ' ')}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # an I/O or build failure: one line too, as prepare-minilm says it
+        print(f"batchgate prepare-model: {type(exc).__name__}: {exc}".replace("\n", " "), file=sys.stderr)
+        return 1
+    return 0

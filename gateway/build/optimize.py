@@ -1,0 +1,1261 @@
+"""``batchgate optimize``: engine variants beside a model's original, each behind an accuracy gate.
+
+A variant is built offline into the version folder of the model it came from
+(``<model>/<version>/model.<variant>.onnx``) with its evaluation report beside it
+(``model.<variant>.report.json`` / ``.md`` / ``.png``):
+
+* ``optimized``: ONNX Runtime's transformer optimiser (``onnxruntime.transformers.optimizer``),
+  FP32; the report lists the fusions that happened.
+* ``int8``: INT8 weights (per output channel) and INT8 activations, in one of two forms:
+
+  - ``row`` scales (the default): each activation row (a token) gets its own scale at run time,
+    max|row| / 127, so a row's answer never depends on its batch-mates or its padding, and no
+    calibration of ranges is needed (``row_int8``). ONNX Runtime's own dynamic quantisation is not
+    offered: it computes one scale over the whole batch tensor, so a text would get another vector
+    beside a long or odd neighbour (measured: cosine 0.991 to itself alone, docs/engines.md), and
+    the result cache would keep whichever came first.
+  - ``static`` scales: QDQ (``onnxruntime.quantization.quantize_static``), UINT8 activations with
+    ranges calibrated once on calibration inputs (percentile by default, entropy or min/max).
+
+  Both first fold SmoothQuant into the weights (outlier channels scaled down) and keep the nodes
+  that damage the answer most in FP32. Which nodes those are is measured, not listed: each
+  quantisable node is quantised alone and its damage to the output on the calibration inputs
+  measured; then the worst are kept in FP32, one at a time, until the whole model meets the
+  accuracy targets on the calibration inputs.
+* ``fp16``: ``onnxruntime.transformers.float16`` with FP32 inputs and outputs kept; op types whose
+  FP16 kernels ONNX Runtime lacks, or whose FP16 form misses the targets on the calibration inputs,
+  stay FP32 (measured, one type at a time). Built and checked for accuracy here; its speed is a
+  GPU's question (ORT runs FP16 graphs on a CPU slowly).
+
+The gate: on a held-out set that calibration never saw (``texts/heldout.txt`` for text models,
+other seeds for synthetic inputs), in one run, the variant against the original: accuracy
+(embeddings: cosine per row, min and mean, nearest-neighbour agreement; scores: max abs/rel error,
+pairwise rank agreement), batch independence (a row alone and padded into a batch of other
+lengths), p50/p99 latency and rows/s on one pinned core, and the RSS of each loaded engine. A
+variant that misses a threshold is not written (``force`` writes it, its report marked failed,
+and the repository refuses to serve it). Same inputs give the same model bytes.
+
+Only the CLI imports this module (and the tests and benches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+import hashlib
+import json
+import logging
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from batchgate.gateway.build.thresholds import METHODS, NN_TIE, SCALES, Thresholds
+from batchgate.gateway.repository import (
+    CONFIG_FILE,
+    TOKEN_INPUTS,
+    VARIANT_PARAMETER,
+    VARIANT_PRECISION,
+    ConfigError,
+    ModelSpec,
+    check_variant,
+    load_model,
+    report_path,
+    sha256_file,
+    variant_path,
+)
+
+VARIANTS = ("optimized", "fp16", "int8")
+TEXTS = Path(__file__).resolve().parent / "texts"
+CALIBRATION_TEXTS = TEXTS / "calibration.txt"
+HELDOUT_TEXTS = TEXTS / "heldout.txt"
+# Synthetic rows for models without text: calibration and held-out draw from other seeds.
+CALIBRATION_SEED, HELDOUT_SEED = 1, 2
+SYNTHETIC_ROWS = {"calibration": 256, "heldout": 512}
+# Op types INT8 quantises: the GEMMs, where the time goes; the rest stays FP32 (QDQ around an
+# element-wise op costs more than it saves on a CPU).
+INT8_OPS = ("MatMul", "Gemm")
+# Op types whose FP16 form is tried in FP32 when the FP16 model misses the targets.
+FP16_CANDIDATES = (
+    "LayerNormalization", "Softmax", "ReduceL2", "ReduceSum", "ReduceMean", "Div", "Pow", "Sqrt",
+    "Erf", "Exp", "Sigmoid", "Sub", "Add", "Mul", "MatMul", "Gemm",
+)  # fmt: skip
+BATCH_SIZES = (1, 8, 32)
+Log = Callable[[str], None]
+
+
+class OptimizeError(Exception):
+    """The variant cannot be built as asked; the message names the input and what was expected."""
+
+
+@dataclass(slots=True)
+class Options:
+    variant: str
+    version: str | None = None  # None: the latest version served
+    calibration: Path | None = None  # .txt (one text per line) or .npz (arrays by input name)
+    heldout: Path | None = None
+    scales: str = "row"  # INT8 activations: "row" (each row's own scale, at run time) or "static"
+    method: str = "percentile"  # static scales' calibration
+    percentile: float = 99.999
+    per_channel: bool = True
+    fallback: bool = True  # keep the measured-worst nodes in FP32
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    force: bool = False
+    core: int | None = None  # the core the timing runs on; None: the first this process may use
+    timing_repeats: int = 3
+    memory: bool = True  # RSS of each loaded engine, in a child process each
+    search_rows: int = 48  # calibration rows per candidate in the sensitivity scan
+    smooth: float = 0.8  # INT8: SmoothQuant's alpha (0: off)
+    command: str = ""
+
+
+# -- inputs --------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Rows:
+    """Model inputs, one row per feed at its own length (batch dim 1), and where they came from."""
+
+    feeds: list[dict[str, np.ndarray]]
+    source: str
+    digest: str  # sha256 of the rows' bytes: the report names exactly what was measured
+
+    def __len__(self) -> int:
+        return len(self.feeds)
+
+
+def _digest(feeds: list[dict[str, np.ndarray]]) -> str:
+    h = hashlib.sha256()
+    for f in feeds:
+        for k in sorted(f):
+            h.update(k.encode())
+            h.update(np.ascontiguousarray(f[k]).tobytes())
+    return h.hexdigest()
+
+
+def read_texts(path: Path) -> list[str]:
+    """One text per line; blank lines and lines starting with '#' skipped."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OptimizeError(f"cannot read texts from {path}: {exc}") from None
+    texts = [t for t in lines if t.strip() and not t.startswith("#")]
+    if not texts:
+        raise OptimizeError(f"{path} holds no texts (expected one text per line)")
+    return texts
+
+
+def _token_rows(spec: ModelSpec, texts: list[str]) -> list[dict[str, np.ndarray]]:
+    """Token inputs for a text model (its tokenizer) or a token model without one (each word
+    hashed into ``input_range.input_ids``, stable across runs and machines)."""
+    names = spec.model_inputs
+    max_len = spec.params.max_tokens or spec.params.max_dim.get("input_ids") or 512
+    if spec.params.tokenizer:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(spec.path.parent.parent / spec.params.tokenizer))
+        tok.no_padding()
+        tok.enable_truncation(max_len)
+        id_lists = [tok.encode(t).ids for t in texts]
+    else:
+        low, high = spec.params.input_range.get("input_ids", (None, None))
+        if low is None:
+            raise OptimizeError(
+                f"model '{spec.name}': texts become token ids only through a tokenizer or within "
+                "parameter input_range.input_ids; give --calibration/--heldout as .npz arrays instead"
+            )
+        lo, hi = int(max(low, 1)), int(high)  # id 0 is left for padding
+        id_lists = []
+        for t in texts:
+            words = re.findall(r"\w+|[^\w\s]", t.lower())[:max_len] or ["."]
+            ids = [
+                lo + int.from_bytes(hashlib.blake2b(w.encode(), digest_size=8).digest()) % (hi - lo)
+                for w in words
+            ]
+            id_lists.append(ids)
+    feeds = []
+    for ids in id_lists:
+        arr = np.asarray([ids], np.int64)
+        row = {"input_ids": arr}
+        if "attention_mask" in names:
+            row["attention_mask"] = np.ones_like(arr)
+        if "token_type_ids" in names:
+            row["token_type_ids"] = np.zeros_like(arr)
+        feeds.append(row)
+    return feeds
+
+
+def _synthetic_rows(spec: ModelSpec, n: int, seed: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    cols: dict[str, np.ndarray] = {}
+    for t in spec.inputs:
+        if any(d < 0 for d in t.dims):
+            raise OptimizeError(
+                f"model '{spec.name}': input '{t.name}' has variable dims {list(t.dims)}; synthetic rows need "
+                "fixed dims: give --calibration/--heldout as .npz arrays (one array per input, rows on axis 0)"
+            )
+        shape = (n, *t.dims)
+        if np.issubdtype(t.dtype, np.floating):
+            cols[t.name] = rng.standard_normal(shape).astype(t.dtype)
+        elif t.name in spec.params.input_range:
+            lo, hi = spec.params.input_range[t.name]
+            cols[t.name] = rng.integers(int(lo), int(hi), shape).astype(t.dtype)
+        else:
+            raise OptimizeError(
+                f"model '{spec.name}': integer input '{t.name}' has no parameter input_range.{t.name} to draw "
+                "synthetic rows from; give --calibration/--heldout as .npz arrays"
+            )
+    return [{k: v[i : i + 1] for k, v in cols.items()} for i in range(n)]
+
+
+def _npz_rows(spec: ModelSpec, path: Path) -> list[dict[str, np.ndarray]]:
+    try:
+        with np.load(path) as data:
+            cols = {k: data[k] for k in data.files}
+    except (OSError, ValueError) as exc:
+        raise OptimizeError(f"cannot read {path} as .npz arrays: {exc}") from None
+    want = list(spec.model_inputs)
+    missing = [k for k in want if k not in cols]
+    if missing:
+        raise OptimizeError(
+            f"{path} lacks arrays {missing}; expected one per model input {want}, rows on axis 0"
+        )
+    n = {len(cols[k]) for k in want}
+    if len(n) != 1 or 0 in n:
+        raise OptimizeError(
+            f"{path}: the arrays {want} must hold the same number (>= 1) of rows, got {sorted(n)}"
+        )
+    return [{k: np.ascontiguousarray(cols[k][i : i + 1]) for k in want} for i in range(n.pop())]
+
+
+def _is_token_model(spec: ModelSpec) -> bool:
+    return "input_ids" in spec.model_inputs and all(n in TOKEN_INPUTS for n in spec.model_inputs)
+
+
+def model_rows(spec: ModelSpec, which: str, path: Path | None = None) -> Rows:
+    """The calibration or held-out rows of ``spec``: from ``path`` when given, else the shipped
+    sentences (text and token models) or seeded synthetic rows."""
+    if path is not None and path.suffix == ".npz":
+        feeds, source = _npz_rows(spec, path), str(path)
+    elif path is not None or _is_token_model(spec):
+        if path is not None and not _is_token_model(spec):
+            raise OptimizeError(f"model '{spec.name}' takes no text; give {path.name} as .npz arrays")
+        src = path or (CALIBRATION_TEXTS if which == "calibration" else HELDOUT_TEXTS)
+        shipped = path is None
+        feeds = _token_rows(spec, read_texts(src))
+        source = f"gateway/build/texts/{src.name} (shipped)" if shipped else str(src)
+    else:
+        seed = CALIBRATION_SEED if which == "calibration" else HELDOUT_SEED
+        feeds = _synthetic_rows(spec, SYNTHETIC_ROWS[which], seed)
+        source = f"synthetic, seed {seed} (floats N(0,1), integers uniform in input_range)"
+    return Rows(feeds, source, _digest(feeds))
+
+
+def pad_batch(feeds: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Rows of other lengths as one batch padded to the longest (0: an attention mask's padding)."""
+    out = {}
+    for k in feeds[0]:
+        arrs = [f[k] for f in feeds]
+        shape = [max(a.shape[d] for a in arrs) for d in range(1, arrs[0].ndim)]
+        batch = np.zeros((len(arrs), *shape), arrs[0].dtype)
+        for i, a in enumerate(arrs):
+            batch[(i, *(slice(0, s) for s in a.shape[1:]))] = a[0]
+        out[k] = batch
+    return out
+
+
+# -- running models ------------------------------------------------------------------------------
+
+
+def session(path: Path, threads: int = 1):
+    """A session as a batchgate CPU worker makes one: one thread, no spinning, all graph passes
+    but the fusions workers skip."""
+    import onnxruntime as ort
+
+    from batchgate.workers.sessions import disabled_fusions
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.log_severity_level = 3
+    return ort.InferenceSession(
+        str(path), so, providers=["CPUExecutionProvider"], disabled_optimizers=disabled_fusions("cpu")
+    )
+
+
+def run_rows(sess, feeds: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Each row alone; outputs stacked by name (rows on axis 0)."""
+    names = [o.name for o in sess.get_outputs()]
+    outs: dict[str, list[np.ndarray]] = {n: [] for n in names}
+    for f in feeds:
+        for n, v in zip(names, sess.run(None, f)):
+            outs[n].append(np.asarray(v, np.float64))
+    return {n: np.concatenate(v) for n, v in outs.items()}
+
+
+def output_kind(arr: np.ndarray) -> str:
+    """'scores' for one value per row, else 'embedding'."""
+    return "scores" if arr.reshape(len(arr), -1).shape[1] == 1 else "embedding"
+
+
+def accuracy(ref: dict[str, np.ndarray], got: dict[str, np.ndarray]) -> dict[str, dict]:
+    """Per output: the figures the gate judges (and per-row values for the plot)."""
+    out = {}
+    for name, a in ref.items():
+        b = got[name]
+        a2, b2 = a.reshape(len(a), -1), b.reshape(len(b), -1)
+        if output_kind(a) == "embedding":
+            na, nb = np.linalg.norm(a2, axis=1), np.linalg.norm(b2, axis=1)
+            cos = (a2 * b2).sum(1) / np.maximum(na * nb, 1e-30)
+            out[name] = {
+                "kind": "embedding",
+                "rows": len(a),
+                "min_cosine": float(cos.min()),
+                "mean_cosine": float(cos.mean()),
+                "nn_agreement": _nn_agreement(a2, b2, NN_TIE),
+                "nn_exact": _nn_agreement(a2, b2),
+                "per_row": [float(c) for c in cos],
+            }
+        else:
+            x, y = a2[:, 0], b2[:, 0]
+            err = np.abs(x - y)
+            big = np.abs(x) >= 1e-3
+            rel = err[big] / np.abs(x[big]) if big.any() else np.zeros(1)
+            out[name] = {
+                "kind": "scores",
+                "rows": len(a),
+                "max_abs_err": float(err.max()),
+                "max_rel_err": float(rel.max()),
+                "rank_agreement": _pair_agreement(x, y),
+                "per_row": [float(e) for e in err],
+            }
+    return out
+
+
+def _nn_agreement(a: np.ndarray, b: np.ndarray, tie: float = 0.0) -> float:
+    """Share of rows whose nearest other row (by cosine) under the variant is, by the original's
+    cosines, within ``tie`` of the original's nearest (``tie`` 0: the same row)."""
+    if len(a) < 3:
+        return 1.0
+
+    def sims(x):
+        x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-30)
+        s = x @ x.T
+        np.fill_diagonal(s, -np.inf)
+        return s
+
+    sa = sims(a)
+    pick = sims(b).argmax(1)
+    rows = np.arange(len(a))
+    return float((sa[rows, pick] >= sa.max(1) - tie).mean())
+
+
+def _pair_agreement(x: np.ndarray, y: np.ndarray) -> float:
+    """Share of row pairs the two score vectors order alike (ties in the reference skipped)."""
+    sx = np.sign(x[:, None] - x[None, :])
+    sy = np.sign(y[:, None] - y[None, :])
+    mask = np.triu(sx != 0, 1)
+    return float((sx[mask] == sy[mask]).mean()) if mask.any() else 1.0
+
+
+def judge(acc: dict[str, dict], t: Thresholds) -> list[str]:
+    """The failures, each naming the figure and its threshold; [] when every figure holds."""
+    fails = []
+    for name, a in acc.items():
+        if a["kind"] == "embedding":
+            checks = [("min_cosine", a["min_cosine"], t.min_cosine, ">="),
+                      ("mean_cosine", a["mean_cosine"], t.mean_cosine, ">="),
+                      ("nn_agreement", a["nn_agreement"], t.nn_agreement, ">=")]  # fmt: skip
+        else:
+            checks = [("max_abs_err", a["max_abs_err"], t.max_abs_err, "<="),
+                      ("max_rel_err", a["max_rel_err"], t.max_rel_err, "<="),
+                      ("rank_agreement", a["rank_agreement"], t.rank_agreement, ">=")]  # fmt: skip
+        for what, value, bound, op in checks:
+            ok = value >= bound if op == ">=" else value <= bound
+            if not ok:
+                fails.append(f"{name} {what} {value:.6g} (needs {op} {bound:g})")
+    return fails
+
+
+def _damage(acc: dict[str, dict]) -> float:
+    """One number per candidate model for the sensitivity scan: the worst row's harm."""
+    worst = 0.0
+    for a in acc.values():
+        worst = max(worst, 1 - a["min_cosine"] if a["kind"] == "embedding" else a["max_abs_err"])
+    return worst
+
+
+def batch_independence(sess, feeds: list[dict[str, np.ndarray]], alone: dict[str, np.ndarray]) -> float:
+    """Largest difference between a row's output alone and in a batch with rows of other lengths
+    padded to the longest (groups of 8 spread over the lengths, as a length bucket holds)."""
+    order = sorted(range(len(feeds)), key=lambda i: _row_len(feeds[i]))
+    names = [o.name for o in sess.get_outputs()]
+    worst = 0.0
+    step = max(1, len(order) // 8)
+    for start in range(min(step, 4)):
+        group = order[start::step][:8]
+        outs = sess.run(None, pad_batch([feeds[i] for i in group]))
+        for n, v in zip(names, outs):
+            ref = alone[n][group]
+            worst = max(worst, float(np.abs(np.asarray(v, np.float64) - ref).max()))
+    return worst
+
+
+def _row_len(feed: dict[str, np.ndarray]) -> int:
+    return max(int(np.prod(v.shape[1:])) for v in feed.values())
+
+
+# -- timing and memory ---------------------------------------------------------------------------
+
+
+def _pin(core: int | None) -> int:
+    allowed = sorted(os.sched_getaffinity(0))
+    core = allowed[0] if core is None else core
+    os.sched_setaffinity(0, {core})
+    return core
+
+
+def speed(paths: dict[str, Path], feeds: list[dict[str, np.ndarray]], max_batch: int, repeats: int) -> dict:
+    """Per engine, measured alternately in one run on the current (pinned) core: latency of one row
+    alone (p50/p99 over every held-out row, ``repeats`` times) and rows/s at each batch size (the
+    held-out rows by length, each batch padded to its longest, as a server's length bucket pads;
+    each batch at its quickest of the repeats)."""
+    sessions = {k: session(p) for k, p in paths.items()}
+    for s in sessions.values():  # first runs pay for allocation
+        for f in feeds[:3]:
+            s.run(None, f)
+    lat: dict[str, list[float]] = {k: [] for k in paths}
+    for _ in range(repeats):
+        for f in feeds:
+            for k, s in sessions.items():
+                t0 = time.perf_counter()
+                s.run(None, f)
+                lat[k].append(time.perf_counter() - t0)
+    result = {
+        k: {"latency_ms": {"p50": _pct(v, 50) * 1e3, "p99": _pct(v, 99) * 1e3}, "batches": []}
+        for k, v in lat.items()
+    }
+    by_len = sorted(feeds, key=_row_len)  # a server batches rows of like length (length buckets)
+    for b in sorted({min(b, max_batch) for b in BATCH_SIZES if max_batch >= 1}):
+        batches = [pad_batch(by_len[i : i + b]) for i in range(0, len(by_len), b)]
+        times: dict[str, list[list[float]]] = {k: [[] for _ in batches] for k in paths}
+        for s in sessions.values():
+            s.run(None, batches[0])
+        for _ in range(max(2, repeats)):
+            for i, batch in enumerate(batches):
+                for k, s in sessions.items():
+                    t0 = time.perf_counter()
+                    s.run(None, batch)
+                    times[k][i].append(time.perf_counter() - t0)
+        for k, per_batch in times.items():
+            # A pass is each batch at its quickest repeat: on a shared core a stall lands on one
+            # run, and the sum of means would charge it to whichever engine ran then.
+            per_pass = sum(min(v) for v in per_batch)
+            flat = [x for v in per_batch for x in v]
+            result[k]["batches"].append({
+                "batch": b,
+                "rows_per_s": len(feeds) / per_pass,
+                "p50_ms": _pct(flat, 50) * 1e3,
+                "p99_ms": _pct(flat, 99) * 1e3,
+            })  # fmt: skip
+    for r in result.values():
+        r["peak_rows_per_s"] = max(x["rows_per_s"] for x in r["batches"])
+    return result
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+_RSS_CHILD = """
+import sys, numpy as np
+def rss():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmRSS:'):
+            return int(line.split()[1]) * 1024
+import onnxruntime as ort
+feed = dict(np.load(sys.argv[2]))
+before = rss()
+so = ort.SessionOptions(); so.intra_op_num_threads = 1; so.inter_op_num_threads = 1
+s = ort.InferenceSession(sys.argv[1], so, providers=['CPUExecutionProvider'], disabled_optimizers=sys.argv[3:])
+s.run(None, feed)
+print(rss() - before)
+"""
+
+
+def engine_rss(path: Path, feed: dict[str, np.ndarray]) -> int | None:
+    """Bytes of RSS a loaded engine adds after one run, in a fresh child (so nothing of ours is shared)."""
+    from batchgate.workers.sessions import disabled_fusions
+
+    with tempfile.TemporaryDirectory() as tmp:
+        np.savez(Path(tmp) / "feed.npz", **feed)
+        try:
+            out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(path), str(Path(tmp) / "feed.npz"),
+                                  *disabled_fusions("cpu")],
+                                 capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
+            return int(out.stdout.strip().splitlines()[-1])
+        except (subprocess.SubprocessError, ValueError, IndexError):
+            return None
+
+
+# -- building ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet():
+    """ORT's Python tools log warnings per call (pre-processing advice, producer names) that say
+    nothing about this build; the report says what happened."""
+    loggers = [logging.getLogger(), logging.getLogger("onnxruntime"), logging.getLogger("onnx_model"),
+               logging.getLogger("fusion_base"), logging.getLogger("optimizer")]  # fmt: skip
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):  # the calibrator prints
+            yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+
+
+def _save(model: onnx.ModelProto, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    onnx.save(model, str(tmp))
+    os.replace(tmp, path)
+
+
+def build_optimized(src: Path, dst: Path, log: Log) -> dict:
+    from onnxruntime.transformers.fusion_options import FusionOptions
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    log("optimized: ONNX Runtime transformer fusions (onnxruntime.transformers.optimizer, model_type bert)")
+    # The SkipLayerNormalization fusions are left out, as CPU sessions leave them out
+    # (workers/sessions.py): that CPU kernel is slower than the ops it replaces.
+    fusion = FusionOptions("bert")
+    fusion.enable_skip_layer_norm = fusion.enable_bias_skip_layer_norm = False
+    with _quiet():
+        # opt_level 0: the transformer fusions only; ORT's own graph passes still run at load.
+        opt = optimize_model(str(src), model_type="bert", num_heads=0, hidden_size=0, opt_level=0,
+                             optimization_options=fusion)  # fmt: skip
+    fusions = {k: int(v) for k, v in sorted(opt.get_fused_operator_statistics().items()) if v}
+    _save(opt.model, dst)
+    log(f"optimized: fusions {fusions or 'none (no known pattern in this graph)'}")
+    return {"fusions": fusions}
+
+
+class _Reader:
+    """CalibrationDataReader over rows of their own lengths: with ``CalibStridedMinMax`` 1 the
+    calibrator collects one row per pass (``set_range``), so rows of different lengths never have
+    to share a tensor (it refuses those) and no padding enters the ranges."""
+
+    def __init__(self, feeds: list[dict[str, np.ndarray]]) -> None:
+        self.feeds, self.i, self.end = feeds, 0, len(feeds)
+
+    def __len__(self) -> int:
+        return len(self.feeds)
+
+    def set_range(self, start_index: int, end_index: int) -> None:
+        self.i, self.end = start_index, end_index
+
+    def get_next(self):
+        if self.i >= self.end:
+            return None
+        self.i += 1
+        return self.feeds[self.i - 1]
+
+
+def _named(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every node named (the quantiser's include/exclude lists go by name)."""
+    for i, n in enumerate(model.graph.node):
+        if not n.name:
+            n.name = f"{n.op_type}_{i}"
+    return model
+
+
+def _channel_absmax(model: onnx.ModelProto, names: list[str], feeds) -> dict[str, np.ndarray]:
+    """Largest |value| per last-axis channel of each tensor in ``names`` over ``feeds``."""
+    probe = copy.deepcopy(model)
+    have = {o.name for o in probe.graph.output}
+    for n in names:
+        if n not in have:
+            probe.graph.output.append(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "probe.onnx"
+        onnx.save(probe, str(path))
+        sess = session(path)
+        outs = [o.name for o in sess.get_outputs()]
+        want = set(names)
+        amax: dict[str, np.ndarray] = {}
+        for f in feeds:
+            for k, v in zip(outs, sess.run(None, f)):
+                if k in want:
+                    a = np.abs(np.asarray(v, np.float32)).reshape(-1, v.shape[-1]).max(0)
+                    amax[k] = np.maximum(amax[k], a) if k in amax else a
+    return amax
+
+
+def smooth(model: onnx.ModelProto, feeds, alpha: float) -> int:
+    """SmoothQuant (Xiao et al. 2023), folded in place: per input channel j of each weight GEMM,
+    X[:, j] / s_j and W[j, :] * s_j with s_j = max|X_j|^alpha / max|W_j|^(1 - alpha), so the
+    product is unchanged and the few channels with outlier activations (a transformer's
+    LayerNorm outputs have them) no longer set one per-tensor scale for all. The division is a
+    Mul node before the GEMM, because the same activation also feeds residual paths. ORT's own
+    SmoothQuant needs Intel Neural Compressor's ONNX adaptor, which its current releases dropped.
+    Returns the number of activations smoothed."""
+    from onnx import numpy_helper
+
+    init = {i.name: i for i in model.graph.initializer}
+    groups: dict[str, list[onnx.NodeProto]] = {}
+    for n in model.graph.node:
+        attrs = {a.name: a for a in n.attribute}
+        if n.op_type not in INT8_OPS or len(n.input) < 2 or n.input[1] not in init:
+            continue
+        if "transA" in attrs and attrs["transA"].i:
+            continue
+        groups.setdefault(n.input[0], []).append(n)
+    amax = _channel_absmax(model, sorted(groups), feeds)
+
+    def trans_b(n):
+        return any(a.name == "transB" and a.i for a in n.attribute)
+
+    nodes = list(model.graph.node)
+    for x in sorted(groups):
+        consumers = groups[x]
+        weights = {id(n): numpy_helper.to_array(init[n.input[1]]).astype(np.float32) for n in consumers}
+        rows = [(w.T if trans_b(n) else w) for n in consumers for w in [weights[id(n)]]]  # K x N each
+        wmax = np.max([np.abs(r).max(1) for r in rows], axis=0)
+        if x not in amax or len(amax[x]) != len(wmax):
+            continue
+        s = np.where(
+            (amax[x] > 0) & (wmax > 0), amax[x] ** alpha / np.maximum(wmax, 1e-12) ** (1 - alpha), 1.0
+        )
+        s = np.clip(s, 1e-4, 1e4).astype(np.float32)
+        inv = numpy_helper.from_array((1.0 / s).astype(np.float32), f"{x}.smooth_inv")
+        model.graph.initializer.append(inv)
+        mul = onnx.helper.make_node("Mul", [x, inv.name], [f"{x}.smoothed"], name=f"{x}.smooth")
+        nodes.insert(nodes.index(consumers[0]), mul)
+        for n in consumers:
+            w = weights[id(n)]
+            w = w * s[None, :] if trans_b(n) else w * s[:, None]
+            init[n.input[1]].CopyFrom(numpy_helper.from_array(w.astype(np.float32), n.input[1]))
+            n.input[0] = f"{x}.smoothed"
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return len(groups)
+
+
+def row_int8(model: onnx.ModelProto, names: set[str], per_channel: bool) -> int:
+    """Rewrite the weight GEMMs in ``names`` (MatMul or Gemm with a constant 2-D weight) to INT8
+    with each row's own activation scale, computed at run time: for every row (a token) of the
+    activation X, s = max|X_row| / 127 and X_row quantised to UINT8 around 128 (QuantizeLinear per
+    row), so ONNX Runtime takes its UINT8 x INT8 kernel (VNNI where the CPU has it); the product
+    against INT8 weights (per output channel, symmetric) comes back as FP32 through ORT's fused
+    MatMulIntegerToFloat, which also applies s. A row's scale depends on that row alone, never on its
+    batch-mates or its padding: dynamic quantisation that is batch-independent. The fused ops,
+    against the same arithmetic written out op by op, are measured in docs/engines.md. Returns the
+    number of GEMMs rewritten; the FP32 weights they no longer read are dropped."""
+    from onnx import helper as h
+    from onnx import numpy_helper
+
+    opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
+    if opset < 13:
+        raise OptimizeError(
+            f"row INT8 needs ONNX opset 13 or later (per-row QuantizeLinear); the model has {opset}: "
+            "use --scales static"
+        )
+    init = {i.name: i for i in model.graph.initializer}
+    shared = [numpy_helper.from_array(np.array(1 / 127, np.float32), "rowq.inv127"),
+              numpy_helper.from_array(np.array(1e-12, np.float32), "rowq.tiny"),
+              numpy_helper.from_array(np.array([-1, 1], np.int64), "rowq.column"),
+              numpy_helper.from_array(np.array(128, np.uint8), "rowq.zp"),
+              numpy_helper.from_array(np.array([-1], np.int64), "rowq.minus1"),
+              numpy_helper.from_array(np.array([0], np.int64), "rowq.zero")]  # fmt: skip
+
+    def row_max(src: str, dst: str) -> onnx.NodeProto:
+        if opset >= 18:  # ReduceMax's axes became an input
+            return h.make_node("ReduceMax", [src, "rowq.minus1"], [dst], name=dst, keepdims=1)
+        return h.make_node("ReduceMax", [src], [dst], name=dst, axes=[-1], keepdims=1)
+
+    nodes: list[onnx.NodeProto] = []
+    replaced: set[str] = set()  # the rewritten GEMMs' weights (and Gemm's C)
+    done = 0
+    for n in model.graph.node:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        weight = n.input[1] if len(n.input) > 1 and n.input[1] in init else None
+        if n.name not in names or n.op_type not in INT8_OPS or weight is None or attrs.get("transA", 0):
+            nodes.append(n)
+            continue
+        w = numpy_helper.to_array(init[weight]).astype(np.float32)
+        if w.ndim != 2:
+            nodes.append(n)
+            continue
+        if n.op_type == "Gemm":
+            w = (w.T if attrs.get("transB", 0) else w) * np.float32(attrs.get("alpha", 1.0))
+        k, cols = w.shape
+        amax = np.abs(w).max(axis=0) if per_channel else np.full(cols, np.abs(w).max())
+        ws = (np.maximum(amax, 1e-12) / 127).astype(np.float32)
+        wq = np.clip(np.round(w / ws), -127, 127).astype(np.int8)
+        p = f"{n.name}.rowq"
+        x = n.input[0]
+        bias: list[str] = []
+        if n.op_type == "Gemm" and len(n.input) > 2 and n.input[2]:  # C times beta, added after the scales
+            c = numpy_helper.to_array(init[n.input[2]]).astype(np.float32) * np.float32(
+                attrs.get("beta", 1.0)
+            )
+            if c.size not in (1, cols) or c.squeeze().ndim > 1:
+                nodes.append(n)  # a C per row and column is not a bias: this Gemm stays FP32
+                continue
+            model.graph.initializer.append(
+                numpy_helper.from_array(np.broadcast_to(c.reshape(-1), (cols,)).copy(), f"{p}.c")
+            )
+            bias = [f"{p}.c"]
+        model.graph.initializer.extend([
+            numpy_helper.from_array(wq, f"{p}.w"), numpy_helper.from_array(ws, f"{p}.ws"),
+            numpy_helper.from_array(np.array([-1, k], np.int64), f"{p}.rows"),
+            numpy_helper.from_array(np.array([cols], np.int64), f"{p}.cols"),
+        ])  # fmt: skip
+        replaced.update(n.input[1:])
+        done += 1
+        nodes += [
+            # s = max|row| / 127, one per row
+            h.make_node("Abs", [x], [f"{p}.abs"], name=f"{p}.abs"),
+            row_max(f"{p}.abs", f"{p}.amax"),
+            h.make_node("Max", [f"{p}.amax", "rowq.tiny"], [f"{p}.amax1"], name=f"{p}.amax1"),
+            h.make_node("Mul", [f"{p}.amax1", "rowq.inv127"], [f"{p}.s"], name=f"{p}.s"),
+            # rows flattened to [T, K]; QuantizeLinear per row (axis 0), zero point 128 each
+            h.make_node("Reshape", [x, f"{p}.rows"], [f"{p}.x2"], name=f"{p}.x2"),
+            h.make_node("Reshape", [f"{p}.s", "rowq.minus1"], [f"{p}.s1"], name=f"{p}.s1"),
+            h.make_node("Reshape", [f"{p}.s", "rowq.column"], [f"{p}.s2"], name=f"{p}.s2"),
+            h.make_node("Shape", [f"{p}.s1"], [f"{p}.t"], name=f"{p}.t"),
+            h.make_node("Expand", ["rowq.zp", f"{p}.t"], [f"{p}.zp"], name=f"{p}.zp"),
+            h.make_node("QuantizeLinear", [f"{p}.x2", f"{p}.s1", f"{p}.zp"], [f"{p}.q"], name=f"{p}.q", axis=0),
+            # the INT32 product times s (a [T, 1] scale is per row) and the weight's column scales
+            h.make_node("MatMulIntegerToFloat", [f"{p}.q", f"{p}.w", f"{p}.s2", f"{p}.ws", "rowq.zp", "", *bias],
+                        [f"{p}.y2"], name=f"{p}.mm", domain="com.microsoft"),
+            # back to X's leading dims with N columns
+            h.make_node("Shape", [x], [f"{p}.xshape"], name=f"{p}.xshape"),
+            h.make_node("Slice", [f"{p}.xshape", "rowq.zero", "rowq.minus1"], [f"{p}.lead"], name=f"{p}.lead"),
+            h.make_node("Concat", [f"{p}.lead", f"{p}.cols"], [f"{p}.yshape"], name=f"{p}.yshape", axis=0),
+            h.make_node("Reshape", [f"{p}.y2", f"{p}.yshape"], [n.output[0]], name=f"{p}.y"),
+        ]  # fmt: skip
+    if done:
+        model.graph.initializer.extend(shared)
+        if not any(o.domain == "com.microsoft" for o in model.opset_import):
+            model.opset_import.append(h.make_opsetid("com.microsoft", 1))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    used = {i for nd in model.graph.node for i in nd.input} | {o.name for o in model.graph.output}
+    kept = [i for i in model.graph.initializer if i.name not in replaced or i.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    return done
+
+
+def build_int8(src: Path, dst: Path, calib: Rows, opts: Options, log: Log) -> dict:
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    method = {"percentile": CalibrationMethod.Percentile, "entropy": CalibrationMethod.Entropy,
+              "minmax": CalibrationMethod.MinMax}[opts.method]  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="batchgate-int8-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        pre = tmp / "pre.onnx"
+        log("int8: pre-processing (ONNX Runtime's quant_pre_process: constant folding, shape inference)")
+        with _quiet():
+            quant_pre_process(str(src), str(pre), skip_symbolic_shape=True)
+        model = _named(onnx.load(str(pre)))
+        smoothed = 0
+        if opts.smooth > 0:
+            log(f"int8: smoothing activation outliers into the weights (SmoothQuant, alpha {opts.smooth:g})")
+            smoothed = smooth(model, calib.feeds, opts.smooth)
+        onnx.save(model, str(pre))
+        init = {i.name for i in model.graph.initializer}
+        candidates = [n.name for n in model.graph.node if n.op_type in INT8_OPS]
+        if opts.smooth < 0 or opts.smooth > 1:
+            raise OptimizeError(f"smooth (SmoothQuant's alpha) must be in [0, 1], got {opts.smooth}")
+        if not candidates:
+            raise OptimizeError(f"{src}: no {' or '.join(INT8_OPS)} node to quantise")
+        weights = [
+            n.name for n in model.graph.node if n.op_type in INT8_OPS and any(x in init for x in n.input[1:2])
+        ]
+        cache = tmp / "ranges.json"
+        extra = {"CalibStridedMinMax": 1, "CalibPercentile": opts.percentile, "ActivationSymmetric": False,
+                 "WeightSymmetric": True}  # fmt: skip
+
+        if opts.scales == "row":
+            # Activation x activation products (attention's) have no weight to quantise ahead.
+            candidates = weights
+            if not candidates:
+                raise OptimizeError(
+                    f"{src}: no {' or '.join(INT8_OPS)} node with a constant 2-D weight to quantise"
+                )
+
+            def quantize(out: Path, include: list[str] | None, exclude: list[str]) -> None:
+                m = onnx.load(str(pre))
+                row_int8(
+                    m, set(include if include is not None else candidates) - set(exclude), opts.per_channel
+                )
+                onnx.save(m, str(out))
+
+            log(f"int8: each row's own activation scale (at run time); {len(candidates)} weight GEMMs")
+        else:
+
+            def quantize(out: Path, include: list[str] | None, exclude: list[str]) -> None:
+                with _quiet():
+                    quantize_static(
+                        str(pre), str(out), _Reader(calib.feeds), quant_format=QuantFormat.QDQ,
+                        per_channel=opts.per_channel, activation_type=QuantType.QUInt8,
+                        weight_type=QuantType.QInt8, calibrate_method=method,
+                        op_types_to_quantize=list(INT8_OPS), nodes_to_quantize=include,
+                        nodes_to_exclude=exclude, calibration_cache_path=str(cache), extra_options=extra,
+                    )  # fmt: skip
+
+            log(f"int8: calibrating activation ranges ({opts.method}"
+                f"{f' p{opts.percentile:g}' if opts.method == 'percentile' else ''}) on {len(calib)} rows, one at a time")  # fmt: skip
+        t0 = time.perf_counter()
+        trial = tmp / "trial.onnx"
+        quantize(trial, None, [])
+        log(f"int8: quantised in {time.perf_counter() - t0:.1f} s; {len(candidates)} quantisable nodes")
+        ref_sess = session(pre)
+        search = calib.feeds[: max(1, opts.search_rows)]
+        ref_search = run_rows(ref_sess, search)
+        ref_all = run_rows(ref_sess, calib.feeds)
+        targets = opts.thresholds.tightened()
+        static = opts.scales == "static"
+        info: dict = {"scales": opts.scales, "method": opts.method if static else None,
+                      "percentile": opts.percentile if static and opts.method == "percentile" else None,
+                      "per_channel": opts.per_channel,
+                      "activations": "uint8 per tensor (static)" if static else "int8 per row (each row's own scale, at run time)",
+                      "weights": "int8 per channel" if opts.per_channel else "int8 per tensor",
+                      "quantisable_nodes": len(candidates), "fallback": opts.fallback,
+                      "smooth_alpha": opts.smooth or None, "smoothed_activations": smoothed}  # fmt: skip
+        excluded: list[str] = []
+        damage: dict[str, float] = {}
+        if opts.fallback:
+            acc = accuracy(ref_all, run_rows(session(trial), calib.feeds))
+            fails = judge(acc, targets)
+            if fails:
+                log(
+                    f"int8: everything quantised misses the calibration targets ({fails[0]}); measuring each node"
+                )
+                for k, name in enumerate(candidates, 1):
+                    quantize(trial, [name], [])
+                    damage[name] = _damage(accuracy(ref_search, run_rows(session(trial), search)))
+                    log(f"int8: sensitivity {k}/{len(candidates)} {name}: {damage[name]:.2e}")
+                order = sorted(candidates, key=lambda n: (-damage[n], n))
+                for name in order:
+                    excluded.append(name)
+                    if len(excluded) == len(candidates):
+                        break
+                    quantize(trial, None, excluded)
+                    acc = accuracy(ref_all, run_rows(session(trial), calib.feeds))
+                    fails = judge(acc, targets)
+                    log(f"int8: {len(excluded)} node(s) kept in FP32 (last {name}): "
+                        f"{'meets the calibration targets' if not fails else fails[0]}")  # fmt: skip
+                    if not fails:
+                        break
+            info["calibration_accuracy"] = _strip(acc)
+        info["fp32_nodes"] = [{"node": n, "damage_alone": damage.get(n)} for n in excluded]
+        info["int8_nodes"] = len(candidates) - len(excluded)
+        info["int8_weight_nodes"] = len([n for n in weights if n not in excluded])
+        info["damage_alone"] = dict(sorted(damage.items(), key=lambda kv: -kv[1])) if damage else {}
+        if len(excluded) == len(candidates):
+            info["nothing_quantised"] = True
+            log("int8: no node stays INT8 within the targets")
+        quantize(trial, None, excluded)
+        _save(onnx.load(str(trial)), dst)
+    return info
+
+
+def build_fp16(src: Path, dst: Path, calib: Rows, opts: Options, log: Log) -> dict:
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+
+    original = onnx.load(str(src))
+    present = {n.op_type for n in original.graph.node}
+    blocked: list[str] = []
+    unsupported: list[str] = []
+
+    def convert() -> onnx.ModelProto:
+        with _quiet():
+            return convert_float_to_float16(copy.deepcopy(original), keep_io_types=True,
+                                            op_block_list=list(DEFAULT_OP_BLOCK_LIST) + blocked + unsupported)  # fmt: skip
+
+    def loadable(model: onnx.ModelProto, path: Path):
+        """A session on ``model``; op types ORT has no FP16 CPU kernel for go back to FP32."""
+        while True:
+            _save(model, path)
+            try:
+                return session(path)
+            except Exception as exc:  # NOT_IMPLEMENTED: "Could not find an implementation for Op(13) ..."
+                m = re.search(r"implementation for (\w+)\(", str(exc))
+                if not m or m.group(1) in unsupported:
+                    raise
+                unsupported.append(m.group(1))
+                log(f"fp16: ONNX Runtime has no FP16 CPU kernel for {m.group(1)}; it stays FP32")
+                model = convert()
+
+    log("fp16: converting (onnxruntime.transformers.float16, FP32 inputs and outputs kept)")
+    ref = run_rows(session(src), calib.feeds[: max(1, opts.search_rows)])
+    search = calib.feeds[: max(1, opts.search_rows)]
+    targets = opts.thresholds.tightened()
+    trial = dst.with_name(f".{dst.name}.trial")
+    try:
+
+        def measure() -> tuple[dict, list[str], float]:
+            sess = loadable(convert(), trial)
+            got = run_rows(sess, search)
+            a = accuracy(ref, got)
+            f = judge(a, targets)
+            bi = batch_independence(sess, search, got)
+            if bi > targets.batch_tolerance:
+                f.append(f"batch_independence {bi:.3g} (needs <= {targets.batch_tolerance:g})")
+            return a, f, bi
+
+        acc, fails, indep = measure()
+        while fails:
+            options = [op for op in FP16_CANDIDATES if op in present and op not in blocked + unsupported]
+            if not options:
+                break
+            log(f"fp16: misses the calibration targets ({fails[0]}); trying each op type in FP32")
+            best = None
+            for op in options:
+                blocked.append(op)
+                a, f, bi = measure()
+                blocked.pop()
+                key = (
+                    len(f),
+                    bi,
+                    _damage(a),
+                )  # fewest failures, then a row's drift in a batch, then accuracy
+                if best is None or key < best[1]:
+                    best = (op, key)
+            blocked.append(best[0])
+            log(f"fp16: {best[0]} stays FP32 (then {best[1][0]} failure(s), batch drift {best[1][1]:.2e}, "
+                f"damage {best[1][2]:.2e})")  # fmt: skip
+            acc, fails, indep = measure()
+        model = convert()
+    finally:
+        trial.unlink(missing_ok=True)
+    _save(model, dst)
+    return {"blocked_measured": blocked, "no_fp16_kernel": unsupported, "calibration_accuracy": _strip(acc),
+            "calibration_batch_independence": indep}  # fmt: skip
+
+
+def _strip(acc: dict) -> dict:
+    return {k: {kk: vv for kk, vv in v.items() if kk != "per_row"} for k, v in acc.items()}
+
+
+# -- the whole step ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Result:
+    status: str  # passed | failed
+    failures: list[str]
+    report: dict
+    variant_file: Path | None  # None: not written (failed without force)
+    report_file: Path
+
+
+def _spec(model_dir: Path, version: str | None) -> ModelSpec:
+    if not (model_dir / CONFIG_FILE).is_file() and not model_dir.is_dir():
+        raise OptimizeError(f"no model directory {model_dir}")
+    try:
+        specs = load_model(model_dir, variant="fp32")
+    except ConfigError as exc:
+        raise OptimizeError(str(exc)) from None
+    by_version = {s.version: s for s in specs}
+    if version is None:
+        return specs[-1]
+    if version not in by_version:
+        raise OptimizeError(
+            f"model '{model_dir.name}' serves no version {version} (it serves {sorted(by_version)})"
+        )
+    return by_version[version]
+
+
+def optimize(model_dir: Path, opts: Options, log: Log = print) -> Result:
+    """Build ``opts.variant`` of the model in ``model_dir``, gate it, write it and its report.
+    Does not change what the model serves (``set_variant`` does)."""
+    if opts.variant not in VARIANTS:
+        raise OptimizeError(f"variant must be one of {', '.join(VARIANTS)}, got '{opts.variant}'")
+    if opts.scales not in SCALES:
+        raise OptimizeError(f"INT8 scales must be one of {', '.join(SCALES)}, got '{opts.scales}'")
+    if opts.method not in METHODS:
+        raise OptimizeError(f"calibration method must be one of {', '.join(METHODS)}, got '{opts.method}'")
+    if not 0 < opts.percentile <= 100:
+        raise OptimizeError(f"percentile must be in (0, 100], got {opts.percentile}")
+    spec = _spec(model_dir, opts.version)
+    src = spec.path
+    dst = variant_path(src, opts.variant)
+    started = time.perf_counter()
+    log(f"{spec.name} v{spec.version}: building {opts.variant} from {src}")
+    calib = model_rows(spec, "calibration", opts.calibration)
+    held = model_rows(spec, "heldout", opts.heldout)
+    if calib.digest == held.digest:
+        raise OptimizeError(
+            "the held-out rows are the calibration rows; the gate needs rows calibration never saw"
+        )
+    tmp_dst = dst.with_name(f".{dst.name}.{os.getpid()}.build")
+    try:
+        if opts.variant == "optimized":
+            build = build_optimized(src, tmp_dst, log)
+        elif opts.variant == "int8":
+            build = build_int8(src, tmp_dst, calib, opts, log)
+        else:
+            build = build_fp16(src, tmp_dst, calib, opts, log)
+        log(f"evaluating on {len(held)} held-out rows ({held.source})")
+        ref_sess, var_sess = session(src), session(tmp_dst)
+        ref = run_rows(ref_sess, held.feeds)
+        got = run_rows(var_sess, held.feeds)
+        acc = accuracy(ref, got)
+        failures = judge(acc, opts.thresholds)
+        indep = batch_independence(var_sess, held.feeds, got)
+        if indep > opts.thresholds.batch_tolerance:
+            failures.append(f"batch_independence {indep:.3g} (needs <= {opts.thresholds.batch_tolerance:g})")
+        if build.get("nothing_quantised"):
+            failures.append("int8_nodes 0: no node stays INT8 within the targets (needs >= 1)")
+        del ref_sess, var_sess
+        core = _pin(opts.core)
+        log(f"timing on core {core} (original and {opts.variant} alternately, {opts.timing_repeats} repeats)")
+        timing = speed({"original": src, opts.variant: tmp_dst}, held.feeds, max(1, spec.max_batch_size),
+                       opts.timing_repeats)  # fmt: skip
+        memory = {}
+        if opts.memory:
+            log("memory: RSS of each loaded engine (a child process each)")
+            memory = {
+                "original": engine_rss(src, held.feeds[0]),
+                opts.variant: engine_rss(tmp_dst, held.feeds[0]),
+            }
+        status = "passed" if not failures else "failed"
+        report = {
+            "model": spec.name,
+            "version": spec.version,
+            "variant": {
+                "name": opts.variant,
+                "precision": VARIANT_PRECISION[opts.variant],
+                "file": dst.name,
+                "sha256": sha256_file(tmp_dst),
+                "bytes": tmp_dst.stat().st_size,
+            },  # fmt: skip
+            "original": {"file": src.name, "sha256": sha256_file(src), "bytes": src.stat().st_size},
+            "status": status,
+            "failures": failures,
+            "thresholds": asdict(opts.thresholds),
+            "accuracy": acc,
+            "batch_independence_max_abs": indep,
+            "speed": timing,
+            "speedup": {
+                "latency_p50": timing["original"]["latency_ms"]["p50"]
+                / timing[opts.variant]["latency_ms"]["p50"],
+                "peak_rows_per_s": timing[opts.variant]["peak_rows_per_s"]
+                / timing["original"]["peak_rows_per_s"],
+            },
+            "memory_rss_bytes": memory,
+            "build": build,
+            "calibration": {"source": calib.source, "rows": len(calib), "sha256": calib.digest},
+            "heldout": {"source": held.source, "rows": len(held), "sha256": held.digest},
+            "machine": machine(core),
+            "date": datetime.date.today().isoformat(),
+            "command": opts.command,
+            "build_seconds": round(time.perf_counter() - started, 1),
+        }
+        rp = report_path(src, opts.variant)
+        write_report(report, rp)
+        written = None
+        if status == "passed" or opts.force:
+            os.replace(tmp_dst, dst)
+            written = dst
+        elif dst.exists():
+            # A failed rebuild must not leave an older variant looking current beside its new report.
+            dst.unlink()
+        line = f"{spec.name} {opts.variant}: {status.upper()}"
+        if failures:
+            line += " — " + "; ".join(failures)
+        log(line)
+        log(f"report: {rp.with_suffix('.md')}" + ("" if written else f" ({dst.name} not written)"))
+        return Result(status, failures, report, written, rp)
+    finally:
+        tmp_dst.unlink(missing_ok=True)
+
+
+def machine(core: int | None = None) -> str:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    import onnxruntime as ort
+
+    pinned = f", pinned to core {core}" if core is not None else ""
+    return f"{cpu}, {os.cpu_count()} cores{pinned}; ONNX Runtime {ort.__version__}; Python {platform.python_version()}"
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+
+def write_report(report: dict, json_path: Path) -> None:
+    """JSON (what the repository checks), Markdown (what a person reads) and a PNG beside it."""
+    tmp = json_path.with_name(f".{json_path.name}.tmp")
+    tmp.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, json_path)
+    png = json_path.with_suffix(".png")
+    drew = plot(report, png)
+    json_path.with_suffix(".md").write_text(markdown(report, png.name if drew else None))
+
+
+def markdown(r: dict, png: str | None) -> str:
+    v = r["variant"]["name"]
+    lines = [
+        f"# {r['model']} v{r['version']}: {v} ({r['variant']['precision']}) — gate {r['status'].upper()}",
+        "",
+        f"{r['date']}, {r['machine']}. Command: `{r['command'] or 'batchgate optimize'}`.",
+        f"Held-out: {r['heldout']['rows']} rows from {r['heldout']['source']}; calibration: "
+        f"{r['calibration']['rows']} rows from {r['calibration']['source']}.",
+        "",
+    ]
+    if r["failures"]:
+        lines += ["**Refused:** " + "; ".join(r["failures"]) + ".", ""]
+    t = r["thresholds"]
+    lines += ["| output | figure | value | threshold | |", "|---|---|---|---|---|"]
+    for name, a in r["accuracy"].items():
+        if a["kind"] == "embedding":
+            rows = [("min cosine", a["min_cosine"], f">= {t['min_cosine']}", a["min_cosine"] >= t["min_cosine"]),
+                    ("mean cosine", a["mean_cosine"], f">= {t['mean_cosine']}", a["mean_cosine"] >= t["mean_cosine"]),
+                    (f"nearest neighbour agreement (near-ties within {NN_TIE:g})", a["nn_agreement"],
+                     f">= {t['nn_agreement']}", a["nn_agreement"] >= t["nn_agreement"])]  # fmt: skip
+            if "nn_exact" in a:
+                rows.append(("nearest neighbour exactly the same", a["nn_exact"], "reported", None))
+        else:
+            rows = [("max abs error", a["max_abs_err"], f"<= {t['max_abs_err']}", a["max_abs_err"] <= t["max_abs_err"]),
+                    ("max rel error", a["max_rel_err"], f"<= {t['max_rel_err']}", a["max_rel_err"] <= t["max_rel_err"]),
+                    ("pair rank agreement", a["rank_agreement"], f">= {t['rank_agreement']}",
+                     a["rank_agreement"] >= t["rank_agreement"])]  # fmt: skip
+        for what, value, bound, ok in rows:
+            mark = "" if ok is None else "ok" if ok else "FAIL"
+            lines.append(f"| {name} | {what} | {value:.6f} | {bound} | {mark} |")
+    bi = r["batch_independence_max_abs"]
+    lines.append(f"| all | alone vs padded batch, max abs | {bi:.2e} | <= {t['batch_tolerance']:g} | "
+                 f"{'ok' if bi <= t['batch_tolerance'] else 'FAIL'} |")  # fmt: skip
+    lines += ["", "| engine | p50 ms (1 row) | p99 ms | " + " | ".join(
+        f"rows/s @{b['batch']}" for b in r["speed"]["original"]["batches"]) + " | peak rows/s | RSS MiB |",
+        "|---|---|---|" + "---|" * len(r["speed"]["original"]["batches"]) + "---|---|"]  # fmt: skip
+    for k, s in r["speed"].items():
+        rss = r["memory_rss_bytes"].get(k)
+        lines.append(
+            f"| {k} | {s['latency_ms']['p50']:.2f} | {s['latency_ms']['p99']:.2f} | "
+            + " | ".join(f"{b['rows_per_s']:.1f}" for b in s["batches"])
+            + f" | {s['peak_rows_per_s']:.1f} | {'-' if rss is None else f'{rss / 2**20:.0f}'} |"
+        )
+    sp = r["speedup"]
+    lines += ["", f"Speed-up over the original: x{sp['latency_p50']:.2f} p50 latency of one row, "
+              f"x{sp['peak_rows_per_s']:.2f} peak rows/s (one thread, pinned core, same run, same rows).", ""]  # fmt: skip
+    b = r["build"]
+    if "fusions" in b:
+        lines.append(f"Fusions: {', '.join(f'{k} x{n}' for k, n in b['fusions'].items()) or 'none'}.")
+    if "int8_nodes" in b:
+        kept = ", ".join(f"`{x['node']}`" for x in b["fp32_nodes"]) or "none"
+        lines.append(
+            (
+                f"INT8: {b['method']}{' p' + format(b['percentile'], 'g') if b.get('percentile') else ''} calibration, "
+                if b.get("method")
+                else "INT8: activation scales per row at run time (no calibration of ranges), "
+            )
+            + f"SmoothQuant alpha {b.get('smooth_alpha') or 'off'} on {b.get('smoothed_activations', 0)} activations, "
+            f"{b['weights']} weights, {b['activations']} activations; {b['int8_nodes']} of "
+            f"{b['quantisable_nodes']} MatMul/Gemm nodes INT8; kept in FP32 (measured worst first): {kept}."
+        )
+    if "blocked_measured" in b:
+        lines.append(
+            f"FP16: op types kept FP32 by measurement: {', '.join(b['blocked_measured']) or 'none'}; "
+            f"without an FP16 CPU kernel: {', '.join(b['no_fp16_kernel']) or 'none'}."
+        )
+    lines += ["", f"Original sha256 `{r['original']['sha256']}`, variant sha256 `{r['variant']['sha256']}`."]
+    if png:
+        lines += ["", f"![latency against throughput; accuracy per row]({png})"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict, path: Path) -> bool:
+    """Latency against throughput per engine (one point per batch size) and the per-row accuracy
+    distribution. False (and no file) without matplotlib, which serving does not install."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for k, s in r["speed"].items():
+        xs = [b["rows_per_s"] for b in s["batches"]]
+        ys = [b["p50_ms"] for b in s["batches"]]
+        ax1.plot(xs, ys, marker="o", label=k)
+        for b, x, y in zip(s["batches"], xs, ys):
+            ax1.annotate(f"b{b['batch']}", (x, y), fontsize=7)
+    ax1.set_xlabel("rows/s (one thread)")
+    ax1.set_ylabel("p50 ms per batch")
+    ax1.set_yscale("log")
+    ax1.legend()
+    ax1.set_title("latency against throughput")
+    for name, a in r["accuracy"].items():
+        vals = np.asarray(a["per_row"])
+        label = f"{name}: cosine per row" if a["kind"] == "embedding" else f"{name}: abs error per row"
+        # A variant that computes what the original does has all its rows a float's step apart:
+        # one bin, widened, where 40 would not fit.
+        tiny = np.ptp(vals) <= 1e-6
+        ax2.hist(vals, bins=1 if tiny else 40, range=(vals.min() - 1e-6, vals.max() + 1e-6) if tiny else None,
+                 label=label)  # fmt: skip
+    ax2.set_title(f"{r['variant']['name']} vs original, held-out rows")
+    ax2.legend(fontsize=7)
+    fig.suptitle(f"{r['model']} {r['variant']['name']}: {r['status']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return True
+
+
+# -- choosing what serves --------------------------------------------------------------------------
+
+_VARIANT_LINE = re.compile(
+    r'^\s*parameters\s*\{\s*key:\s*"variant"\s*value\s*\{\s*string_value:\s*"[^"]*"\s*\}\s*\}\s*$'
+)
+
+
+def set_variant(model_dir: Path, variant: str, version: str | None = None) -> str:
+    """Make ``variant`` what the model serves on its next load (config.pbtxt parameter
+    ``variant``; ``fp32`` removes it). Refused, saying why, when that variant may not serve."""
+    if variant not in VARIANT_PRECISION:
+        raise OptimizeError(f"variant must be one of {', '.join(VARIANT_PRECISION)}, got '{variant}'")
+    spec = _spec(model_dir, version)
+    try:
+        check_variant(spec.name, spec.version, spec.path, variant)
+    except ConfigError as exc:
+        raise OptimizeError(str(exc)) from None
+    cfg = model_dir / CONFIG_FILE
+    text = cfg.read_text() if cfg.is_file() else ""
+    lines = text.splitlines()
+    kept = [ln for ln in lines if not _VARIANT_LINE.match(ln)]
+    if any(f'"{VARIANT_PARAMETER}"' in ln for ln in kept):
+        raise OptimizeError(
+            f"{cfg}: parameter '{VARIANT_PARAMETER}' is written over several lines; set it by hand to "
+            f'parameters {{ key: "{VARIANT_PARAMETER}" value {{ string_value: "{variant}" }} }}'
+        )
+    if variant != "fp32":
+        kept.append(f'parameters {{ key: "{VARIANT_PARAMETER}" value {{ string_value: "{variant}" }} }}')
+    tmp = cfg.with_name(f".{cfg.name}.tmp")
+    tmp.write_text("\n".join(kept) + "\n")
+    os.replace(tmp, cfg)
+    return f"{spec.name}: serves {variant} ({VARIANT_PRECISION[variant]}) on its next load"

@@ -1,0 +1,890 @@
+"""The REST API's contract: an OpenAPI 3.1 document of every route the REST listener serves, at
+``GET /openapi.json``, and Swagger UI to browse it at ``GET /docs``.
+
+The document is written here by hand from the handlers (gateway/transport/rest.py,
+gateway/transport/embeddings.py): their fields, limits, statuses and the three error shapes (KServe's
+``{"error"}``, OpenAI's ``{"error": {message, type, param, code}}``, TEI's ``{"error", "error_type"}``).
+It cannot drift silently: tests/test_openapi.py fails when the app registers a route the document
+lacks (or the other way round), and fuzzes a live server from it with schemathesis, which fails on
+any answer whose status or body the document does not describe.
+
+Swagger UI comes from the ``swagger-ui-py`` package's bundled assets, served by this server under
+``/docs/static/`` (no CDN: the page works on a machine with no way out). ``swagger-ui-bundle`` was the
+first choice, but its newest release bundles Swagger UI 4.15, which refuses to render a 3.1
+document; swagger-ui-py bundles Swagger UI 5. Neither route asks for an API key: the contract is
+no secret, and a caller needs it before it has a key.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from batchgate.gateway.transport.embeddings import DEFAULT_MODEL, LATENCY_BUDGET_HEADER, LATENCY_CLASS_HEADER
+from batchgate.gateway.transport.embeddings import MAX_INPUTS
+from batchgate.gateway.transport.rest import HEADER_LENGTH, MAX_JSON_DEPTH
+
+VERSION = "0.1.0"
+# The files of Swagger UI the page loads; nothing else under the package's static folder is served.
+ASSETS = {
+    "swagger-ui.css": "text/css",
+    "swagger-ui-bundle.js": "text/javascript",
+    "favicon-32x32.png": "image/png",
+    "favicon-16x16.png": "image/png",
+}
+MODEL_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"  # gateway/infer.py _MODEL_NAME: what a repository folder may be
+
+PAGE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>batchgate REST API</title>
+<link rel="stylesheet" href="docs/static/swagger-ui.css">
+<link rel="icon" type="image/png" href="docs/static/favicon-32x32.png" sizes="32x32">
+</head>
+<body>
+<div id="swagger-ui"></div>
+<script src="docs/static/swagger-ui-bundle.js" charset="utf-8"></script>
+<script>
+window.ui = SwaggerUIBundle({url: "openapi.json", dom_id: "#swagger-ui", deepLinking: true,
+  docExpansion: "list", defaultModelsExpandDepth: 0});
+</script>
+</body>
+</html>
+"""
+# (Relative links: behind a proxy that mounts the server under a prefix the page still finds its
+# files and the document.)
+
+
+# -- building blocks ---------------------------------------------------------------------------------
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict) -> dict:
+    return {"application/json": {"schema": schema}}
+
+
+def _obj(properties: dict, required: tuple[str, ...] = (), closed: bool = False, **extra) -> dict:
+    out: dict[str, Any] = {"type": "object", "properties": properties, **extra}
+    if required:
+        out["required"] = list(required)
+    if closed:
+        out["additionalProperties"] = False
+    return out
+
+
+_STR = {"type": "string"}
+_INT = {"type": "integer"}
+_NUM = {"type": "number"}
+_BOOL = {"type": "boolean"}
+_COUNTER = {"type": "integer", "minimum": 0}
+
+# What each status means, per API family (the error body is the family's own shape).
+_WHY = {
+    400: "The request is malformed: not JSON, a missing or mistyped field, an unknown model version string.",
+    401: "No API key, or an unknown one (`Authorization: Bearer <key>` or `x-api-key`; only with a tenant file).",
+    403: "The tenant may not call this model (or, for load/unload: model control is off, or the tenant is no admin).",
+    404: "No such model (or version).",
+    408: "The request body did not arrive within `http_body_timeout_s`; the connection closes.",
+    413: "The request body is larger than `max_http_body_bytes` (refused from its Content-Length before it is "
+    "read); the connection closes.",
+    422: "TEI: the request failed validation (a field of the wrong type, an unknown field, no such option).",
+    424: "TEI: the model failed to compute the batch.",
+    429: "The tenant's rate limit (or stream quota) is spent; `Retry-After` says when to try again.",
+    500: "The model failed to execute the batch (not the caller's fault).",
+    501: "A KServe/Triton feature batchgate does not offer (the classification extension, load overrides).",
+    503: "Not ready, draining, a full queue, or the overload gate refusing new calls; `Retry-After` when known.",
+    504: "The call's latency budget cannot be met (shed at admission, or it expired in the queue).",
+}
+_TEXT_413 = (
+    "The request body is larger than `max_http_body_bytes` (the connection closes), or it holds more than "
+    f"{MAX_INPUTS} texts, or a text longer than the model's `max_text_bytes` / `max_tokens` (unless `truncate`)."
+)
+_ERROR_SCHEMA = {"kserve": "KServeError", "openai": "OpenAIError", "tei": "TEIError"}
+_RETRY = {
+    "Retry-After": {"description": "Seconds to wait before trying again.", "schema": _INT},
+    "retry-after-ms": {"description": "The same hint in milliseconds.", "schema": _INT},
+}
+
+
+def _errors(family: str, statuses: tuple[int, ...], overrides: dict | None = None) -> dict:
+    out = {}
+    for status in statuses:
+        why = (overrides or {}).get(status) or (
+            _TEXT_413 if status == 413 and family != "kserve" else _WHY[status]
+        )
+        resp: dict[str, Any] = {"description": why, "content": _json(_ref(_ERROR_SCHEMA[family]))}
+        if status in (429, 503):
+            resp["headers"] = dict(_RETRY)
+        out[str(status)] = resp
+    return out
+
+
+def _ok(description: str, schema: dict | None = None, **extra) -> dict:
+    resp: dict[str, Any] = {"description": description, **extra}
+    if schema is not None:
+        resp["content"] = _json(schema)
+    return resp
+
+
+def _path_param(name: str) -> dict:
+    if name == "model":
+        schema = {"type": "string", "pattern": MODEL_NAME, "maxLength": 128, "examples": [DEFAULT_MODEL]}
+        return {
+            "name": "model",
+            "in": "path",
+            "required": True,
+            "schema": schema,
+            "description": "A model name.",
+        }
+    return {
+        "name": "version",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "pattern": r"^[0-9]{1,18}$", "examples": ["1"]},
+        "description": "A model version (a whole number; the repository's version folder).",
+    }
+
+
+_OPEN: list = []  # security: [] -- no API key asked
+_KEYED = [{}, {"bearer": []}, {"apiKey": []}]  # a key when the server has a tenant file; none when open
+_HEADER = {
+    "request_id": {
+        "name": "x-request-id", "in": "header", "required": False,
+        "schema": {"type": "string", "maxLength": 128},
+        "description": "A request id, echoed in the answer and written to the logs.",
+    },
+    "latency_class": {
+        "name": LATENCY_CLASS_HEADER, "in": "header", "required": False, "schema": _STR,
+        "description": "A latency class (e.g. `realtime`, `batch`); the body's `latency_class` wins.",
+    },
+    "latency_budget": {
+        "name": LATENCY_BUDGET_HEADER, "in": "header", "required": False,
+        "schema": {"type": "number", "exclusiveMinimum": 0},
+        "description": "The call's latency budget in milliseconds; the body's `latency_budget_ms` wins.",
+    },
+}  # fmt: skip
+
+
+def _op(
+    op_id: str, tag: str, summary: str, responses: dict, *, params: tuple[str, ...] = (),
+    headers: tuple[str, ...] = (), body: dict | None = None, security: list | None = None,
+    description: str | None = None,
+) -> dict:  # fmt: skip
+    op: dict[str, Any] = {"operationId": op_id, "tags": [tag], "summary": summary, "responses": responses}
+    if description:
+        op["description"] = description
+    parameters = [_path_param(p) for p in params] + [_HEADER[h] for h in headers]
+    if parameters:
+        op["parameters"] = parameters
+    if body is not None:
+        op["requestBody"] = body
+    op["security"] = _KEYED if security is None else security
+    return op
+
+
+# -- schemas -----------------------------------------------------------------------------------------
+
+_PARAM_VALUE = {"type": ["boolean", "number", "string"], "description": "bool, int64, double or string"}
+_PARAMETERS = {"type": "object", "additionalProperties": _PARAM_VALUE}
+_LATENCY_FIELDS = {
+    "latency_class": {"type": "string", "description": "The call's latency class (an extension)."},
+    "latency_budget_ms": {
+        "type": "number",
+        "exclusiveMinimum": 0,
+        "description": "The call's latency budget in milliseconds (an extension).",
+    },
+}
+_TEXTS = {
+    "oneOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_INPUTS},
+    ],
+    "description": f"One text, or a list of at most {MAX_INPUTS}.",
+}
+_TRUNCATION = {
+    "type": "string",
+    "enum": ["Right", "right"],
+    "description": "Texts keep their first tokens; `Left` is refused.",
+}
+
+SCHEMAS: dict[str, dict] = {
+    # -- the error shapes
+    "KServeError": _obj({"error": _STR}, ("error",), closed=True, description="KServe v2 / Triton's error."),
+    "OpenAIError": _obj(
+        {
+            "error": _obj(
+                {
+                    "message": _STR,
+                    "type": {
+                        "type": "string",
+                        "enum": [
+                            "invalid_request_error",
+                            "permission_error",
+                            "rate_limit_error",
+                            "server_error",
+                        ],
+                    },
+                    "param": {"type": ["string", "null"]},
+                    "code": {"type": ["string", "null"]},
+                },
+                ("message", "type", "param", "code"),
+                closed=True,
+            )
+        },
+        ("error",),
+        closed=True,
+        description="OpenAI's error (also Cohere/Jina's /v1/rerank).",
+    ),
+    "TEIError": _obj(
+        {
+            "error": _STR,
+            "error_type": {
+                "type": "string",
+                "enum": ["validation", "unauthorized", "overloaded", "unhealthy", "backend", "empty"],
+            },
+        },
+        ("error", "error_type"),
+        closed=True,
+        description="Hugging Face text-embeddings-inference's error.",
+    ),
+    # -- KServe v2
+    "ServerMetadata": _obj(
+        {"name": _STR, "version": _STR, "extensions": {"type": "array", "items": _STR}}, ("name", "version")
+    ),
+    "TensorMetadata": _obj(
+        {"name": _STR, "datatype": _STR, "shape": {"type": "array", "items": _INT}}, ("name", "datatype")
+    ),
+    "ModelMetadata": _obj(
+        {
+            "name": _STR,
+            "versions": {"type": "array", "items": _STR},
+            "platform": _STR,
+            "inputs": {"type": "array", "items": _ref("TensorMetadata")},
+            "outputs": {"type": "array", "items": _ref("TensorMetadata")},
+        },
+        ("name",),
+    ),
+    "ModelReady": _obj({"name": _STR, "ready": {"const": True}}, ("name", "ready")),
+    "ModelConfig": _obj(
+        {
+            "name": _STR,
+            "platform": _STR,
+            "backend": _STR,
+            "max_batch_size": _INT,
+            "input": {"type": "array", "items": {"type": "object"}},
+            "output": {"type": "array", "items": {"type": "object"}},
+            "instance_group": {"type": "array", "items": {"type": "object"}},
+            "dynamic_batching": {"type": "object"},
+            "parameters": {"type": "object", "additionalProperties": _obj({"string_value": _STR})},
+        },
+        description="Triton's model configuration (model_config.proto) as JSON, defaults left out.",
+    ),
+    "Duration": _obj({"count": _COUNTER, "ns": _COUNTER}, ("count", "ns")),
+    "ModelStatistics": _obj(
+        {
+            "name": _STR,
+            "version": _STR,
+            "last_inference": _COUNTER,
+            "inference_count": _COUNTER,
+            "execution_count": _COUNTER,
+            "inference_stats": {"type": "object", "additionalProperties": _ref("Duration")},
+            "batch_stats": {
+                "type": "array",
+                "items": {"type": "object", "properties": {"batch_size": _COUNTER}},
+            },
+            "memory_usage": {"type": "array", "items": {"type": "object"}},
+            "response_stats": {"type": "object"},
+        },
+        ("name", "version", "inference_count", "execution_count", "inference_stats"),
+    ),
+    "ModelStatisticsResponse": _obj(
+        {"model_stats": {"type": "array", "items": _ref("ModelStatistics")}}, ("model_stats",)
+    ),
+    "RepositoryIndexRequest": _obj(
+        {"ready": {"type": "boolean", "description": "Only the models ready."}}, examples=[{"ready": True}]
+    ),
+    "RepositoryIndex": {
+        "type": "array",
+        "items": _obj(
+            {"name": _STR, "version": _STR, "state": {"enum": ["READY", "UNAVAILABLE"]}, "reason": _STR},
+            ("name",),
+        ),
+    },
+    "RepositoryModelRequest": _obj(
+        {
+            "parameters": {
+                "type": "object",
+                "description": "Triton's load overrides (`config`, `file:...`) are not offered: "
+                "a non-empty object is answered 501.",
+            }
+        }
+    ),
+    "InferInputTensor": _obj(
+        {
+            "name": {"type": "string", "maxLength": 128},
+            "shape": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1},
+            },
+            "datatype": {
+                "type": "string",
+                "maxLength": 16,
+                "examples": ["FP32", "INT64", "BYTES"],
+                "description": "A KServe datatype: BOOL, UINT8..UINT64, INT8..INT64, FP16, FP32, FP64, BYTES.",
+            },
+            "parameters": _obj(
+                {"binary_data_size": {"type": "integer", "minimum": 0}},
+                additionalProperties=_PARAM_VALUE,
+            ),
+            "data": {
+                "description": "Row-major values, flat or nested like the shape (at most "
+                f"{MAX_JSON_DEPTH} levels); absent when the tensor travels as binary data "
+                "(`binary_data_size`)."
+            },
+        },
+        ("name", "shape", "datatype"),
+    ),
+    "InferRequestedOutput": _obj(
+        {
+            "name": {"type": "string", "maxLength": 128},
+            "parameters": _obj({"binary_data": _BOOL}, additionalProperties=_PARAM_VALUE),
+        },
+        ("name",),
+    ),
+    "InferenceRequest": _obj(
+        {
+            "id": _STR,
+            "parameters": _obj({"binary_data_output": _BOOL}, additionalProperties=_PARAM_VALUE),
+            "inputs": {"type": "array", "items": _ref("InferInputTensor"), "minItems": 1},
+            "outputs": {"type": "array", "items": _ref("InferRequestedOutput")},
+        },
+        ("inputs",),
+        description="KServe v2's inference request (Triton's binary tensor data extension included).",
+        examples=[
+            {
+                "inputs": [
+                    {"name": "text", "shape": [2, 1], "datatype": "BYTES", "data": ["a text", "another"]}
+                ]
+            }
+        ],
+    ),
+    "InferOutputTensor": _obj(
+        {
+            "name": _STR,
+            "datatype": _STR,
+            "shape": {"type": "array", "items": _INT},
+            "data": {"type": "array"},
+            "parameters": _obj({"binary_data_size": _COUNTER}),
+        },
+        ("name", "datatype", "shape"),
+    ),
+    "InferenceResponse": _obj(
+        {
+            "model_name": _STR,
+            "model_version": _STR,
+            "id": _STR,
+            "outputs": {"type": "array", "items": _ref("InferOutputTensor")},
+        },
+        ("model_name", "outputs"),
+    ),
+    # -- OpenAI
+    "EmbeddingsRequest": _obj(
+        {
+            "model": {"type": "string", "minLength": 1, "examples": [DEFAULT_MODEL]},
+            "input": _TEXTS,
+            "encoding_format": {"enum": ["float", "base64", None], "default": "float"},
+            "dimensions": {
+                "type": "integer",
+                "description": "A Matryoshka size the model declares, or its own.",
+            },
+            "user": _STR,
+            "prompt_name": {"type": "string", "minLength": 1, "description": "One of the model's prompts."},
+            "truncate": {
+                "type": ["boolean", "null"],
+                "description": "Cut texts over the model's length instead of refusing them (an extension).",
+            },
+            **_LATENCY_FIELDS,
+        },
+        ("model", "input"),
+        closed=True,
+        examples=[{"model": DEFAULT_MODEL, "input": ["A man is eating food.", "A man is riding a horse."]}],
+    ),
+    "Embedding": _obj(
+        {
+            "object": {"const": "embedding"},
+            "index": {"type": "integer", "minimum": 0},
+            "embedding": {
+                "oneOf": [
+                    {"type": "array", "items": _NUM},
+                    {"type": "string", "contentEncoding": "base64", "description": "little-endian float32"},
+                ]
+            },
+        },
+        ("object", "index", "embedding"),
+    ),
+    "EmbeddingsResponse": _obj(
+        {
+            "object": {"const": "list"},
+            "data": {"type": "array", "items": _ref("Embedding")},
+            "model": _STR,
+            "usage": _obj(
+                {"prompt_tokens": _COUNTER, "total_tokens": _COUNTER}, ("prompt_tokens", "total_tokens")
+            ),
+        },
+        ("object", "data", "model", "usage"),
+    ),
+    "Model": _obj(
+        {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR},
+        ("id", "object", "created", "owned_by"),
+    ),
+    "ModelList": _obj(
+        {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}, ("object", "data")
+    ),
+    # -- TEI
+    "EmbedRequest": _obj(
+        {
+            "inputs": _TEXTS,
+            "normalize": {"type": ["boolean", "null"], "default": True},
+            "truncate": {"type": ["boolean", "null"], "default": False},
+            "truncation_direction": _TRUNCATION,
+            "prompt_name": {"type": "string", "minLength": 1},
+            "dimensions": _INT,
+            "model": {
+                "type": "string",
+                "default": DEFAULT_MODEL,
+                "description": "An extension: TEI serves one.",
+            },
+            **_LATENCY_FIELDS,
+        },
+        ("inputs",),
+        closed=True,
+        examples=[{"inputs": ["What is Deep Learning?"], "normalize": True}],
+    ),
+    "EmbedResponse": {"type": "array", "items": {"type": "array", "items": _NUM}},
+    "RerankRequest": _obj(
+        {
+            "query": {"type": "string", "minLength": 1},
+            "texts": _TEXTS,
+            "truncate": {"type": ["boolean", "null"], "default": False},
+            "truncation_direction": _TRUNCATION,
+            "raw_scores": {"type": ["boolean", "null"], "default": False},
+            "return_text": {"type": ["boolean", "null"], "default": False},
+            "model": {
+                "type": "string",
+                "minLength": 1,
+                "description": "Needed when more than one rerank model.",
+            },
+            **_LATENCY_FIELDS,
+        },
+        ("query", "texts"),
+        closed=True,
+        examples=[
+            {
+                "query": "What is Deep Learning?",
+                "texts": ["Deep Learning is a subset of ML.", "Cheese is made from milk."],
+            }
+        ],
+    ),
+    "RerankResponse": {
+        "type": "array",
+        "items": _obj(
+            {"index": {"type": "integer", "minimum": 0}, "score": _NUM, "text": _STR}, ("index", "score")
+        ),
+    },
+    # -- Cohere / Jina
+    "V1RerankRequest": _obj(
+        {
+            "model": {"type": "string", "minLength": 1},
+            "query": {"type": "string", "minLength": 1},
+            "documents": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": MAX_INPUTS,
+                "items": {"oneOf": [_STR, _obj({"text": _STR}, ("text",))]},
+            },
+            "top_n": {"type": "integer", "minimum": 1},
+            "return_documents": {"type": ["boolean", "null"], "default": False},
+            "max_chunks_per_doc": {"description": "Accepted and ignored."},
+            "rank_fields": {"description": "Accepted and ignored."},
+            **_LATENCY_FIELDS,
+        },
+        ("query", "documents"),
+        closed=True,
+        examples=[
+            {
+                "query": "What is Deep Learning?",
+                "documents": ["Deep Learning is a subset of ML.", "Cheese."],
+                "top_n": 1,
+            }
+        ],
+    ),
+    "V1RerankResponse": _obj(
+        {
+            "model": _STR,
+            "results": {
+                "type": "array",
+                "items": _obj(
+                    {
+                        "index": {"type": "integer", "minimum": 0},
+                        "relevance_score": _NUM,
+                        "document": _obj({"text": _STR}, ("text",)),
+                    },
+                    ("index", "relevance_score"),
+                ),
+            },
+            "usage": _obj({"total_tokens": _COUNTER}),
+            "meta": {"type": "object"},
+        },
+        ("model", "results"),
+    ),
+}
+
+
+def _json_body(name: str, required: bool = True) -> dict:
+    return {"required": required, "content": _json(_ref(name))}
+
+
+# -- the routes --------------------------------------------------------------------------------------
+
+_KSERVE_BODY_ERRORS = (400, 401, 408, 413)
+
+
+def _model_routes(base: str, versioned: bool) -> dict[str, dict]:
+    """The per-model KServe routes under ``base`` (with or without ``/versions/{version}``)."""
+    params = ("model", "version") if versioned else ("model",)
+    v = "Versioned" if versioned else ""
+    lookup = (400, 404) if versioned else (404,)
+    infer_ok = {
+        "description": "The outputs: JSON, or (binary data asked for) the JSON header followed by the raw "
+        f"tensors, with `{HEADER_LENGTH}` giving the header's length.",
+        "content": {
+            **_json(_ref("InferenceResponse")),
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+        },
+        "headers": {
+            HEADER_LENGTH: {"description": "With binary output: the JSON header's length.", "schema": _INT}
+        },
+    }
+    return {
+        base: {
+            "get": _op(
+                f"modelMetadata{v}", "KServe v2", "Model metadata: inputs, outputs, versions",
+                {"200": _ok("The model's metadata.", _ref("ModelMetadata")), **_errors("kserve", lookup + (503,))},
+                params=params, security=_OPEN,
+            )
+        },
+        base + "/ready": {
+            "get": _op(
+                f"modelReady{v}", "KServe v2", "Is the model ready",
+                {"200": _ok("Ready.", _ref("ModelReady")), **_errors("kserve", lookup + (503,))},
+                params=params, security=_OPEN,
+            )
+        },
+        base + "/config": {
+            "get": _op(
+                f"modelConfig{v}", "KServe v2", "The model's configuration (Triton's model_config)",
+                {"200": _ok("The configuration.", _ref("ModelConfig")), **_errors("kserve", lookup + (503,))},
+                params=params, security=_OPEN,
+            )
+        },
+        base + "/stats": {
+            "get": _op(
+                f"modelStatistics{v}", "KServe v2", "The model's statistics (Triton's statistics extension)",
+                {
+                    "200": _ok("Counts and durations.", _ref("ModelStatisticsResponse")),
+                    **_errors("kserve", (400, 401, 404) if versioned else (401, 404)),
+                },
+                params=params,
+            )
+        },
+        base + "/infer": {
+            "post": _op(
+                f"infer{v}", "KServe v2", "Inference (KServe v2 REST, Triton's binary tensor data extension)",
+                {"200": infer_ok, **_errors("kserve", (400, 401, 403, 404, 408, 413, 429, 500, 501, 503, 504))},
+                params=params, headers=("request_id",),
+                body={
+                    "required": True,
+                    "content": {
+                        **_json(_ref("InferenceRequest")),
+                        "application/octet-stream": {
+                            "schema": {
+                                "type": "string",
+                                "format": "binary",
+                                "description": f"The JSON header, then the binary tensors; `{HEADER_LENGTH}` "
+                                "gives the header's length.",
+                            },
+                        },
+                    },
+                },
+                description="The API key (with a tenant file) and the overload gate are checked from the "
+                "headers before the body is read.",
+            )
+        },
+    }  # fmt: skip
+
+
+def _paths() -> dict[str, dict]:
+    paths: dict[str, dict] = {
+        "/v2/health/live": {
+            "get": _op(
+                "live", "Health", "Liveness", {"200": _ok("Alive.", _obj({"live": {"const": True}}, ("live",)))},
+                security=_OPEN,
+            )
+        },
+        "/v2/health/ready": {
+            "get": _op(
+                "ready", "Health", "Readiness: every model loaded and the server not draining",
+                {
+                    "200": _ok("Ready.", _obj({"ready": {"const": True}}, ("ready",))),
+                    "503": _ok("Not ready (starting, a model failed, draining).",
+                               _obj({"ready": {"const": False}}, ("ready",))),
+                },
+                security=_OPEN,
+            )
+        },
+        "/v2": {
+            "get": _op(
+                "serverMetadata", "KServe v2", "Server metadata",
+                {"200": _ok("Name, version and extensions.", _ref("ServerMetadata"))}, security=_OPEN,
+            )
+        },
+        "/metrics": {
+            "get": _op(
+                "metrics", "Metrics", "Prometheus metrics",
+                {"200": {"description": "The Prometheus text exposition.",
+                         "content": {"text/plain": {"schema": _STR}}}},
+                security=_OPEN,
+            )
+        },
+        "/v2/repository/index": {
+            "post": _op(
+                "repositoryIndex", "Repository", "The models in the repository and their state",
+                {"200": _ok("Every model, ready or not.", _ref("RepositoryIndex")),
+                 **_errors("kserve", _KSERVE_BODY_ERRORS)},
+                body=_json_body("RepositoryIndexRequest", required=False),
+            )
+        },
+        "/v2/repository/models/{model}/load": {
+            "post": _op(
+                "repositoryLoad", "Repository", "Load (or reload) a model from its directory",
+                {"200": _ok("Loaded and serving."),
+                 **_errors("kserve", (*_KSERVE_BODY_ERRORS, 403, 404, 501, 503),
+                           {400: "The body is malformed, or the model's directory cannot be served (the "
+                                 "previous load keeps serving)."})},
+                params=("model",), body=_json_body("RepositoryModelRequest", required=False),
+                description="Needs `model_control` on, and with a tenant file an admin tenant.",
+            )
+        },
+        "/v2/repository/models/{model}/unload": {
+            "post": _op(
+                "repositoryUnload", "Repository", "Stop serving a model once its calls are answered",
+                {"200": _ok("Unloaded."), **_errors("kserve", (*_KSERVE_BODY_ERRORS, 403, 404, 503))},
+                params=("model",), body=_json_body("RepositoryModelRequest", required=False),
+                description="Needs `model_control` on, and with a tenant file an admin tenant.",
+            )
+        },
+        "/v2/models/stats": {
+            "get": _op(
+                "statistics", "KServe v2", "Statistics of every model",
+                {"200": _ok("Counts and durations.", _ref("ModelStatisticsResponse")),
+                 **_errors("kserve", (401,))},
+            )
+        },
+        **_model_routes("/v2/models/{model}", versioned=False),
+        **_model_routes("/v2/models/{model}/versions/{version}", versioned=True),
+        # -- OpenAI
+        "/v1/embeddings": {
+            "post": _op(
+                "createEmbeddings", "OpenAI", "Embeddings (OpenAI's API)",
+                {"200": _ok("One vector per input, in order.", _ref("EmbeddingsResponse")),
+                 **_errors("openai", (400, 401, 403, 404, 408, 413, 429, 500, 501, 503, 504))},
+                headers=("request_id", "latency_class", "latency_budget"),
+                body=_json_body("EmbeddingsRequest"),
+            )
+        },
+        "/v1/models": {
+            "get": _op(
+                "listModels", "OpenAI", "The text models this caller may call",
+                {"200": _ok("The models.", _ref("ModelList")), **_errors("openai", (401,))},
+            )
+        },
+        "/v1/models/{model}": {
+            "get": _op(
+                "retrieveModel", "OpenAI", "One text model",
+                {"200": _ok("The model.", _ref("Model")), **_errors("openai", (401, 404))},
+                params=("model",),
+            )
+        },
+        # -- TEI
+        "/embed": {
+            "post": _op(
+                "embed", "TEI", "Embeddings (Hugging Face TEI's API)",
+                {"200": _ok("One vector per input, in order.", _ref("EmbedResponse")),
+                 **_errors("tei", (400, 401, 403, 404, 408, 413, 422, 424, 429, 501, 503, 504),
+                           {400: "TEI: an empty list of inputs (`error_type` `empty`)."})},
+                headers=("request_id", "latency_class", "latency_budget"),
+                body=_json_body("EmbedRequest"),
+                description=f"`model` defaults to `{DEFAULT_MODEL}`. A body TEI cannot read is 422.",
+            )
+        },
+        "/rerank": {
+            "post": _op(
+                "rerank", "TEI", "Rerank texts against a query (TEI's API)",
+                {"200": _ok("Scores, highest first.", _ref("RerankResponse")),
+                 **_errors("tei", (400, 401, 403, 404, 408, 413, 422, 424, 429, 501, 503, 504),
+                           {400: "TEI: an empty list of texts (`error_type` `empty`)."})},
+                headers=("request_id", "latency_class", "latency_budget"),
+                body=_json_body("RerankRequest"),
+            )
+        },
+        # -- Cohere / Jina
+        "/v1/rerank": {
+            "post": _op(
+                "v1Rerank", "Cohere / Jina", "Rerank documents against a query (Cohere's / Jina's API)",
+                {"200": _ok("The first `top_n` documents by relevance.", _ref("V1RerankResponse")),
+                 **_errors("openai", (400, 401, 403, 404, 408, 413, 429, 500, 501, 503, 504))},
+                headers=("request_id", "latency_class", "latency_budget"),
+                body=_json_body("V1RerankRequest"),
+            )
+        },
+        # -- this contract
+        "/openapi.json": {
+            "get": _op(
+                "openapi", "Contract", "This document (OpenAPI 3.1)",
+                {"200": _ok("The document.", {"type": "object", "required": ["openapi", "paths"]})},
+                security=_OPEN,
+            )
+        },
+        "/docs": {
+            "get": _op(
+                "docs", "Contract", "Swagger UI over this document",
+                {"200": {"description": "The page.", "content": {"text/html": {"schema": _STR}}},
+                 **_errors("kserve", (404,), {404: "Swagger UI's files are not installed (swagger-ui-py)."})},
+                security=_OPEN,
+            )
+        },
+        "/docs/static/{name}": {
+            "get": {
+                **_op(
+                    "docsAsset", "Contract", "Swagger UI's files (bundled with the server; no CDN)",
+                    {"200": {"description": "The file.",
+                             "content": {t: {"schema": {"type": "string", "format": "binary"}}
+                                         for t in sorted(set(ASSETS.values()))}},
+                     **_errors("kserve", (404,), {404: "No such file."})},
+                    security=_OPEN,
+                ),
+                "parameters": [{"name": "name", "in": "path", "required": True,
+                                "schema": {"type": "string", "enum": sorted(ASSETS)}}],
+            }
+        },
+    }  # fmt: skip
+    return paths
+
+
+@functools.cache
+def document() -> dict:
+    """The OpenAPI 3.1 document (built once; callers must not change it)."""
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "batchgate REST API",
+            "version": VERSION,
+            "summary": "KServe v2 REST, OpenAI embeddings, TEI embed/rerank and Cohere/Jina rerank, "
+            "served by one dynamic-batching gateway.",
+            "description": "Every call (all APIs) goes through the same pipeline: API key, rate limits, "
+            "latency class, batching with other callers. Errors come in each API's own shape: KServe's "
+            '`{"error": ...}`, OpenAI\'s `{"error": {"message", "type", "param", "code"}}` (also '
+            '`/v1/rerank`), TEI\'s `{"error", "error_type"}`. A path or method the server does not '
+            "serve is answered 404/405 with KServe's shape. An API key is needed only when the server "
+            "has a tenant file (`api_keys_file`).",
+            "license": {"name": "Apache-2.0", "identifier": "Apache-2.0"},
+        },
+        "tags": [
+            {"name": n}
+            for n in (
+                "KServe v2",
+                "Repository",
+                "Health",
+                "Metrics",
+                "OpenAI",
+                "TEI",
+                "Cohere / Jina",
+                "Contract",
+            )
+        ],
+        "paths": _paths(),
+        "components": {
+            "schemas": SCHEMAS,
+            "securitySchemes": {
+                "bearer": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "`Authorization: Bearer <key>`",
+                },
+                "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+            },
+        },
+    }
+
+
+# -- serving -----------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _document_bytes() -> bytes:
+    return json.dumps(document(), separators=(",", ":")).encode()
+
+
+@functools.cache
+def static_dir() -> Path | None:
+    """swagger-ui-py's static folder, found without importing the package (it imports Jinja)."""
+    spec = importlib.util.find_spec("swagger_ui")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations))) / "static"
+    return folder if (folder / "swagger-ui-bundle.js").is_file() else None
+
+
+def _missing() -> web.Response:
+    return web.json_response(
+        {"error": "Swagger UI's files are not installed: pip install swagger-ui-py"}, status=404
+    )
+
+
+async def openapi_json(_req: web.Request) -> web.Response:
+    return web.Response(body=_document_bytes(), content_type="application/json")
+
+
+async def docs(_req: web.Request) -> web.Response:
+    if static_dir() is None:
+        return _missing()
+    return web.Response(text=PAGE, content_type="text/html")
+
+
+async def asset(req: web.Request) -> web.StreamResponse:
+    name = req.match_info["name"]
+    folder = static_dir()
+    if name not in ASSETS:  # an allow-list: no path from the caller ever reaches the file system
+        return web.json_response({"error": "no such file"}, status=404)
+    if folder is None:
+        return _missing()
+    return web.FileResponse(
+        folder / name, headers={"Content-Type": ASSETS[name], "Cache-Control": "public, max-age=86400"}
+    )
+
+
+def add_routes(app: web.Application) -> None:
+    """``GET /openapi.json``, ``GET /docs`` and Swagger UI's files (rest.py ``HttpFrontend.app`` calls this)."""
+    r = app.router
+    r.add_get("/openapi.json", openapi_json)
+    r.add_get("/docs", docs)
+    r.add_get("/docs/static/{name}", asset)
