@@ -25,6 +25,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -55,6 +56,8 @@ MANAGED = {
     "drain_timeout_s": "drain.timeoutSeconds",
     "drain_linger_s": "drain.lingerSeconds",
     "redis_url": "redis",
+    "redis_url_file": "redis",
+    "redis_password_file": "redis",
     "api_keys_file": "auth",
     "tls_cert_file": "tls",
     "tls_key_file": "tls",
@@ -500,24 +503,75 @@ def test_rendered_env_names_are_settings_fields(rendered):
     assert not unknown, f"{name}: the chart renders settings the server does not have: {sorted(unknown)}"
 
 
-def _effective_env(r: Rendered) -> dict[str, str]:
-    """The gateway's BATCHGATE_* environment as the kubelet would build it, Secrets stubbed."""
+REDIS_MOUNT = "/etc/batchgate/redis"
+# Stand-ins for the Secrets of the user's that the value sets name: what the kubelet would find.
+EXISTING_SECRETS = {"redis-creds": {"redis-password": "stubpw", "url": "redis://:stubpw@stub:6379/0"}}
+
+
+def secret_data(r: Rendered, name: str, existing: dict[str, dict[str, str]]) -> dict[str, str]:
+    """A Secret's data, decoded: the chart's own as rendered, else the stand-in for one of the user's."""
+    (own,) = r.of("Secret", name) or [None]
+    if own is None:
+        assert name in existing, (
+            f"the pod mounts Secret {name}, which neither the chart renders nor the test knows"
+        )
+        return existing[name]
+    return {k: base64.b64decode(v).decode() for k, v in own.get("data", {}).items()}
+
+
+def mount_secret_files(
+    r: Rendered,
+    root: Path,
+    existing: dict[str, dict[str, str]],
+    volumes: tuple[str, ...] = ("redis-credentials",),
+) -> dict[str, str]:
+    """Write the gateway's Secret volumes named in ``volumes`` under ``root`` the way the kubelet
+    projects them: each item's key of the Secret as the file <mountPath>/<path>. A key the Secret
+    lacks fails here, as the pod would fail to start. Returns {mountPath: local folder}."""
+    vols = {v["name"]: v for v in r.pod["volumes"]}
+    moved: dict[str, str] = {}
+    for m in r.gateway.get("volumeMounts", []):
+        if m["name"] not in volumes:
+            continue
+        src = vols[m["name"]]["secret"]
+        data = secret_data(r, src["secretName"], existing)
+        local = root / m["name"]
+        local.mkdir(parents=True)
+        for item in src["items"]:
+            assert item["key"] in data, (
+                f"Secret {src['secretName']} has no key {item['key']!r}: {sorted(data)}"
+            )
+            (local / item["path"]).write_text(data[item["key"]])
+        moved[m["mountPath"]] = str(local)
+    return moved
+
+
+def _effective_env(
+    r: Rendered, root: Path, existing: dict[str, dict[str, str]] = EXISTING_SECRETS
+) -> dict[str, str]:
+    """The gateway's BATCHGATE_* environment as the kubelet would build it, with its Redis Secret
+    volume written under ``root`` and every path into that mount moved there."""
+    moved = mount_secret_files(r, root, existing)
     env = dict(r.config)
-    stub = {"REDIS_PASSWORD": "stubpw", "BATCHGATE_REDIS_URL": "redis://:stubpw@stub:6379/0"}
     for e in r.gateway.get("env", []):
-        if "value" in e:
-            env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), e["value"])
-        else:
-            env[e["name"]] = stub.get(e["name"], "stub")
+        value = e.get("value", "stub")
+        for path, local in moved.items():
+            if value == path or value.startswith(path + "/"):
+                value = local + value[len(path) :]
+        env[e["name"]] = value
     return {k: v for k, v in env.items() if k.startswith("BATCHGATE_")}
 
 
-def test_rendered_env_is_accepted_by_settings(rendered, monkeypatch):
-    name, values, r = rendered
+def _clean_settings_env(monkeypatch) -> None:
     for k in list(os.environ):
         if k.startswith("BATCHGATE_"):
             monkeypatch.delenv(k)
-    for k, v in _effective_env(r).items():
+
+
+def test_rendered_env_is_accepted_by_settings(rendered, monkeypatch, tmp_path):
+    name, values, r = rendered
+    _clean_settings_env(monkeypatch)
+    for k, v in _effective_env(r, tmp_path).items():
         monkeypatch.setenv(k, v)
     s = Settings()
     assert s.grpc_port == values["containerPorts"]["grpc"] and s.http_port == values["containerPorts"]["http"]
@@ -799,8 +853,12 @@ def test_secrets_are_never_rendered_in_clear(rendered):
         assert not secrets, f"{name}: everything comes from existing Secrets; the chart needs none"
 
 
-def _secret_ref(env_entry: dict) -> dict:
-    return env_entry["valueFrom"]["secretKeyRef"]
+def _redis_credentials(r: Rendered) -> tuple[dict, dict] | None:
+    """The gateway's Redis Secret volume's source and its mount; None when it has none."""
+    vols = [v for v in r.pod["volumes"] if v["name"] == "redis-credentials"]
+    mounts = [m for m in r.gateway["volumeMounts"] if m["name"] == "redis-credentials"]
+    assert len(vols) == len(mounts) <= 1, (vols, mounts)
+    return (vols[0]["secret"], mounts[0]) if vols else None
 
 
 def test_redis_url_wiring():
@@ -809,39 +867,65 @@ def test_redis_url_wiring():
         return names, r.env().get("BATCHGATE_REDIS_URL")
 
     names, env = url_env(_cached("defaults"))
-    assert env is None and "REDIS_PASSWORD" not in names
+    assert env is None and not [n for n in names if "REDIS" in n]
+    assert _redis_credentials(_cached("defaults")) is None
 
+    # From parts: the URL without the password in env, the password as a file of the Secret's.
     r = _cached("redis-external-parts")
     names, env = url_env(r)
-    assert env["value"] == "rediss://gateway:$(REDIS_PASSWORD)@redis.cache.svc:6380/2"
-    assert names.index("REDIS_PASSWORD") < names.index("BATCHGATE_REDIS_URL")  # $(VAR) expands only backwards
-    assert _secret_ref(r.env()["REDIS_PASSWORD"]) == {"name": FULLNAME, "key": "redis-password"}
+    assert env["value"] == "rediss://gateway@redis.cache.svc:6380/2"
+    assert r.env()["BATCHGATE_REDIS_PASSWORD_FILE"]["value"] == f"{REDIS_MOUNT}/password"
+    src, mount = _redis_credentials(r)
+    assert src == {
+        "secretName": FULLNAME,
+        "defaultMode": 0o440,
+        "items": [{"key": "redis-password", "path": "password"}],
+    }
+    # A directory mount, no subPath: a rotated Secret reaches the file.
+    assert mount == {"name": "redis-credentials", "mountPath": REDIS_MOUNT, "readOnly": True}
 
-    names, env = url_env(_cached("redis-external-url"))
-    assert _secret_ref(env) == {"name": FULLNAME, "key": "redis-url"}
+    # A whole URL: only its file's path in env.
+    r = _cached("redis-external-url")
+    names, env = url_env(r)
+    assert env is None and "BATCHGATE_REDIS_PASSWORD_FILE" not in names
+    assert r.env()["BATCHGATE_REDIS_URL_FILE"]["value"] == f"{REDIS_MOUNT}/url"
+    assert _redis_credentials(r)[0]["items"] == [{"key": "redis-url", "path": "url"}]
+    assert _redis_credentials(r)[0]["secretName"] == FULLNAME
 
     r = _cached("existing-secrets")
     names, env = url_env(r)
-    assert env["value"] == "redis://:$(REDIS_PASSWORD)@redis.cache.svc:6379/0"
-    assert _secret_ref(r.env()["REDIS_PASSWORD"]) == {"name": "redis-creds", "key": "redis-password"}
+    assert env["value"] == "redis://redis.cache.svc:6379/0"
+    assert r.env()["BATCHGATE_REDIS_PASSWORD_FILE"]["value"] == f"{REDIS_MOUNT}/password"
+    src, _ = _redis_credentials(r)
+    assert src["secretName"] == "redis-creds" and src["items"] == [
+        {"key": "redis-password", "path": "password"}
+    ]
 
-    names, env = url_env(_cached("existing-url-secret"))
-    assert _secret_ref(env) == {"name": "redis-creds", "key": "url"}
+    r = _cached("existing-url-secret")
+    names, env = url_env(r)
+    assert env is None and r.env()["BATCHGATE_REDIS_URL_FILE"]["value"] == f"{REDIS_MOUNT}/url"
+    src, _ = _redis_credentials(r)
+    assert src["secretName"] == "redis-creds" and src["items"] == [{"key": "url", "path": "url"}]
 
     # In-chart Redis: the gateway and the Redis pod read the same password from the same Secret key.
     for set_name in ("redis-internal", "redis-internal-password"):
         r = _cached(set_name)
         names, env = url_env(r)
         host = f"{FULLNAME}-redis"
-        assert env["value"] == f"redis://:$(REDIS_PASSWORD)@{host}:6379/0"
+        assert env["value"] == f"redis://{host}:6379/0"
+        assert r.env()["BATCHGATE_REDIS_PASSWORD_FILE"]["value"] == f"{REDIS_MOUNT}/password"
         redis_pod = r.one("Deployment", host)["spec"]["template"]["spec"]
         (redis,) = redis_pod["containers"]
         # The Redis pod reads it as a file (never env or argv; tests/test_helm_platform.py runs the command).
         assert "env" not in redis
         (auth,) = [v for v in redis_pod["volumes"] if v["name"] == "auth"]
-        ref = _secret_ref(r.env()["REDIS_PASSWORD"])
-        assert auth["secret"]["secretName"] == ref["name"]
-        assert auth["secret"]["items"] == [{"key": ref["key"], "path": "password"}]
+        src, _ = _redis_credentials(r)
+        assert auth["secret"]["secretName"] == src["secretName"] == FULLNAME
+        assert (
+            [i["key"] for i in auth["secret"]["items"]]
+            == [i["key"] for i in src["items"]]
+            == ["redis-password"]
+        )
         assert "/etc/redis-auth/password" in redis["command"][2] and "--requirepass" not in redis["args"]
         assert redis["args"][redis["args"].index("--save") + 1] == ""  # no persistence
         svc = r.one("Service", host)
@@ -856,6 +940,121 @@ def test_redis_url_wiring():
             assert stored == PASSWORD
 
 
+REDIS_CA_URL_QUERY = "ssl_ca_certs=/etc/batchgate/redis-ca"
+# Each Redis mode: values, the user's Secrets (stand-ins), the Secret key the gateway must mount as
+# (secret, key, file) or None, and the URL Settings must end up with (a callable of the chart's
+# decoded Secret where the chart generates the password).
+REDIS_MODES = {
+    "external-url": (
+        {"mode": "external", "url": f"rediss://:{PASSWORD}@redis.example:6379/0"},
+        {},
+        (FULLNAME, "redis-url", "url"),
+        f"rediss://:{PASSWORD}@redis.example:6379/0",
+    ),
+    "external-url-ca": (
+        {
+            "mode": "external",
+            "url": f"rediss://:{PASSWORD}@redis.example:6380/1?socket_keepalive=true",
+            "tlsCA": {"existingConfigMap": "corp-ca", "key": "corp.pem"},
+        },
+        {},
+        (FULLNAME, "redis-url", "url"),
+        f"rediss://:{PASSWORD}@redis.example:6380/1?socket_keepalive=true&{REDIS_CA_URL_QUERY}/corp.pem",
+    ),
+    "external-existing-url": (
+        {"mode": "external", "existingSecret": "creds", "existingSecretUrlKey": "the-url"},
+        {"creds": {"the-url": "rediss://bob:s3cret@redis.example:6390/4", "redis-password": "unused"}},
+        ("creds", "the-url", "url"),
+        "rediss://bob:s3cret@redis.example:6390/4",
+    ),
+    "external-parts": (
+        {
+            "mode": "external",
+            "host": "redis.cache.svc",
+            "port": 6380,
+            "db": 2,
+            "tls": True,
+            "username": "gateway",
+            "password": PASSWORD,
+            "tlsCA": {"existingSecret": "redis-ca"},
+        },
+        {},
+        (FULLNAME, "redis-password", "password"),
+        f"rediss://gateway:{PASSWORD}@redis.cache.svc:6380/2?{REDIS_CA_URL_QUERY}/ca.crt",
+    ),
+    # A password of the user's need not be URL-safe: the server percent-encodes it.
+    "external-parts-existing-password": (
+        {
+            "mode": "external",
+            "host": "redis.cache.svc",
+            "username": "svc",
+            "existingSecret": "creds",
+            "existingSecretPasswordKey": "pw",
+        },
+        {"creds": {"pw": "p@ss/w:rd %"}},
+        ("creds", "pw", "password"),
+        "redis://svc:p%40ss%2Fw%3Ard%20%25@redis.cache.svc:6379/0",
+    ),
+    "external-parts-no-password": (
+        {"mode": "external", "host": "redis.cache.svc"},
+        {},
+        None,
+        "redis://redis.cache.svc:6379/0",
+    ),
+    "internal": (
+        {"mode": "internal"},
+        {},
+        (FULLNAME, "redis-password", "password"),
+        lambda own: f"redis://:{own['redis-password']}@{FULLNAME}-redis:6379/0",
+    ),
+    "internal-existing-secret": (
+        {"mode": "internal", "existingSecret": "creds"},
+        {"creds": {"redis-password": "from-creds"}},
+        ("creds", "redis-password", "password"),
+        f"redis://:from-creds@{FULLNAME}-redis:6379/0",
+    ),
+    "none-with-existing-secret": ({"mode": "none", "existingSecret": "creds"}, {}, None, None),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(REDIS_MODES))
+def test_redis_credentials_reach_settings_as_files(chart, mode, monkeypatch, tmp_path):
+    """No Secret reaches the gateway through env; the one Secret key it needs is a file of a mounted
+    Secret volume; and Settings, given the rendered env with that volume written the way the kubelet
+    would (the chart's Secret as rendered, the user's as stand-ins), builds the full Redis URL."""
+    values, existing, credential, want = REDIS_MODES[mode]
+    r = render(chart, {"redis": values})
+    gateway = r.gateway
+    assert not [e for e in gateway.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})], mode
+    assert not [e for e in gateway.get("envFrom", []) if "secretRef" in e], mode
+    env = {e["name"]: e.get("value") for e in gateway.get("env", [])}
+    files = {n: env[n] for n in ("BATCHGATE_REDIS_URL_FILE", "BATCHGATE_REDIS_PASSWORD_FILE") if n in env}
+    if credential is None:
+        assert not files and _redis_credentials(r) is None, mode
+    else:
+        secret, key, name = credential
+        (setting,) = files
+        assert setting == ("BATCHGATE_REDIS_URL_FILE" if name == "url" else "BATCHGATE_REDIS_PASSWORD_FILE")
+        # The file lies in a mounted Secret volume whose one item is the right key.
+        directory, file = files[setting].rsplit("/", 1)
+        (mount,) = [m for m in gateway["volumeMounts"] if m["mountPath"] == directory]
+        assert mount.get("readOnly") is True and "subPath" not in mount, mount
+        (vol,) = [v for v in r.pod["volumes"] if v["name"] == mount["name"]]
+        assert vol["secret"]["secretName"] == secret
+        assert vol["secret"]["items"] == [{"key": key, "path": file}]
+        if name == "password":  # the URL beside it carries none
+            assert urlsplit(env["BATCHGATE_REDIS_URL"]).password is None, env["BATCHGATE_REDIS_URL"]
+        else:
+            assert "BATCHGATE_REDIS_URL" not in env
+
+    _clean_settings_env(monkeypatch)
+    for k, v in _effective_env(r, tmp_path, existing).items():
+        monkeypatch.setenv(k, v)
+    if callable(want):
+        want = want(secret_data(r, FULLNAME, {}))
+    assert Settings().redis_url == want
+
+
 def test_api_keys_file_is_mounted_from_a_secret():
     for set_name, secret_name, key in (
         ("auth-inline", FULLNAME, "api-keys.yaml"),
@@ -863,7 +1062,7 @@ def test_api_keys_file_is_mounted_from_a_secret():
     ):
         r = _cached(set_name)
         assert r.config["BATCHGATE_API_KEYS_FILE"] == f"/etc/batchgate/auth/{key}"
-        (vol,) = [v for v in r.pod["volumes"] if "secret" in v]
+        (vol,) = [v for v in r.pod["volumes"] if v["name"] == "api-keys"]
         assert vol["secret"]["secretName"] == secret_name
         assert vol["secret"]["items"] == [{"key": key, "path": key}]
         (mount,) = [m for m in r.gateway["volumeMounts"] if m["name"] == vol["name"]]
