@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from bisect import bisect_left
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -34,16 +33,12 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from batchgate.gateway.errors import GatewayError, Kind
+from batchgate.gateway.histogram import LATENCY_BUCKETS, Histogram
 
 log = logging.getLogger(__name__)
 
 __all__ = ["CONTENT_TYPE_LATEST", "BatchObserver", "Histogram", "Metrics", "TransportCounters", "outcome_of"]
 
-# Seconds. Dense below 50 ms, where the latency classes live.
-LATENCY_BUCKETS = (
-    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25,
-    0.5, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
 BATCH_ROWS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BATCH_TOKENS_BUCKETS = (64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 PADDING_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)
@@ -76,37 +71,6 @@ def outcome_of(exc: BaseException) -> str:
     if isinstance(exc, asyncio.CancelledError):
         return "cancelled"  # the caller went away (or its deadline passed in gRPC) before the answer
     return "error"
-
-
-class Histogram:
-    """A Prometheus histogram without locks or label lookups: the owner's thread only."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: Iterable[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1  # `le` buckets: value <= bound
-        self.sum += value
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def buckets(self) -> list[tuple[str, int]]:
-        out, total = [], 0
-        for bound, n in zip(self.bounds, self.counts):
-            total += n
-            out.append((_fmt(bound), total))
-        out.append(("+Inf", total + self.counts[-1]))
-        return out
-
-
-def _fmt(bound: float) -> str:
-    return str(float(bound))
 
 
 # -- the edge -------------------------------------------------------------------------------------
@@ -398,6 +362,12 @@ def _scheduler_families(snaps) -> Iterator:
         "its deadline, shed, expired, rejected, failed)",
         labels=["model", "version", "class", "outcome"],
     )
+    class_time = HistogramMetricFamily(
+        P + "class_request_duration_seconds",
+        "requests answered by the scheduler (in budget or late), by latency class: seconds from "
+        "admission to the answer; a call of many rows counts each request it was queued as",
+        labels=["model", "version", "class"],
+    )
     shadow = CounterMetricFamily(
         P + "shed_shadow",
         "shed_at_admission off: calls the admission estimate would have refused, queued anyway, by "
@@ -437,6 +407,8 @@ def _scheduler_families(snaps) -> Iterator:
         for cls, outcomes in st.by_class.items():
             for outcome, n in outcomes.items():
                 by_class.add_metric(lv + [cls, outcome], n)
+        for cls, h in st.class_seconds.items():
+            class_time.add_metric(lv + [cls], h.buckets(), h.sum)
         if sched.estimate_ratio is not None:
             n, mean, dev = sched.estimate_ratio
             ratio.add_metric(lv + ["samples"], n)
@@ -461,6 +433,7 @@ def _scheduler_families(snaps) -> Iterator:
         dropped,
         abandoned,
         by_class,
+        class_time,
         shadow,
         ratio,
         depth,

@@ -947,11 +947,11 @@ def test_the_dashboard_covers_what_an_operator_asks_for():
         "batchgate_queue_depth", "batchgate_queue_duration_seconds_bucket", "batchgate_batch_size_rows_sum",
         "batchgate_batch_padding_ratio_sum", "batchgate_cache_lookups_total", "batchgate_inference_rows_total",
         "batchgate_overload_admitted_ratio", "batchgate_overload_refused_total", "batchgate_device_memory_bytes",
-        "batchgate_inflight_requests",
+        "batchgate_inflight_requests", "batchgate_class_request_duration_seconds_bucket",
     ):  # fmt: skip
         assert name in exprs, name
     assert "histogram_quantile(0.5," in exprs and "histogram_quantile(0.99," in exprs
-    assert "by (class" in exprs
+    assert "by (class" in exprs and "by (le, class)" in exprs
 
 
 def test_the_query_checker_catches_what_it_should(live_scrape):

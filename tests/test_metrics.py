@@ -176,6 +176,34 @@ def test_scrape_counts_the_workload(workload):
     assert any(name == "process_cpu_seconds_total" for name, _ in s)  # the per-process registry has them too
 
 
+def test_time_to_answer_is_exported_by_class(workload):
+    """p50/p99 by class come from this histogram: one observation per request the scheduler
+    answered, under the class it was queued in, each no longer than the whole call took."""
+    s = scrape(workload)
+
+    def per_class(name: str, **want) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for (n, labels), v in s.items():
+            d = dict(labels)
+            if n == name and d.get("model") == "ranker" and all(d.get(k) == w for k, w in want.items()):
+                out[d["class"]] = out.get(d["class"], 0) + v
+        return out
+
+    answered = per_class("batchgate_class_requests_total", outcome="success")
+    late = per_class("batchgate_class_requests_total", outcome="late")
+    for cls, n in late.items():
+        answered[cls] = answered.get(cls, 0) + n
+    counts = per_class("batchgate_class_request_duration_seconds_count")
+    assert counts and counts == answered
+    # every request of the workload ran alone, so all of them are counted (the cache hit is not)
+    assert sum(counts.values()) == len(UNARY_ROWS) + len(STREAM_ROWS) + len(HTTP_ROWS)
+    assert per_class("batchgate_class_request_duration_seconds_bucket", le="+Inf") == counts
+    seconds = sum(per_class("batchgate_class_request_duration_seconds_sum").values())
+    edge = sum(v for (n, labels), v in s.items()
+               if n == "batchgate_request_duration_seconds_sum" and ("model", "ranker") in labels)  # fmt: skip
+    assert 0 < seconds <= edge
+
+
 def test_the_overload_gate_is_exported_and_sheds_nothing_under_a_light_workload(workload):
     s = scrape(workload)
     assert value(s, "batchgate_overload_admitted_ratio") == 1.0

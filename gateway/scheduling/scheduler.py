@@ -549,6 +549,7 @@ class Scheduler:
         for r, out in zip(batch, outputs):
             if r.cls is not None:
                 st.count_class(r.class_name, "success" if now <= r.deadline else "late")
+                st.time_class(r.class_name, now - r.arrival)
             st.success_count += 1
             st.success_ns += int((now - r.arrival) * 1e9)
             if not r.future.done():

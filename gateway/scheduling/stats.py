@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from batchgate.gateway.histogram import LATENCY_BUCKETS, Histogram
+
 
 @dataclass(slots=True)
 class BatchStats:
@@ -44,6 +46,9 @@ class Stats:
     by_batch_size: dict[int, BatchStats] = field(default_factory=dict)
     # latency class -> outcome -> count (success, shed, expired, rejected, failed)
     by_class: dict[str, dict[str, int]] = field(default_factory=dict)
+    # latency class -> seconds from the scheduler's admission to the answer, answered requests
+    # (in budget or late): the p50/p99 by class an operator watches against the class's budget
+    class_seconds: dict[str, Histogram] = field(default_factory=dict)
     # shedding off (shed_at_admission: false): latency class -> calls the estimate would have
     # refused -> whether each made its deadline (would_have_made_it) or not (missed)
     shadow: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -56,6 +61,12 @@ class Stats:
         if d is None:
             d = self.by_class[cls] = {}
         d[outcome] = d.get(outcome, 0) + n
+
+    def time_class(self, cls: str, seconds: float) -> None:
+        h = self.class_seconds.get(cls)
+        if h is None:
+            h = self.class_seconds[cls] = Histogram(LATENCY_BUCKETS)
+        h.observe(seconds)
 
 
 @dataclass(frozen=True, slots=True)
