@@ -14,7 +14,7 @@ SERVE_STAMP := $(VENV)/.installed-$(RUNTIME)
 TEST_STAMP  := $(VENV)/.installed-$(RUNTIME)-test
 OTHER_ORT   := $(if $(filter gpu,$(RUNTIME)),onnxruntime,onnxruntime-gpu)
 
-.PHONY: serve test lint proto bench clean redis-server valgrind chromium
+.PHONY: serve test lint proto bench clean redis-server valgrind chromium prometheus
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,11 @@ $(CHECKOV_VENV)/bin/checkov:
 	$(PYTHON) -m venv $(CHECKOV_VENV)
 	$(CHECKOV_VENV)/bin/python -m pip install -q 'checkov>=3.2'
 
+# tests/test_dashboard_picture.py evaluates the Helm chart's dashboard queries in a real Prometheus:
+# install it when the machine lacks it.
+prometheus:
+	@test -x /usr/bin/prometheus || (apt-get update -qq && apt-get install -y -qq prometheus >/dev/null)
+
 # Lint and format check (ruff's rules are chosen in pyproject.toml); RUFF_FORMAT=0 skips the
 # format check.
 RUFF_FORMAT ?= 1
@@ -75,7 +80,7 @@ lint: $(TEST_STAMP)
 # After the tests, the quick benchmark (< 1 min): batchgate/no-op request rate, printed; it fails
 # only on a collapse (ratio < 0.3). QUICK_BENCH=0 skips it.
 QUICK_BENCH ?= 1
-test: $(TEST_STAMP) $(CHECKOV_VENV)/bin/checkov redis-server valgrind chromium lint
+test: $(TEST_STAMP) $(CHECKOV_VENV)/bin/checkov redis-server valgrind chromium prometheus lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	@if [ "$(QUICK_BENCH)" != 0 ]; then $(BIN)/python -m batchgate.bench.quick; fi
 
