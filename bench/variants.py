@@ -77,6 +77,9 @@ def main() -> int:
     p.add_argument("--load-core", type=int, default=1)
     args = p.parse_args()
     variants = [v for v in args.variants.split(",") if v]
+    if not (args.model_dir / "1" / "model.onnx").exists():
+        print(f"{args.model_dir} has no model: run `batchgate prepare-minilm` first", file=sys.stderr)
+        return 2
     all_texts = texts()
     os.sched_setaffinity(0, {args.server_core})
     per_text, _ = ort_limit(args.model_dir, all_texts)
