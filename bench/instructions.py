@@ -31,6 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from batchgate.workers.devices import cpu_flags
 from batchgate.workers.sessions import disabled_fusions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,14 +83,7 @@ def machine_key() -> str:
     kernels counted. Elsewhere the host's flags, hashed."""
     import onnxruntime as ort
 
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = line
-                break
-    except OSError:
-        pass
+    flags = cpu_flags()
     arch = platform.machine()
     if arch == "x86_64":
         have = set(flags.split(":", 1)[-1].split())
@@ -138,16 +132,16 @@ def count(model: Path, kind: str, runs: int, timeout: float = 300.0) -> int:
 
 def build_models(work: Path, log=print) -> dict[str, Path]:
     """The models each case counts: the bundled originals, and the encoder's INT8 built here from
-    them (its build is deterministic, so its count is comparable across runs)."""
+    them (its build is deterministic, and its weights are INT8 whatever the host's VNNI, so its
+    count is comparable across runs)."""
     from batchgate.gateway.build.optimize import Options, build_int8, model_rows
     from batchgate.gateway.repository import load_model
 
     repo = ROOT / "model_repository"
     enc = load_model(repo / "encoder", variant="fp32")[-1]
     int8 = work / "encoder.int8.onnx"
-    build_int8(
-        enc.path, int8, model_rows(enc, "calibration"), Options("int8", search_rows=24), log=lambda m: None
-    )
+    opts = Options("int8", search_rows=24, weights="int8")
+    build_int8(enc.path, int8, model_rows(enc, "calibration"), opts, log=lambda m: None)
     return {
         "encoder/fp32": enc.path,
         "encoder/int8": int8,

@@ -167,6 +167,9 @@ def _optimize_parser(sub) -> None:
     opt.add_argument(
         "--no-per-channel", dest="per_channel", action="store_false", help="INT8 weights per tensor"
     )
+    opt.add_argument("--int8-weights", choices=["auto", "int8", "uint8"], default="auto",
+                     help="INT8 weights' storage: int8, uint8 around 128 (exact on x86 CPUs without VNNI, "
+                     "where ORT's UINT8 x INT8 kernel saturates), or auto: the one exact on this CPU (default)")  # fmt: skip
     opt.add_argument("--no-fallback", dest="fallback", action="store_false",
                      help="INT8: quantise every MatMul/Gemm, none kept in FP32")  # fmt: skip
     opt.add_argument("--force", action="store_true",
@@ -202,6 +205,7 @@ def _optimize(args: argparse.Namespace, argv: list[str]) -> int:
         opts = Options(
             variant=args.variant, version=args.version, calibration=args.calibration, heldout=args.heldout,
             scales=scales, method=args.method or "percentile", percentile=args.percentile, per_channel=args.per_channel, smooth=args.smooth,
+            weights=args.int8_weights,
             fallback=args.fallback, thresholds=th, force=args.force, core=args.core,
             timing_repeats=max(1, args.repeats), memory=args.memory,
             command="batchgate " + shlex.join(argv),

@@ -26,6 +26,7 @@ from batchgate.gateway.parameters import ModelParameters, ParameterError
 from batchgate.gateway.parameters import parse as parse_parameters
 from batchgate.proto.inference.v2 import model_config_pb2 as mc
 from batchgate.workers.buckets import BucketConfig
+from batchgate.workers.devices import int8_saturates
 from batchgate.workers.fingerprint import file_fingerprint
 
 log = logging.getLogger(__name__)
@@ -444,7 +445,21 @@ def check_variant(name: str, version: str, model_file: Path, variant: str) -> Pa
             f"{where}: {path.name} is not the file its report measured (sha256 {want_var[:16]}… in the "
             f"report); {rebuild}"
         )
+    if variant == "int8" and _int8_weights(data) == "int8" and int8_saturates():
+        raise ConfigError(
+            f"{where}: its INT8 weights are signed, and on this CPU (x86 without VNNI) ONNX Runtime's "
+            f"UINT8 x INT8 kernel saturates (docs/engines.md measures 14 % off), so its gate figures do "
+            f"not hold here; rebuild it on this machine with `batchgate optimize {name} --int8` (it "
+            f"picks UINT8 weights) or serve fp32"
+        )
     return path
+
+
+def _int8_weights(report: dict) -> str:
+    """The INT8 variant's weight storage its report names; reports from before the choice existed
+    were all signed."""
+    build = report.get("build")
+    return str(build.get("weight_type", "int8")) if isinstance(build, dict) else "int8"
 
 
 def select_versions(model_dir: Path, config: mc.ModelConfig) -> list[str]:

@@ -355,3 +355,95 @@ def test_dynamic_int8_depends_on_batch_mates_so_the_gate_would_refuse_it(built, 
         sess = session(path)
         drift[name] = batch_independence(sess, rows, run_rows(sess, rows))
     assert drift["row"] <= 1e-5 < drift["dynamic"], drift
+
+
+# -- INT8 weights and the CPU's kernel -----------------------------------------------------------
+
+
+def _one_gemm(tmp_path: Path, weights: str) -> tuple[Path, np.ndarray]:
+    """A single X @ W graph whose every pair of products overflows 16 bits once quantised (X's row
+    maximum is 127 levels, so UINT8 255; W's levels are 127): the case VPMADDUBSW saturates."""
+    import onnx
+    from onnx import TensorProto
+    from onnx import helper as h
+    from onnx import numpy_helper
+
+    from batchgate.gateway.build.optimize import row_int8
+
+    w = np.full((64, 8), 0.5, np.float32)
+    graph = h.make_graph(
+        [h.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+        [h.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 64])],
+        [h.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8])], [numpy_helper.from_array(w, "w")],
+    )  # fmt: skip
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    assert row_int8(model, {"mm"}, per_channel=True, weights=weights) == 1
+    path = tmp_path / f"{weights}.onnx"
+    onnx.save(model, str(path))
+    return path, w
+
+
+def test_uint8_weights_are_exact_where_the_signed_kernel_saturates(tmp_path):
+    """UINT8-around-128 weights give the exact quantised product on every CPU; signed ones give it
+    only where ``int8_saturates`` says this CPU's kernel does not clip (VNNI, or off x86)."""
+    from batchgate.workers.devices import int8_saturates
+
+    x = np.full((4, 64), 3.0, np.float32)
+    x[1] *= np.linspace(0.1, 1.0, 64, dtype=np.float32)  # a row of its own scale
+    got = {}
+    for weights in ("uint8", "int8"):
+        path, w = _one_gemm(tmp_path, weights)
+        got[weights] = session(path).run(None, {"x": x})[0]
+    # the product of the quantised values, in exact arithmetic
+    s = np.abs(x).max(axis=1, keepdims=True) / 127
+    want = (np.round(x / s) * s) @ w
+    rel = {k: float(np.abs(v - want).max() / np.abs(want).max()) for k, v in got.items()}
+    assert rel["uint8"] < 1e-5, rel
+    if int8_saturates():
+        assert rel["int8"] > 0.05, rel  # the clip this CPU's signed kernel makes
+    else:
+        assert rel["int8"] < 1e-5, rel
+
+
+@pytest.mark.parametrize(
+    ("arch", "flags", "saturates"),
+    [("x86_64", "flags\t: fpu sse2 avx avx2 fma avx512f avx512bw", True),
+     ("x86_64", "flags\t: avx2 fma avx512f avx512_vnni", False),
+     ("x86_64", "flags\t: avx2 fma avx_vnni", False),
+     ("aarch64", "Features\t: fp asimd asimddp", False)],
+)  # fmt: skip
+def test_which_cpus_saturate_and_what_auto_picks(monkeypatch, arch, flags, saturates):
+    from batchgate.gateway.build import optimize as opt
+    from batchgate.workers import devices
+
+    assert devices.int8_saturates(flags, arch) is saturates
+    monkeypatch.setattr(devices, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(devices.platform, "machine", lambda: arch)
+    assert opt.weight_type("auto") == ("uint8" if saturates else "int8")
+    assert opt.weight_type("int8") == "int8" and opt.weight_type("uint8") == "uint8"
+    with pytest.raises(opt.OptimizeError, match="INT8 weights must be one of auto, int8, uint8"):
+        opt.weight_type("int4")
+
+
+def test_signed_int8_is_refused_on_a_cpu_that_saturates_and_uint8_serves(tmp_path, monkeypatch):
+    """A variant built (or copied) with signed weights does not serve where they would clip; one
+    rebuilt there picks UINT8 weights, serves, and its report says which it holds."""
+    from batchgate.workers import devices
+
+    model = _copy("encoder", tmp_path)
+    # signed whatever this host is; loose thresholds so it passes even where it clips
+    loose = Thresholds(min_cosine=-1.0, mean_cosine=-1.0, nn_agreement=0.0)
+    r = optimize(model, Options("int8", weights="int8", thresholds=loose, **QUICK))
+    assert r.status == "passed" and r.report["build"]["weight_type"] == "int8", r.failures
+    monkeypatch.setattr(devices, "cpu_flags", lambda: "flags\t: avx2 fma")
+    monkeypatch.setattr(devices.platform, "machine", lambda: "x86_64")
+    with pytest.raises(
+        ConfigError, match=r"INT8 weights are signed.*saturates.*batchgate optimize encoder --int8"
+    ):
+        load_model(model, variant="int8")
+    r = optimize(model, Options("int8", **QUICK))  # auto, on the CPU faked above
+    assert r.status == "passed", r.failures
+    assert r.report["build"]["weight_type"] == "uint8" and "uint8" in r.report["build"]["weights"]
+    assert load_model(model, variant="int8")[0].path.name == "model.int8.onnx"
+    monkeypatch.setattr(devices, "cpu_flags", lambda: "flags\t: avx2 fma avx512_vnni")
+    assert load_model(model, variant="int8")[0].path.name == "model.int8.onnx"

@@ -19,7 +19,9 @@ them (the visible GPU count is passed in), so the rule is tested with fake devic
 from __future__ import annotations
 
 import logging
+import platform
 from dataclasses import dataclass
+from functools import cache
 
 import onnxruntime as ort
 
@@ -35,6 +37,31 @@ class Device:
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.id}"
+
+
+@cache
+def cpu_flags() -> str:
+    """This CPU's flag line from /proc/cpuinfo ("flags" on x86, "Features" on ARM); "" if none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return ""
+
+
+def int8_saturates(flags: str | None = None, arch: str | None = None) -> bool:
+    """Whether ONNX Runtime's UINT8 x INT8 GEMM saturates here: on x86 without VNNI it multiplies
+    with VPMADDUBSW, whose pairwise 16-bit sums clip (docs/engines.md measures 14 % off), so INT8
+    weights are stored as UINT8 around 128 instead (the UINT8 x UINT8 kernel widens to 16 bits
+    first and is exact). With AVX512-VNNI or AVX-VNNI, and off x86, the signed kernel is exact."""
+    arch = arch if arch is not None else platform.machine()
+    if arch.lower() not in ("x86_64", "amd64", "i686", "x86"):
+        return False
+    have = set((flags if flags is not None else cpu_flags()).split(":", 1)[-1].split())
+    return not ({"avx512_vnni", "avx_vnni"} & have)
 
 
 class NoGPU(RuntimeError):

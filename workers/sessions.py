@@ -20,7 +20,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from batchgate.workers.devices import Device
+from batchgate.workers.devices import Device, cpu_flags
 from batchgate.workers.fingerprint import file_fingerprint
 
 log = logging.getLogger(__name__)
@@ -54,16 +54,7 @@ def usable_dir(path: Path) -> bool:
 
 def _hardware_tag() -> str:
     """What a CPU-optimised graph may depend on: the machine and its instruction-set flags."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags = line
-                    break
-    except OSError:
-        pass
-    return f"{platform.machine()}:{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
+    return f"{platform.machine()}:{hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]}"
 
 
 _HARDWARE = _hardware_tag()

@@ -108,6 +108,7 @@ class Options:
     method: str = "percentile"  # static scales' calibration
     percentile: float = 99.999
     per_channel: bool = True
+    weights: str = "auto"  # INT8 weights stored as "int8", "uint8" (around 128), or "auto" for this CPU
     fallback: bool = True  # keep the measured-worst nodes in FP32
     thresholds: Thresholds = field(default_factory=Thresholds)
     force: bool = False
@@ -655,7 +656,22 @@ def smooth(model: onnx.ModelProto, feeds, alpha: float) -> int:
     return len(groups)
 
 
-def row_int8(model: onnx.ModelProto, names: set[str], per_channel: bool) -> int:
+WEIGHT_TYPES = ("auto", "int8", "uint8")
+
+
+def weight_type(asked: str) -> str:
+    """The INT8 weights' storage: "int8" where ONNX Runtime's UINT8 x INT8 kernel is exact (VNNI, or
+    off x86), "uint8" where it saturates (x86 without VNNI, see ``int8_saturates``)."""
+    from batchgate.workers.devices import int8_saturates
+
+    if asked not in WEIGHT_TYPES:
+        raise OptimizeError(f"INT8 weights must be one of {', '.join(WEIGHT_TYPES)}, got {asked!r}")
+    if asked != "auto":
+        return asked
+    return "uint8" if int8_saturates() else "int8"
+
+
+def row_int8(model: onnx.ModelProto, names: set[str], per_channel: bool, weights: str = "int8") -> int:
     """Rewrite the weight GEMMs in ``names`` (MatMul or Gemm with a constant 2-D weight) to INT8
     with each row's own activation scale, computed at run time: for every row (a token) of the
     activation X, s = max|X_row| / 127 and X_row quantised to UINT8 around 128 (QuantizeLinear per
@@ -664,7 +680,11 @@ def row_int8(model: onnx.ModelProto, names: set[str], per_channel: bool) -> int:
     MatMulIntegerToFloat, which also applies s. A row's scale depends on that row alone, never on its
     batch-mates or its padding: dynamic quantisation that is batch-independent. The fused ops,
     against the same arithmetic written out op by op, are measured in docs/engines.md. Returns the
-    number of GEMMs rewritten; the FP32 weights they no longer read are dropped."""
+    number of GEMMs rewritten; the FP32 weights they no longer read are dropped.
+
+    ``weights="uint8"`` stores the same symmetric levels shifted by 128 with zero point 128, so ORT
+    takes its UINT8 x UINT8 kernel instead: the same product, exact on x86 CPUs without VNNI where
+    the UINT8 x INT8 one saturates (``weight_type``)."""
     from onnx import helper as h
     from onnx import numpy_helper
 
@@ -674,6 +694,10 @@ def row_int8(model: onnx.ModelProto, names: set[str], per_channel: bool) -> int:
             f"row INT8 needs ONNX opset 13 or later (per-row QuantizeLinear); the model has {opset}: "
             "use --scales static"
         )
+    if weights not in ("int8", "uint8"):
+        raise OptimizeError(f"row INT8 weights must be int8 or uint8, got {weights!r}")
+    unsigned = weights == "uint8"
+    w_zp = "rowq.zp" if unsigned else ""
     init = {i.name: i for i in model.graph.initializer}
     shared = [numpy_helper.from_array(np.array(1 / 127, np.float32), "rowq.inv127"),
               numpy_helper.from_array(np.array(1e-12, np.float32), "rowq.tiny"),
@@ -705,7 +729,8 @@ def row_int8(model: onnx.ModelProto, names: set[str], per_channel: bool) -> int:
         k, cols = w.shape
         amax = np.abs(w).max(axis=0) if per_channel else np.full(cols, np.abs(w).max())
         ws = (np.maximum(amax, 1e-12) / 127).astype(np.float32)
-        wq = np.clip(np.round(w / ws), -127, 127).astype(np.int8)
+        wq = np.clip(np.round(w / ws), -127, 127)
+        wq = (wq + 128).astype(np.uint8) if unsigned else wq.astype(np.int8)
         p = f"{n.name}.rowq"
         x = n.input[0]
         bias: list[str] = []
@@ -741,7 +766,7 @@ def row_int8(model: onnx.ModelProto, names: set[str], per_channel: bool) -> int:
             h.make_node("Expand", ["rowq.zp", f"{p}.t"], [f"{p}.zp"], name=f"{p}.zp"),
             h.make_node("QuantizeLinear", [f"{p}.x2", f"{p}.s1", f"{p}.zp"], [f"{p}.q"], name=f"{p}.q", axis=0),
             # the INT32 product times s (a [T, 1] scale is per row) and the weight's column scales
-            h.make_node("MatMulIntegerToFloat", [f"{p}.q", f"{p}.w", f"{p}.s2", f"{p}.ws", "rowq.zp", "", *bias],
+            h.make_node("MatMulIntegerToFloat", [f"{p}.q", f"{p}.w", f"{p}.s2", f"{p}.ws", "rowq.zp", w_zp, *bias],
                         [f"{p}.y2"], name=f"{p}.mm", domain="com.microsoft"),
             # back to X's leading dims with N columns
             h.make_node("Shape", [x], [f"{p}.xshape"], name=f"{p}.xshape"),
@@ -766,6 +791,7 @@ def build_int8(src: Path, dst: Path, calib: Rows, opts: Options, log: Log) -> di
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
+    wtype = weight_type(opts.weights)
     method = {"percentile": CalibrationMethod.Percentile, "entropy": CalibrationMethod.Entropy,
               "minmax": CalibrationMethod.MinMax}[opts.method]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="batchgate-int8-") as tmp_dir:
@@ -804,7 +830,10 @@ def build_int8(src: Path, dst: Path, calib: Rows, opts: Options, log: Log) -> di
             def quantize(out: Path, include: list[str] | None, exclude: list[str]) -> None:
                 m = onnx.load(str(pre))
                 row_int8(
-                    m, set(include if include is not None else candidates) - set(exclude), opts.per_channel
+                    m,
+                    set(include if include is not None else candidates) - set(exclude),
+                    opts.per_channel,
+                    wtype,
                 )
                 onnx.save(m, str(out))
 
@@ -816,13 +845,16 @@ def build_int8(src: Path, dst: Path, calib: Rows, opts: Options, log: Log) -> di
                     quantize_static(
                         str(pre), str(out), _Reader(calib.feeds), quant_format=QuantFormat.QDQ,
                         per_channel=opts.per_channel, activation_type=QuantType.QUInt8,
-                        weight_type=QuantType.QInt8, calibrate_method=method,
+                        weight_type=QuantType.QUInt8 if wtype == "uint8" else QuantType.QInt8,
+                        calibrate_method=method,
                         op_types_to_quantize=list(INT8_OPS), nodes_to_quantize=include,
                         nodes_to_exclude=exclude, calibration_cache_path=str(cache), extra_options=extra,
                     )  # fmt: skip
 
             log(f"int8: calibrating activation ranges ({opts.method}"
                 f"{f' p{opts.percentile:g}' if opts.method == 'percentile' else ''}) on {len(calib)} rows, one at a time")  # fmt: skip
+        if wtype != opts.weights:
+            log(f"int8: weights stored as {wtype} ({'this CPU has no VNNI: ORT UINT8 x INT8 kernel saturates, UINT8 x UINT8 is exact' if wtype == 'uint8' else 'this CPU multiplies UINT8 x INT8 exactly'})")  # fmt: skip
         t0 = time.perf_counter()
         trial = tmp / "trial.onnx"
         quantize(trial, None, [])
@@ -837,7 +869,8 @@ def build_int8(src: Path, dst: Path, calib: Rows, opts: Options, log: Log) -> di
                       "percentile": opts.percentile if static and opts.method == "percentile" else None,
                       "per_channel": opts.per_channel,
                       "activations": "uint8 per tensor (static)" if static else "int8 per row (each row's own scale, at run time)",
-                      "weights": "int8 per channel" if opts.per_channel else "int8 per tensor",
+                      "weights": f"{wtype if wtype == 'int8' else 'uint8 around 128'} per {'channel' if opts.per_channel else 'tensor'}",
+                      "weight_type": wtype,
                       "quantisable_nodes": len(candidates), "fallback": opts.fallback,
                       "smooth_alpha": opts.smooth or None, "smoothed_activations": smoothed}  # fmt: skip
         excluded: list[str] = []
@@ -1085,6 +1118,10 @@ def optimize(model_dir: Path, opts: Options, log: Log = print) -> Result:
             line += " — " + "; ".join(failures)
         log(line)
         log(f"report: {rp.with_suffix('.md')}" + ("" if written else f" ({dst.name} not written)"))
+        if status == "passed" and max(report["speedup"].values()) < 1.0:
+            log(f"note: {opts.variant} is not faster than the original on this CPU (x{report['speedup']['latency_p50']:.2f} "
+                f"one row, x{report['speedup']['peak_rows_per_s']:.2f} peak); keep serving the original: "
+                f"`batchgate optimize {spec.name} --use fp32`")  # fmt: skip
         return Result(status, failures, report, written, rp)
     finally:
         tmp_dst.unlink(missing_ok=True)
