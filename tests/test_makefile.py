@@ -50,7 +50,10 @@ def checkout(tmp_path) -> Path:
 def _make(checkout: Path, *targets: str) -> list[str]:
     calls = checkout / "calls.log"
     calls.write_text("")
-    env = {**os.environ, "CALLS": str(calls), "PATH": f"{checkout / 'path'}{os.pathsep}{os.environ['PATH']}"}
+    # An outer `make test PYTEST_ARGS=...` hands its variables down through MAKEFLAGS: keep them out.
+    outer = {"MAKEFLAGS", "MFLAGS", "MAKELEVEL", "PYTEST_ARGS"}
+    env = {k: v for k, v in os.environ.items() if k not in outer}
+    env = {**env, "CALLS": str(calls), "PATH": f"{checkout / 'path'}{os.pathsep}{os.environ['PATH']}"}
     out = subprocess.run(
         ["make", "--no-print-directory", *targets, "QUICK_BENCH=0"], cwd=checkout, env=env,
         capture_output=True, text=True, timeout=60,
