@@ -31,7 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from batchgate.workers.devices import cpu_flags
+from batchgate.workers.devices import cpu_flags, flag_set
 from batchgate.workers.sessions import disabled_fusions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,7 +86,7 @@ def machine_key() -> str:
     flags = cpu_flags()
     arch = platform.machine()
     if arch == "x86_64":
-        have = set(flags.split(":", 1)[-1].split())
+        have = flag_set(flags)
         level = next((f for f in ("avx2", "avx", "sse4_2") if f in have), "baseline")
         return f"{arch}:valgrind-{level}|ort {ort.__version__}"
     return f"{arch}:{hashlib.sha256(flags.encode()).hexdigest()[:12]}|ort {ort.__version__}"

@@ -52,6 +52,11 @@ def cpu_flags() -> str:
     return ""
 
 
+def flag_set(line: str) -> set[str]:
+    """The flag names of a /proc/cpuinfo flag line (``cpu_flags``)."""
+    return set(line.split(":", 1)[-1].split())
+
+
 def int8_saturates(flags: str | None = None, arch: str | None = None) -> bool:
     """Whether ONNX Runtime's UINT8 x INT8 GEMM saturates here: on x86 without VNNI it multiplies
     with VPMADDUBSW, whose pairwise 16-bit sums clip (docs/engines.md measures 14 % off), so INT8
@@ -60,7 +65,7 @@ def int8_saturates(flags: str | None = None, arch: str | None = None) -> bool:
     arch = arch if arch is not None else platform.machine()
     if arch.lower() not in ("x86_64", "amd64", "i686", "x86"):
         return False
-    have = set((flags if flags is not None else cpu_flags()).split(":", 1)[-1].split())
+    have = flag_set(flags if flags is not None else cpu_flags())
     return not ({"avx512_vnni", "avx_vnni"} & have)
 
 

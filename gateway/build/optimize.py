@@ -853,8 +853,10 @@ def build_int8(src: Path, dst: Path, calib: Rows, opts: Options, log: Log) -> di
 
             log(f"int8: calibrating activation ranges ({opts.method}"
                 f"{f' p{opts.percentile:g}' if opts.method == 'percentile' else ''}) on {len(calib)} rows, one at a time")  # fmt: skip
-        if wtype != opts.weights:
-            log(f"int8: weights stored as {wtype} ({'this CPU has no VNNI: ORT UINT8 x INT8 kernel saturates, UINT8 x UINT8 is exact' if wtype == 'uint8' else 'this CPU multiplies UINT8 x INT8 exactly'})")  # fmt: skip
+        if opts.weights == "auto":
+            why = {"uint8": "this CPU has no VNNI: ORT's UINT8 x INT8 kernel saturates, UINT8 x UINT8 is exact",
+                   "int8": "this CPU multiplies UINT8 x INT8 exactly"}[wtype]  # fmt: skip
+            log(f"int8: weights stored as {wtype} ({why})")
         t0 = time.perf_counter()
         trial = tmp / "trial.onnx"
         quantize(trial, None, [])
