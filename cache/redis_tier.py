@@ -5,18 +5,18 @@ the event loop share one), bounded by ``lookup_timeout_s``; a slow, down or refu
 into misses, never into an error or a stall past the timeout.
 Writes: queued and sent behind the responses by one writer task, many requests' rows per
 command (a short Lua script doing ``SET key value PX ttl`` for each); when the queue is full new
-rows are dropped (counted). Connection failures and timeouts of either feed a ``Breaker``; while
+rows are dropped (counted). Connection failures and timeouts of either count toward the breaker
+of the process's one ``RedisLink`` (shared with the global rate limiter, ``cache/link.py``); while
 it is open Redis is not asked at all and the writes queued meanwhile are dropped.
 
-redis-py parses the URL (``redis://``, ``rediss://`` for TLS, ``user:password@``, ``/db``, query
-options such as ``ssl_ca_certs``) and makes and handshakes the connections; this module keeps
-its own free list of them and writes the two commands it sends itself. The per-request path
-runs on the gateway's one event loop, where redis-py's general command machinery (pool lock,
-retries, per-argument encoding, observability hooks) cost several times the round trip's own
-CPU. redis-py's own retries are off; what this module retries is a kept connection found dead
-(what a Redis restart leaves behind, all of them at once): the lookup or write goes again, once,
-on a fresh connection before a miss or a failure is counted. Beyond that the breaker and the
-next request are the retry.
+The link's connection settings (URL, TLS, auth, timeouts) make and handshake the connections;
+this module keeps its own free list of them and writes the two commands it sends itself. The
+per-request path runs on the gateway's one event loop, where redis-py's general command
+machinery (pool lock, retries, per-argument encoding, observability hooks) cost several times
+the round trip's own CPU. redis-py's own retries are off; what this module retries is a kept
+connection found dead (what a Redis restart leaves behind, all of them at once): the lookup or
+write goes again, once, on a fresh connection before a miss or a failure is counted. Beyond that
+the breaker and the next request are the retry.
 """
 
 from __future__ import annotations
@@ -26,14 +26,11 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError, RedisError, ResponseError
 
 from batchgate.cache.breaker import Breaker
+from batchgate.cache.link import RedisLink, describe, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -44,18 +41,6 @@ SET_PX_SCRIPT = (
     b"for i = 1, #KEYS do redis.call('SET', KEYS[i], ARGV[i], 'PX', ttl) end "
     b"return #KEYS"
 )
-
-
-def redact_url(url: str) -> str:
-    """The URL with its password replaced, for logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 # -- RESP, packed with a few C-level joins ----------------------------------------------------------
@@ -138,23 +123,37 @@ class RedisStats:
 class RedisTier:
     def __init__(
         self,
-        url: str,
+        link: RedisLink | str,
         *,
         ttl_s: float,
         lookup_timeout_s: float,
-        breaker: Breaker,
+        breaker: Breaker | None = None,
         key_prefix: bytes = b"bg:rc:",
         max_connections: int = 32,
         write_queue_rows: int = 100_000,
         write_batch_rows: int = 512,
         write_timeout_s: float = 1.0,
+        close_link: bool | None = None,
     ) -> None:
+        """``link``: the process's ``RedisLink`` (its breaker is the tier's), or a URL for a link
+        of the tier's own, with ``breaker`` and ``write_timeout_s`` as its connections' timeouts.
+        ``close_link``: close the link with the tier (default: only a link of its own)."""
         if ttl_s <= 0:
             raise ValueError("ttl_s must be > 0: entries without a TTL would live in Redis forever")
-        self.url = url
+        if isinstance(link, str):
+            link = RedisLink(
+                link, breaker=breaker, connect_timeout_s=write_timeout_s, socket_timeout_s=write_timeout_s,
+                probe_answer_s=max(10 * lookup_timeout_s, 0.05),
+            )  # fmt: skip
+            close_link = True if close_link is None else close_link
+        elif breaker is not None and breaker is not link.breaker:
+            raise ValueError("a tier on a shared RedisLink uses the link's breaker")
+        self.link = link
+        self._close_link = bool(close_link)
+        self.url = link.url
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.lookup_timeout_s = lookup_timeout_s
-        self.breaker = breaker
+        self.breaker = link.breaker
         self.key_prefix = key_prefix
         self.write_queue_rows = write_queue_rows
         self.write_batch_rows = write_batch_rows
@@ -162,15 +161,6 @@ class RedisTier:
         # One connection is the writer's; lookups beyond the rest are skipped, not queued.
         self.max_lookups = max(1, max_connections - 1)
         self.stats = RedisStats()
-        # Parses the URL (scheme, auth, db, TLS options) and makes connections; never asked to
-        # hand them out, so its own limits and lock never come into play.
-        self._factory = aioredis.ConnectionPool.from_url(
-            url,
-            socket_connect_timeout=write_timeout_s,
-            socket_timeout=write_timeout_s,  # bounds an abandoned lookup's life too
-            retry=Retry(NoBackoff(), 0),
-            health_check_interval=0,
-        )
         self._idle: list = []  # connected lookup connections, most recently used last
         self._open: set = set()
         self._lookups = 0  # MGETs in flight
@@ -187,7 +177,7 @@ class RedisTier:
     # -- connections ----------------------------------------------------------------------------
 
     async def _connect(self):
-        conn = self._factory.make_connection()
+        conn = self.link.connection()  # its socket timeout bounds an abandoned lookup's life too
         self._open.add(conn)
         self.stats.connections = len(self._open)
         try:
@@ -269,7 +259,7 @@ class RedisTier:
             st.timeouts += 1
             if not batch.failed:  # one failure per MGET, however many requests shared it
                 batch.failed = True
-                self.breaker.failure()
+                self.breaker.failure(f"result cache lookup timed out ({self.lookup_timeout_s * 1e3:g} ms)")
             return None
         if values is None:  # the MGET failed (counted once, in _done)
             return None
@@ -306,7 +296,7 @@ class RedisTier:
             st.errors += 1
             if not batch.failed:
                 batch.failed = True
-                self.breaker.failure()
+                self.breaker.failure(f"result cache lookup: {describe(exc)}")
             if isinstance(exc, RedisError | OSError):
                 log.debug("redis lookup failed: %s", exc)
             else:
@@ -431,7 +421,7 @@ class RedisTier:
             return
         except (TimeoutError, RedisError, OSError) as exc:
             st.write_errors += len(keys)
-            self.breaker.failure()
+            self.breaker.failure(f"result cache write: {describe(exc)}")
             if self._writer_conn is not None:
                 self._drop(self._writer_conn)
                 self._writer_conn = None
@@ -487,3 +477,5 @@ class RedisTier:
             self._open.clear()
             self._idle.clear()
             self.stats.connections = 0
+            if self._close_link:
+                await self.link.close()

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from batchgate.cache import TieredCache
+from batchgate.cache import RedisLink, TieredCache
 from batchgate.gateway.config import Settings
 from batchgate.gateway.errors import not_found, parse_version, unavailable, unknown_model, unknown_version
 from batchgate.gateway.repository import (
@@ -56,6 +56,7 @@ class DataPlane:
     last_refused: float = 0.0  # monotonic time of the last request refused while draining
     classes: dict[str, LatencyClass] = field(default_factory=dict)
     cache: TieredCache | None = None  # result cache tiers shared by every model that enables it
+    redis: RedisLink | None = None  # the process's one Redis client and breaker (the server's, or none)
     lag: LoopLag = field(default_factory=LoopLag)  # the event loop's lag, a margin for every deadline
     _reload_locks: dict[str, asyncio.Lock] = field(
         default_factory=dict
@@ -101,7 +102,7 @@ class DataPlane:
 
     async def _start(self, spec: ModelSpec) -> ModelRuntime:
         if spec.config.response_cache.enable and self.cache is None:
-            self.cache = await build_cache(self.settings)  # built when the first model asks for it
+            self.cache = await build_cache(self.settings, self.redis)  # when the first model asks for it
         return await build_runtime(spec, self.settings, self.classes, self.lag, self.cache)
 
     async def reload(self, name: str) -> None:

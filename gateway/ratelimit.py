@@ -254,41 +254,35 @@ class RedisLimiter(GlobalLimiter):
     when fail-closed, it is refused). Its
     command is dropped if not yet sent, and otherwise left to finish: cancelling a sent command
     tears down the connection, and a late answer is most often this process's own event loop
-    running behind (a busy or CPU-throttled pod), not Redis. What opens the breaker is Redis
+    running behind (a busy or CPU-throttled pod), not Redis. What trips the breaker is Redis
     failing: an error, or no answer within ``slow_s`` (10x the timeout, 50 ms at least) unless
-    this process was itself stalled past that deadline. While open, decisions skip Redis entirely.
-    One background task probes with exponential backoff; the breaker closes when a probe answers
-    within ``slow_s``, and the backoff resets only after a real decision succeeds, so a Redis
-    that answers probes but fails decisions is not hammered.
+    this process was itself stalled past that deadline. While it is open, decisions skip Redis
+    entirely. The breaker and its one probe task are the ``RedisLink``'s (``cache/link.py``),
+    shared with the result cache: whichever user sees Redis fail, both go without it, and the
+    link's probe brings both back.
     """
 
     backend = "redis"
 
     def __init__(
         self,
-        client,  # redis.asyncio.Redis
+        link,  # batchgate.cache.RedisLink
         timeout_s: float = 0.005,
         fail_mode: Literal["open", "closed"] = "open",
-        probe_initial_s: float = 0.05,
-        probe_max_s: float = 2.0,
-        connect_timeout_s: float = 1.0,
+        connect_timeout_s: float | None = None,
         max_batches: int = 4,
         clock: Callable[[], float] = time.monotonic,
+        close_link: bool = False,
     ) -> None:
         super().__init__(clock)
         self.max_batches = max_batches
-        self.client = client
+        self.link = link
+        self.breaker = link.breaker
         self.timeout_s = timeout_s
         self.fail_mode = fail_mode
         self.slow_s = max(10 * timeout_s, 0.05)
-        self.probe_initial_s = probe_initial_s
-        self.probe_max_s = probe_max_s
-        self.connect_timeout_s = connect_timeout_s
-        self._up = True
-        self._backoff_s = probe_initial_s
-        self._proven = True  # a decision succeeded since the last recovery: the backoff may reset
-        self._next_probe = 0.0
-        self._probe_task: asyncio.Task | None = None
+        self.connect_timeout_s = link.connect_timeout_s if connect_timeout_s is None else connect_timeout_s
+        self._close_link = close_link
         self._closed = False
         self._queue: list[tuple[tuple[str, ...], list[str], asyncio.Future]] = []
         self._batches: set[asyncio.Task] = set()
@@ -298,37 +292,45 @@ class RedisLimiter(GlobalLimiter):
         self.late = 0
         self.round_trips = 0
         self.stalls = 0
-        self.probes = 0
         self.last_error = ""
 
     @classmethod
     def from_url(
-        cls, url: str, *, timeout_s: float, connect_timeout_s: float = 1.0, **kwargs
+        cls,
+        url: str,
+        *,
+        timeout_s: float,
+        connect_timeout_s: float = 1.0,
+        probe_initial_s: float = 0.05,
+        probe_max_s: float = 2.0,
+        **kwargs,
     ) -> RedisLimiter:
-        import redis.asyncio as aioredis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
+        """A limiter on a ``RedisLink`` of its own (closed with it); the server passes its one
+        link to the constructor instead."""
+        from batchgate.cache import Breaker, RedisLink
 
-        from redis.exceptions import ConnectionError as RedisConnectionError
-
-        # One client-side retry, on a lost connection only: after a Redis restart every pooled
-        # connection is dead, and its first command fails without having reached Redis; redis-py
-        # then reconnects that connection and sends again, within the same decision's timeout.
-        # (A connection lost after Redis ran the script would charge the decision twice: rare,
-        # and on the safe side.) No retry on timeouts: the decision has one chance within its
-        # timeout, and the breaker, not redis-py, decides when to try a slow Redis again.
-        client = aioredis.Redis.from_url(
+        link = RedisLink(
             url,
-            socket_connect_timeout=connect_timeout_s,
-            socket_timeout=max(connect_timeout_s, timeout_s),
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-            health_check_interval=0,
+            breaker=Breaker(open_s=probe_max_s),  # a decision's failure trips it: the count is moot
+            connect_timeout_s=connect_timeout_s,
+            socket_timeout_s=max(connect_timeout_s, timeout_s),
+            probe_initial_s=probe_initial_s,
+            probe_max_s=probe_max_s,
+            probe_answer_s=max(10 * timeout_s, 0.05),
         )
-        return cls(client, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, **kwargs)
+        return cls(link, timeout_s=timeout_s, close_link=True, **kwargs)
+
+    @property
+    def client(self):
+        return self.link.client
 
     @property
     def up(self) -> bool:
-        return self._up
+        return self.link.up
+
+    @property
+    def probes(self) -> int:
+        return self.breaker.probes
 
     async def start(self) -> None:
         """Warm one connection and load the script; Redis being down here is not fatal."""
@@ -341,14 +343,15 @@ class RedisLimiter(GlobalLimiter):
     async def close(self) -> None:
         self._closed = True
         log.info("global rate limits at close: %s", self.stats())
-        tasks = [t for t in (self._probe_task, *self._batches) if t is not None]
+        tasks = list(self._batches)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self.client.aclose()
+        if self._close_link:
+            await self.link.close()
 
     async def decide(self, spec: GlobalSpec, rows: int) -> float:
-        if self._up:
+        if self.breaker.allow():
             loop = asyncio.get_running_loop()
             t0 = loop.time()
             answer = self._submit(spec.keys, spec.argv(rows))
@@ -379,20 +382,17 @@ class RedisLimiter(GlobalLimiter):
             elif answer.exception() is None:
                 allowed, wait_us = answer.result()
                 now = self.clock()
-                if not self._proven:
-                    self._proven, self._backoff_s = True, self.probe_initial_s
                 spec.answered(bool(allowed))
                 if allowed:
                     spec.charge_share(rows, now)
                     return 0.0
                 spec.retry_at = now + wait_us / 1e6
                 return wait_us / 1e6
-            # else the batch failed and has opened the breaker
+            # else the batch failed and has tripped the breaker
         self.fallback_decisions += 1
-        now = self.clock()
         if self.fail_mode == "closed":
-            return max(self._next_probe - now, 0.001)
-        return spec.take_share(rows, now)
+            return self.link.retry_in()
+        return spec.take_share(rows, self.clock())
 
     def _submit(self, keys: tuple[str, ...], argv: list[str]) -> asyncio.Future:
         """Queue one decision; it goes out at the end of this loop turn if a batch slot is free,
@@ -465,14 +465,18 @@ class RedisLimiter(GlobalLimiter):
                     answer.set_exception(exc)
                     answer.exception()  # read: nobody may be waiting any more
             return
+        failed = False
         for (_, _, answer), result in zip(batch, results, strict=True):
             if isinstance(result, Exception):
+                failed = True
                 self._trip(result)
                 if not answer.done():
                     answer.set_exception(result)
                     answer.exception()
             elif not answer.done():
                 answer.set_result(result)
+        if not failed:
+            self.breaker.success()  # answered within slow_s, whether or not its deciders still waited
 
     def _trip(self, exc: BaseException) -> None:
         if self._closed:
@@ -481,52 +485,18 @@ class RedisLimiter(GlobalLimiter):
             self.timeouts += 1
         else:
             self.errors += 1
-        if not self._up and self._probe_task is not None and not self._probe_task.done():
-            return  # already down and probing
         self.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        if self._up:
+        if self.link.up:
             log.warning(
-                "global rate limits: Redis failed (%s); deciding %s until it answers again",
-                self.last_error,
+                "global rate limits: deciding %s until Redis answers again",
                 "with this replica's local share" if self.fail_mode == "open" else "by refusing (fail-closed)",
             )  # fmt: skip
-        self._up = False
-        if not self._proven:  # it failed again right after recovering: back off further
-            self._backoff_s = min(self._backoff_s * 2, self.probe_max_s)
-        self._next_probe = self.clock() + self._backoff_s
-        if self._probe_task is None or self._probe_task.done():
-            self._probe_task = asyncio.get_running_loop().create_task(self._probe())
-
-    async def _probe(self) -> None:
-        """Wait, PING (patiently, so a reconnect can happen), PING again within ``slow_s`` (the
-        bound that opens the breaker also closes it); on success close the breaker, else back off
-        and repeat."""
-        while True:
-            await asyncio.sleep(max(self._next_probe - self.clock(), 0.0))
-            self.probes += 1
-            try:
-                # connections opened before the failure are likely dead; start the next ones fresh
-                await self.client.connection_pool.disconnect(inuse_connections=False)
-                async with asyncio.timeout(self.connect_timeout_s):
-                    await self.client.ping()
-                async with asyncio.timeout(self.slow_s):
-                    await self.client.ping()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                self.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                self._backoff_s = min(self._backoff_s * 2, self.probe_max_s)
-                self._next_probe = self.clock() + self._backoff_s
-                continue
-            log.info("global rate limits: Redis answers again; deciding there")
-            self._proven = False
-            self._up = True
-            return
+        self.breaker.trip(f"global rate limit decision: {self.last_error}")
 
     def stats(self) -> dict:
         return {
             "backend": self.backend,
-            "up": self._up,
+            "up": self.up,
             "fallback_decisions": self.fallback_decisions,
             "errors": self.errors,
             "timeouts": self.timeouts,

@@ -34,7 +34,7 @@ from operator import is_
 
 import numpy as np
 
-from batchgate.cache import Breaker, Flight, MemoryCache, RedisTier, SingleFlight, TieredCache, model_prefix
+from batchgate.cache import Flight, MemoryCache, RedisLink, RedisTier, SingleFlight, TieredCache, model_prefix
 from batchgate.cache import prefix_rows, row_keys, row_keys_parts
 from batchgate.gateway.codec import deserialize_bytes, serialize_bytes
 from batchgate.gateway.config import Settings
@@ -54,28 +54,31 @@ _MAX_LAYOUTS = 4096  # per model: (outputs kept, namespace, input shapes) combin
 _now = time.perf_counter_ns
 
 
-async def build_cache(settings: Settings) -> TieredCache | None:
-    """The process's tiers from the server settings, connected; None when the cache is off."""
+async def build_cache(settings: Settings, redis: RedisLink | None = None) -> TieredCache | None:
+    """The process's tiers from the server settings, connected; None when the cache is off.
+    ``redis``: the process's one Redis link (the server's, shared with the rate limiter);
+    without it the Redis tier gets a link of its own, closed with it."""
     tiers = settings.cache_tiers
     if tiers == "off":
         return None
     use_memory = tiers in ("auto", "memory", "memory+redis") and settings.cache_memory_bytes > 0
     use_redis = tiers in ("redis", "memory+redis") or (tiers == "auto" and bool(settings.redis_url))
     memory = MemoryCache(settings.cache_memory_bytes) if use_memory else None
-    redis = None
     if use_redis:
-        redis = RedisTier(
-            settings.redis_url,
+        tier = RedisTier(
+            redis or RedisLink.from_settings(settings),
             ttl_s=settings.cache_ttl_s,
             lookup_timeout_s=settings.cache_lookup_timeout_ms / 1000,
-            breaker=Breaker(settings.cache_breaker_failures, settings.cache_breaker_open_s),
             key_prefix=settings.cache_redis_prefix.encode(),
             max_connections=settings.cache_redis_max_connections,
             write_queue_rows=settings.cache_write_queue_rows,
+            close_link=redis is None,
         )
-    if memory is None and redis is None:
+    else:
+        tier = None
+    if memory is None and tier is None:
         return None
-    tiered = TieredCache(memory, redis)
+    tiered = TieredCache(memory, tier)
     await tiered.start()
     log.info("result cache: %s", tiered.describe())
     return tiered

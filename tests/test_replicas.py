@@ -28,7 +28,7 @@ import redis
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import REPO, RedisServer, ServerProcess, start_server
-from tests.test_cache_server import TIMEOUT_S, delta, ranker_rows, reference, request, score, stats
+from tests.test_cache_server import TIMEOUT_S, delta, ranker_rows, request, score, stats
 from tests.test_cache_server import env as cache_env
 from tests.test_ratelimit_redis import NOISY_KEY, QUIET_KEY, _offer
 
@@ -40,6 +40,14 @@ OFFER = 3 * LIMIT  # offered to the limited tenant, in total over the replicas
 UNLIMITED_RATE = 10.0  # per replica
 LOAD_S = 4.0
 LIMITED, UNLIMITED = NOISY_KEY, QUIET_KEY  # _offer sends the first as x-api-key, the other as Bearer
+
+
+def reference(arrays: dict[str, np.ndarray], model: str = "ranker") -> np.ndarray:
+    """What the model computes for ``arrays``, by ONNX Runtime directly."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(REPO / model / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    return sess.run(None, arrays)[0]
 
 
 def _repo(root: Path) -> Path:

@@ -175,9 +175,11 @@ class Admission:
         self.local_share = local_share
 
     @classmethod
-    def from_settings(cls, settings) -> Admission:
+    def from_settings(cls, settings, redis=None) -> Admission:
         """The server's admission: open without a tenant file; a Redis limiter only when some
-        tenant has a global limit and a Redis URL is set."""
+        tenant has a global limit and a Redis URL is set. ``redis``: the process's one
+        ``cache.RedisLink`` (the server's, shared with the result cache); without it the limiter
+        gets a link of its own."""
         if settings.api_keys_file is None:
             return cls()
         tenants = _load(settings)
@@ -187,12 +189,13 @@ class Admission:
         )
         limiter: GlobalLimiter | None = None
         if has_global and settings.redis_url:
-            limiter = RedisLimiter.from_url(
-                settings.redis_url,
+            from batchgate.cache import RedisLink
+
+            limiter = RedisLimiter(
+                redis or RedisLink.from_settings(settings),
                 timeout_s=settings.ratelimit_redis_timeout_ms / 1e3,
                 fail_mode=settings.ratelimit_fail_mode,
-                probe_initial_s=settings.ratelimit_probe_initial_ms / 1e3,
-                probe_max_s=settings.ratelimit_probe_max_ms / 1e3,
+                close_link=redis is None,
             )
         elif has_global:
             log.warning(

@@ -23,6 +23,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from batchgate import proto
+from batchgate.cache import RedisLink
 from batchgate.gateway import dtypes, probes, tracing
 from batchgate.gateway.admission import Admission
 from batchgate.gateway.codec import Limits, set_limits
@@ -196,8 +197,10 @@ class Server:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.plane = DataPlane(settings)
-        self.admission = Admission.from_settings(settings)  # reads the tenant file; errors stop the start
+        self.redis = RedisLink.from_settings(settings)  # one client and breaker: the cache's and the limits'
+        self.plane = DataPlane(settings, redis=self.redis)
+        # reads the tenant file; errors stop the start
+        self.admission = Admission.from_settings(settings, self.redis)
         self.metrics = Metrics(self.plane, VERSION)  # this process's own registry, read at scrape time
         self.pipeline = Pipeline(self.plane, self.admission)
         self.servicer = InferenceServicer(self.pipeline, self.metrics)
@@ -358,6 +361,8 @@ class Server:
                 extra={"event": "unload", "model": rt.spec.name, "version": rt.spec.version},
             )  # fmt: skip
         await self.admission.close()
+        if self.redis is not None:  # after both of its users
+            await self.redis.close()
         tracing.stop()  # flushes the spans still buffered
         if self.probes is not None:  # last: probes see the drain through
             await self.probes.stop()
