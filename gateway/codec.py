@@ -1,5 +1,5 @@
-"""ModelInferRequest -> numpy arrays, and numpy arrays -> ModelInferResponse, checked against the
-model's config.
+"""A ``Call``'s inputs -> numpy arrays, and numpy arrays -> the ``Answer``, checked against the
+model's config (gateway/call.py: the plain types every transport translates its wire into).
 
 Raw inputs become numpy views of the request's bytes (no copy). Every refusal names the input
 and what was expected, so a client can fix its request from the message alone.
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchgate.gateway import dtypes
+from batchgate.gateway.call import Answer, Call, Output, Tensor
 from batchgate.gateway.errors import GatewayError, Kind, invalid
 from batchgate.gateway.repository import ModelSpec, TensorSpec, tokenized
-from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.workers import ort_capi
 
 _LEN = struct.Struct("<I")
@@ -49,14 +49,6 @@ def _too_long(name: str, i: int, n: int, limit: int) -> GatewayError:
     return invalid(
         f"input '{name}': BYTES element {i} is {n} bytes; the server accepts at most {limit} per element "
         "(limit max_string_bytes, BATCHGATE_MAX_STRING_BYTES)"
-    )
-
-
-def _both_forms(name: str, model: str) -> GatewayError:
-    return invalid(
-        f"contents field must not be specified when using raw_input_contents for '{name}' "
-        f"for model '{model}' "
-        f"(input '{name}' has both typed contents and raw_input_contents; send one)"
     )
 
 
@@ -161,15 +153,8 @@ class Codec:
         self.ranges = {name: _Range(low, high) for name, (low, high) in spec.params.input_range.items()}
         self.max_dim = dict(spec.params.max_dim)
         self._fast = self._fast_inputs()
-        # What a request that names no outputs gets: every output, raw. One shared list (read
-        # only) that ``encode`` recognises by identity; with no BYTES output it is written
-        # without any per-output decision.
+        # What a request that names no outputs gets: every output, raw (one shared list, read only).
         self._all_raw = [(name, True) for name in self.outputs]
-        self._plain_outputs = (
-            None
-            if any(t.datatype == "BYTES" for t in spec.outputs)
-            else [(t.name, t.datatype) for t in spec.outputs]
-        )
 
     def _fast_inputs(self) -> dict[str, tuple] | None:
         """The common request, decoded in one pass (``_decode_fast``): a batched model whose
@@ -193,35 +178,33 @@ class Codec:
 
     # -- decode -------------------------------------------------------------------------------
 
-    def decode(self, req: pb.ModelInferRequest) -> tuple[dict[str, np.ndarray], int]:
+    def decode(self, call: Call) -> tuple[dict[str, np.ndarray], int]:
         """Return the input arrays by name and the number of rows (1 for an unbatched model)."""
         if self._fast is not None:
-            decoded = self._decode_fast(req)
+            decoded = self._decode_fast(call.inputs)
             if decoded is not None:
                 return decoded
-        return self._decode(req)
+        return self._decode(call.inputs)
 
-    def _decode_fast(self, req: pb.ModelInferRequest) -> tuple[dict[str, np.ndarray], int] | None:
-        """``_decode`` for a request every check of which passes, in fewer protobuf reads: the
-        arrays, or None as soon as anything differs from the fast case (``_decode`` then runs
-        the full checks and names what is wrong). Accepts nothing ``_decode`` refuses."""
-        tensors = req.inputs
-        raw = req.raw_input_contents
+    def _decode_fast(self, tensors: list[Tensor]) -> tuple[dict[str, np.ndarray], int] | None:
+        """``_decode`` for a call every check of which passes, in fewer steps: the arrays, or None
+        as soon as anything differs from the fast case (``_decode`` then runs the full checks and
+        names what is wrong). Accepts nothing ``_decode`` refuses."""
         n = len(tensors)
         fast = self._fast
-        if n != len(fast) or len(raw) != n or n > LIMITS.max_inputs:
+        if n != len(fast) or n > LIMITS.max_inputs:
             return None
         arrays: dict[str, np.ndarray] = {}
         rows = -1
         max_elements = LIMITS.max_tensor_elements
-        for i in range(n):
-            t = tensors[i]
+        for t in tensors:
             name = t.name
             entry = fast.get(name)
-            if entry is None or name in arrays or t.HasField("contents"):
+            buf = t.raw
+            if entry is None or name in arrays or buf is None:
                 return None
             datatype, dims, row_bytes, per_row, dtype, limit = entry
-            shape = t.shape[:]
+            shape = t.shape
             if t.datatype != datatype:
                 return None
             if row_bytes is None:  # variable dims: each >= 1, at most max_dim, fixed ones equal
@@ -233,7 +216,7 @@ class Codec:
                         return None
                     per_row *= d
                 row_bytes = per_row * dtype.itemsize
-            elif shape[1:] != dims:
+            elif list(shape[1:]) != dims:
                 return None
             n_rows = shape[0]
             if rows == -1:
@@ -242,7 +225,6 @@ class Codec:
                 rows = n_rows
             elif n_rows != rows:
                 return None
-            buf = raw[i]
             if len(buf) != rows * row_bytes or rows * per_row > max_elements:
                 return None
             arrays[name] = np.frombuffer(buf, dtype).reshape(shape)
@@ -250,8 +232,7 @@ class Codec:
             return None
         for name, rng in self.ranges.items():
             a = arrays[name]
-            # a few ids: Python's min/max beat numpy's two reductions up to ~48 values (0.55 against
-            # 2.1 µs at 8, 1.7 against 2.1 at 32, but 10.2 against 2.3 at 256: one 256-token row)
+            # a few ids: Python's min/max are cheaper than numpy's two reductions
             if a.dtype.kind in "iu" and a.size <= 32:
                 values = a.ravel().tolist()
                 low, high = min(values), max(values)
@@ -269,27 +250,16 @@ class Codec:
                 return dim, members
         return None
 
-    def _decode(self, req: pb.ModelInferRequest) -> tuple[dict[str, np.ndarray], int]:
-        tensors = req.inputs
-        raw = req.raw_input_contents
+    def _decode(self, tensors: list[Tensor]) -> tuple[dict[str, np.ndarray], int]:
         limit = LIMITS.max_inputs
-        if len(tensors) > limit or len(raw) > limit:
+        if len(tensors) > limit:
             raise invalid(
-                f"model '{self.name}': the request carries {max(len(tensors), len(raw))} inputs; "
+                f"model '{self.name}': the request carries {len(tensors)} inputs; "
                 f"the server accepts at most {limit} (limit max_inputs, BATCHGATE_MAX_INPUTS); expected inputs: {self.expected}"
-            )
-        if raw:
-            for t in tensors:  # checked first, as Triton does (its example clients match on the words)
-                if t.HasField("contents"):
-                    raise _both_forms(t.name, self.name)
-        if raw and len(raw) != len(tensors):
-            raise invalid(
-                f"model '{self.name}': raw_input_contents has {len(raw)} entry(ies) for {len(tensors)} inputs; "
-                "send one entry per input, in the order of `inputs`"
             )
         arrays: dict[str, np.ndarray] = {}
         rows = -1
-        for i, t in enumerate(tensors):
+        for t in tensors:
             spec = self.inputs.get(t.name)
             if spec is None:
                 raise invalid(
@@ -306,7 +276,7 @@ class Codec:
                         f"input '{t.name}' has batch size {shape[0]} but an earlier input has {rows}; "
                         "all inputs must have the same first dim"
                     )
-            arrays[t.name] = self._array(t, spec, shape, raw[i] if raw else None)
+            arrays[t.name] = self._array(t, spec, shape)
         if len(arrays) != len(self.inputs):
             missing = [n for n in self.inputs if n not in arrays]
             raise invalid(
@@ -330,7 +300,7 @@ class Codec:
                 )
         return arrays, (rows if self.batched else 1)
 
-    def _check_shape(self, t: pb.ModelInferRequest.InferInputTensor, spec: TensorSpec) -> tuple[int, ...]:
+    def _check_shape(self, t: Tensor, spec: TensorSpec) -> tuple[int, ...]:
         shape = tuple(t.shape)
         if t.name == self.flat_text and len(shape) == 1:
             shape = (*shape, 1)
@@ -366,12 +336,11 @@ class Codec:
             )
         return shape
 
-    def _array(self, t, spec: TensorSpec, shape: tuple[int, ...], raw: bytes | None) -> np.ndarray:
+    def _array(self, t: Tensor, spec: TensorSpec, shape: tuple[int, ...]) -> np.ndarray:
         count = math.prod(shape)
         dtype = spec.dtype
+        raw = t.raw
         if raw is not None:
-            if t.HasField("contents"):
-                raise _both_forms(t.name, self.name)
             if spec.datatype == "BYTES":
                 arr = deserialize_bytes(raw, count, t.name, LIMITS.max_string_bytes)
                 if t.name in self.utf8_inputs:
@@ -387,7 +356,7 @@ class Codec:
         field = dtypes.CONTENTS_FIELD.get(spec.datatype)
         if field is None:
             raise invalid(f"input '{t.name}': {spec.datatype} can only be sent as raw_input_contents")
-        values = getattr(t.contents, field)
+        values = t.values if t.values is not None else ()
         if len(values) != count:
             raise invalid(
                 f"input '{t.name}': contents.{field} holds {len(values)} values; shape {list(shape)} needs {count} "
@@ -405,20 +374,18 @@ class Codec:
             return arr.reshape(shape)
         try:
             return np.array(values, dtype=dtype).reshape(shape)
-        except (OverflowError, ValueError) as exc:  # e.g. 300 in uint_contents for a UINT8 input
-            raise invalid(
-                f"input '{t.name}': contents.{field} holds a value that is not {spec.datatype}: {exc}"
-            ) from None
+        except (OverflowError, ValueError, TypeError) as exc:  # e.g. 300 for a UINT8 input
+            raise invalid(f"input '{t.name}': a value is not {spec.datatype}: {exc}") from None
 
     # -- encode -------------------------------------------------------------------------------
 
-    def requested(self, req: pb.ModelInferRequest) -> list[tuple[str, bool]]:
+    def requested(self, call: Call) -> list[tuple[str, bool]]:
         """(output name, as raw bytes) for each output to return; all outputs, raw, by default."""
-        if not req.outputs:
+        if not call.outputs:
             return self._all_raw
         out = []
         seen = set()
-        for o in req.outputs:
+        for o in call.outputs:
             if o.name in seen:
                 raise invalid(f"output '{o.name}' is requested more than once")
             seen.add(o.name)
@@ -431,49 +398,11 @@ class Codec:
                 raise GatewayError(
                     Kind.UNSUPPORTED, f"output '{o.name}': the classification extension is not supported"
                 )
-            binary = params["binary_data"].bool_param if "binary_data" in params else True
-            out.append((o.name, binary))
+            out.append((o.name, params.get("binary_data", True) is not False))
         return out
 
-    def encode(
-        self, req: pb.ModelInferRequest, outputs: dict[str, np.ndarray], wanted: list[tuple[str, bool]]
-    ) -> pb.ModelInferResponse:
-        resp = pb.ModelInferResponse(model_name=self.name, model_version=self.version, id=req.id)
-        if wanted is self._all_raw and self._plain_outputs is not None:
-            add = resp.outputs.add
-            raw = resp.raw_output_contents
-            for name, datatype in self._plain_outputs:
-                arr = outputs[name]
-                add(name=name, datatype=datatype, shape=arr.shape)
-                raw.append(arr.tobytes())  # C order whatever the strides: the one copy of the answer
-            return resp
-        all_raw = all(binary for _, binary in wanted)
-        for name, binary in wanted:
-            arr = outputs[name]
-            spec = self.outputs[name]
-            tensor = resp.outputs.add(name=name, datatype=spec.datatype, shape=arr.shape)
-            if binary:
-                resp.raw_output_contents.append(
-                    serialize_bytes(arr) if spec.datatype == "BYTES" else np.ascontiguousarray(arr).tobytes()
-                )
-            else:
-                field = dtypes.CONTENTS_FIELD.get(spec.datatype)
-                if field is None:
-                    raise invalid(
-                        f"output '{name}': {spec.datatype} can only be returned raw (binary_data true)"
-                    )
-                getattr(tensor.contents, field).extend(arr.reshape(-1).tolist())
-        if not all_raw and resp.raw_output_contents:
-            # The protocol pairs raw_output_contents with outputs by position, so mixing forms
-            # is ambiguous; when any output is asked for typed, all come typed.
-            del resp.raw_output_contents[:]
-            for tensor, (name, _) in zip(resp.outputs, wanted):
-                spec = self.outputs[name]
-                field = dtypes.CONTENTS_FIELD.get(spec.datatype)
-                if field is None:
-                    raise invalid(
-                        f"output '{name}': {spec.datatype} can only be returned raw (binary_data true)"
-                    )
-                if not tensor.HasField("contents"):
-                    getattr(tensor.contents, field).extend(outputs[name].reshape(-1).tolist())
-        return resp
+    def encode(self, call: Call, outputs: dict[str, np.ndarray], wanted: list[tuple[str, bool]]) -> Answer:
+        specs = self.outputs
+        return Answer(
+            self.name, self.version, call.id, [Output(n, specs[n].datatype, outputs[n], b) for n, b in wanted]
+        )

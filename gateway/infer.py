@@ -1,12 +1,13 @@
 """The one request pipeline every transport calls once the door has taken the call:
 admit → decode → runtime → encode.
 
-The transports (gateway/transport/) translate their wire format to a ``ModelInferRequest`` and
-back and map ``GatewayError`` kinds to their own status codes, each in one table. Who is calling
+The transports (gateway/transport/) translate their wire format to a ``Call`` and an ``Answer``
+back (gateway/call.py: plain types, no protobuf) and map ``GatewayError`` kinds to their own
+status codes, each in one table. A list of texts (OpenAI, TEI) comes in through ``texts``. Who is calling
 and whether the server takes the call now is the door's (gateway/admission/door.py), asked once
 by each transport before any body is read. Here:
 
-- ``check_request``: client strings bounded before anything echoes or keys on them;
+- ``check_call``: client strings bounded before anything echoes or keys on them;
 - ``infer``: the tenant's limits before decoding (unless the call was admitted whole already),
   then the runtime; one accounting wrapper (in flight, ok, failed, and how the call ended for the
   door's overload gate) for unary gRPC, each stream message and REST alike;
@@ -26,6 +27,7 @@ from importlib.metadata import PackageNotFoundError, version
 import numpy as np
 
 from batchgate.gateway import tracing
+from batchgate.gateway.call import Answer, Call, Output
 from batchgate.gateway.admission import Account, Admission, Ticket
 from batchgate.gateway.admission.door import Door, Pass, StreamSlots
 from batchgate.gateway.admission.gate import OverloadGate
@@ -56,34 +58,33 @@ def _too_long(what: str, text: str) -> GatewayError:
     return invalid(f"{what} '{clip(text)}' is longer than {ECHO_MAX} characters")
 
 
-def check_request(request: pb.ModelInferRequest) -> None:
+def check_call(call: Call) -> None:
     """Every client string that an error may echo or a label may carry, bounded before any other
     work (a length check each: a few hundred nanoseconds per call)."""
-    if len(request.model_name) > ECHO_MAX:
-        raise not_found(f"unknown model '{clip(request.model_name)}'")
-    if len(request.model_version) > ECHO_MAX:
-        raise not_found(f"model has no version '{clip(request.model_version)}'")
-    for t in request.inputs:
+    if len(call.model) > ECHO_MAX:
+        raise not_found(f"unknown model '{clip(call.model)}'")
+    if len(call.version) > ECHO_MAX:
+        raise not_found(f"model has no version '{clip(call.version)}'")
+    for t in call.inputs:
         if len(t.name) > ECHO_MAX:
             raise _too_long("input name", t.name)
         if t.parameters:
             _check_parameters(t.parameters)
-    for o in request.outputs:
+    for o in call.outputs:
         if len(o.name) > ECHO_MAX:
             raise _too_long("output name", o.name)
         if o.parameters:
             _check_parameters(o.parameters)
-    if request.parameters:
-        _check_parameters(request.parameters)
+    if call.parameters:
+        _check_parameters(call.parameters)
 
 
-def _check_parameters(params) -> None:
-    for key, p in params.items():
+def _check_parameters(params: dict) -> None:
+    for key, value in params.items():
         if len(key) > ECHO_MAX:
             raise _too_long("parameter name", key)
-        if p.WhichOneof("parameter_choice") == "string_param" and len(p.string_param) > ECHO_MAX:
-            n = len(p.string_param)
-            raise invalid(f"parameter '{key}' is {n} characters; at most {ECHO_MAX} are accepted")
+        if isinstance(value, str) and len(value) > ECHO_MAX:
+            raise invalid(f"parameter '{key}' is {len(value)} characters; at most {ECHO_MAX} are accepted")
 
 
 def prompt_of(spec, name: str | None) -> str:
@@ -106,12 +107,9 @@ def prompt_of(spec, name: str | None) -> str:
 def apply_prompt(rt, arrays: dict, parameters) -> dict:
     """Each text with the call's prompt before it, exactly as if the caller had prefixed it: the
     cache key, the length bucket and the vector all follow the prefixed text."""
-    name = None
-    if "prompt_name" in parameters:
-        p = parameters["prompt_name"]
-        if p.WhichOneof("parameter_choice") != "string_param":
-            raise invalid("parameter 'prompt_name' must be a string: the name of one of the model's prompts")
-        name = p.string_param
+    name = parameters.get("prompt_name")
+    if name is not None and not isinstance(name, str):
+        raise invalid("parameter 'prompt_name' must be a string: the name of one of the model's prompts")
     prompt = prompt_of(rt.spec, name)
     if not prompt:
         return arrays
@@ -148,24 +146,24 @@ class Pipeline:
     # -- inference ------------------------------------------------------------------------------
 
     async def infer(
-        self,
-        request: pb.ModelInferRequest,
-        pass_: Pass,
-        edge: TransportCounters,
-        ticket: Ticket | None = None,
-    ) -> pb.ModelInferResponse:
-        """The call the door took as ``pass_``, counted at ``edge`` (in flight, then ok or failed
-        with its outcome) and at the door (how it ended). ``ticket``: the tenant's limits were
-        already charged for these rows (a list of texts admitted once). Raises ``GatewayError``
-        for everything the client should hear about; other exceptions are bugs."""
+        self, call: Call, pass_: Pass, edge: TransportCounters, ticket: Ticket | None = None
+    ) -> Answer:
+        """The call the door took as ``pass_``, counted at ``edge`` and at the door (``_counted``).
+        ``ticket``: the tenant's limits were already charged for these rows. Raises
+        ``GatewayError`` for everything the client should hear about; other exceptions are bugs."""
+        return await self._counted(pass_, edge, call.model, call.version, self._infer(call, pass_, ticket))
+
+    async def _counted(self, pass_: Pass, edge: TransportCounters, model: str, version: str, work) -> Answer:
+        """One accounting wrapper for every call: in flight, then ok or failed with its outcome at
+        ``edge``, and how it ended at the door (for its overload gate)."""
         t0 = _clock()
         edge.inflight += 1
         self.inflight += 1
-        span = tracing.begin_call(request, pass_, edge.name) if tracing.TRACER is not None else None
+        span = tracing.begin_call(model, pass_, edge.name) if tracing.TRACER is not None else None
         try:
-            resp = await self._infer(request, pass_, ticket)
+            answer = await work
         except BaseException as exc:
-            edge.failed(request.model_name, request.model_version, exc)
+            edge.failed(model, version, exc)
             self.door.leave(exc)
             if span is not None:
                 tracing.end_call(span, exc)
@@ -173,60 +171,99 @@ class Pipeline:
         finally:
             edge.inflight -= 1
             self.inflight -= 1
-        edge.ok(resp.model_name, resp.model_version, _clock() - t0)
+        edge.ok(answer.model, answer.version, _clock() - t0)
         self.door.leave()
         if span is not None:
             tracing.end_call(span)
-        return resp
+        return answer
 
-    async def _infer(
-        self, request: pb.ModelInferRequest, pass_: Pass, ticket: Ticket | None
-    ) -> pb.ModelInferResponse:
-        check_request(request)
+    def failed(
+        self, pass_: Pass, edge: TransportCounters, model: str, version: str, exc: GatewayError
+    ) -> None:
+        """A call the door took that its transport refused before the pipeline (its wire form was
+        wrong): counted at ``edge`` and at the door as ``infer`` counts a failed call."""
+        edge.failed(model, version, exc)
+        self.door.leave(exc)
+
+    async def _infer(self, call: Call, pass_: Pass, ticket: Ticket | None) -> Answer:
+        check_call(call)
         plane = self.plane
         if plane.draining:
             plane.last_refused = time.monotonic()
-        rt = plane.get(request.model_name, request.model_version)
+        rt = plane.get(call.model, call.version)
         caller = pass_.caller
         if caller is None:
-            return await self._run(rt, request, pass_.time_left, None, None)
+            return await self._run(rt, call, pass_.time_left, None, None)
         tenant = caller.tenant
         if ticket is not None:
-            return await self._run(rt, request, pass_.time_left, tenant.default_class, tenant.cache_namespace)
+            return await self._run(rt, call, pass_.time_left, tenant.default_class, tenant.cache_namespace)
         # Admission runs before any decoding: the row count is read off the first input's shape.
-        inputs = request.inputs
-        if rt.spec.batched:
-            rows = max(inputs[0].shape[0], 0) if inputs and inputs[0].shape else 0
-        else:
-            rows = 1
-        if tracing.TRACER is None:
-            ticket = await self.door.admit(pass_, request.model_name, rows)
-        else:
-            with tracing.TRACER.start_as_current_span("admission", attributes={"batchgate.rows": rows}):
-                ticket = await self.door.admit(pass_, request.model_name, rows)
+        rows = call.rows if rt.spec.batched else 1
+        ticket = await self._admit(pass_, call.model, rows)
         try:
             # The runtime is looked up again: a reload may have swapped it during a Redis decision.
-            rt = plane.get(request.model_name, request.model_version)
-            return await self._run(rt, request, pass_.time_left, tenant.default_class, tenant.cache_namespace)
+            rt = plane.get(call.model, call.version)
+            return await self._run(rt, call, pass_.time_left, tenant.default_class, tenant.cache_namespace)
         finally:
             ticket.release()
 
-    async def _run(self, rt, request, time_remaining, default_class, namespace) -> pb.ModelInferResponse:
+    async def _admit(self, pass_: Pass, model: str, rows: int) -> Ticket:
+        if tracing.TRACER is None:
+            return await self.door.admit(pass_, model, rows)
+        with tracing.TRACER.start_as_current_span("admission", attributes={"batchgate.rows": rows}):
+            return await self.door.admit(pass_, model, rows)
+
+    def _budget(self, rt, parameters: dict, time_left: float | None, default_class: str | None):
         plane = self.plane
-        budget = resolve_budget(
-            request.parameters, time_remaining, rt.scheduler.clock(), plane.classes,
+        return resolve_budget(
+            parameters, time_left, rt.scheduler.clock(), plane.classes,
             default_class or plane.settings.default_latency_class, rt.schedule,
         )  # fmt: skip
+
+    async def _run(self, rt, call: Call, time_left, default_class, namespace) -> Answer:
+        budget = self._budget(rt, call.parameters, time_left, default_class)
         codec = rt.codec
-        wanted = codec.requested(request)
-        arrays, rows = codec.decode(request)
-        if rt.text is not None and (rt.spec.params.prompts or "prompt_name" in request.parameters):
-            arrays = apply_prompt(rt, arrays, request.parameters)
+        wanted = codec.requested(call)
+        arrays, rows = codec.decode(call)
+        if rt.text is not None and (rt.spec.params.prompts or "prompt_name" in call.parameters):
+            arrays = apply_prompt(rt, arrays, call.parameters)
         outputs = await rt.infer(arrays, rows, budget, wanted=wanted, namespace=namespace)
         if tracing.TRACER is None:
-            return codec.encode(request, outputs, wanted)
+            return codec.encode(call, outputs, wanted)
         with tracing.TRACER.start_as_current_span("response"):
-            return codec.encode(request, outputs, wanted)
+            return codec.encode(call, outputs, wanted)
+
+    async def texts(
+        self, pass_: Pass, edge: TransportCounters, model: str, texts: list[bytes], parameters: dict,
+        output: str, encodings: list | None = None,
+    ) -> Answer:  # fmt: skip
+        """A text model's ``output`` for a list of texts (OpenAI, TEI) as one call: admitted once
+        for all its rows, each row queued by its length bucket, each text tokenised once. The
+        answer's one output holds the vectors in order, its ``tokens`` each text's token count as
+        the model saw it (after truncation).
+
+        ``texts``: UTF-8, the prompt already before each. ``encodings``: the tokenizer's encodings
+        of some texts that the route made already (TEI counts long texts before admission), one
+        per text or None."""
+        return await self._counted(
+            pass_, edge, model, "", self._texts(pass_, model, texts, parameters, output, encodings)
+        )
+
+    async def _texts(self, pass_, model, texts, parameters, output, encodings) -> Answer:
+        ticket = await self._admit(pass_, model, len(texts))
+        try:
+            # Looked up after admission: a reload may have swapped it during a Redis decision.
+            rt = self.plane.get(model, "")
+            caller = pass_.caller
+            tenant = caller.tenant if caller is not None else None
+            budget = self._budget(rt, parameters, pass_.time_left, tenant and tenant.default_class)
+            vectors, tokens = await rt.texts(
+                texts, output, budget, tenant and tenant.cache_namespace, encodings
+            )
+        finally:
+            ticket.release()
+        spec = rt.spec
+        return Answer(spec.name, spec.version, "", [Output(output, "FP32", vectors, True)], tokens)
 
     # -- model control --------------------------------------------------------------------------
 

@@ -450,9 +450,14 @@ def _worker_families(snaps) -> Iterator:
         labels=["model", "version", "worker"],
     )
     workers = GaugeMetricFamily(P + "workers", "worker threads serving the model version", labels=MV)
+    tokenized = CounterMetricFamily(
+        P + "texts_tokenized", "texts a text model's tokenizer encoded (each text of a call once)", labels=MV
+    )
     for snap in snaps:
         lv = [snap.model, snap.version]
         workers.add_metric(lv, len(snap.workers))
+        if snap.tokenized is not None:
+            tokenized.add_metric(lv, snap.tokenized)
         for name, busy_s in snap.workers:
             busy.add_metric(lv + [name], busy_s)
     # Per device and memory pool, over every model: buffers add up; the driver's figure is the
@@ -470,7 +475,7 @@ def _worker_families(snaps) -> Iterator:
     )
     for (device, pool), size in sorted(memory.items()):
         mem.add_metric([device, pool], size)
-    yield from (busy, workers, mem)
+    yield from (busy, workers, tokenized, mem)
 
 
 def _overload_families(m: Metrics) -> Iterator:

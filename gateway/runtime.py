@@ -64,6 +64,7 @@ class RuntimeSnapshot:
     scheduler: SchedulerSnapshot
     workers: tuple[tuple[str, float], ...]  # (worker name, seconds spent running batches)
     memory: tuple[tuple[str, str, int], ...] = ()  # (device, memory pool, bytes): WorkerPool.memory_by_pool
+    tokenized: int | None = None  # texts tokenised (a text model), else None
 
 
 @dataclass(slots=True)
@@ -86,6 +87,7 @@ class ModelRuntime:
             self.scheduler.snapshot(),
             tuple((w.name, w.busy_ns * 1e-9) for w in self.pool.workers),
             tuple((d, p, b) for (d, p), b in self.pool.memory_by_pool().items()),
+            self.text.tokenized if self.text is not None else None,
         )
 
     async def infer(
@@ -113,24 +115,65 @@ class ModelRuntime:
             arrays, rows, lambda a, n: self._schedule(a, n, budget), wanted, namespace
         )
 
+    async def texts(
+        self, texts: list[bytes], output: str, budget: Budget | None, namespace: str | None,
+        encodings: list | None = None,
+    ) -> tuple[np.ndarray, list[int]]:  # fmt: skip
+        """A text model's ``output`` for a list of texts, and each text's token count as the model
+        sees it. Each text is tokenised once, here (in a thread; ``encodings`` may hold some
+        already): the counts answer the caller's usage, and the encodings are what the worker
+        turns into the model's inputs. Rows the cache holds are not
+        computed; their texts are still counted (the usage needs it)."""
+        self.inflight += 1
+        try:
+            stage = self.text
+            n = len(texts)
+            column = np.empty((n, 1), dtype=object)
+            column[:, 0] = texts
+            arrays = {stage.input: column}
+            keys, encodings = await stage.check_encoded(arrays, encodings)
+            tokens = [len(e.ids) for e in encodings]
+            wanted = [(output, True)]
+            if self.cache is None:
+                outs = await self._schedule(arrays, n, budget, keys, encodings)
+            else:
+                by_text = dict(zip(texts, encodings, strict=True))
+
+                key_of = dict(zip(texts, keys))
+
+                def compute(a: dict[str, np.ndarray], rows: int):
+                    column = a[stage.input].reshape(-1)
+                    return self._schedule(
+                        a, rows, budget, [key_of[b] for b in column], [by_text[b] for b in column]
+                    )
+
+                outs = await self.cache.infer(arrays, n, compute, wanted, namespace)
+            return outs[output], tokens
+        finally:
+            self.inflight -= 1
+
     async def _schedule(
         self, arrays: dict[str, np.ndarray], rows: int, budget: Budget | None,
-        keys: list[int] | None = None, texts: list[str] | None = None,
+        keys: list[int] | None = None, texts: list | None = None,
     ) -> dict[str, np.ndarray]:  # fmt: skip
-        """The call's rows as requests of one bucket each, scheduled as one call, reassembled."""
+        """The call's rows as requests of one bucket each (and of at most max_batch_size rows),
+        scheduled as one call, reassembled. ``texts``: each row's text decoded once on the loop,
+        or its encoding (``texts``): the worker tokenizes the one and reads the other as it is."""
         sched = self.scheduler
         limit = self.row_limit or _no_limit
         if self.text is not None and self.spec.batched:
             name = self.text.input
+            cap = self.spec.max_batch_size
             if keys is None:
                 keys = self.text.row_keys(arrays)
             column = arrays[name]
-            if texts is not None:  # decoded once, on the loop: the worker tokenizes them as they are
+            if texts is not None:
                 column = np.empty(rows, dtype=object)
-                column[:] = texts
+                for i, t in enumerate(texts):  # (one by one: numpy would look into an encoding)
+                    column[i] = t
                 column = column.reshape(arrays[name].shape)
             first = keys[0]
-            if rows <= limit(first) and all(k == first for k in keys):  # the common case: one request
+            if rows <= min(limit(first), cap) and all(k == first for k in keys):  # the common case
                 return await sched.infer({name: column}, rows, first, budget)
             groups: dict[int, list[int]] = {}
             for i, k in enumerate(keys):
@@ -138,7 +181,7 @@ class ModelRuntime:
             parts: list[Part] = []
             index: list[np.ndarray] = []
             for k, rows_of in groups.items():
-                step = limit(k)
+                step = min(limit(k), cap)
                 for s in range(0, len(rows_of), step):
                     sel = np.array(rows_of[s : s + step], dtype=np.intp)
                     parts.append(({name: column[sel]}, len(sel), k))

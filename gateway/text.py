@@ -17,6 +17,10 @@ split so the event loop never tokenizes on the common path:
   batch's longest real text) of texts decoded once, on the loop. ``tokenizers`` releases the GIL
   while it encodes. The scheduler's queue already holds each batch to ``max_batch_tokens``
   (``row_limit``); the engine's own limit stays only as a guard.
+* a list of texts (OpenAI, TEI, rerank: ``Pipeline.texts``) is tokenised whole, once, in a thread
+  before it is queued (``check_encoded``, ``encode``): the caller's usage needs every text's
+  count anyway, and the worker then reads those encodings as they are instead of tokenising again
+  (``batchgate_texts_tokenized_total`` counts every text the tokenizer encodes).
 
 Parameters (all ``string_value``):
 
@@ -138,6 +142,8 @@ class TextStage:
         # cannot exceed max_tokens; only longer ones need an exact count in reject mode.
         self._surely_fits = s.max_tokens - self.specials
         self._local = threading.local()
+        self.tokenized = 0  # texts the tokenizer has encoded, every mode (a metric: each text once per call)
+        self._count_lock = threading.Lock()
 
     # -- event loop side -------------------------------------------------------------------------
 
@@ -150,44 +156,75 @@ class TextStage:
         unsure = []
         s = self.settings
         for i, b in enumerate(texts):
-            n = len(b)
-            if n > s.max_text_bytes:
-                raise invalid(
-                    f"input '{self.input}' row {i}: text is {n} bytes; model '{self.model}' accepts at most "
-                    f"{s.max_text_bytes} (parameter max_text_bytes)"
-                )
-            try:
-                text = b.decode()
-            except UnicodeDecodeError as exc:
-                raise invalid(
-                    f"input '{self.input}' row {i}: text is not valid UTF-8 "
-                    f"({exc.reason} at byte {exc.start})"
-                ) from None
-            except AttributeError:  # not bytes: cannot come from the codec, but never a bare INTERNAL
-                raise invalid(f"input '{self.input}' row {i}: expected BYTES holding UTF-8 text") from None
-            if s.pair:
-                self._check_pair(i, text)
-            elif not text.strip():
-                raise invalid(
-                    f"input '{self.input}' row {i}: text is empty"
-                    + (" (whitespace only)" if text else "")
-                    + "; send at least one word"
-                )
-            if not s.truncate and n > self._surely_fits:
+            text = self._checked(i, b)
+            if not s.truncate and len(b) > self._surely_fits:
                 unsure.append((i, text))
             keys.append(self.bucket(estimate_tokens(b, self.specials)))
             decoded.append(text)
         if unsure:
             counts = await asyncio.to_thread(self.count_tokens, [t for _, t in unsure])
             for (i, _), count in zip(unsure, counts, strict=True):
-                if count > s.max_tokens:
-                    raise invalid(
-                        f"input '{self.input}' row {i}: text is {count} tokens; "
-                        f"model '{self.model}' takes at most "
-                        f"{s.max_tokens} (parameter max_tokens; truncate is 'reject')"
-                    )
+                self._check_count(i, count)
                 keys[i] = self.bucket(count)  # exact where it was counted
         return keys, decoded
+
+    async def check_encoded(
+        self, arrays: dict[str, np.ndarray], encodings: list | None = None
+    ) -> tuple[list[int], list]:
+        """``check`` for a list of texts that is tokenised whole, once (``encode``, in a thread;
+        ``encodings`` holds the ones made already, else None): each row's batching key and its
+        encoding, which the worker reads as it is. The keys are the ones ``check`` gives, so a
+        text is batched, padded and answered alike by every route."""
+        texts = arrays[self.input].reshape(-1)
+        decoded = [self._checked(i, b) for i, b in enumerate(texts)]
+        encodings = list(encodings) if encodings is not None else [None] * len(decoded)
+        todo = [i for i, e in enumerate(encodings) if e is None]
+        if todo:
+            made = await asyncio.to_thread(self.encode, [decoded[i] for i in todo])
+            for i, e in zip(todo, made, strict=True):
+                encodings[i] = e
+        keys = self.row_keys(arrays)
+        if not self.settings.truncate:
+            for i, e in enumerate(encodings):
+                self._check_count(i, len(e.ids))
+                if len(texts[i]) > self._surely_fits:
+                    keys[i] = self.bucket(len(e.ids))  # exact where check counts
+        return keys, encodings
+
+    def _checked(self, i: int, b) -> str:
+        """Row ``i``'s text decoded, or the refusal naming what is wrong with it."""
+        s = self.settings
+        n = len(b)
+        if n > s.max_text_bytes:
+            raise invalid(
+                f"input '{self.input}' row {i}: text is {n} bytes; model '{self.model}' accepts at most "
+                f"{s.max_text_bytes} (parameter max_text_bytes)"
+            )
+        try:
+            text = b.decode()
+        except UnicodeDecodeError as exc:
+            raise invalid(
+                f"input '{self.input}' row {i}: text is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+            ) from None
+        except AttributeError:  # not bytes: cannot come from the codec, but never a bare INTERNAL
+            raise invalid(f"input '{self.input}' row {i}: expected BYTES holding UTF-8 text") from None
+        if s.pair:
+            self._check_pair(i, text)
+        elif not text.strip():
+            raise invalid(
+                f"input '{self.input}' row {i}: text is empty"
+                + (" (whitespace only)" if text else "")
+                + "; send at least one word"
+            )
+        return text
+
+    def _check_count(self, i: int, count: int) -> None:
+        if count > self.settings.max_tokens:
+            raise invalid(
+                f"input '{self.input}' row {i}: text is {count} tokens; "
+                f"model '{self.model}' takes at most "
+                f"{self.settings.max_tokens} (parameter max_tokens; truncate is 'reject')"
+            )
 
     def _check_pair(self, i: int, text: str) -> None:
         first, sep, second = text.partition(PAIR_SEPARATOR)
@@ -208,10 +245,11 @@ class TextStage:
 
     # -- worker thread side ----------------------------------------------------------------------
 
-    def _tokenizer(self, truncate: bool):
+    def _tokenizer(self, truncate: bool, pad: bool = True):
         """One tokenizer per thread and mode: its settings are never changed once made."""
         cache = self._local.__dict__
-        tok = cache.get(truncate)
+        mode = (truncate, truncate and pad)
+        tok = cache.get(mode)
         if tok is None:
             from tokenizers import Tokenizer
 
@@ -220,29 +258,68 @@ class TextStage:
             tok.no_truncation()
             if truncate:
                 tok.enable_truncation(self.settings.max_tokens)
-                tok.enable_padding(**self._pad)  # to the batch's longest
-            cache[truncate] = tok
+                if pad:
+                    tok.enable_padding(**self._pad)  # to the batch's longest
+            cache[mode] = tok
         return tok
 
     def _inputs(self, texts: list[str]) -> list:
         # A pair row splits at its first separator: the query cannot hold one, the document may.
         return [tuple(t.split(PAIR_SEPARATOR, 1)) for t in texts] if self.settings.pair else texts
 
+    def _counted(self, n: int) -> None:
+        with self._count_lock:  # (worker threads and the loop's helper threads count alike)
+            self.tokenized += n
+
     def count_tokens(self, texts: list[str]) -> list[int]:
+        self._counted(len(texts))
         return [len(e.ids) for e in self._tokenizer(False).encode_batch(self._inputs(texts))]
+
+    def encode(self, texts: list[str]) -> list:
+        """Each text's encoding as the model will see it, unpadded: truncated to max_tokens when
+        the model truncates (``overflowing`` then says whether it was cut), whole in reject mode.
+        Counts for the caller and, unchanged, the worker's input (``__call__``)."""
+        self._counted(len(texts))
+        return self._tokenizer(self.settings.truncate, pad=False).encode_batch(self._inputs(texts))
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The engine's preprocess hook: the merged batch's texts -> the model's token inputs.
+        A row is a text (tokenised here) or the encoding ``encode`` made of it already.
 
         Truncation is on in reject mode too: texts were counted at admission, so it only ever
         guards the model against a count that disagreed."""
-        texts = [t if isinstance(t, str) else t.decode() for t in feeds[self.input].reshape(-1)]
-        encodings = self._tokenizer(True).encode_batch(self._inputs(texts))
-        out = {"input_ids": np.array([e.ids for e in encodings], dtype=np.int64)}
+        rows = feeds[self.input].reshape(-1)
+        if all(isinstance(t, (str, bytes)) for t in rows):
+            texts = [t if isinstance(t, str) else t.decode() for t in rows]
+            self._counted(len(texts))
+            encodings = self._tokenizer(True).encode_batch(self._inputs(texts))
+            return self._feeds([e.ids for e in encodings], [e.attention_mask for e in encodings],
+                               [e.type_ids for e in encodings])  # fmt: skip
+        todo = [i for i, t in enumerate(rows) if isinstance(t, (str, bytes))]
+        encodings = list(rows)
+        if todo:  # a batch that merged encoded rows with other callers' texts
+            texts = [rows[i] if isinstance(rows[i], str) else rows[i].decode() for i in todo]
+            self._counted(len(texts))
+            for i, e in zip(todo, self._tokenizer(True, pad=False).encode_batch(self._inputs(texts))):
+                encodings[i] = e
+        limit = self.settings.max_tokens
+        width = min(max(len(e.ids) for e in encodings), limit)
+        pad_id, pad_type = self._pad["pad_id"], self._pad["pad_type_id"]
+        ids, mask, types = [], [], []
+        for e in encodings:
+            n = min(len(e.ids), limit)
+            fill = width - n
+            ids.append(e.ids[:n] + [pad_id] * fill)
+            mask.append(e.attention_mask[:n] + [0] * fill)
+            types.append(e.type_ids[:n] + [pad_type] * fill)
+        return self._feeds(ids, mask, types)
+
+    def _feeds(self, ids: list, mask: list, types: list) -> dict[str, np.ndarray]:
+        out = {"input_ids": np.array(ids, dtype=np.int64)}
         if "attention_mask" in self.outputs:
-            out["attention_mask"] = np.array([e.attention_mask for e in encodings], dtype=np.int64)
+            out["attention_mask"] = np.array(mask, dtype=np.int64)
         if "token_type_ids" in self.outputs:
-            out["token_type_ids"] = np.array([e.type_ids for e in encodings], dtype=np.int64)
+            out["token_type_ids"] = np.array(types, dtype=np.int64)
         return out
 
     # -- token budget ----------------------------------------------------------------------------

@@ -86,14 +86,14 @@ def current():
     return ctx if ctx.is_valid else None
 
 
-def begin_call(request, pass_, transport: str):
+def begin_call(model: str, pass_, transport: str):
     """The call's span, made current for the task (its admission, queue and response spans are
     its children); returns what ``end_call`` takes."""
     from opentelemetry import context, trace
 
     span = TRACER.start_span(
         "batchgate.infer", context=pass_.trace, kind=trace.SpanKind.SERVER,
-        attributes={"batchgate.model": request.model_name, "batchgate.transport": transport},
+        attributes={"batchgate.model": model, "batchgate.transport": transport},
     )  # fmt: skip
     return span, context.attach(trace.set_span_in_context(span))
 

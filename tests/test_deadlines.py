@@ -14,6 +14,7 @@ from batchgate.gateway.errors import GatewayError, Kind
 from batchgate.gateway.scheduling import INF, LatencyModel, LoopLag, Request, SchedulePolicy, Scheduler
 from batchgate.gateway.scheduling import parse_classes, resolve
 from batchgate.gateway.scheduling.deadline import DeadlineQueue
+from batchgate.gateway.transport.grpc import parameters_of
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import model_config_pb2 as mc
 from batchgate.workers.engine import BatchTiming
@@ -257,7 +258,7 @@ def _params(**kw) -> pb.ModelInferRequest:
             req.parameters[k].string_param = v
         else:
             req.parameters[k].int64_param = v
-    return req.parameters
+    return parameters_of(req.parameters)
 
 
 def _schedule(text: str = "") -> SchedulePolicy:
@@ -488,12 +489,12 @@ def test_non_finite_parameters_are_refused_not_crashed():
         req = pb.ModelInferRequest()
         req.parameters[name].double_param = float("nan")
         with pytest.raises(GatewayError) as err:
-            resolve(req.parameters, None, 0.0, CLASSES, "standard", s)
+            resolve(parameters_of(req.parameters), None, 0.0, CLASSES, "standard", s)
         assert err.value.kind is Kind.INVALID and name in err.value.message
     req = pb.ModelInferRequest()
     req.parameters["priority"].double_param = float("inf")
     with pytest.raises(GatewayError):
-        resolve(req.parameters, None, 0.0, CLASSES, "standard", s)
+        resolve(parameters_of(req.parameters), None, 0.0, CLASSES, "standard", s)
 
 
 def test_fill_stops_before_the_batch_would_make_its_most_urgent_request_late():

@@ -21,7 +21,6 @@ import pytest
 import tritonclient.grpc as tc
 from tokenizers import Tokenizer
 
-from batchgate.gateway.transport.embeddings import plan
 from batchgate.gateway.text import TextStage
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.tenants import hash_key
@@ -31,6 +30,7 @@ from tests.conftest import REPO, start_server
 
 FULL, TIGHT, RANKER_ONLY = "full-0123456789abcdef", "tight-0123456789abcd", "ranker-0123456789abcd"
 ONCE = "once-0123456789abcdef-once"  # one request, ever (within the test)
+ONCE_MORE = "once-more-0123456789abcdef"  # the same, for the 2,048-text call
 TENANTS = f"""
 tenants:
   - name: full
@@ -44,6 +44,9 @@ tenants:
     models: [ranker]
   - name: once
     key_hashes: ["{hash_key(ONCE)}"]
+    limits: {{requests_per_s: 0.001, requests_burst: 1}}
+  - name: once-more
+    key_hashes: ["{hash_key(ONCE_MORE)}"]
     limits: {{requests_per_s: 0.001, requests_burst: 1}}
 """
 
@@ -146,7 +149,6 @@ def test_float_many_texts_equal_the_kserve_path_and_usage_counts_real_tokens(oai
     got = np.array([d.embedding for d in resp.data], dtype=np.float32)
     assert [d.index for d in resp.data] == list(range(len(TEXTS)))
     assert resp.model == "minilm" and resp.object == "list" and resp.data[0].object == "embedding"
-    assert plan(len(TEXTS), 64) == [list(range(len(TEXTS)))]  # one KServe request: one admission
     # the scheduler splits its rows by length, as it does any KServe request's
     assert np.array_equal(got, kserve(triton, TEXTS))
     # and the same texts as a KServe request each (batches of other lengths pad differently, so
@@ -358,6 +360,39 @@ def test_a_list_of_texts_is_one_call_at_the_door_and_against_the_tenants_limits(
     assert status == 200, body
     assert [d["index"] for d in body["data"]] == list(range(200))
     status, headers, body = post(base + "/v1/embeddings", {"model": "minilm", "input": texts[:1]}, key=ONCE)
+    assert status == 429 and body["error"]["code"] == "rate_limit_exceeded", body
+
+
+def test_2048_texts_are_one_admission_and_each_text_is_tokenised_once(base, srv):
+    """OpenAI's largest call: one admission for its 2,048 rows (a tenant allowed one request is
+    answered, then refused the next), and the tokenizer encodes each text once, in the gateway;
+    the worker reads those encodings (the call's usage comes from them too). With the result
+    cache, the repeated call computes nothing and still tokenises each text once (its usage)."""
+    from tests.test_metrics import scrape, value
+
+    texts = [f"text {i} of the longest list OpenAI sends, about {i % 7} things" for i in range(2048)]
+    for model, key, computed in (
+        ("minilm", ONCE_MORE, 2048),
+        ("minilm_cached", FULL, 2048),
+        ("minilm_cached", FULL, 0),
+    ):
+        before = scrape(srv)
+        slow = {"X-Latency-Budget-Ms": "300000"}  # ~15 s of compute on 2 shared cores: no budget to miss
+        status, _, body = post(
+            base + "/v1/embeddings", {"model": model, "input": texts}, key=key, headers=slow
+        )
+        after = scrape(srv)
+        assert status == 200, body
+        assert len(body["data"]) == 2048 and body["usage"]["prompt_tokens"] > 2048 * 10
+
+        def delta(name: str) -> float:
+            return value(after, name, model=model, version="1") - value(
+                before, name, model=model, version="1"
+            )
+
+        assert delta("batchgate_texts_tokenized_total") == 2048
+        assert delta("batchgate_inference_rows_total") == computed  # the repeated call: all from the cache
+    status, _, body = post(base + "/v1/embeddings", {"model": "minilm", "input": texts[:1]}, key=ONCE_MORE)
     assert status == 429 and body["error"]["code"] == "rate_limit_exceeded", body
 
 

@@ -7,7 +7,6 @@ takes."""
 from __future__ import annotations
 
 import json
-import struct
 import urllib.error
 import urllib.request
 
@@ -17,8 +16,8 @@ import tritonclient.grpc as tc
 
 from batchgate.gateway.codec import serialize_bytes
 from batchgate.gateway.errors import GatewayError, Kind
+from batchgate.gateway.call import Answer, Output
 from batchgate.gateway.transport.rest import HEADER_LENGTH, HTTP_STATUS, build_request, build_response
-from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 
 
 def call(server, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None):
@@ -270,53 +269,66 @@ def test_every_kind_has_an_http_status():
 # -- translation helpers (BYTES: no bundled model takes strings) ---------------------------------
 
 
-def test_json_bytes_input_becomes_typed_bytes_contents():
+def test_json_bytes_input_becomes_typed_bytes_values():
     body = {
         "inputs": [{"name": "text", "shape": [2], "datatype": "BYTES", "data": ["héllo", "x"]}],
         "id": "b",
     }
-    req, _ = build_request("m", "", json.dumps(body).encode(), None)
-    assert list(req.inputs[0].contents.bytes_contents) == ["héllo".encode(), b"x"]
-    assert not req.raw_input_contents
+    call, _ = build_request("m", "", json.dumps(body).encode(), None)
+    t = call.inputs[0]
+    assert t.values == ["héllo".encode(), b"x"] and t.raw is None and call.id == "b"
 
 
-def test_binary_bytes_input_and_json_input_go_raw_together():
+def test_binary_input_is_a_view_of_the_body_and_json_inputs_stay_typed():
+    """No protobuf between: a binary chunk is the body's own bytes (no copy), a JSON input its
+    typed values, each in its own form (the protobuf rule of one form for all is gRPC's)."""
     chunk = serialize_bytes(np.array([b"ab", b""], dtype=object))
     head = json.dumps(
         {"inputs": [
             {"name": "text", "shape": [2], "datatype": "BYTES", "parameters": {"binary_data_size": len(chunk)}},
             {"name": "n", "shape": [2], "datatype": "INT32", "data": [1, 2]},
             {"name": "more", "shape": [1], "datatype": "BYTES", "data": ["z"]},
+            {"name": "h", "shape": [2], "datatype": "FP16", "data": [0.5, 2]},
         ]}
     ).encode()  # fmt: skip
-    req, _ = build_request("m", "1", head + chunk, str(len(head)))
-    assert req.raw_input_contents[0] == chunk
-    assert np.frombuffer(req.raw_input_contents[1], np.int32).tolist() == [1, 2]
-    assert req.raw_input_contents[2] == struct.pack("<I", 1) + b"z"
+    body = head + chunk
+    call, _ = build_request("m", "1", body, str(len(head)))
+    text, n, more, h = call.inputs
+    assert isinstance(text.raw, memoryview) and text.raw.obj is body and bytes(text.raw) == chunk
+    assert n.values == [1, 2] and more.values == [b"z"]
+    assert np.frombuffer(h.raw, np.float16).tolist() == [0.5, 2.0]  # FP16 has no typed form
+
+
+@pytest.mark.parametrize(
+    "datatype, value", [("INT64", 1.5), ("FP32", "1"), ("BOOL", "yes"), ("BYTES", 3), ("UINT8", None)]
+)
+def test_json_values_of_the_wrong_type_are_refused_by_name(datatype, value):
+    body = {"inputs": [{"name": "x", "shape": [1], "datatype": datatype, "data": [value]}]}
+    with pytest.raises(GatewayError) as err:
+        build_request("m", "", json.dumps(body).encode(), None)
+    assert err.value.kind is Kind.INVALID
+    assert f"input 'x': 'data' holds a value that is not {datatype}" in err.value.message
 
 
 def test_bytes_output_in_json_and_binary():
-    resp = pb.ModelInferResponse(model_name="m", model_version="1")
-    resp.outputs.add(name="text", datatype="BYTES", shape=[2])
-    resp.raw_output_contents.append(serialize_bytes(np.array([b"hi", "ünï".encode()], dtype=object)))
-    body, n = build_response(resp, {"": False})
+    arr = np.array([b"hi", "ünï".encode()], dtype=object)
+    answer = Answer("m", "1", "", [Output("text", "BYTES", arr, True)])
+    body, n = build_response(answer, {"": False})
     assert n is None and json.loads(body)["outputs"][0]["data"] == ["hi", "ünï"]
-    body, n = build_response(resp, {"": True})
-    assert body[n:] == resp.raw_output_contents[0]
-    resp.raw_output_contents[0] = serialize_bytes(np.array([b"\xff"], dtype=object))
-    resp.outputs[0].shape[:] = [1]
+    body, n = build_response(answer, {"": True})
+    assert body[n:] == serialize_bytes(arr)
+    answer.outputs[0].array = np.array([b"\xff"], dtype=object)
     with pytest.raises(GatewayError) as err:
-        build_response(resp, {"": False})
+        build_response(answer, {"": False})
     assert err.value.kind is Kind.INVALID and "binary_data" in err.value.message
 
 
 def test_parameters_pass_through_typed():
     body = {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}],
             "parameters": {"latency_budget_ms": 25, "latency_class": "realtime", "flag": True, "w": 0.5}}  # fmt: skip
-    req, _ = build_request("m", "", json.dumps(body).encode(), None)
-    p = req.parameters
-    assert p["latency_budget_ms"].int64_param == 25 and p["latency_class"].string_param == "realtime"
-    assert p["flag"].bool_param is True and p["w"].double_param == 0.5
+    call, _ = build_request("m", "", json.dumps(body).encode(), None)
+    assert call.parameters == {"latency_budget_ms": 25, "latency_class": "realtime", "flag": True, "w": 0.5}
+    assert type(call.parameters["flag"]) is bool
 
 
 # -- tenants: the same admission as gRPC, as HTTP statuses -----------------------------------------

@@ -19,9 +19,30 @@ from batchgate.gateway import codec as codec_mod
 from batchgate.gateway.codec import Codec, Limits, deserialize_bytes, set_limits
 from batchgate.gateway.errors import GatewayError, Kind
 from batchgate.gateway.repository import load_model
+from batchgate.gateway.transport.grpc import call_of
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import REPO, ROOT, start_server
+
+
+class Wire:
+    """The codec as the gRPC transport drives it: the message translated to a ``Call`` first."""
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+
+    def decode(self, req):
+        return self.codec.decode(call_of(req))
+
+    def _decode(self, req):
+        return self.codec._decode(call_of(req).inputs)
+
+    def _decode_fast(self, req):
+        return self.codec._decode_fast(call_of(req).inputs)
+
+    def __getattr__(self, name):
+        return getattr(self.codec, name)
+
 
 _LEN = struct.Struct("<I")
 
@@ -79,7 +100,7 @@ def test_settings_defaults_and_env(monkeypatch):
 
 def test_huge_dims_refused_before_allocation(tmp_path, limits):
     (spec,) = load_model(open_encoder(tmp_path))
-    c = Codec(spec)
+    c = Wire(Codec(spec))
     for shape in ([1, 2**62], [1, 2**63 - 1], [64, 2**57], [2, 501]):
         for req in (encoder_request(shape), encoder_request(shape, typed=[1, 2, 3])):
             msg = refusal(lambda: c.decode(req))
@@ -92,7 +113,7 @@ def test_huge_dims_refused_before_allocation(tmp_path, limits):
 
 def test_huge_dims_with_default_limits_do_not_allocate(tmp_path):
     (spec,) = load_model(open_encoder(tmp_path))
-    c = Codec(spec)
+    c = Wire(Codec(spec))
     msg = refusal(lambda: c.decode(encoder_request([1, 2**62])))
     assert "at most 16777216 per tensor (limit max_tensor_elements" in msg
 
@@ -100,7 +121,7 @@ def test_huge_dims_with_default_limits_do_not_allocate(tmp_path):
 def test_typed_count_checked_before_conversion(tmp_path):
     """Typed contents of the wrong length are refused by count, before np.array sees them."""
     (spec,) = load_model(open_encoder(tmp_path))
-    msg = refusal(lambda: Codec(spec).decode(encoder_request([1, 4], typed=[1, 2, 3])))
+    msg = refusal(lambda: Wire(Codec(spec)).decode(encoder_request([1, 4], typed=[1, 2, 3])))
     assert "int64_contents holds 3 values" in msg and "needs 4" in msg
 
 
@@ -109,7 +130,7 @@ def test_rows_over_max_batch_size():
     req = pb.ModelInferRequest(model_name="ranker")
     req.inputs.add(name="dense", datatype="FP32", shape=[257, 64])
     req.inputs.add(name="sparse_ids", datatype="INT64", shape=[257, 8])
-    msg = refusal(lambda: Codec(spec).decode(req))
+    msg = refusal(lambda: Wire(Codec(spec)).decode(req))
     assert "max_batch_size=256" in msg
 
 
@@ -118,10 +139,10 @@ def test_number_of_inputs_capped_before_any_work(limits):
     req = pb.ModelInferRequest(model_name="ranker")
     for i in range(5):
         req.inputs.add(name=f"x{i}", datatype="FP32", shape=[2**62])
-    msg = refusal(lambda: Codec(spec).decode(req))
+    msg = refusal(lambda: Wire(Codec(spec)).decode(req))
     assert "5 inputs" in msg and "max_inputs" in msg and "BATCHGATE_MAX_INPUTS" in msg
     req = pb.ModelInferRequest(model_name="ranker", raw_input_contents=[b""] * 10)
-    assert "max_inputs" in refusal(lambda: Codec(spec).decode(req))
+    assert "max_inputs" in refusal(lambda: Wire(Codec(spec)).decode(req))
 
 
 def test_raw_bytes_count_checked_before_allocation(limits):
@@ -137,7 +158,7 @@ def test_raw_bytes_count_checked_before_allocation(limits):
 
 def test_string_length_limit_raw_and_typed(limits, minilm_dir):
     (spec,) = load_model(minilm_dir)
-    c = Codec(spec)
+    c = Wire(Codec(spec))
     long = b"word " * 21  # 105 bytes > 100
     raw = pb.ModelInferRequest(
         model_name="minilm", raw_input_contents=[_LEN.pack(3) + b"abc" + _LEN.pack(len(long)) + long]
@@ -268,7 +289,7 @@ def test_fast_decode_agrees_with_the_full_checks_and_refuses_the_same(limits):
     """The one-pass decode of the common request gives what the general path gives, and every
     request it does not take falls through to the general path's refusal, word for word."""
     (spec,) = load_model(REPO / "ranker")
-    c = Codec(spec)
+    c = Wire(Codec(spec))
     assert c._fast is not None  # ranker: numeric, fixed dims, batched
     for rows in (1, 3, 15):  # 15 x 64 elements: within the fixture's max_tensor_elements
         req = _ranker_request(rows)
@@ -295,8 +316,8 @@ def test_fast_decode_agrees_with_the_full_checks_and_refuses_the_same(limits):
     req.inputs[1].name = "dense"  # given twice
     bad.append(req)
     req = _ranker_request(1)
-    req.inputs[0].contents.fp32_contents.extend([0.0] * 64)  # both forms
-    bad.append(req)
+    req.inputs[0].contents.fp32_contents.extend([0.0] * 64)  # both forms: the gRPC translation's to refuse
+    assert "both typed contents and raw_input_contents" in refusal(lambda r=req: call_of(r))
     for req in bad:
         assert c._decode_fast(req) is None
         assert refusal(lambda r=req: c.decode(r)) == refusal(lambda r=req: c._decode(r))
@@ -320,7 +341,7 @@ def test_fast_decode_takes_variable_dims_within_max_dim_and_tied_lengths(limits)
     goes through the one-pass decode too; a length over max_dim, lengths that disagree, a zero
     length or a wrong rank fall through to the general path's refusal, word for word."""
     (spec,) = load_model(REPO / "encoder")
-    c = Codec(spec)
+    c = Wire(Codec(spec))
     assert c._fast is not None and c.tied and c.max_dim
     for rows, seq in ((1, 1), (2, 16), (3, 300)):
         set_limits(Limits(max_tensor_elements=rows * seq))

@@ -110,18 +110,21 @@ class Budget:
     delay: bool  # on queue timeout: DELAY (deprioritise) instead of REJECT
 
 
-def _param_number(p) -> float | None:
-    """The parameter as a finite number; None for anything else (refused by the caller)."""
-    which = p.WhichOneof("parameter_choice")
-    value = None
-    if which in ("int64_param", "uint64_param", "double_param"):
-        value = float(getattr(p, which))
-    elif which == "string_param":
+def _param_number(value) -> float | None:
+    """The parameter as a finite number (a number, or a string holding one); None for anything
+    else (refused by the caller)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
         try:
-            value = float(p.string_param)
+            value = float(value)
         except ValueError:
             return None
-    return value if value is not None and math.isfinite(value) else None
+    elif isinstance(value, (int, float)):
+        value = float(value)
+    else:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def resolve(
@@ -135,8 +138,8 @@ def resolve(
     """Budget of one request from its parameters and gRPC deadline (``time_remaining`` seconds)."""
     name = default_class
     if "latency_class" in params:
-        name = params["latency_class"].string_param
-        if name not in classes:
+        name = params["latency_class"]
+        if not isinstance(name, str) or name not in classes:
             raise invalid(f"parameter 'latency_class' is '{name}'; expected one of {sorted(classes)}")
     cls = classes[name]
     budget = cls.budget_s

@@ -1,10 +1,9 @@
 """The embedding APIs callers already speak, on the REST listener: OpenAI's ``POST /v1/embeddings``
 and ``GET /v1/models``, and Hugging Face TEI's ``POST /embed``.
 
-Only translation lives here. ``embed_texts`` is the one seam to the serving path: it turns a list
-of texts into the KServe v2 ``ModelInferRequest``\\s a tritonclient caller would send (BYTES
-``[n, 1]``) and hands them to the request pipeline (gateway/infer.py), exactly as KServe REST does —
-so the tenant (``Authorization: Bearer``, checked from the headers before the body is read), rate
+Only translation lives here. ``embed_texts`` is the one seam to the serving path: it hands a list
+of texts to the request pipeline's one entry for texts (``Pipeline.texts``, gateway/infer.py), so
+the tenant (``Authorization: Bearer``, checked from the headers before the body is read), rate
 limits, latency class, result cache, batching with other callers' texts and accounting are the
 ones every transport gets, not copies.
 
@@ -27,13 +26,11 @@ import numpy as np
 from aiohttp import web
 
 from batchgate.gateway.admission.door import Pass
-from batchgate.gateway.codec import serialize_bytes
 from batchgate.gateway.errors import GatewayError, Kind, retry_headers
 from batchgate.gateway.infer import prompt_of
 from batchgate.gateway.logs import REQUEST_ID, REQUEST_ID_KEY, clean_request_id
 from batchgate.gateway.text import PAIR_SEPARATOR
 from batchgate.gateway.transport.rest import BodyRefused, closing, read_body
-from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 
 if TYPE_CHECKING:
     from batchgate.gateway.transport.server import Server
@@ -101,9 +98,9 @@ async def embed_texts(
     ``exact_limit``: refuse a text over the model's ``max_tokens`` (413 in TEI) instead of letting
     the model's ``truncate`` setting decide. ``cut``: the caller asked for truncation, so a text
     over ``max_text_bytes`` is cut to it (at a character) instead of refused; the model keeps its
-    first ``max_tokens`` tokens. The whole list is one call: through the door once,
-    admitted once against the tenant's limits for all its rows, then sent as requests of at most
-    max_batch_size texts (``plan``) that run, and batch with other callers' texts, side by side."""
+    first ``max_tokens`` tokens. The whole list is one call (``Pipeline.texts``): through the door
+    once, admitted once against the tenant's limits for all its rows, each text tokenised once,
+    its rows queued by length bucket to batch with other callers' texts."""
     if pass_ is None:  # before anything says whether the model exists
         pass_ = _enter(server, metadata)
     try:
@@ -126,7 +123,8 @@ async def embed_texts(
     if output is None:
         raise Refused(Kind.INVALID, f"model '{model}' has no FP32 output to return as an embedding", "model")
     try:
-        prompt = prompt_of(spec, prompt_name)  # the pipeline prefixes it; the checks see what the model will
+        # before every text: what the model, the checks and the cache see
+        prompt = prompt_of(spec, prompt_name)
     except GatewayError as exc:
         raise Refused(exc.kind, exc.message, "prompt_name") from None
     max_tokens = stage.settings.max_tokens
@@ -142,7 +140,6 @@ async def embed_texts(
         # than max_tokens for any text this bound was made for; cutting first bounds the work.
         room = max_bytes - len(prompt.encode())
         texts = [_cut_text(t, room) if len(t) * 4 > room else t for t in texts]
-    sent = texts
     if prompt:
         texts = [prompt + t for t in texts]
     fits = max_tokens - stage.specials  # a text of at most this many bytes cannot be over max_tokens
@@ -159,60 +156,45 @@ async def embed_texts(
                 )  # fmt: skip
             if n > fits:
                 long.append(i)
-    if exact_limit:
-        # Only texts that could be over max_tokens are counted, in a thread, before any other work.
-        if long:
-            counts = await asyncio.to_thread(stage.count_tokens, [texts[i] for i in long])
-            for i, n in zip(long, counts, strict=True):
-                if n > max_tokens:
-                    raise Refused(
-                        Kind.INVALID,
-                        f"input {i} is {n} tokens; model '{model}' takes at most {max_tokens} "
-                        "(send truncate: true to keep its first tokens)",
-                        "input", too_large=True,
-                    )  # fmt: skip
+    encodings = None
+    if exact_limit and long:
+        # Only texts that could be over max_tokens are tokenised before admission (in a thread);
+        # their encodings go on with the call, so no text is tokenised twice.
+        made = await asyncio.to_thread(stage.encode, [texts[i] for i in long])
+        for i, e in zip(long, made, strict=True):
+            if e.overflowing or len(e.ids) > max_tokens:
+                n = len(e.ids) if not e.overflowing else "more than " + str(max_tokens)
+                raise Refused(
+                    Kind.INVALID,
+                    f"input {i} is {n} tokens; model '{model}' takes at most {max_tokens} "
+                    "(send truncate: true to keep its first tokens)",
+                    "input", too_large=True,
+                )  # fmt: skip
+        encodings = [None] * len(texts)
+        for i, e in zip(long, made):
+            encodings[i] = e
     params: dict[str, Any] = {}
     if latency_class is not None:
         params["latency_class"] = latency_class
     if latency_budget_ms is not None:
         params["latency_budget_ms"] = latency_budget_ms
-    if prompt_name is not None:
-        params["prompt_name"] = prompt_name
     rid = next((clean_request_id(v) for k, v in metadata if k == REQUEST_ID_KEY), "")
     echo = {REQUEST_ID_KEY: rid} if rid else {}
+    token = REQUEST_ID.set(rid)
     try:
-        ticket = await server.pipeline.door.admit(pass_, spec.name, len(texts))
+        answer = await server.pipeline.texts(
+            pass_, server.metrics.transport("http"), spec.name, [t.encode() for t in texts], params,
+            output.name, encodings,
+        )  # fmt: skip
     except GatewayError as exc:
-        raise Refused(exc.kind, exc.message, None, retry_headers(exc, echo)) from None
-    counting = asyncio.create_task(asyncio.to_thread(stage.count_tokens, texts))
-    name = spec.inputs[0].name
-    encoded = [t.encode() for t in sent]
-    groups = plan(len(encoded), spec.max_batch_size or 1)
-    tasks = [
-        asyncio.create_task(
-            _infer_chunk(server, model, name, output.name, encoded, rows, params, rid, pass_, ticket)
-        )
-        for rows in groups
-    ]
-    try:
-        parts = await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:  # one refusal answers the whole request: the other parts stop computing
-            t.cancel()
-        counting.cancel()
-        raise
+        message = exc.message
+        m = _ROW.match(message)
+        if m:  # the text stage names the row: the caller's list index
+            message = f"input {m.group(1)}: {message[m.end() :]}"
+        raise Refused(exc.kind, message, "input" if m else None, retry_headers(exc, echo)) from None
     finally:
-        ticket.release()
-    counts = await counting
-    if len(parts) == 1:
-        vectors = parts[0][0]
-    else:
-        vectors = np.empty((len(texts), parts[0][0].shape[1]), dtype=np.float32)
-        for rows, (part, _) in zip(groups, parts, strict=True):
-            vectors[rows] = part
-    if stage.settings.truncate:
-        counts = [min(n, max_tokens) for n in counts]
-    return Embedded(vectors, counts, spec.name, parts[0][1])
+        REQUEST_ID.reset(token)
+    return Embedded(answer.outputs[0].array, answer.tokens, spec.name, echo)
 
 
 def _cut_text(text: str, max_bytes: int) -> str:
@@ -220,46 +202,6 @@ def _cut_text(text: str, max_bytes: int) -> str:
     if len(raw) <= max_bytes:
         return text
     return raw[: max(max_bytes, 0)].decode("utf-8", "ignore")  # (a character cut in two is dropped)
-
-
-def plan(n: int, max_rows: int) -> list[list[int]]:
-    """The KServe requests a list of ``n`` texts is sent as: as few as the model's batch size
-    allows, in the caller's order. No split by length here: the scheduler already sends each row
-    to the bucket of its own length and batches it there with other callers' rows (issue 21), so
-    one request costs one admission (one request against the tenant's rate) and no padding."""
-    return [list(range(a, min(a + max_rows, n))) for a in range(0, n, max_rows)]
-
-
-async def _infer_chunk(
-    server: Server, model: str, input_name: str, output: str, encoded: list[bytes], rows: list[int],
-    params: dict[str, Any], rid: str, pass_: Pass, ticket,
-) -> tuple[np.ndarray, dict]:  # fmt: skip
-    """One KServe request of the caller's texts ``rows``; its vectors in that order."""
-    req = pb.ModelInferRequest(model_name=model)
-    req.inputs.add(name=input_name, datatype="BYTES", shape=[len(rows), 1])
-    req.raw_input_contents.append(serialize_bytes(np.array([encoded[i] for i in rows], dtype=object)))
-    for key, value in params.items():
-        if isinstance(value, str):
-            req.parameters[key].string_param = value
-        else:
-            req.parameters[key].double_param = float(value)
-    echo = {REQUEST_ID_KEY: rid} if rid else {}
-    token = REQUEST_ID.set(rid)
-    try:
-        resp = await server.pipeline.infer(req, pass_, server.metrics.transport("http"), ticket)
-    except GatewayError as exc:
-        message = exc.message
-        m = _ROW.match(message)
-        if m:  # the text stage names rows of this request: say which input of the caller's list
-            message = f"input {rows[int(m.group(1))]}: {message[m.end() :]}"
-        raise Refused(exc.kind, message, "input" if m else None, retry_headers(exc, echo)) from None
-    finally:
-        REQUEST_ID.reset(token)
-    for i, t in enumerate(resp.outputs):
-        if t.name == output:
-            vectors = np.frombuffer(resp.raw_output_contents[i], dtype="<f4").reshape(len(rows), -1)
-            return vectors, dict(echo)
-    raise Refused(Kind.FAILED, f"model '{model}' answered without output '{output}'")
 
 
 def _metadata(request: web.Request) -> tuple:

@@ -1,9 +1,9 @@
 """The gRPC transport: the KServe v2 / Triton ``inference.GRPCInferenceService`` servicer and the
 interceptor that authenticates on metadata alone; listeners and lifecycle are in ``server.py``.
 
-The servicer is thin: translate nothing (the wire messages are the pipeline's), call
-``gateway/infer.py``'s ``Pipeline``, map ``GatewayError`` kinds to status codes in one table
-(``STATUS``). Streams get a window: at most ``stream_window`` requests in flight, and while it is
+The servicer is thin: translate a ``ModelInferRequest`` into the pipeline's ``Call`` and its
+``Answer`` back (``call_of``, ``message_of``), call ``gateway/infer.py``'s ``Pipeline``, map
+``GatewayError`` kinds to status codes in one table (``STATUS``). Streams get a window: at most ``stream_window`` requests in flight, and while it is
 full the stream is not read, so a client that sends without reading answers is held back by
 HTTP/2 flow control instead of growing the server.
 """
@@ -18,9 +18,12 @@ from functools import partial
 
 import grpc
 
+from batchgate.gateway import dtypes, tracing
 from batchgate.gateway.admission import Account
-from batchgate.gateway.errors import GatewayError, Kind, clip
-from batchgate.gateway import tracing
+from batchgate.gateway.call import Answer, Call, Tensor, Wanted
+from batchgate.gateway import codec
+from batchgate.gateway.codec import serialize_bytes
+from batchgate.gateway.errors import GatewayError, Kind, clip, invalid
 from batchgate.gateway.admission.door import ASKED
 from batchgate.gateway.infer import Pipeline
 from batchgate.gateway.logs import REQUEST_ID, REQUEST_ID_KEY, clean_request_id
@@ -55,6 +58,85 @@ _PREFIX = f"/{SERVICE_NAME}/"
 # The caller the interceptor identified, read by the servicer: the interceptor and the handler
 # run in the same task (grpc.aio awaits the interceptors, then the handler, in one coroutine).
 CALLER: contextvars.ContextVar[Account | None] = contextvars.ContextVar("caller", default=None)
+
+
+def parameters_of(params) -> dict:
+    """KServe's ``InferParameter`` map as plain values (an unset choice is None)."""
+    out = {}
+    for key, p in params.items():
+        which = p.WhichOneof("parameter_choice")
+        out[key] = getattr(p, which) if which is not None else None
+    return out
+
+
+def call_of(req: pb.ModelInferRequest) -> Call:
+    """The pipeline's ``Call`` for a ``ModelInferRequest``: raw contents stay the message's bytes
+    (no copy), typed contents its repeated field. Refuses what only this wire can get wrong."""
+    tensors = req.inputs
+    raw = req.raw_input_contents
+    limit = codec.LIMITS.max_inputs  # (set at start from the settings)
+    if len(raw) > limit:
+        raise invalid(
+            f"model '{clip(req.model_name)}': the request carries {len(raw)} raw_input_contents entries; "
+            f"the server accepts at most {limit} inputs (limit max_inputs, BATCHGATE_MAX_INPUTS)"
+        )
+    inputs = []
+    if raw:
+        if len(raw) != len(tensors):
+            for t in tensors:  # Triton checks both forms first (its example clients match on the words)
+                if t.HasField("contents"):
+                    raise _both_forms(t.name, req.model_name)
+            raise invalid(
+                f"model '{clip(req.model_name)}': raw_input_contents has {len(raw)} entry(ies) for "
+                f"{len(tensors)} inputs; send one entry per input, in the order of `inputs`"
+            )
+        for t, buf in zip(tensors, raw):
+            if t.HasField("contents"):
+                raise _both_forms(t.name, req.model_name)
+            params = parameters_of(t.parameters) if t.parameters else {}
+            inputs.append(Tensor(t.name, t.datatype, t.shape, raw=buf, parameters=params))
+    else:
+        for t in tensors:
+            values = None
+            if t.HasField("contents"):
+                field = dtypes.CONTENTS_FIELD.get(t.datatype)
+                values = getattr(t.contents, field) if field is not None else ()
+            params = parameters_of(t.parameters) if t.parameters else {}
+            inputs.append(Tensor(t.name, t.datatype, t.shape, values=values, parameters=params))
+    outputs = [Wanted(o.name, parameters_of(o.parameters)) for o in req.outputs] if req.outputs else []
+    params = parameters_of(req.parameters) if req.parameters else {}
+    return Call(req.model_name, req.model_version, req.id, inputs, outputs, params)
+
+
+def _both_forms(name: str, model: str) -> GatewayError:
+    return invalid(
+        f"contents field must not be specified when using raw_input_contents for '{clip(name)}' "
+        f"for model '{clip(model)}' "
+        f"(input '{clip(name)}' has both typed contents and raw_input_contents; send one)"
+    )
+
+
+def message_of(answer: Answer) -> pb.ModelInferResponse:
+    """The ``ModelInferResponse`` for an answer: raw contents unless an output was asked for typed;
+    then all are typed (the protocol pairs raw_output_contents with outputs by position, so
+    mixing forms is ambiguous)."""
+    resp = pb.ModelInferResponse(model_name=answer.model, model_version=answer.version, id=answer.id)
+    add = resp.outputs.add
+    if all(o.binary for o in answer.outputs):
+        raw = resp.raw_output_contents
+        for o in answer.outputs:
+            arr = o.array
+            add(name=o.name, datatype=o.datatype, shape=arr.shape)
+            # C order whatever the strides: the one copy of the answer
+            raw.append(serialize_bytes(arr) if o.datatype == "BYTES" else arr.tobytes())
+        return resp
+    for o in answer.outputs:
+        field = dtypes.CONTENTS_FIELD.get(o.datatype)
+        if field is None:
+            raise invalid(f"output '{o.name}': {o.datatype} can only be returned raw (binary_data true)")
+        tensor = add(name=o.name, datatype=o.datatype, shape=o.array.shape)
+        getattr(tensor.contents, field).extend(o.array.reshape(-1).tolist())
+    return resp
 
 
 def _request_id(context) -> str:
@@ -201,7 +283,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             except GatewayError as exc:
                 self._unary_edge.failed(request.model_name, request.model_version, exc)
                 raise
-            return await self.pipeline.infer(request, pass_, self._unary_edge)
+            try:
+                call = call_of(request)
+            except GatewayError as exc:
+                self.pipeline.failed(pass_, self._unary_edge, request.model_name, request.model_version, exc)
+                raise
+            return message_of(await self.pipeline.infer(call, pass_, self._unary_edge))
         except GatewayError as exc:
             await self._abort(context, exc, rid)
         except Exception as exc:  # a bug, not the client's fault: say so, keep serving
@@ -259,7 +346,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 return
             exc = t.exception()
             if exc is None:
-                push(pb.ModelStreamInferResponse(infer_response=t.result()))
+                try:
+                    push(pb.ModelStreamInferResponse(infer_response=message_of(t.result())))
+                except GatewayError as err:
+                    push(self._stream_error(request, err.message))
             elif isinstance(exc, GatewayError):
                 push(self._stream_error(request, exc.message))
             else:
@@ -291,7 +381,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                         edge.failed(request.model_name, request.model_version, exc)
                         push(self._stream_error(request, exc.message))
                         continue
-                    t = loop.create_task(pipeline.infer(request, pass_, edge))
+                    try:
+                        call = call_of(request)
+                    except GatewayError as exc:
+                        pipeline.failed(pass_, edge, request.model_name, request.model_version, exc)
+                        push(self._stream_error(request, exc.message))
+                        continue
+                    t = loop.create_task(pipeline.infer(call, pass_, edge))
                     tasks.add(t)
                     t.add_done_callback(partial(finished, request))
             except asyncio.CancelledError:

@@ -28,11 +28,11 @@ from aiohttp import web
 from batchgate.gateway import codec as codec_module
 from batchgate.gateway import tracing
 from batchgate.gateway import dtypes
-from batchgate.gateway.codec import deserialize_bytes, serialize_bytes
+from batchgate.gateway.call import Answer, Call, Output, Tensor, Wanted
+from batchgate.gateway.codec import serialize_bytes
 from batchgate.gateway.errors import GatewayError, Kind, clip, invalid, retry_headers
 from batchgate.gateway.logs import REQUEST_ID, REQUEST_ID_KEY, clean_request_id
 from batchgate.gateway.metrics import CONTENT_TYPE_LATEST
-from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 
 if TYPE_CHECKING:
     from batchgate.gateway.admission import Account
@@ -93,19 +93,19 @@ def _value(fd, value, defaults: bool):
     return value
 
 
-def _parameter(p: pb.InferParameter, key: str, value: Any) -> None:
-    if isinstance(value, bool):
-        p.bool_param = value
-    elif isinstance(value, int):
+def _parameter(key: str, value: Any) -> Any:
+    """A JSON parameter as KServe carries it: bool, int64, double or string."""
+    if isinstance(value, bool) or isinstance(value, (float, str)):
+        return value
+    if isinstance(value, int):
         if not INT64[0] <= value < INT64[1]:
             raise invalid(f"parameter '{clip(key)}' is {clip(value, 32)}: out of the int64 range")
-        p.int64_param = value
-    elif isinstance(value, float):
-        p.double_param = value
-    elif isinstance(value, str):
-        p.string_param = value
-    else:
-        raise invalid(f"parameter '{clip(key)}' must be a bool, number or string, not {type(value).__name__}")
+        return value
+    raise invalid(f"parameter '{clip(key)}' must be a bool, number or string, not {type(value).__name__}")
+
+
+def _parameters(params: dict, skip: str = "") -> dict:
+    return {key: _parameter(key, value) for key, value in params.items() if key != skip}
 
 
 def _flatten(data: Any, name: str, limit: int) -> list:
@@ -141,14 +141,10 @@ def _count(shape: list[int]) -> int | None:
     return math.prod(shape) if all(d >= 0 for d in shape) else None
 
 
-def build_request(
-    model: str, version: str, body: bytes, header_length: str | None
-) -> tuple[pb.ModelInferRequest, dict]:
-    """The ``ModelInferRequest`` for a REST infer body, and {output name: as binary} for the answer.
-
-    Inputs travel as typed contents when every input came as JSON data; as raw contents when any
-    came as binary data (the protocol wants one form for all) or has a type JSON cannot carry
-    in typed contents (FP16)."""
+def build_request(model: str, version: str, body: bytes, header_length: str | None) -> tuple[Call, dict]:
+    """The pipeline's ``Call`` for a REST infer body, and {output name: as binary} for the answer
+    ("": outputs the body does not name). Binary data stays a view of the body (no copy); JSON
+    data becomes typed values, checked as KServe's typed contents would check them."""
     if header_length is not None:
         try:
             n = int(header_length)
@@ -169,19 +165,15 @@ def build_request(
         raise invalid("the request body must be a JSON object with 'inputs'")
     rid = doc.get("id", "")
     rid = rid if isinstance(rid, str) else str(rid)[:256]
-    req = pb.ModelInferRequest(model_name=model, model_version=version, id=rid)
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         raise invalid("'parameters' must be an object")
     binary_default = bool(params.get("binary_data_output", False))
-    for key, value in params.items():
-        if key != "binary_data_output":
-            _parameter(req.parameters[key], key, value)
+    call = Call(model, version, rid, parameters=_parameters(params, "binary_data_output"))
 
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise invalid(f"model '{model}': 'inputs' must be a non-empty list of tensors")
-    parsed = []  # (tensor, datatype, binary chunk or None, flat JSON values or None)
     offset = 0
     for i, inp in enumerate(inputs):
         if not isinstance(inp, dict) or not isinstance(inp.get("name"), str):
@@ -192,32 +184,28 @@ def build_request(
         shape, datatype = inp.get("shape"), inp.get("datatype")
         if not isinstance(shape, list) or not all(
             isinstance(d, int) and not isinstance(d, bool) and -(2**63) <= d < 2**63 for d in shape
-        ):  # (int64 on the wire: a larger number is refused here, not by protobuf)
+        ):  # (int64 on the wire: a larger number is refused here)
             raise invalid(f"input '{name}': 'shape' must be a list of (64-bit) integers")
         if not isinstance(datatype, str):
             raise invalid(f"input '{name}': 'datatype' must be a string such as FP32 or INT64")
         if len(datatype) > 16:
             raise invalid(f"input '{name}': datatype '{clip(datatype, 16)}' is no KServe datatype")
-        t = req.inputs.add(name=name, datatype=datatype, shape=shape)
-        chunk = None
         in_params = inp.get("parameters") or {}
         if not isinstance(in_params, dict):
             raise invalid(f"input '{name}': 'parameters' must be an object")
-        for key, value in in_params.items():
-            if key == "binary_data_size":
-                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                    raise invalid(f"input '{name}': binary_data_size must be a non-negative integer")
-                if offset + value > len(binary):
-                    raise invalid(
-                        f"input '{name}': binary_data_size {value} runs past the end of the body "
-                        f"({len(binary) - offset} binary bytes left; is {HEADER_LENGTH} right?)"
-                    )
-                chunk = bytes(binary[offset : offset + value])
-                offset += value
-            else:
-                _parameter(t.parameters[key], key, value)
-        flat = None
-        if chunk is None:
+        t = Tensor(name, datatype, shape, parameters=_parameters(in_params, "binary_data_size"))
+        if "binary_data_size" in in_params:
+            value = in_params["binary_data_size"]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise invalid(f"input '{name}': binary_data_size must be a non-negative integer")
+            if offset + value > len(binary):
+                raise invalid(
+                    f"input '{name}': binary_data_size {value} runs past the end of the body "
+                    f"({len(binary) - offset} binary bytes left; is {HEADER_LENGTH} right?)"
+                )
+            t.raw = binary[offset : offset + value]
+            offset += value
+        else:
             if "data" not in inp:
                 raise invalid(f"input '{name}' has neither 'data' nor a binary_data_size parameter")
             need = _count(shape)
@@ -230,21 +218,10 @@ def build_request(
             flat = _flatten(inp["data"], name, limit)
             if need is not None and len(flat) != need:
                 raise invalid(f"input '{name}': 'data' holds {len(flat)} values; shape {shape} needs {need}")
-        parsed.append((t, datatype, chunk, flat))
+            _typed(t, flat)
+        call.inputs.append(t)
     if offset != len(binary):
         raise invalid(f"the body holds {len(binary) - offset} bytes of binary data that no input claims")
-
-    use_raw = any(c is not None or d not in dtypes.CONTENTS_FIELD for _, d, c, _ in parsed)
-    for t, datatype, chunk, flat in parsed:
-        try:
-            if use_raw:
-                req.raw_input_contents.append(chunk if chunk is not None else _raw(datatype, flat))
-            elif datatype == "BYTES":
-                t.contents.bytes_contents.extend(_as_bytes(v) for v in flat)
-            else:
-                getattr(t.contents, dtypes.CONTENTS_FIELD[datatype]).extend(flat)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise invalid(f"input '{t.name}': 'data' holds a value that is not {datatype}: {exc}") from None
 
     binary_out: dict[str, bool] = {}
     outputs = doc.get("outputs")
@@ -256,20 +233,50 @@ def build_request(
                 raise invalid(f"outputs[{i}] must be an object with a 'name'")
             if len(out["name"]) > 128:
                 raise invalid(f"outputs[{i}]: name '{clip(out['name'])}' is longer than 128 characters")
-            o = req.outputs.add(name=out["name"])
             out_params = out.get("parameters") or {}
             if not isinstance(out_params, dict):
                 raise invalid(f"output '{out['name']}': 'parameters' must be an object")
-            for key, value in out_params.items():
-                if key == "binary_data":
-                    binary_out[out["name"]] = bool(value)
-                else:
-                    _parameter(o.parameters[key], key, value)
-            # The data plane always answers raw (the cheapest form); JSON is made here.
-            o.parameters["binary_data"].bool_param = True
-            binary_out.setdefault(out["name"], binary_default)
+            call.outputs.append(Wanted(out["name"], _parameters(out_params, "binary_data")))
+            binary_out[out["name"]] = bool(out_params.get("binary_data", binary_default))
     binary_out[""] = binary_default  # outputs not named in the request
-    return req, binary_out
+    return call, binary_out
+
+
+# JSON value types each datatype's values may have: what KServe's typed contents take.
+_INTS = (int, bool)
+_JSON_TYPES = {
+    "BOOL": _INTS, "FP16": (int, float, bool), "FP32": (int, float, bool), "FP64": (int, float, bool),
+    **{d: _INTS for d in ("UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64")},
+}  # fmt: skip
+
+
+def _typed(t: Tensor, flat: list) -> None:
+    """``flat`` JSON values as ``t``'s typed values (FP16, which has no typed form, as raw bytes)."""
+    datatype = t.datatype
+    if datatype == "BYTES":
+        try:
+            t.values = [_as_bytes(v) for v in flat]
+        except (TypeError, UnicodeEncodeError) as exc:  # (a lone surrogate escape is no UTF-8)
+            raise invalid(
+                f"input '{t.name}': 'data' holds a value that is not BYTES: {clip(exc, 200)}"
+            ) from None
+        return
+    allowed = _JSON_TYPES.get(datatype)
+    if allowed is None:
+        t.values = flat  # no such datatype: the codec refuses it by name
+        return
+    for v in flat:
+        if type(v) not in allowed:
+            raise invalid(
+                f"input '{t.name}': 'data' holds a value that is not {datatype}: {clip(repr(v), 64)}"
+            )
+    if datatype not in dtypes.CONTENTS_FIELD:
+        try:
+            t.raw = np.asarray(flat, dtype=dtypes.NUMPY[datatype]).tobytes()
+        except (OverflowError, ValueError) as exc:
+            raise invalid(f"input '{t.name}': 'data' holds a value that is not {datatype}: {exc}") from None
+    else:
+        t.values = flat
 
 
 def _as_bytes(v: Any) -> bytes:
@@ -280,34 +287,22 @@ def _as_bytes(v: Any) -> bytes:
     raise TypeError(f"{v!r} is not a string")
 
 
-def _raw(datatype: str, flat: list) -> bytes:
-    if datatype == "BYTES":
-        return serialize_bytes(np.array([_as_bytes(v) for v in flat], dtype=object))
-    dtype = dtypes.NUMPY.get(datatype)
-    if dtype is None:
-        return b""  # the codec refuses the datatype by name
-    return np.asarray(flat, dtype=dtype).tobytes()
-
-
-def build_response(resp: pb.ModelInferResponse, binary_out: dict[str, bool]) -> tuple[bytes, int | None]:
+def build_response(answer: Answer, binary_out: dict[str, bool]) -> tuple[bytes, int | None]:
     """(body, JSON header length when binary data follows it)."""
-    doc: dict[str, Any] = {"model_name": resp.model_name, "model_version": resp.model_version}
-    if resp.id:
-        doc["id"] = resp.id
+    doc: dict[str, Any] = {"model_name": answer.model, "model_version": answer.version}
+    if answer.id:
+        doc["id"] = answer.id
     outs = []
     chunks = []
-    raw = resp.raw_output_contents
-    for i, t in enumerate(resp.outputs):
-        shape = list(t.shape)
-        item: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": shape}
-        data = raw[i] if raw else None
-        if binary_out.get(t.name, binary_out[""]):
-            if data is None:  # not reached: the data plane answers raw for REST
-                raise GatewayError(Kind.FAILED, f"output '{t.name}' came back without raw contents")
+    for o in answer.outputs:
+        arr = o.array
+        item: dict[str, Any] = {"name": o.name, "datatype": o.datatype, "shape": list(arr.shape)}
+        if binary_out.get(o.name, binary_out[""]):
+            data = serialize_bytes(arr) if o.datatype == "BYTES" else arr.tobytes()
             item["parameters"] = {"binary_data_size": len(data)}
             chunks.append(data)
         else:
-            item["data"] = _json_data(t, data, shape)
+            item["data"] = _json_data(o)
         outs.append(item)
     doc["outputs"] = outs
     header = json.dumps(doc, separators=(",", ":")).encode()
@@ -316,28 +311,19 @@ def build_response(resp: pb.ModelInferResponse, binary_out: dict[str, bool]) -> 
     return b"".join([header, *chunks]), len(header)
 
 
-def _json_data(t, data: bytes | None, shape: list[int]) -> list:
-    if data is None:
-        field = dtypes.CONTENTS_FIELD.get(t.datatype)
-        values = list(getattr(t.contents, field)) if field else []
-        if t.datatype != "BYTES":
-            return values
-        items = values
-    else:
-        items = deserialize_bytes(data, math.prod(shape), t.name) if t.datatype == "BYTES" else None
-    if items is not None:  # BYTES: JSON strings carry UTF-8 only; other bytes are never altered
+def _json_data(o: Output) -> list:
+    if o.datatype == "BYTES":  # JSON strings carry UTF-8 only; other bytes are never altered
         try:
-            return [b.decode() for b in items]
+            return [b.decode() for b in o.array.reshape(-1)]
         except UnicodeDecodeError:
             raise invalid(
-                f"output '{t.name}' holds bytes that are not UTF-8; ask for it with binary_data true"
+                f"output '{o.name}' holds bytes that are not UTF-8; ask for it with binary_data true"
             ) from None
-    dtype = dtypes.NUMPY.get(t.datatype)
-    if dtype is None:
+    if o.datatype not in dtypes.NUMPY:
         raise invalid(
-            f"output '{t.name}': {t.datatype} can only be returned as binary data (binary_data true)"
+            f"output '{o.name}': {o.datatype} can only be returned as binary data (binary_data true)"
         )
-    return np.frombuffer(data, dtype=dtype).tolist()
+    return o.array.reshape(-1).tolist()
 
 
 class BodyRefused(Exception):
@@ -599,16 +585,21 @@ class HttpFrontend:
             try:
                 # before the body: a key-less 60 MiB body is never read, nor one the gate refuses
                 pass_ = self.pipeline.door.enter(_metadata(req))
-                body = await self._body(req)
-                msg, binary_out = build_request(model, version, body, req.headers.get(HEADER_LENGTH))
-            except GatewayError as exc:  # refused before the pipeline: counted here
+            except GatewayError as exc:  # refused at the door: counted here
                 self.edge.failed(model, version, exc)
                 return _error(HTTP_STATUS[exc.kind], exc.message, echo)
+            try:
+                body = await self._body(req)
+                call, binary_out = build_request(model, version, body, req.headers.get(HEADER_LENGTH))
+            except GatewayError as exc:  # taken, then refused before the pipeline: counted as it ends
+                self.pipeline.failed(pass_, self.edge, model, version, exc)
+                return _error(HTTP_STATUS[exc.kind], exc.message, echo)
             except BodyRefused as exc:
+                self.pipeline.door.leave()
                 return body_error(exc, {"error": exc.message}, echo)
             try:
-                resp = await self.pipeline.infer(msg, pass_, self.edge)
-                payload, header_len = build_response(resp, binary_out)
+                answer = await self.pipeline.infer(call, pass_, self.edge)
+                payload, header_len = build_response(answer, binary_out)
             except GatewayError as exc:
                 return _error(HTTP_STATUS[exc.kind], exc.message, retry_headers(exc, echo))
         finally:
