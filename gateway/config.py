@@ -193,7 +193,7 @@ class Settings(BaseSettings):
         description="Redis failures or timeouts in a row that open the breaker (Redis is then skipped)",
     )
     cache_breaker_open_s: float = Field(
-        2.0, gt=0, description="how long the breaker stays open before one probe"
+        2.0, gt=0, description="longest wait of the shared Redis breaker (cache and limiter) before a probe"
     )
     cache_redis_max_connections: int = Field(
         32, ge=2, description="Redis connections for the cache; lookups beyond them are skipped, not queued"
