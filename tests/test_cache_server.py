@@ -1,4 +1,6 @@
-"""The result cache end to end: real batchgate servers, a real redis-server, the real ONNX models.
+"""The result cache end to end: what the pipeline's cache does, through the real server in-process
+over a fake pool (tests/harness.py); and across processes, real batchgate servers sharing a real
+redis-server, with the real ONNX models.
 
 The engine's work is read from ModelStatistics (Triton semantics: ``inference_count`` rows and
 ``execution_count`` batches never include cache hits; ``cache_hit`` / ``cache_miss`` count
@@ -7,6 +9,7 @@ requests)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -20,8 +23,9 @@ import pytest
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import REPO, RedisServer, start_server
+from tests.harness import model_repo, serving
 
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 
 TIMEOUT_S = 30.0
 
@@ -130,94 +134,122 @@ def cstub(cached):
         yield pb_grpc.GRPCInferenceServiceStub(ch)
 
 
-def test_response_cache_is_a_supported_config_field(cached, cstub):
-    assert "response_cache" not in cached.log()  # not reported as ignored
-    cfg = cstub.ModelConfig(pb.ModelConfigRequest(name="ranker"), timeout=TIMEOUT_S).config
+# -- the pipeline's cache, in-process (tests/harness.py: the fake pool answers each row with its own
+# value and records every batch it runs) ----------------------------------------------------------
+
+CACHED = "response_cache { enable: true }\n"
+
+
+def cached_repo(tmp_path: Path) -> Path:
+    """ranker (versions 1 and 2, both served) and encoder with the response cache on."""
+    return model_repo(
+        tmp_path,
+        {"ranker": CACHED + "version_policy { all {} }\n", "encoder": CACHED},
+        {"ranker": ("1", "2")},
+    )
+
+
+async def test_response_cache_is_a_supported_config_field(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="batchgate")
+    async with serving(cached_repo(tmp_path), cache_tiers="memory") as gw:
+        cfg = (await gw.stub.ModelConfig(pb.ModelConfigRequest(name="ranker"), timeout=TIMEOUT_S)).config
     assert cfg.response_cache.enable
+    assert "loaded model ranker" in caplog.text  # the load was logged here ...
+    assert "response_cache" not in caplog.text  # ... and the field not reported as ignored
 
 
 @pytest.mark.parametrize("typed_out", [False, True], ids=["raw-outputs", "typed-outputs"])
-def test_cached_response_is_byte_identical_to_the_computed_one(cstub, typed_out):
-    arrays = ranker_rows([101 + 10 * typed_out, 102 + 10 * typed_out, 103 + 10 * typed_out])
-    req = request(arrays, version="1")
-    if typed_out:
-        req.outputs.add(name="score").parameters["binary_data"].bool_param = False
-    before = stats(cstub)
-    computed = cstub.ModelInfer(req, timeout=TIMEOUT_S)
-    cached_resp = cstub.ModelInfer(req, timeout=TIMEOUT_S)
-    typed_in = cstub.ModelInfer(request(arrays, version="1", typed=True), timeout=TIMEOUT_S)
-    d = delta(stats(cstub), before)
+async def test_cached_response_is_byte_identical_to_the_computed_one(tmp_path, typed_out):
+    async with serving(cached_repo(tmp_path), cache_tiers="memory") as gw:
+        arrays = ranker_rows([101, 102, 103])
+        req = request(arrays, version="1")
+        if typed_out:
+            req.outputs.add(name="score").parameters["binary_data"].bool_param = False
+        before = await gw.statistics("ranker", "1")
+        computed = await gw.stub.ModelInfer(req, timeout=TIMEOUT_S)
+        cached_resp = await gw.stub.ModelInfer(req, timeout=TIMEOUT_S)
+        typed_in = await gw.stub.ModelInfer(request(arrays, version="1", typed=True), timeout=TIMEOUT_S)
+        d = delta(await gw.statistics("ranker", "1"), before)
+        want = gw.pool("ranker", "1").expected(arrays)["score"]
     assert (d["rows"], d["executions"], d["hit"], d["miss"], d["success"]) == (3, 1, 2, 1, 3)
     assert cached_resp.SerializeToString(deterministic=True) == computed.SerializeToString(deterministic=True)
-    if not typed_out:
-        assert (
-            typed_in.raw_output_contents == computed.raw_output_contents
-        )  # typed inputs: same rows, same keys
-        np.testing.assert_allclose(score(computed), reference(arrays), rtol=1e-5, atol=1e-6)
+    if typed_out:
+        assert list(computed.outputs[0].contents.fp32_contents) == want.ravel().tolist()
+    else:
+        # typed inputs: the same rows, the same keys
+        assert typed_in.raw_output_contents == computed.raw_output_contents
+        assert score(computed).tobytes() == want.tobytes()
 
 
-def test_partial_hits_compute_only_new_rows_and_keep_order(cstub):
-    first = ranker_rows([201, 202, 203])
-    cstub.ModelInfer(request(first), timeout=TIMEOUT_S)
-    seeds = [301, 202, 302, 201, 303, 203, 304]
-    arrays = ranker_rows(seeds)
-    before = stats(cstub)
-    got = score(cstub.ModelInfer(request(arrays), timeout=TIMEOUT_S))
-    d = delta(stats(cstub), before)
-    assert d["rows"] == 4 and d["executions"] == 1 and d["miss"] == 1
-    np.testing.assert_allclose(got, reference(arrays), rtol=1e-5, atol=1e-6)
-    # Each row's bytes are what the row computed alone gives.
-    alone = [score(cstub.ModelInfer(request(ranker_rows([s])), timeout=TIMEOUT_S)) for s in seeds]
+async def test_partial_hits_compute_only_new_rows_and_keep_order(tmp_path):
+    async with serving(cached_repo(tmp_path), cache_tiers="memory") as gw:
+        pool = gw.pool("ranker", "1")
+        await gw.stub.ModelInfer(request(ranker_rows([201, 202, 203])), timeout=TIMEOUT_S)
+        seeds = [301, 202, 302, 201, 303, 203, 304]
+        arrays = ranker_rows(seeds)
+        before = await gw.statistics("ranker", "1")
+        got = score(await gw.stub.ModelInfer(request(arrays), timeout=TIMEOUT_S))
+        d = delta(await gw.statistics("ranker", "1"), before)
+        assert d["rows"] == 4 and d["executions"] == 1 and d["miss"] == 1
+        assert pool.batches[-1].rows == (4,)  # the four new rows, and only they, went to the engine
+        assert got.tobytes() == pool.expected(arrays)["score"].tobytes()
+        # Each row's bytes are what the row computed alone gives.
+        alone = [score(await gw.stub.ModelInfer(request(ranker_rows([s])), timeout=TIMEOUT_S)) for s in seeds]
     assert got.tobytes() == np.concatenate(alone).tobytes()
 
 
-def test_a_new_model_version_misses(cstub):
-    arrays = ranker_rows([401, 402])
-    cstub.ModelInfer(request(arrays, version="1"), timeout=TIMEOUT_S)
-    b1, b2 = stats(cstub, version="1"), stats(cstub, version="2")
-    cstub.ModelInfer(request(arrays, version="1"), timeout=TIMEOUT_S)
-    cstub.ModelInfer(request(arrays, version="2"), timeout=TIMEOUT_S)
-    d1, d2 = delta(stats(cstub, version="1"), b1), delta(stats(cstub, version="2"), b2)
+async def test_a_new_model_version_misses(tmp_path):
+    async with serving(cached_repo(tmp_path), cache_tiers="memory") as gw:
+        arrays = ranker_rows([401, 402])
+        await gw.stub.ModelInfer(request(arrays, version="1"), timeout=TIMEOUT_S)
+        b1, b2 = await gw.statistics("ranker", "1"), await gw.statistics("ranker", "2")
+        await gw.stub.ModelInfer(request(arrays, version="1"), timeout=TIMEOUT_S)
+        await gw.stub.ModelInfer(request(arrays, version="2"), timeout=TIMEOUT_S)
+        d1 = delta(await gw.statistics("ranker", "1"), b1)
+        d2 = delta(await gw.statistics("ranker", "2"), b2)
     assert (d1["rows"], d1["hit"]) == (0, 1)
     assert (d2["rows"], d2["miss"], d2["hit"]) == (2, 1, 0)  # same file, same rows: another version
 
 
-def test_100_identical_concurrent_requests_run_the_engine_once(cached, cstub):
-    arrays = ranker_rows([501, 502, 503, 504])
-    req = request(arrays)
-    before = stats(cstub)
-
-    async def run() -> list[pb.ModelInferResponse]:
-        async with grpc.aio.insecure_channel(cached.grpc_url) as ch:
-            stub = pb_grpc.GRPCInferenceServiceStub(ch)
-            return await asyncio.gather(*(stub.ModelInfer(req, timeout=TIMEOUT_S) for _ in range(100)))
-
-    responses = asyncio.run(run())
-    d = delta(stats(cstub), before)
+async def test_100_identical_concurrent_requests_run_the_engine_once(tmp_path):
+    async with serving(cached_repo(tmp_path), cache_tiers="memory") as gw:
+        pool = gw.pool("ranker", "1")
+        pool.per_batch_s = 0.05  # the first call is still computing when the other 99 arrive
+        arrays = ranker_rows([501, 502, 503, 504])
+        req = request(arrays)
+        before = await gw.statistics("ranker", "1")
+        responses = await asyncio.gather(*(gw.stub.ModelInfer(req, timeout=TIMEOUT_S) for _ in range(100)))
+        d = delta(await gw.statistics("ranker", "1"), before)
+        ran = list(pool.batches)
     assert (d["rows"], d["executions"]) == (4, 1), d
     assert (d["miss"], d["hit"], d["success"]) == (1, 99, 100), d
+    assert [b.rows for b in ran] == [(4,)]
     first = responses[0].raw_output_contents
     assert all(r.raw_output_contents == first for r in responses)
-    np.testing.assert_allclose(score(responses[0]), reference(arrays), rtol=1e-5, atol=1e-6)
+    assert score(responses[0]).tobytes() == pool.expected(arrays)["score"].tobytes()
 
 
-def test_variable_length_inputs_are_cached_per_shape(cstub):
+async def test_variable_length_inputs_are_cached_per_shape(tmp_path):
     rng = np.random.default_rng(5)
     ids = rng.integers(0, 1000, (3, 12), dtype=np.int64)
     mask = np.ones((3, 12), np.int64)
     mask[1, 8:] = 0
-    before = stats(cstub, "encoder")
-    first = cstub.ModelInfer(
-        request({"input_ids": ids, "attention_mask": mask}, "encoder"), timeout=TIMEOUT_S
-    )
-    again = cstub.ModelInfer(request({"input_ids": ids[::-1].copy(), "attention_mask": mask[::-1].copy()}, "encoder"),
-                             timeout=TIMEOUT_S)  # fmt: skip
-    # The same tokens padded to another length are another row (another shape).
-    padded = cstub.ModelInfer(
-        request({"input_ids": np.pad(ids[:1], ((0, 0), (0, 4))), "attention_mask": np.pad(mask[:1], ((0, 0), (0, 4)))},
-                "encoder"), timeout=TIMEOUT_S,
-    )  # fmt: skip
-    d = delta(stats(cstub, "encoder"), before)
+    async with serving(cached_repo(tmp_path), cache_tiers="memory") as gw:
+        before = await gw.statistics("encoder")
+        first = await gw.stub.ModelInfer(
+            request({"input_ids": ids, "attention_mask": mask}, "encoder"), timeout=TIMEOUT_S
+        )
+        again = await gw.stub.ModelInfer(
+            request({"input_ids": ids[::-1].copy(), "attention_mask": mask[::-1].copy()}, "encoder"),
+            timeout=TIMEOUT_S,
+        )
+        # The same tokens padded to another length are another row (another shape).
+        pad = ((0, 0), (0, 4))
+        padded = await gw.stub.ModelInfer(
+            request({"input_ids": np.pad(ids[:1], pad), "attention_mask": np.pad(mask[:1], pad)}, "encoder"),
+            timeout=TIMEOUT_S,
+        )
+        d = delta(await gw.statistics("encoder"), before)
     assert d["rows"] == 3 + 1 and d["hit"] == 1
     emb = np.frombuffer(first.raw_output_contents[0], np.float32).reshape(3, 128)
     emb_rev = np.frombuffer(again.raw_output_contents[0], np.float32).reshape(3, 128)
@@ -225,11 +257,28 @@ def test_variable_length_inputs_are_cached_per_shape(cstub):
     assert padded.outputs[0].shape == [1, 128]
 
 
+async def test_cache_off_serves_uncached(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="batchgate")
+    async with serving(cached_repo(tmp_path), cache_tiers="off") as gw:
+        req = request(ranker_rows([801, 802]))
+        a = await gw.stub.ModelInfer(req, timeout=TIMEOUT_S)
+        b = await gw.stub.ModelInfer(req, timeout=TIMEOUT_S)
+        st = await gw.statistics("ranker", "1")
+    assert a.raw_output_contents == b.raw_output_contents
+    assert (st.inference_count, st.execution_count, st.inference_stats.cache_hit.count) == (4, 2, 0)
+    assert "result cache is off" in caplog.text
+
+
+# -- across processes: Redis shared by real servers --------------------------------------------------
+
+
+@needs_redis
 def test_another_replica_hits_through_redis_and_a_changed_model_file_misses(
     tmp_path, repo, redis_module, cached, cstub
 ):  # fmt: skip
     arrays = ranker_rows([601, 602, 603])
     computed = cstub.ModelInfer(request(arrays, version="1"), timeout=TIMEOUT_S)
+    np.testing.assert_allclose(score(computed), reference(arrays), rtol=1e-5, atol=1e-6)  # the real engine
     time.sleep(0.3)  # the write to Redis happens behind the response
     replica = start_server(tmp_path, repo=repo, env=env(redis_module))
     other_file = start_server(
@@ -251,6 +300,7 @@ def test_another_replica_hits_through_redis_and_a_changed_model_file_misses(
         other_file.stop()
 
 
+@needs_redis
 def test_redis_killed_mid_run_fails_no_request_and_hits_resume_after_restart(tmp_path, redis_server):
     repo = make_repo(tmp_path)
     srv = start_server(
@@ -303,19 +353,3 @@ def test_redis_killed_mid_run_fails_no_request_and_hits_resume_after_restart(tmp
     finally:
         srv.stop()
     assert "Traceback" not in srv.log()
-
-
-def test_cache_off_serves_uncached(tmp_path):
-    srv = start_server(tmp_path, repo=make_repo(tmp_path), env={"BATCHGATE_CACHE_TIERS": "off"})
-    try:
-        with grpc.insecure_channel(srv.grpc_url) as ch:
-            stub = pb_grpc.GRPCInferenceServiceStub(ch)
-            req = request(ranker_rows([801, 802]))
-            a = stub.ModelInfer(req, timeout=TIMEOUT_S)
-            b = stub.ModelInfer(req, timeout=TIMEOUT_S)
-            st = stats(stub)
-        assert a.raw_output_contents == b.raw_output_contents
-        assert (st.inference_count, st.execution_count, st.inference_stats.cache_hit.count) == (4, 2, 0)
-        assert "result cache is off" in srv.log()
-    finally:
-        srv.stop()

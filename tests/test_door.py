@@ -1,18 +1,23 @@
-"""The door (gateway/admission/door.py) against a live server: every transport's calls are counted
-at the one overload gate, so REST-only traffic whose calls are all wasted drives the gate into
-shedding (before the door, REST calls were counted as ended but never as arrived while the gate
-was not shedding, so the share it computed never fell below 1 and it could not start)."""
+"""The door (gateway/admission/door.py): every transport's calls are counted at the one overload
+gate, so REST-only traffic whose calls are all wasted drives the gate into shedding (before the
+door, REST calls were counted as ended but never as arrived while the gate was not shedding, so
+the share it computed never fell below 1 and it could not start). Once through the real pipeline
+in-process (tests/harness.py), the wasted calls expiring in the queue; once against a live server
+process with its ONNX engines."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import threading
 import time
+from collections import Counter
 
 import numpy as np
 
 from tests.conftest import REPO, start_server
+from tests.harness import model_repo, rest_body, serving
 from tests.test_capacity_live import _metric
 
 
@@ -71,3 +76,50 @@ def test_rest_only_traffic_that_wastes_its_calls_starts_the_gate_shedding(tmp_pa
         assert conn.getresponse().status == 200
     finally:
         srv.stop()
+
+
+async def test_rest_only_calls_expiring_in_the_queue_start_the_gate_shedding(tmp_path):
+    """REST callers whose 1 ms budgets no batch meets, on a model that does not shed at admission:
+    every call is taken, then dropped from the queue before compute (the fake engine's 10 ms
+    batches); the gate, seeing only REST calls, must start refusing at the door."""
+    noshed = 'parameters { key: "shed_at_admission" value { string_value: "false" } }\n'
+    repo = model_repo(tmp_path, {"encoder": noshed})
+    async with serving(repo, workers_per_device=1, overload_min_in_flight=2) as gw:
+        pool = gw.pool("encoder")
+        pool.per_batch_s = 0.010
+        ids = np.ones((4, 16), np.int64)
+        body = rest_body({"input_ids": ids, "attention_mask": ids}, latency_budget_ms=1.0)
+        statuses: Counter = Counter()
+        overloaded = asyncio.Event()
+
+        async def caller() -> None:
+            while not overloaded.is_set():
+                async with gw.http.post("/v2/models/encoder/infer", json=body) as resp:
+                    text = await resp.text()
+                statuses[resp.status] += 1
+                if resp.status == 503 and "server overloaded" in text:
+                    overloaded.set()
+
+        callers = [asyncio.ensure_future(caller()) for _ in range(8)]
+        try:
+            await asyncio.wait_for(overloaded.wait(), 20)
+        except TimeoutError:
+            raise AssertionError(f"REST calls all wasted for 20 s, the gate never shed: {statuses}") from None
+        finally:
+            overloaded.set()
+            await asyncio.gather(*callers)
+        refused = await gw.metric("batchgate_overload_refused_total")
+        expired = await gw.metric("batchgate_class_requests_total", model="encoder", outcome="expired")
+        shed = await gw.metric("batchgate_class_requests_total", model="encoder", outcome="shed")
+        print(f"REST-only, in-process: statuses {dict(statuses)}; {expired:.0f} expired in the queue, "
+              f"{shed:.0f} shed; the gate refused {refused:.0f}")  # fmt: skip
+        assert refused >= 1 and statuses[504] >= 16  # 504: DEADLINE_EXCEEDED over REST
+        assert expired >= 16 and shed == 0  # wasted in the queue, as the model was told
+        assert await gw.metric("batchgate_inflight_requests") == 0  # every call was answered
+        # the share grows back within two seconds once the waste stops; then a call that can be met is answered
+        await gw.wait_metric("batchgate_overload_admitted_ratio", 1.0, timeout_s=5)
+        good = rest_body({"input_ids": ids, "attention_mask": ids}, latency_budget_ms=5000)
+        status, doc = await gw.rest_infer("encoder", good)
+        assert status == 200, doc
+        want = pool.expected({"input_ids": ids, "attention_mask": ids})["embedding"]
+        assert doc["outputs"][0]["data"] == want.ravel().tolist()

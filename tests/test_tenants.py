@@ -1,14 +1,16 @@
 """Tenants: the tenant file (schema, hashes, mistakes it refuses), reading the key from metadata,
-and authentication, permissions and limits against a live server with stock and raw clients."""
+and authentication, permissions and limits through the real server in-process (tests/harness.py)
+with stock and raw clients; a bad tenant file against the real process."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
-import shutil
 import json
+import logging
 import subprocess
 import sys
-import threading
 import time
 
 import grpc
@@ -28,9 +30,8 @@ from batchgate.gateway.tenants import (
     presented_key,
 )
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
-from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
-from batchgate.bench.loadgen import metric_samples
-from tests.conftest import REPO, ROOT, start_server
+from tests.conftest import ROOT
+from tests.harness import model_repo, serving
 
 ALPHA, BETA, TIGHT, SOLO = (
     "alpha-0123456789abcdef",
@@ -182,23 +183,16 @@ def test_a_bad_tenant_file_stops_the_server_with_its_reason(tmp_path):
     assert "clear-text-key" not in out.stderr
 
 
-# -- a live server --------------------------------------------------------------------------------
+# -- through the real server, in-process (tests/harness.py: the transports, the door and the
+# pipeline as served, over a fake pool that records what it computes) -----------------------------
 
 
-@pytest.fixture(scope="module")
-def keyed(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("keyed")
-    path = tmp / "tenants.yaml"
+@contextlib.asynccontextmanager
+async def keyed(tmp_path, **settings):
+    path = tmp_path / "tenants.yaml"
     path.write_text(TENANT_YAML)
-    srv = start_server(tmp, "--api-keys-file", str(path))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def kstub(keyed):
-    with grpc.insecure_channel(keyed.grpc_url) as ch:
-        yield pb_grpc.GRPCInferenceServiceStub(ch)
+    async with serving(model_repo(tmp_path), api_keys_file=path, **settings) as gw:
+        yield gw
 
 
 def ranker(rows: int = 2, model: str = "ranker") -> pb.ModelInferRequest:
@@ -219,148 +213,155 @@ def encoder(rows: int = 2) -> pb.ModelInferRequest:
     return req
 
 
-def code_of(stub, req, metadata=(), timeout=10.0, details: list | None = None) -> grpc.StatusCode:
+async def code_of(stub, req, metadata=(), timeout=10.0, details: list | None = None) -> grpc.StatusCode:
     try:
-        stub.ModelInfer(req, metadata=metadata, timeout=timeout)
+        await stub.ModelInfer(req, metadata=metadata, timeout=timeout)
         return grpc.StatusCode.OK
-    except grpc.RpcError as exc:
+    except grpc.aio.AioRpcError as exc:
         if details is not None:
             details.append(exc.details())
         return exc.code()
 
 
-def test_no_key_is_unauthenticated(kstub):
-    with pytest.raises(grpc.RpcError) as e:
-        kstub.ModelInfer(ranker(), timeout=10)
-    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert "x-api-key" in e.value.details()
+async def refused(stub, req, metadata=()) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.ModelInfer(req, metadata=metadata, timeout=10)
+    return e.value
 
 
-def test_wrong_key_is_unauthenticated_without_echo(kstub):
-    for md in ((("x-api-key", "wrong-key-123"),), (("authorization", "Bearer wrong-key-123"),),
-               (("authorization", f"Basic {ALPHA}"),)):  # fmt: skip
-        with pytest.raises(grpc.RpcError) as e:
-            kstub.ModelInfer(ranker(), metadata=md, timeout=10)
-        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, md
-        assert "wrong-key" not in e.value.details() and ALPHA not in e.value.details()
+async def test_no_key_is_unauthenticated(tmp_path):
+    async with keyed(tmp_path) as gw:
+        err = await refused(gw.stub, ranker())
+        assert gw.pool("ranker").batches == []
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "x-api-key" in err.details()
 
 
-def test_unknown_model_needs_a_key_first(kstub):
-    assert code_of(kstub, ranker(model="nope")) == grpc.StatusCode.UNAUTHENTICATED
-    assert code_of(kstub, ranker(model="nope"), (("x-api-key", BETA),)) == grpc.StatusCode.NOT_FOUND
+async def test_wrong_key_is_unauthenticated_without_echo(tmp_path):
+    async with keyed(tmp_path) as gw:
+        for md in ((("x-api-key", "wrong-key-123"),), (("authorization", "Bearer wrong-key-123"),),
+                   (("authorization", f"Basic {ALPHA}"),)):  # fmt: skip
+            err = await refused(gw.stub, ranker(), md)
+            assert err.code() == grpc.StatusCode.UNAUTHENTICATED, md
+            assert "wrong-key" not in err.details() and ALPHA not in err.details()
 
 
-def test_key_for_another_model_is_permission_denied(kstub):
-    with pytest.raises(grpc.RpcError) as e:
-        kstub.ModelInfer(encoder(), metadata=(("x-api-key", ALPHA),), timeout=10)
-    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert "alpha" in e.value.details() and "encoder" in e.value.details()
-
-
-def test_valid_key_both_header_styles(kstub):
-    resp = kstub.ModelInfer(ranker(), metadata=(("x-api-key", ALPHA),), timeout=10)
-    assert resp.outputs[0].name == "score" and list(resp.outputs[0].shape) == [2, 1]
-    kstub.ModelInfer(ranker(), metadata=(("authorization", f"Bearer {ALPHA}"),), timeout=10)
-    kstub.ModelInfer(encoder(), metadata=(("authorization", f"Bearer {BETA}"),), timeout=10)
-    kstub.ModelInfer(encoder(), metadata=(("x-api-key", "beta-second-key-000000"),), timeout=10)
-
-
-def test_stock_triton_client_with_headers(keyed):
-    client = tc.InferenceServerClient(keyed.grpc_url)
-    try:
-        x = tc.InferInput("dense", [3, 64], "FP32")
-        x.set_data_from_numpy(np.ones((3, 64), np.float32))
-        ids = tc.InferInput("sparse_ids", [3, 8], "INT64")
-        ids.set_data_from_numpy(np.zeros((3, 8), np.int64))
-        out = client.infer("ranker", [x, ids], headers={"authorization": f"Bearer {ALPHA}"})
-        assert out.as_numpy("score").shape == (3, 1)
-        with pytest.raises(InferenceServerException) as e:
-            client.infer("ranker", [x, ids])
-        assert "UNAUTHENTICATED" in str(e.value.status())
-        assert client.is_server_ready()  # health and metadata stay open for probes and clients
-        assert client.get_model_metadata("ranker").name == "ranker"
-    finally:
-        client.close()
-
-
-def test_rate_limited_with_retry_after(kstub):
-    md = (("x-api-key", TIGHT),)
-    codes = []
-    for _ in range(3):
-        try:
-            kstub.ModelInfer(ranker(1), metadata=md, timeout=10)
-            codes.append(grpc.StatusCode.OK)
-        except grpc.RpcError as exc:
-            codes.append(exc.code())
-            trailing = dict(exc.trailing_metadata())
-            retry_ms = int(trailing["retry-after-ms"])
-            assert 0 < retry_ms <= 2000
-            assert f"retry after {retry_ms} ms" in exc.details()
-    assert codes == [grpc.StatusCode.OK, grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED]
-
-
-def test_more_rows_than_the_rows_burst_is_invalid(kstub):
-    md = (("x-api-key", ALPHA),)
-    kstub.ModelInfer(ranker(64), metadata=md, timeout=10)
-    with pytest.raises(grpc.RpcError) as e:
-        kstub.ModelInfer(ranker(65), metadata=md, timeout=10)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "at most 64 rows" in e.value.details()
-
-
-def test_stream_checks_the_key_once_and_limits_per_request(keyed):
-    with grpc.insecure_channel(keyed.grpc_url) as ch:
-        stub = pb_grpc.GRPCInferenceServiceStub(ch)
-        with pytest.raises(grpc.RpcError) as e:
-            list(stub.ModelStreamInfer(iter([ranker()]), timeout=10))
-        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        answers = list(
-            stub.ModelStreamInfer(iter([ranker(), encoder()]), metadata=(("x-api-key", ALPHA),), timeout=10)
+async def test_unknown_model_needs_a_key_first(tmp_path):
+    async with keyed(tmp_path) as gw:
+        assert await code_of(gw.stub, ranker(model="nope")) == grpc.StatusCode.UNAUTHENTICATED
+        assert (
+            await code_of(gw.stub, ranker(model="nope"), (("x-api-key", BETA),)) == grpc.StatusCode.NOT_FOUND
         )
-        errors = sorted(a.error_message for a in answers)
+
+
+async def test_key_for_another_model_is_permission_denied(tmp_path):
+    async with keyed(tmp_path) as gw:
+        err = await refused(gw.stub, encoder(), (("x-api-key", ALPHA),))
+        assert gw.pool("encoder").batches == []
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "alpha" in err.details() and "encoder" in err.details()
+
+
+async def test_valid_key_both_header_styles(tmp_path):
+    async with keyed(tmp_path) as gw:
+        resp = await gw.stub.ModelInfer(ranker(), metadata=(("x-api-key", ALPHA),), timeout=10)
+        assert resp.outputs[0].name == "score" and list(resp.outputs[0].shape) == [2, 1]
+        await gw.stub.ModelInfer(ranker(), metadata=(("authorization", f"Bearer {ALPHA}"),), timeout=10)
+        await gw.stub.ModelInfer(encoder(), metadata=(("authorization", f"Bearer {BETA}"),), timeout=10)
+        await gw.stub.ModelInfer(encoder(), metadata=(("x-api-key", "beta-second-key-000000"),), timeout=10)
+
+
+async def test_stock_triton_client_with_headers(tmp_path):
+    import tritonclient.grpc.aio as tca
+
+    async with keyed(tmp_path) as gw:
+        client = tca.InferenceServerClient(gw.grpc_url)
+        try:
+            x = tc.InferInput("dense", [3, 64], "FP32")
+            x.set_data_from_numpy(np.ones((3, 64), np.float32))
+            ids = tc.InferInput("sparse_ids", [3, 8], "INT64")
+            ids.set_data_from_numpy(np.zeros((3, 8), np.int64))
+            out = await client.infer("ranker", [x, ids], headers={"authorization": f"Bearer {ALPHA}"})
+            assert out.as_numpy("score").shape == (3, 1)
+            with pytest.raises(InferenceServerException) as e:
+                await client.infer("ranker", [x, ids])
+            assert "UNAUTHENTICATED" in str(e.value.status())
+            assert await client.is_server_ready()  # health and metadata stay open for probes and clients
+            assert (await client.get_model_metadata("ranker")).name == "ranker"
+        finally:
+            await client.close()
+
+
+async def test_rate_limited_with_retry_after(tmp_path):
+    async with keyed(tmp_path) as gw:
+        md = (("x-api-key", TIGHT),)
+        codes = []
+        for _ in range(3):
+            try:
+                await gw.stub.ModelInfer(ranker(1), metadata=md, timeout=10)
+                codes.append(grpc.StatusCode.OK)
+            except grpc.aio.AioRpcError as exc:
+                codes.append(exc.code())
+                trailing = dict(exc.trailing_metadata())
+                retry_ms = int(trailing["retry-after-ms"])
+                assert 0 < retry_ms <= 2000
+                assert f"retry after {retry_ms} ms" in exc.details()
+        computed = gw.pool("ranker").rows_computed
+    assert codes == [grpc.StatusCode.OK, grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert computed == 2  # the limited call's row never reached the engine
+
+
+async def test_more_rows_than_the_rows_burst_is_invalid(tmp_path):
+    async with keyed(tmp_path) as gw:
+        md = (("x-api-key", ALPHA),)
+        await gw.stub.ModelInfer(ranker(64), metadata=md, timeout=10)
+        err = await refused(gw.stub, ranker(65), md)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "at most 64 rows" in err.details()
+
+
+async def test_stream_checks_the_key_once_and_limits_per_request(tmp_path):
+    async with keyed(tmp_path) as gw:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            [a async for a in gw.stub.ModelStreamInfer(iter([ranker()]), timeout=10)]
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        call = gw.stub.ModelStreamInfer(
+            iter([ranker(), encoder()]), metadata=(("x-api-key", ALPHA),), timeout=10
+        )
+        errors = sorted([a.error_message async for a in call])
         assert errors[0] == "" and "may not call model 'encoder'" in errors[1]
-        answers = list(stub.ModelStreamInfer(iter([ranker(1) for _ in range(4)]), metadata=(("x-api-key", TIGHT),),
-                                             timeout=10))  # fmt: skip
-        limited = [a.error_message for a in answers if a.error_message]
+        call = gw.stub.ModelStreamInfer(iter([ranker(1) for _ in range(4)]), metadata=(("x-api-key", TIGHT),),
+                                        timeout=10)  # fmt: skip
+        limited = [a.error_message async for a in call if a.error_message]
         assert limited and all("retry after" in m for m in limited)
 
 
-def test_in_flight_cap_and_slots_come_back_after_errors_and_cancels(keyed, kstub):
-    md = (("x-api-key", SOLO),)
-    results: list[grpc.StatusCode] = []
-
-    def call() -> None:
-        results.append(code_of(kstub, ranker(2), md))
-
-    threads = [threading.Thread(target=call) for _ in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert grpc.StatusCode.OK in results and grpc.StatusCode.RESOURCE_EXHAUSTED in results
-    # bad input (rejected after admission), and calls whose deadline passes mid-flight
-    bad = ranker(2)
-    bad.raw_input_contents[0] = b"\0" * 10
-    for _ in range(5):
-        assert code_of(kstub, bad, md) == grpc.StatusCode.INVALID_ARGUMENT
-    for _ in range(20):
-        code_of(kstub, ranker(2), md, timeout=0.0005)
-    # every slot was given back: one at a time, all admitted
-    why: list[str] = []
-    assert [code_of(kstub, ranker(2), md, details=why) for _ in range(10)] == [grpc.StatusCode.OK] * 10, why
+async def test_in_flight_cap_and_slots_come_back_after_errors_and_cancels(tmp_path):
+    async with keyed(tmp_path) as gw:
+        gw.pool("ranker").per_batch_s = 0.01  # calls overlap: one is in flight while the others arrive
+        stub, md = gw.stub, (("x-api-key", SOLO),)
+        results = await asyncio.gather(*(code_of(stub, ranker(2), md) for _ in range(16)))
+        assert grpc.StatusCode.OK in results and grpc.StatusCode.RESOURCE_EXHAUSTED in results
+        # bad input (rejected after admission), and calls whose deadline passes mid-flight
+        bad = ranker(2)
+        bad.raw_input_contents[0] = b"\0" * 10
+        for _ in range(5):
+            assert await code_of(stub, bad, md) == grpc.StatusCode.INVALID_ARGUMENT
+        for _ in range(20):
+            await code_of(stub, ranker(2), md, timeout=0.0005)
+        # every slot was given back: one at a time, all admitted
+        why: list[str] = []
+        codes = [await code_of(stub, ranker(2), md, details=why) for _ in range(10)]
+        assert codes == [grpc.StatusCode.OK] * 10, why
 
 
-# -- what a tenant's settings do on a live server -------------------------------------------------
+# -- what a tenant's settings do ----------------------------------------------------------------------
 
 
-def test_cache_namespace_separates_tenants_rows_and_default_class_is_their_budget(tmp_path):
+async def test_cache_namespace_separates_tenants_rows_and_default_class_is_their_budget(tmp_path):
     """Two tenants sending the same rows: the one with its own namespace is never answered from the
-    other's cached rows, two keys of one namespace share them; each tenant's calls are scheduled in
-    its default class (the scheduler's per-class counts)."""
-    repo = tmp_path / "repo"
-    shutil.copytree(REPO / "ranker", repo / "ranker")
-    cfg = repo / "ranker" / "config.pbtxt"
-    cfg.write_text(cfg.read_text() + "response_cache { enable: true }\n")
+    other's cached rows (the engine computes them again), two keys of one namespace share them; each
+    tenant's calls are scheduled in its default class (the scheduler's per-class counts)."""
     keys = {"a1": "ns-a-first-0123456789", "a2": "ns-a-second-0123456789", "b": "ns-b-only-0123456789"}
     path = tmp_path / "tenants.yaml"
     path.write_text(f"""
@@ -373,45 +374,40 @@ tenants:
     key_hashes: ["{hash_key(keys["b"])}"]
     cache_namespace: team-b
 """)
-    srv = start_server(tmp_path, "--api-keys-file", str(path), "--no-build-models", repo=repo)
-    try:
-        with grpc.insecure_channel(srv.grpc_url) as ch:
-            stub = pb_grpc.GRPCInferenceServiceStub(ch)
+    repo = model_repo(tmp_path, {"ranker": "response_cache { enable: true }\n"})
+    async with serving(repo, api_keys_file=path, cache_tiers="memory") as gw:
+        pool = gw.pool("ranker")
 
-            def stats():
-                s = (
-                    stub.ModelStatistics(
-                        pb.ModelStatisticsRequest(name="ranker"), metadata=(("x-api-key", keys["a1"]),)
-                    )
-                    .model_stats[0]
-                    .inference_stats
-                )
-                return s.cache_hit.count, s.cache_miss.count
+        async def stats():
+            s = (await gw.statistics("ranker", metadata=(("x-api-key", keys["a1"]),))).inference_stats
+            return s.cache_hit.count, s.cache_miss.count
 
-            req = ranker(3)
-            answers = {}
-            seen = []
-            for who in ("a1", "a1", "b", "a2", "b"):
-                resp = stub.ModelInfer(req, metadata=(("x-api-key", keys[who]),), timeout=10)
-                answers[who] = resp.raw_output_contents[0]
-                seen.append(stats())
+        req = ranker(3)
+        answers = {}
+        seen = []
+        computed = []
+        for who in ("a1", "a1", "b", "a2", "b"):
+            resp = await gw.stub.ModelInfer(req, metadata=(("x-api-key", keys[who]),), timeout=10)
+            answers[who] = resp.raw_output_contents[0]
+            seen.append(await stats())
+            computed.append(pool.rows_computed)
         classes = {
             s.labels["class"]: s.value
-            for s in metric_samples(srv.http_port)
+            for s in await gw.metrics()
             if s.name == "batchgate_class_requests_total" and s.labels.get("model") == "ranker"
             and s.labels.get("outcome") == "success"
         }  # fmt: skip
-    finally:
-        srv.stop()
     # (hits, misses) after each call: a1 computes; a1 hits; b misses (its own namespace); a2 hits
     # (a1's namespace); b hits its own row
     assert seen == [(0, 1), (1, 1), (1, 2), (2, 2), (3, 2)], seen
+    # rows the engine ran (the call's three rows are identical: one is computed): a's, then b's own
+    assert computed == [1, 1, 2, 2, 2], computed
     assert len(set(answers.values())) == 1  # the same model, the same answer
     # a's default class is bulk, b has none: the server's default (standard)
     assert classes == {"bulk": 1, "standard": 1}, classes
 
 
-def test_a_revoked_key_is_refused_within_seconds_without_a_restart(tmp_path):
+async def test_a_revoked_key_is_refused_within_seconds_without_a_restart(tmp_path, caplog):
     keys = {
         "old": "revoked-soon-0123456789",
         "kept": "kept-key-0123456789ab",
@@ -426,36 +422,30 @@ def test_a_revoked_key_is_refused_within_seconds_without_a_restart(tmp_path):
         tmp.replace(tmp_path / "tenants.yaml")  # one rename, as a mounted Secret's update swaps a link
 
     write(["old", "kept"])
-    env = {"BATCHGATE_TENANTS_RELOAD_S": "0.2"}
-    srv = start_server(
-        tmp_path, "--api-keys-file", str(tmp_path / "tenants.yaml"), "--no-build-models",
-        repo=REPO, env=env,
-    )  # fmt: skip
-    try:
-        with grpc.insecure_channel(srv.grpc_url) as ch:
-            stub = pb_grpc.GRPCInferenceServiceStub(ch)
+    caplog.set_level(logging.INFO, logger="batchgate")
+    async with serving(
+        model_repo(tmp_path), api_keys_file=tmp_path / "tenants.yaml", tenants_reload_s=0.2
+    ) as gw:
 
-            def code(who: str) -> grpc.StatusCode:
-                return code_of(stub, ranker(1), (("x-api-key", keys[who]),))
+        async def code(who: str) -> grpc.StatusCode:
+            return await code_of(gw.stub, ranker(1), (("x-api-key", keys[who]),))
 
-            assert (code("old"), code("kept"), code("new")) == (
-                grpc.StatusCode.OK, grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED,
-            )  # fmt: skip
-            write(["kept", "new"])
-            t0 = time.monotonic()
-            while code("old") == grpc.StatusCode.OK and time.monotonic() - t0 < 10:
-                time.sleep(0.1)
-            took = time.monotonic() - t0
-            assert code("old") == grpc.StatusCode.UNAUTHENTICATED
-            assert (code("kept"), code("new")) == (grpc.StatusCode.OK, grpc.StatusCode.OK)
-            assert took < 2.0, took
-            # a file that does not parse changes nothing: the tenants read before stay
-            write([], text="tenants: [")
-            time.sleep(1.0)
-            assert (code("kept"), code("new"), code("old")) == (
-                grpc.StatusCode.OK, grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED,
-            )  # fmt: skip
-        assert "cannot be used (the previous tenants stay)" in srv.log()
-        print(f"revoked key refused {took:.2f} s after the file changed (checked every 0.2 s)")
-    finally:
-        srv.stop()
+        assert (await code("old"), await code("kept"), await code("new")) == (
+            grpc.StatusCode.OK, grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED,
+        )  # fmt: skip
+        write(["kept", "new"])
+        t0 = time.monotonic()
+        while await code("old") == grpc.StatusCode.OK and time.monotonic() - t0 < 10:
+            await asyncio.sleep(0.1)
+        took = time.monotonic() - t0
+        assert await code("old") == grpc.StatusCode.UNAUTHENTICATED
+        assert (await code("kept"), await code("new")) == (grpc.StatusCode.OK, grpc.StatusCode.OK)
+        assert took < 2.0, took
+        # a file that does not parse changes nothing: the tenants read before stay
+        write([], text="tenants: [")
+        await asyncio.sleep(1.0)
+        assert (await code("kept"), await code("new"), await code("old")) == (
+            grpc.StatusCode.OK, grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED,
+        )  # fmt: skip
+    assert "cannot be used (the previous tenants stay)" in caplog.text
+    print(f"revoked key refused {took:.2f} s after the file changed (checked every 0.2 s)")
