@@ -12,7 +12,9 @@ NAME = "batchgate_device_memory_bytes"
 
 
 def _snap(model: str, memory) -> SimpleNamespace:
-    return SimpleNamespace(model=model, version="1", workers=(("w0", 0.0),), memory=tuple(memory))
+    return SimpleNamespace(
+        model=model, version="1", workers=(("w0", 0.0),), memory=tuple(memory), tokenized=None
+    )
 
 
 def test_pools_add_up_over_models_and_the_driver_figure_is_taken_once():
