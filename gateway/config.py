@@ -293,9 +293,8 @@ class Settings(BaseSettings):
         description="calls inside the server below which the overload gate never refuses (a slow "
         "machine alone is no overload)",
     )
-    # 64: a sudden 4x of one-row encoder calls (bench.goodput --mix tight-loose-20 --loads 4) kept
-    # 360-385 calls/s in budget with 64 takers, 296 with 32, 92-125 with 16, 262 with 128: more
-    # takers drain core's queue in bigger bursts before calls expire in it (2026-12-02)
+    # 64: more takers drain core's queue in bigger bursts before calls expire in it, up to a point
+    # (docs/performance.md, "Figures the code cites": call takers under a spike)
     grpc_takers: int = Field(
         64,
         ge=0,

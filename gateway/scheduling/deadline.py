@@ -41,8 +41,8 @@ class DeadlineQueue:
     MARGIN_SHARE = 0.2
     # Holding an idle worker's batch for company is a bet on the arrival rate, and closed-loop
     # callers make it a losing one: a caller whose call is held sends nothing more, so one fast
-    # caller looks like a busy stream and waited the whole max-wait timer on every call (ranker,
-    # one caller: p50 3.22 ms against 0.68 for a no-op server, each batch one row). Each hold is
+    # caller looks like a busy stream and waited the whole max-wait timer on every call
+    # (docs/performance.md, "Figures the code cites": holding for company). Each hold is
     # scored when its batch leaves: did anyone join while it waited? Below HOLD_PAYS (a decaying
     # share of holds) an idle worker stops holding, but for one probe every HOLD_PROBE_S, which
     # lets holding resume when company starts to come.
