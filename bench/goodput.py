@@ -422,6 +422,11 @@ async def _ready(url: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=6.0, help="length of each open-loop point")
+    ap.add_argument(
+        "--capacity", type=float, default=None,
+        help="use this many requests/s as 1x instead of probing (alternated runs of two builds then "
+        "offer the same load; the probe's own spread moves it by up to a third)",
+    )  # fmt: skip
     ap.add_argument("--loads", default="0.5,1,2,4", help="offered load as multiples of the measured capacity")
     ap.add_argument("--seq", type=int, default=128, help="tokens per row")
     ap.add_argument("--rows", type=int, default=4, help="rows per request")
@@ -461,15 +466,15 @@ def main() -> int:
         os.sched_setaffinity(0, {1})  # the capacity probe runs here: keep it off the server's core
     loads = [float(x) for x in args.loads.split(",")]
     results: dict[str, list[dict]] = {}
-    capacity = None
+    capacity = args.capacity
     for policy in args.policies.split(","):
         port, http_port = free_ports(2)
         proc = _serve(policy, port, http_port, args.server_args.split(), server_cpus)
         url = f"127.0.0.1:{port}"
         try:
             asyncio.run(_ready(url))
+            asyncio.run(_capacity(url, args.seq, args.rows, 1.0))  # warm-up
             if capacity is None:  # measured once, on the first server, and used for both
-                asyncio.run(_capacity(url, args.seq, args.rows, 1.0))  # warm-up
                 # the median of three probes: one 3 s probe moved by up to a third between runs
                 probes = sorted(asyncio.run(_capacity(url, args.seq, args.rows, 2.0)) for _ in range(3))
                 capacity = statistics.median(probes)
