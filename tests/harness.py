@@ -38,6 +38,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from batchgate.client.client import build_request
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from batchgate.workers import BatchTiming, ShapePlan, read_model_io
@@ -240,21 +241,9 @@ async def until(pred: Callable[[], bool], timeout_s: float = 10.0, what: str = "
 
 
 def request(model: str, arrays: dict[str, np.ndarray], version: str = "", **params) -> pb.ModelInferRequest:
-    """A ModelInfer request of ``arrays`` (raw contents), with request ``params``."""
-    req = pb.ModelInferRequest(model_name=model, model_version=version)
-    for name, a in arrays.items():
-        req.inputs.add(name=name, datatype=DATATYPES[a.dtype], shape=list(a.shape))
-        req.raw_input_contents.append(np.ascontiguousarray(a).tobytes())
-    for key, value in params.items():
-        p = req.parameters[key]
-        if isinstance(value, bool):
-            p.bool_param = value
-        elif isinstance(value, int):
-            p.int64_param = value
-        elif isinstance(value, float):
-            p.double_param = value
-        else:
-            p.string_param = str(value)
+    """A ModelInfer request of ``arrays`` (raw contents), with request ``params``: the client's own."""
+    req = build_request(model, arrays, params)
+    req.model_version = version
     return req
 
 

@@ -10,7 +10,6 @@ seen only by the limiter opens the breaker the cache's metrics report."""
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import time
 import urllib.request
@@ -29,24 +28,13 @@ from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import start_server
 from tests.test_cache_server import TIMEOUT_S, ranker_rows, request
 from tests.test_cache_server import env as cache_env
-from tests.test_redis_restart import _limiter_stats
+from tests.test_redis_restart import _limiter_stats, global_tenants
 from tests.test_replicas import _repo
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 
 KEY = "link-test-key"
 FAILURES = 3  # cache_breaker_failures here
-
-
-def _tenants(root: Path) -> Path:
-    from batchgate.gateway.tenants import hash_key
-
-    path = root / "tenants.json"
-    # A global limit far above what the tests send: Redis admits every decision.
-    tenant = {"name": "t", "key_hashes": [hash_key(KEY)], "models": "*",
-              "global_limits": {"requests_per_s": 1000.0, "requests_burst": 1000}}  # fmt: skip
-    path.write_text(json.dumps({"tenants": [tenant]}))
-    return path
 
 
 def _probe_tasks() -> int:
@@ -65,7 +53,7 @@ async def _users(tmp_path: Path, url: str, monkeypatch):
 
     monkeypatch.setattr(dataplane, "build_runtime", no_runtime)
     settings = Settings(
-        model_repository=tmp_path, redis_url=url, api_keys_file=_tenants(tmp_path),
+        model_repository=tmp_path, redis_url=url, api_keys_file=global_tenants(tmp_path, KEY),
         cache_tiers="memory+redis",
         # far above the defaults: this machine's cores are shared, and a late answer is not the point
         cache_lookup_timeout_ms=200, ratelimit_redis_timeout_ms=200,
@@ -233,7 +221,7 @@ def test_one_server_builds_one_client_and_its_users_trip_together(tmp_path, redi
     site.mkdir()
     (site / "sitecustomize.py").write_text(_COUNTER)
     env = cache_env(
-        redis_server, BATCHGATE_API_KEYS_FILE=str(_tenants(tmp_path)),
+        redis_server, BATCHGATE_API_KEYS_FILE=str(global_tenants(tmp_path, KEY)),
         BATCHGATE_RATELIMIT_REDIS_TIMEOUT_MS="200",
         BATCHGATE_CACHE_BREAKER_FAILURES=str(FAILURES), BATCHGATE_LOG_LEVEL="INFO",
         PYTHONPATH=str(site), BG_TEST_COUNT_REDIS_POOLS="1",

@@ -27,12 +27,13 @@ pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="re
 KEY = "restart-test-key"
 
 
-def _tenants(root: Path) -> Path:
+def global_tenants(root: Path, key: str = KEY) -> Path:
+    """A tenant file of one tenant (``key``) under a global limit far above what a test sends:
+    every decision goes to Redis and is admitted."""
     from batchgate.gateway.tenants import hash_key
 
     path = root / "tenants.json"
-    # A global limit far above what the test sends: every decision goes to Redis and is admitted.
-    tenant = {"name": "t", "key_hashes": [hash_key(KEY)], "models": "*",
+    tenant = {"name": "t", "key_hashes": [hash_key(key)], "models": "*",
               "global_limits": {"requests_per_s": 1000.0, "requests_burst": 1000}}  # fmt: skip
     path.write_text(json.dumps({"tenants": [tenant]}))
     return path
@@ -55,7 +56,7 @@ def _limiter_stats(log: str) -> dict:
 
 
 def test_after_a_redis_restart_the_second_replica_hits(tmp_path, redis_server):
-    env = cache_env(redis_server, BATCHGATE_API_KEYS_FILE=str(_tenants(tmp_path)),
+    env = cache_env(redis_server, BATCHGATE_API_KEYS_FILE=str(global_tenants(tmp_path)),
                     BATCHGATE_RATELIMIT_REDIS_TIMEOUT_MS="200", BATCHGATE_LOG_LEVEL="INFO")  # fmt: skip
     repo = _repo(tmp_path)
     with concurrent.futures.ThreadPoolExecutor(2) as ex:

@@ -23,29 +23,13 @@ from onnx import TensorProto as T
 
 from batchgate.gateway.codec import Codec, deserialize_bytes, serialize_bytes
 from batchgate.gateway.errors import GatewayError
-from batchgate.gateway.transport.grpc import call_of
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from batchgate.workers import Device, EngineOptions, gpu_count, ort_capi
 from batchgate.workers.engine import Engine, from_ort_strings, to_ort_strings
 from tests.conftest import start_server
+from tests.test_limits import Wire
 from tests.string_models import write_identity, write_mixed, write_string_add_sub
-
-
-class Wire:
-    """The codec as the gRPC transport drives it: the message translated to a ``Call`` first."""
-
-    def __init__(self, codec: Codec) -> None:
-        self.codec = codec
-
-    def decode(self, req):
-        return self.codec.decode(call_of(req))
-
-    def _decode(self, req):
-        return self.codec._decode(call_of(req).inputs)
-
-    def __getattr__(self, name):
-        return getattr(self.codec, name)
 
 
 TIMEOUT_S = 30.0
