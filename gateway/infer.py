@@ -164,7 +164,7 @@ class Pipeline:
             answer = await work
         except BaseException as exc:
             edge.failed(model, version, exc)
-            self.door.leave(exc)
+            self.door.leave(exc, pass_)
             if span is not None:
                 tracing.end_call(span, exc)
             raise
@@ -172,7 +172,7 @@ class Pipeline:
             edge.inflight -= 1
             self.inflight -= 1
         edge.ok(answer.model, answer.version, _clock() - t0)
-        self.door.leave()
+        self.door.leave(None, pass_)
         if span is not None:
             tracing.end_call(span)
         return answer
@@ -183,7 +183,7 @@ class Pipeline:
         """A call the door took that its transport refused before the pipeline (its wire form was
         wrong): counted at ``edge`` and at the door as ``infer`` counts a failed call."""
         edge.failed(model, version, exc)
-        self.door.leave(exc)
+        self.door.leave(exc, pass_)
 
     async def _infer(self, call: Call, pass_: Pass, ticket: Ticket | None) -> Answer:
         check_call(call)

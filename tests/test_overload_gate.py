@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from batchgate.gateway.errors import GatewayError, Kind
-from batchgate.gateway.admission.gate import OverloadGate, _wasted
+from batchgate.gateway.admission.door import Door, Pass
+from batchgate.gateway.admission.gate import OverloadGate, _wasted, bucket
 
 
 def _gate(lag_s: float, inflight: int) -> tuple[OverloadGate, SimpleNamespace, list[float]]:
@@ -69,7 +70,7 @@ def test_wasted_calls_set_the_share_to_what_completes_spread_evenly_and_recovery
     _ticks(gate, clock, 30, ended=20, dropped=6, arrived=40)  # drops go on: no further cut
     assert gate.admit == pytest.approx(1.05 * 14 / 40, rel=0.02)
     taken = refused = 0
-    arrived = gate.arrived
+    arrived, by_bucket = gate.arrived, list(gate.arrivals)
     for _ in range(1000):
         try:
             gate.check()
@@ -80,7 +81,7 @@ def test_wasted_calls_set_the_share_to_what_completes_spread_evenly_and_recovery
             refused += 1
     assert abs(taken - 1000 * gate.admit) <= 1  # evenly spread: every class keeps its share
     assert gate.refused == refused and gate.arrived == arrived + 1000  # each asked call counted
-    gate.arrived = arrived  # (a thousand calls in one look would be a load of their own)
+    gate.arrived, gate.arrivals = arrived, by_bucket  # (a thousand calls in one look: a load of their own)
     share = gate.admit
     _ticks(gate, clock, 50, ended=20, dropped=1, arrived=20)  # 5 %: under the threshold, it grows back
     assert gate.shedding and share < gate.admit < 1.0
@@ -137,14 +138,15 @@ def test_while_shedding_a_call_near_its_deadline_is_taken_more_often_and_all_add
     assert (
         abs(taken[gate.TIGHT_S] - 1000 * a) <= 1 and abs(taken[None] - 1000 * a) <= 1
     )  # no deadline: weight 1
-    before = gate.weighted[gate.BOOST]
-    gate.take(0.001)  # a millisecond left: the highest weight (the queue refuses it, by name)
-    assert gate.weighted[gate.BOOST] == before + 1
+    before = gate.arrivals[bucket(0.001)]
+    gate.take(0.001)  # a millisecond left: the highest boost (the queue refuses it, by name)
+    assert gate.arrivals[bucket(0.001)] == before + 1 and gate.weight[bucket(0.001)] == gate.BOOST
 
 
 def test_the_share_solves_the_weighted_sum():
     gate, _, _ = _gate(lag_s=0.001, inflight=500)
-    gate.arrived, gate.weighted[4], gate.weighted[2] = 100.0, 10.0, 20.0  # 70 of weight 1
+    gate.arrived, gate.arrivals[3], gate.arrivals[5] = 100.0, 10.0, 20.0  # 70 of weight 1
+    gate.weight[3], gate.weight[5] = 4.0, 2.0
     for target in (5.0, 20.0, 47.0, 80.0, 99.0):
         a = gate._share(target)
         got = 10 * min(1, 4 * a) + 20 * min(1, 2 * a) + 70 * min(1, a)
@@ -213,3 +215,63 @@ def test_the_gate_looks_on_the_lag_monitors_heartbeat():
     assert not own_timer
     assert 7 <= seen <= 11  # ~every 10 ms
     assert after_stop == seen
+
+
+def test_the_door_counts_each_ending_by_the_time_the_call_had_left():
+    gate, _, _ = _gate(lag_s=0.001, inflight=500)
+    door = Door(None, gate, None)
+    door.leave(None, Pass(time_left=0.2))  # answered
+    door.leave(GatewayError(Kind.DEADLINE, "expired", outcome="expired"), Pass(time_left=0.2))
+    door.leave(asyncio.CancelledError(), Pass(time_left=0.04))  # its caller gave up
+    door.leave(GatewayError(Kind.INVALID, "bad input"), Pass(time_left=0.04))  # no waste: answered
+    door.leave(None, Pass())  # no deadline (REST, a stream's message)
+    door.leave(None)  # a transport that had no pass: counted at the gate only
+    assert gate.ended == 6 and gate.dropped == 2
+    assert gate.outcomes[bucket(0.2)] == [2, 1] and gate.outcomes[bucket(0.04)] == [2, 1]
+    assert gate.outcomes[gate.NO_DEADLINE] == [1, 1]
+    assert bucket(0.2) == 8 and bucket(0.04) == 6 and bucket(0.0) == 0 and bucket(30.0) == 10
+
+
+def test_while_shedding_calls_are_taken_by_the_odds_of_their_time_left():
+    """A spike's backlog in gRPC core: one 250 ms class reaches the door with 40 ms left after
+    waiting in core, or fresh with 200 ms. The 40 ms calls look tight (boost 8 against 3) but
+    are nearly all dropped after they are taken, the fresh ones answered: the door takes the fresh
+    ones, which also drains the backlog (a taken call that is dropped costs its decode and queue)."""
+    gate, _, clock = _gate(lag_s=0.001, inflight=500)
+    door = Door(None, gate, None)
+    expired = GatewayError(Kind.DEADLINE, "expired", outcome="expired")
+    for _ in range(100):
+        taken = {0.04: 0, 0.2: 0}
+        for i in range(60):
+            left = 0.04 if i % 2 else 0.2
+            taken[left] += gate.take(left)
+        for _ in range(taken[0.04]):
+            door.leave(expired, Pass(time_left=0.04))
+        for _ in range(taken[0.2]):
+            door.leave(None, Pass(time_left=0.2))
+        clock[0] += gate.TICK_S
+        gate._tick()
+    assert gate.shedding
+    w_late, w_fresh = gate.weight[bucket(0.04)], gate.weight[bucket(0.2)]
+    assert w_fresh == pytest.approx(3.0, rel=0.05)  # the best odds, boosted by 500 ms / 128 ms
+    assert w_late < 0.1 * w_fresh
+    counts = {0.04: 0, 0.2: 0}
+    for left in counts:
+        for _ in range(1000):
+            counts[left] += gate.take(left)
+    assert counts[0.04] < 0.1 * counts[0.2]
+    assert abs(counts[0.2] - 1000 * min(1.0, w_fresh * gate.admit)) <= 1
+
+
+def test_a_time_left_refused_for_long_is_tried_again():
+    """The odds forget (by a fiftieth per look): calls of a bucket refused while its calls were
+    dropped are taken again at the boost alone once nothing of it has ended for a while."""
+    gate, _, clock = _gate(lag_s=0.001, inflight=500)
+    door = Door(None, gate, None)
+    for _ in range(200):
+        door.leave(asyncio.CancelledError(), Pass(time_left=0.04))
+    door.leave(None, Pass(time_left=0.2))
+    _ticks(gate, clock, 1)
+    assert gate.weight[bucket(0.04)] < 0.05 * gate.BOOST
+    _ticks(gate, clock, 500)  # 5 s: 200 endings decayed to under one
+    assert gate.weight[bucket(0.04)] == pytest.approx(gate.BOOST, rel=0.05)

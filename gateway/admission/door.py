@@ -18,7 +18,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 from batchgate.gateway import tracing
-from batchgate.gateway.admission.gate import OverloadGate, _wasted
+from batchgate.gateway.admission.gate import OverloadGate, _wasted, bucket
 from batchgate.gateway.admission.limits import OPEN_TICKET, Account, Admission, Ticket
 from batchgate.gateway.errors import GatewayError, Kind
 
@@ -87,12 +87,18 @@ class Door:
             return OPEN_TICKET
         return await self.admission.admit(pass_.caller, model, rows)
 
-    def leave(self, exc: BaseException | None = None) -> None:
-        """A call the door took has ended (``exc``: how it failed, if it did)."""
+    def leave(self, exc: BaseException | None = None, pass_: Pass | None = None) -> None:
+        """A call the door took as ``pass_`` has ended (``exc``: how it failed, if it did)."""
         gate = self.gate
         gate.ended += 1
-        if exc is not None and _wasted(exc):
+        wasted = exc is not None and _wasted(exc)
+        if wasted:
             gate.dropped += 1
+        if pass_ is not None:
+            counts = gate.outcomes[bucket(pass_.time_left)]
+            counts[0] += 1
+            if not wasted:
+                counts[1] += 1
 
 
 class StreamSlots:

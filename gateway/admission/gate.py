@@ -49,13 +49,24 @@ class OverloadGate:
 
     With neither, the share grows back by half a percent per look (all of it within two seconds).
 
-    The door sees no request body, so no latency class; it does see a gRPC call's deadline. While
-    shedding, a call with less than ``TIGHT_S`` left is taken ``TIGHT_S / time left`` times as often
-    as one with time to spare (at most ``BOOST`` times, and never more than every one): a tight
-    class is not starved at 4x by lenient work that can wait, and the deadline queue serves it
-    first. The share is set so that all of them together are what completes. Within each weight,
+    Which calls are taken while shedding: the door sees no request body, so no latency class; it
+    does see a gRPC call's deadline. Calls are put in buckets by the time they have left when they
+    reach the door (``bucket``: powers of two of a millisecond), and each bucket is weighted by
+    the odds that such a call is answered, learned from the calls of that bucket that ended lately
+    (answered + 1 over taken + 2, so an unseen bucket starts at even odds and one refused for long
+    forgets and is tried again) over the best bucket's odds, times a boost for tight calls: a
+    bucket under ``TIGHT_S`` is taken ``TIGHT_S / its least time left`` times as often (at most
+    ``BOOST``), because a tight call refused cannot retry in time while one with time to spare
+    can. The share is set so that all of them together are what completes. Within each bucket,
     refusals are spread evenly over arrivals (a credit counter, no randomness). A call pays a
-    counter while not shedding."""
+    counter while not shedding, and its end two more in ``Door.leave``.
+
+    The odds are what keep a spike from feeding on itself. A 4x spike that leaves a backlog in
+    gRPC core makes every call reach Python with little left: one 250 ms class then looks like a
+    tight one, and by time left alone the door took the oldest calls eight times as often, nearly
+    all of which were then dropped, and that work kept the backlog from draining (bench.goodput
+    --mix one-class --loads 4 at 6,000 calls/s: 5,000-6,600 of the calls taken dropped against
+    800-1,700 answered; docs/overload.md)."""
 
     TICK_S = 0.010
     WASTE = 0.10  # share of ended calls that were dropped, above which the door sheds
@@ -68,6 +79,9 @@ class OverloadGate:
     SATURATED = 0.9  # share of the time busy (the loop's thread, or the process's cores)
     TIGHT_S = 0.500  # a call with less time left than this is taken more often while shedding
     BOOST = 8  # ... at most this many times as often (a call with 60 ms left at the full eight)
+    BUCKETS = 12  # by time left at the door: its whole ms' bit length (0-10); NO_DEADLINE
+    NO_DEADLINE = 11
+    ODDS_DECAY = 0.98  # per look, for each bucket's calls ended and answered (~0.5 s of memory)
 
     def __init__(self, pipeline: Pipeline, lag_target_s: float, min_in_flight: int) -> None:
         self.pipeline = pipeline
@@ -81,9 +95,13 @@ class OverloadGate:
         self.ended = 0.0  # calls that ended lately (decaying)
         self.dropped = 0.0  # of which taken and then dropped (decaying)
         self.busy = 0.0  # calls inside, a decaying peak
-        self.weighted = [0.0] * (self.BOOST + 1)  # arrived lately, by weight 2..BOOST (while shedding)
+        # by time left at the door (``bucket``): calls that arrived lately while shedding, and the
+        # calls that ended lately, [taken, answered], with each bucket's weight made from them
+        self.arrivals = [0.0] * self.BUCKETS
+        self.outcomes = [[0.0, 0.0] for _ in range(self.BUCKETS)]
+        self.weight = list(BOOSTS)  # the boost alone until calls end
         self._message = ""
-        self._credit = [0.0] * (self.BOOST + 1)  # by weight
+        self._credit = [0.0] * self.BUCKETS
         self._lag_low_at = 0.0  # the last time the loop's lag was under the target
         self._handle: asyncio.TimerHandle | None = None
         self._beat = None  # the LoopLag whose timer this gate looks on, when it runs
@@ -162,16 +180,22 @@ class OverloadGate:
         self.arrived *= self.DECAY
         self.ended *= self.DECAY
         self.dropped *= self.DECAY
-        w = self.weighted
-        for k in range(2, len(w)):
-            w[k] *= self.DECAY
+        arrivals, d = self.arrivals, self.ODDS_DECAY
+        odds = []
+        for b, counts in enumerate(self.outcomes):
+            arrivals[b] *= self.DECAY
+            taken, answered = counts[0] * d, counts[1] * d
+            counts[0], counts[1] = taken, answered
+            odds.append((answered + 1.0) / (taken + 2.0))
+        best = max(odds)  # weights relative to the best odds: the share is of those calls
+        self.weight = [p / best * boost for p, boost in zip(odds, BOOSTS)]
 
     def _share(self, target: float) -> float:
         """The share ``a`` at which the calls that arrived lately, each taken ``min(1, weight * a)``
         of the time, add up to ``target``: what the server is completing."""
-        w = self.weighted
-        counts = [(k, w[k]) for k in range(len(w) - 1, 1, -1) if w[k] > 0]
-        counts.append((1, max(self.arrived - sum(n for _, n in counts), 0.0)))
+        counts = [(self.weight[b], n) for b, n in enumerate(self.arrivals) if n > 0]
+        counts.append((1.0, max(self.arrived - sum(n for _, n in counts), 0.0)))
+        counts.sort(reverse=True)
         # f(a) = sum n * min(1, k * a) is increasing and linear between the breakpoints 1/k;
         # from the highest weight down, the calls of weight k are taken whole once a >= 1/k
         whole, slope = 0.0, sum(k * n for k, n in counts)
@@ -196,16 +220,13 @@ class OverloadGate:
             self.refused += 1
             return False
         self.arrived += 1
-        k = 1
-        if remaining is not None and remaining < self.TIGHT_S:
-            k = min(self.BOOST, int(self.TIGHT_S / max(remaining, 1e-3)))
-            if k > 1:
-                self.weighted[k] += 1
-        credit = self._credit[k] + min(1.0, k * self.admit)
+        b = bucket(remaining)
+        self.arrivals[b] += 1
+        credit = self._credit[b] + min(1.0, self.weight[b] * self.admit)
         if credit >= 1.0:
-            self._credit[k] = credit - 1.0
+            self._credit[b] = credit - 1.0
             return True
-        self._credit[k] = credit
+        self._credit[b] = credit
         self.refused += 1
         return False
 
@@ -227,6 +248,25 @@ class OverloadGate:
             self._message = f"server overloaded: taking {admit:.0%} of new calls; retry with backoff or on another replica"
         self.admit = admit
         self.shedding = admit < 1.0
+
+
+def bucket(remaining: float | None) -> int:
+    """A call's bucket by the time it had left at the door: the bit length of its whole
+    milliseconds (<1 ms: 0, 1 ms: 1, 2-3 ms: 2, ..., 512 ms and more: 10); no deadline: 11."""
+    if remaining is None:
+        return OverloadGate.NO_DEADLINE
+    return min(int(remaining * 1000.0).bit_length(), 10) if remaining > 0 else 0
+
+
+def _boost(b: int) -> float:
+    """A bucket's boost for tight calls: ``TIGHT_S`` over the least time left in it, 1 to BOOST."""
+    if b == 0 or b == OverloadGate.NO_DEADLINE:
+        return 1.0 if b else float(OverloadGate.BOOST)
+    least = (1 << (b - 1)) / 1000.0  # bucket b holds [2**(b-1), 2**b) ms
+    return float(max(1, min(OverloadGate.BOOST, int(OverloadGate.TIGHT_S / least))))
+
+
+BOOSTS = tuple(_boost(b) for b in range(OverloadGate.BUCKETS))
 
 
 def _cpu_times() -> tuple[float, float]:
