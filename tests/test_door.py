@@ -126,3 +126,39 @@ async def test_rest_only_calls_expiring_in_the_queue_start_the_gate_shedding(tmp
         assert status == 200, doc
         want = pool.expected({"input_ids": ids, "attention_mask": ids})["embedding"]
         assert doc["outputs"][0]["data"] == want.ravel().tolist()
+
+
+async def test_every_call_the_door_takes_is_counted_once_when_it_ends(tmp_path, minilm_dir):
+    """The gate's ended calls must match the calls it took: a call refused after the door but
+    before the pipeline (a bad field, bad JSON, a missing model on the OpenAI/TEI/rerank routes; a
+    bad KServe body) still ends at the door, and an answered call is not counted twice. The gate's
+    looks are stopped so that its decaying counts stay whole."""
+    repo = model_repo(tmp_path, {})
+    (repo / "minilm").symlink_to(minilm_dir, target_is_directory=True)
+    async with serving(repo) as gw:
+        gate = gw.server.pipeline.door.gate
+        gate.stop()
+        calls = [
+            ("/v1/embeddings", {"model": "minilm", "input": "x", "temperature": 1}, 400),
+            ("/v1/embeddings", {"model": "nope", "input": "x"}, 404),
+            ("/v1/embeddings", b"{not json", 400),
+            ("/embed", {"inputs": []}, 400),  # TEI's "empty"
+            ("/embed", {"inputs": "x", "truncation_direction": "Left"}, 422),  # TEI's validation
+            ("/rerank", {"query": "q", "texts": []}, 400),
+            ("/v1/rerank", {"query": "q", "documents": "not a list"}, 400),
+            ("/v2/models/encoder/infer", {"inputs": "not a list"}, 400),
+        ]
+        for path, body, status in calls:
+            arrived, ended = gate.arrived, gate.ended
+            kw = (
+                {"data": body, "headers": {"Content-Type": "application/json"}}
+                if isinstance(body, bytes)
+                else {"json": body}
+            )
+            async with gw.http.post(path, **kw) as resp:
+                assert resp.status == status, (path, body, resp.status, await resp.text())
+            assert (gate.arrived - arrived, gate.ended - ended) == (1, 1), (path, body)
+        arrived, ended = gate.arrived, gate.ended
+        async with gw.http.post("/v1/embeddings", json={"model": "minilm", "input": ["a b", "c"]}) as resp:
+            assert resp.status == 200, await resp.text()
+        assert (gate.arrived - arrived, gate.ended - ended, gate.dropped) == (1, 1, 0)

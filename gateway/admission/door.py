@@ -33,6 +33,7 @@ class Pass:
     caller: Account | None = None
     time_left: float | None = None
     trace: object | None = None  # the caller's trace context while tracing is on (gateway/tracing.py)
+    ended: bool = False  # counted at the door's leave (once, whichever path ends the call)
 
 
 OPEN_PASS = Pass()
@@ -88,7 +89,10 @@ class Door:
         return await self.admission.admit(pass_.caller, model, rows)
 
     def leave(self, exc: BaseException | None = None, pass_: Pass | None = None) -> None:
-        """A call the door took as ``pass_`` has ended (``exc``: how it failed, if it did)."""
+        """A call the door took as ``pass_`` has ended (``exc``: how it failed, if it did); the
+        pass is marked ended, so a route that ends it on every path can tell."""
+        if pass_ is not None:
+            pass_.ended = True
         gate = self.gate
         gate.ended += 1
         wasted = exc is not None and _wasted(exc)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 import math
 import re
@@ -219,10 +220,30 @@ def _enter(server: Server, metadata) -> Pass:
         raise Refused(exc.kind, exc.message, None, retry_headers(exc, {})) from None
 
 
+_PASS = "batchgate.pass"  # the request's door pass, ended by ``_ends_its_pass`` if nothing else did
+
+
+def _ends_its_pass(route):
+    """A route that takes a door pass: however the call ends (a field refused before the pipeline,
+    a body that never came), the door counts its end once, so the overload gate's ended calls
+    match the calls it took."""
+
+    @functools.wraps(route)
+    async def wrapped(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await route(self, request)
+        finally:
+            pass_ = request.get(_PASS)
+            if pass_ is not None and not pass_.ended:
+                self.server.pipeline.door.leave(None, pass_)
+
+    return wrapped
+
+
 async def _body(request: web.Request, api: EmbeddingsApi) -> tuple[Pass, Any]:
     """The door's pass and the JSON body, read only once the door has taken the call (a key-less
     caller costs its headers, not its body), by the REST listener's one body reader."""
-    pass_ = _enter(api.server, _metadata(request))
+    pass_ = request[_PASS] = _enter(api.server, _metadata(request))
     try:
         raw = await read_body(request, api.max_body, api.body_timeout_s)
     except BodyRefused as exc:
@@ -365,6 +386,7 @@ class EmbeddingsApi:
         self.max_body = max_body
         self.body_timeout_s = body_timeout_s
 
+    @_ends_its_pass
     async def openai_embeddings(self, request: web.Request) -> web.Response:
         try:
             pass_, doc = await _body(request, self)
@@ -456,6 +478,7 @@ class EmbeddingsApi:
 
     # -- TEI ------------------------------------------------------------------------------------
 
+    @_ends_its_pass
     async def tei_embed(self, request: web.Request) -> web.Response:
         try:
             pass_, doc = await _body(request, self)
@@ -632,7 +655,9 @@ def _documents(value: Any) -> list[str]:
 class RerankApi:
     def __init__(self, api: EmbeddingsApi) -> None:
         self.api = api
+        self.server = api.server
 
+    @_ends_its_pass
     async def tei_rerank(self, request: web.Request) -> web.Response:
         """TEI's ``POST /rerank``: ``[{index, score, text?}]`` sorted by score, highest first;
         scores through a sigmoid unless ``raw_scores`` (what TEI answers for a one-label model)."""
@@ -672,6 +697,7 @@ class RerankApi:
             headers={**out.headers, "x-compute-tokens": str(sum(out.tokens))},
         )  # fmt: skip
 
+    @_ends_its_pass
     async def v1_rerank(self, request: web.Request) -> web.Response:
         """Cohere's / Jina's ``POST /v1/rerank``: ``{results: [{index, relevance_score,
         document?}]}`` sorted by relevance, the first ``top_n``; relevance through a sigmoid."""

@@ -595,7 +595,7 @@ class HttpFrontend:
                 self.pipeline.failed(pass_, self.edge, model, version, exc)
                 return _error(HTTP_STATUS[exc.kind], exc.message, echo)
             except BodyRefused as exc:
-                self.pipeline.door.leave()
+                self.pipeline.door.leave(None, pass_)
                 return body_error(exc, {"error": exc.message}, echo)
             try:
                 answer = await self.pipeline.infer(call, pass_, self.edge)
