@@ -33,10 +33,7 @@ class Pass:
     caller: Account | None = None
     time_left: float | None = None
     trace: object | None = None  # the caller's trace context while tracing is on (gateway/tracing.py)
-    ended: bool = False  # counted at the door's leave (once, whichever path ends the call)
-
-
-OPEN_PASS = Pass()
+    ended: bool = False  # set by Door.leave: a route that ends its pass on every path can tell
 
 
 class Door:
@@ -89,16 +86,14 @@ class Door:
         return await self.admission.admit(pass_.caller, model, rows)
 
     def leave(self, exc: BaseException | None = None, pass_: Pass | None = None) -> None:
-        """A call the door took as ``pass_`` has ended (``exc``: how it failed, if it did); the
-        pass is marked ended, so a route that ends it on every path can tell."""
-        if pass_ is not None:
-            pass_.ended = True
+        """A call the door took as ``pass_`` has ended (``exc``: how it failed, if it did)."""
         gate = self.gate
         gate.ended += 1
         wasted = exc is not None and _wasted(exc)
         if wasted:
             gate.dropped += 1
         if pass_ is not None:
+            pass_.ended = True
             counts = gate.outcomes[bucket(pass_.time_left)]
             counts[0] += 1
             if not wasted:

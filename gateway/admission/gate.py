@@ -260,8 +260,10 @@ def bucket(remaining: float | None) -> int:
 
 def _boost(b: int) -> float:
     """A bucket's boost for tight calls: ``TIGHT_S`` over the least time left in it, 1 to BOOST."""
-    if b == 0 or b == OverloadGate.NO_DEADLINE:
-        return 1.0 if b else float(OverloadGate.BOOST)
+    if b == OverloadGate.NO_DEADLINE:
+        return 1.0
+    if b == 0:  # under a millisecond left
+        return float(OverloadGate.BOOST)
     least = (1 << (b - 1)) / 1000.0  # bucket b holds [2**(b-1), 2**b) ms
     return float(max(1, min(OverloadGate.BOOST, int(OverloadGate.TIGHT_S / least))))
 

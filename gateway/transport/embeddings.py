@@ -89,21 +89,19 @@ def rerank_models(server: Server) -> list[str]:
 
 async def embed_texts(
     server: Server, model: str, texts: list[str], metadata: tuple, *,
-    latency_class: str | None = None, latency_budget_ms: float | None = None, exact_limit: bool = False,
-    pass_: Pass | None = None, pairs: bool = False, prompt_name: str | None = None, cut: bool = False,
+    pass_: Pass, latency_class: str | None = None, latency_budget_ms: float | None = None,
+    exact_limit: bool = False, pairs: bool = False, prompt_name: str | None = None, cut: bool = False,
 ) -> Embedded:  # fmt: skip
     """Embed ``texts`` with text model ``model`` on the serving path; raises ``Refused``.
 
     ``metadata``: the caller's headers as gRPC metadata (lower-case keys; the API key, x-request-id).
-    ``pass_``: the door's pass when the route has been through it already (before its body).
+    ``pass_``: the door's pass, taken by the route before it read the body (``_body``).
     ``exact_limit``: refuse a text over the model's ``max_tokens`` (413 in TEI) instead of letting
     the model's ``truncate`` setting decide. ``cut``: the caller asked for truncation, so a text
     over ``max_text_bytes`` is cut to it (at a character) instead of refused; the model keeps its
     first ``max_tokens`` tokens. The whole list is one call (``Pipeline.texts``): through the door
     once, admitted once against the tenant's limits for all its rows, each text tokenised once,
     its rows queued by length bucket to batch with other callers' texts."""
-    if pass_ is None:  # before anything says whether the model exists
-        pass_ = _enter(server, metadata)
     try:
         rt = server.plane.get(model)
     except GatewayError as exc:
