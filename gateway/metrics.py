@@ -272,11 +272,12 @@ def _server_families(m: Metrics, plane) -> Iterator:
     yield model_ready
     variant = GaugeMetricFamily(
         P + "model_variant_info",
-        "1 per served model version: the engine variant answering (parameter variant) and its precision",
-        labels=MV + ["variant", "precision"],
+        "1 per served model version: the engine variant answering (parameter variant), its precision and "
+        "the runtime computing it (onnxruntime or openvino)",
+        labels=MV + ["variant", "precision", "engine"],
     )
     for rt in plane.runtimes():
-        variant.add_metric([rt.spec.name, rt.spec.version, rt.spec.variant, rt.spec.precision], 1)
+        variant.add_metric([rt.spec.name, rt.spec.version, rt.spec.variant, rt.spec.precision, rt.spec.engine], 1)
     yield variant
 
 

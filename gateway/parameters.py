@@ -26,6 +26,9 @@ from typing import Any
 
 from batchgate.workers.buckets import DEFAULT_MASK_INPUT, BucketConfig
 
+# Engine variants (gateway/repository.py VARIANT_PRECISION says what each computes in).
+VARIANTS = ("fp32", "optimized", "fp16", "int8", "openvino-fp32", "openvino-bf16", "openvino-int8")
+
 DEFAULT_MAX_TEXT_BYTES = 32768
 
 
@@ -231,10 +234,20 @@ DECLARED: tuple[Declared, ...] = (
              "let the deadline queue learn the largest batch that still meets deadlines", _bool,
              "learned_batch_limit"),
     # engine file (gateway/repository.py; built by `batchgate optimize`, docs/engines.md)
-    Declared("variant", "'fp32', 'optimized', 'fp16' or 'int8'", "fp32", "one of the four", "repository",
-             "which engine serves: model.onnx (fp32) or the variant built beside it (model.<variant>.onnx); "
-             "refused at load unless its report model.<variant>.report.json passed and matches both files",
-             _choice("fp32", "optimized", "fp16", "int8"), "variant"),
+    Declared("variant", "'fp32', 'optimized', 'fp16', 'int8', 'openvino-fp32', 'openvino-bf16' or "
+             "'openvino-int8'", "fp32", "one of the seven", "repository",
+             "which engine serves: model.onnx (fp32) or the variant built beside it (model.<variant>.onnx; "
+             "openvino-fp32 and -bf16 run model.onnx itself through OpenVINO); refused at load unless its "
+             "report model.<variant>.report.json passed and matches both files",
+             _choice(*VARIANTS), "variant"),
+    Declared("engine", "'onnxruntime' or 'openvino'", "onnxruntime (an openvino-* variant: openvino)",
+             "one of the two; openvino needs the openvino package", "repository, workers",
+             "the runtime that runs the model file; Triton's backend: \"openvino\" says the same "
+             "(docs/engines.md)", _choice("onnxruntime", "openvino"), "engine"),
+    Declared("precision", "'auto', 'fp32' or 'bf16'", "auto", "one of the three; bf16 with engine openvino only",
+             "repository, workers",
+             "OpenVINO's inference precision; auto: BF16 where the CPU computes it natively (AMX, "
+             "AVX-512 BF16), FP32 elsewhere", _choice("auto", "fp32", "bf16"), "precision"),
     Declared("shed_at_admission", "bool", "true", "true/false (1/0, yes/no, on/off)", "queue factory",
              "refuse at admission a request whose deadline is already out of reach; false queues it "
              "anyway and counts whether it made its deadline (batchgate_shed_shadow_total: the "
@@ -281,6 +294,8 @@ class ModelParameters:
     shed_at_admission: bool = True
     gpu_fallback: str = "fail"
     variant: str = "fp32"
+    engine: str | None = None  # None: the variant's (onnxruntime unless an openvino-* variant)
+    precision: str = "auto"
     text_pair: bool = False
     pooling: str | None = None  # recorded: the graph pools
     normalize: bool | None = None  # recorded: the graph normalises

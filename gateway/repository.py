@@ -22,11 +22,13 @@ from google.protobuf import text_format
 from google.protobuf.message import Message
 
 from batchgate.gateway import dtypes
-from batchgate.gateway.parameters import ModelParameters, ParameterError
+from batchgate.gateway.parameters import VARIANTS, ModelParameters, ParameterError
 from batchgate.gateway.parameters import parse as parse_parameters
 from batchgate.proto.inference.v2 import model_config_pb2 as mc
 from batchgate.workers.buckets import BucketConfig
 from batchgate.workers.devices import int8_saturates
+from batchgate.workers import openvino_engine
+from batchgate.workers.devices import cpu_class
 from batchgate.workers.fingerprint import file_fingerprint
 
 log = logging.getLogger(__name__)
@@ -34,13 +36,19 @@ log = logging.getLogger(__name__)
 CONFIG_FILE = "config.pbtxt"
 DEFAULT_MODEL_FILE = "model.onnx"
 ONNX_PLATFORMS = {"", "onnxruntime_onnx"}
-ONNX_BACKENDS = {"", "onnxruntime"}
+ONNX_BACKENDS = {"", "onnxruntime", "openvino"}  # OpenVINO reads the ONNX file itself
 TOKENIZER_PARAMETER = "tokenizer"
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 # Engine variants `batchgate optimize` builds beside model.onnx (gateway/build/optimize.py), and the
 # precision each computes in; parameter `variant` chooses one (docs/engines.md).
 VARIANT_PARAMETER = "variant"
-VARIANT_PRECISION = {"fp32": "FP32", "optimized": "FP32", "fp16": "FP16", "int8": "INT8"}
+VARIANT_PRECISION = {
+    "fp32": "FP32", "optimized": "FP32", "fp16": "FP16", "int8": "INT8",
+    "openvino-fp32": "FP32", "openvino-bf16": "BF16", "openvino-int8": "INT8",
+}  # fmt: skip
+assert tuple(VARIANT_PRECISION) == VARIANTS
+# OpenVINO variants that run model.onnx itself (the precision is a compile setting, not a file).
+SAME_FILE_VARIANTS = ("openvino-fp32", "openvino-bf16")
 
 # Dotted field paths of ModelConfig that batchgate implements.
 SUPPORTED = {
@@ -111,11 +119,19 @@ class ModelSpec:
     # The engines' shape settings (buckets, reshape), from params and the config; None: plain
     # dynamic-shape engines (specs built by hand in tests).
     buckets: BucketConfig | None = None
-    # The engine variant serving (parameter `variant`); `path` is its file, `fingerprint` its hash.
+    # The engine variant serving (parameter `variant`); `path` is its file, `fingerprint` its
+    # identity: the file's hash, and for any engine or precision but ONNX Runtime FP32 also those
+    # and the CPU's arithmetic class (``model_identity``).
     variant: str = "fp32"
+    engine: str = "onnxruntime"  # or "openvino"
+    # OpenVINO's inference precision ("fp32" or "bf16"), resolved for this CPU; "fp32" for ORT.
+    compute: str = "fp32"
 
     @property
     def precision(self) -> str:
+        """What answers: FP32, BF16, FP16 or INT8 (an INT8 file's other layers compute in ``compute``)."""
+        if self.engine == "openvino" and self.variant != "openvino-int8":
+            return self.compute.upper()
         return VARIANT_PRECISION.get(self.variant, "FP32")
 
     @property
@@ -393,8 +409,8 @@ def _validate(config: mc.ModelConfig) -> None:
 
 
 def variant_path(model_file: Path, variant: str) -> Path:
-    """``1/model.onnx`` -> ``1/model.int8.onnx`` (``fp32`` is the file itself)."""
-    if variant == "fp32":
+    """``1/model.onnx`` -> ``1/model.int8.onnx`` (``fp32`` and OpenVINO's FP32 and BF16 are the file itself)."""
+    if variant == "fp32" or variant in SAME_FILE_VARIANTS:
         return model_file
     return model_file.with_name(f"{model_file.stem}.{variant}{model_file.suffix}")
 
@@ -444,6 +460,12 @@ def check_variant(name: str, version: str, model_file: Path, variant: str) -> Pa
         raise ConfigError(
             f"{where}: {path.name} is not the file its report measured (sha256 {want_var[:16]}… in the "
             f"report); {rebuild}"
+        )
+    if variant == "openvino-bf16" and not openvino_engine.native_bf16():
+        raise ConfigError(
+            f"{where}: this CPU has neither AMX nor AVX-512 BF16, so BF16 would be emulated, slower than "
+            f"FP32, and its gate figures (measured where BF16 is native) do not hold here; serve fp32 or "
+            f"run `batchgate optimize {name} --auto` on this machine"
         )
     if variant == "int8" and _int8_weights(data) == "int8" and int8_saturates():
         raise ConfigError(
@@ -535,6 +557,7 @@ def load_model(
         ignored = ignored + [f"parameters.{k}" for k in hints if f"parameters.{k}" not in ignored]
         if variant is not None:
             params = replace(params, variant=variant)
+        engine, compute = resolve_engine(cfg, params)
         engine_file = check_variant(cfg.name, version, path, params.variant)
         # ModelConfig answers which variant serves, also when the config left it at its default.
         cfg.parameters[VARIANT_PARAMETER].string_value = params.variant
@@ -554,16 +577,59 @@ def load_model(
                 outputs=[
                     TensorSpec(t.name, dtypes.from_config(t.data_type), tuple(t.dims)) for t in cfg.output
                 ],
-                fingerprint=file_fingerprint(engine_file),
+                fingerprint=model_identity(file_fingerprint(engine_file), engine, compute, params.variant),
                 ignored=ignored,
                 tied_dims={} if tokenized(cfg) else tied_dims(model, cfg.max_batch_size > 0),
                 model_inputs=model_inputs,
                 params=params,
                 buckets=buckets,
                 variant=params.variant,
+                engine=engine,
+                compute=compute,
             )
         )
     return specs
+
+
+def resolve_engine(cfg: mc.ModelConfig, params: ModelParameters) -> tuple[str, str]:
+    """(engine, OpenVINO compute precision) from parameters ``engine``/``precision``, the variant
+    and Triton's ``backend``; ConfigError for a contradiction or a missing package."""
+    where = f"model '{cfg.name}'"
+    ov_variant = params.variant.startswith("openvino-")
+    implied = "openvino" if ov_variant or cfg.backend == "openvino" else "onnxruntime"
+    engine = params.engine or implied
+    if params.engine and params.engine != implied and (ov_variant or cfg.backend == "openvino"):
+        why = f"variant '{params.variant}'" if ov_variant else "backend 'openvino'"
+        raise ConfigError(f"{where}: engine '{params.engine}' contradicts {why}, which runs on OpenVINO")
+    if engine == "onnxruntime":
+        if params.precision == "bf16":
+            raise ConfigError(f"{where}: precision 'bf16' needs engine 'openvino' (ONNX Runtime serves FP32 "
+                              "or a variant built by `batchgate optimize`)")  # fmt: skip
+        return engine, "fp32"
+    if params.variant in ("optimized", "fp16", "int8"):
+        raise ConfigError(
+            f"{where}: variant '{params.variant}' is an ONNX Runtime graph; with engine 'openvino' serve fp32 "
+            "or an openvino-* variant (`batchgate optimize --engine openvino`)"
+        )
+    try:
+        openvino_engine.require()
+    except openvino_engine.OpenVINOMissing as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    asked = {"openvino-fp32": "fp32", "openvino-bf16": "bf16"}.get(params.variant, params.precision)
+    if params.variant in SAME_FILE_VARIANTS and params.precision not in ("auto", asked):
+        raise ConfigError(f"{where}: precision '{params.precision}' contradicts variant '{params.variant}'")
+    return engine, openvino_engine.resolve_precision(asked)
+
+
+def model_identity(file_fp: str, engine: str, compute: str, variant: str) -> str:
+    """What the result cache and the engine cache know a model by: the file's fingerprint alone for
+    ONNX Runtime FP32 (its answers agree across CPUs to ~1e-7, so replicas on other CPUs share
+    them); otherwise also the engine, the precision and the CPU's arithmetic class, so an answer of
+    one precision (or of other BF16/INT8 kernels) is never served for another."""
+    if engine == "onnxruntime" and VARIANT_PRECISION.get(variant, "FP32") == "FP32":
+        return file_fp
+    ident = f"{file_fp}|{engine}|{compute}|{variant}|{cpu_class()}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
 def load_repository(root: Path, default_max_batch_size: int = 64) -> Repository:

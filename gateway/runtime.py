@@ -244,6 +244,9 @@ def place_model(spec: ModelSpec, s: Settings, probe: Callable[[], tuple[int, str
     """Where ``spec`` runs under ``s.device`` (docs/engines.md, "Where a model runs"): every
     instance group placed by the one rule (workers/devices.py), devices merged in order. A
     fallback to the CPU is logged once, as a WARNING naming the model."""
+    if spec.engine == "openvino":  # a CPU engine here (workers/openvino_engine.py)
+        asked = s.device == "gpu" or any(g.kind == mc.ModelInstanceGroup.KIND_GPU for g in spec.config.instance_group)
+        return Placement((Device("cpu"),), "engine openvino: CPU" if asked else "")
     strings = any(t.dtype == object for ts in read_model_io(spec.path) for t in ts)
     groups = list(spec.config.instance_group) or [mc.ModelInstanceGroup(kind=mc.ModelInstanceGroup.KIND_AUTO)]
     visible, why = probe() if s.device != "cpu" else (0, "")
@@ -280,7 +283,7 @@ async def build_runtime(
     options = EngineOptions(intra_op_threads=s.intra_op_threads, inter_op_threads=s.inter_op_threads,
                             preprocess=text, mode=s.engine_mode, warmup=s.engine_warmup,
                             cache_dir=(s.engine_cache_dir or default_cache_dir()) if s.engine_cache else None,
-                            cuda_graphs=s.cuda_graphs)  # fmt: skip
+                            cuda_graphs=s.cuda_graphs, engine=spec.engine, precision=spec.compute)  # fmt: skip
     pool = WorkerPool(
         f"{spec.name}-v{spec.version}", spec.path, devices, count, options, spec.buckets, spec.fingerprint
     )

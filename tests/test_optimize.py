@@ -298,8 +298,8 @@ def test_config_and_metrics_say_which_variant_serves(variant_server):
         text = resp.read().decode()
     for model, variant, precision in (("encoder_int8", "int8", "INT8"), ("encoder_fp16", "fp16", "FP16"),
                                       ("encoder_optimized", "optimized", "FP32"), ("ranker_int8", "int8", "INT8")):  # fmt: skip
-        line = (f'batchgate_model_variant_info{{model="{model}",precision="{precision}",variant="{variant}",'
-                f'version="1"}} 1.0')  # fmt: skip
+        line = (f'batchgate_model_variant_info{{engine="onnxruntime",model="{model}",precision="{precision}",'
+                f'variant="{variant}",version="1"}} 1.0')  # fmt: skip
         assert line in text, [ln for ln in text.splitlines() if "variant_info" in ln]
 
 

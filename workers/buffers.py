@@ -62,9 +62,12 @@ class HostBuffers:
     device_bytes = 0
 
     def slot(self, bucket, rows: int, seqs, session: ort.InferenceSession, run_options=None) -> Slot:
-        binding = session.io_binding()
         inputs = {n: a[:rows] for n, a in self.inputs.items()}
         outputs = {n: a[:rows] for n, a in self.outputs.items()}
+        if hasattr(session, "bind"):  # OpenVINO (workers/openvino_engine.py): tensors share the views
+            return Slot(bucket, rows, seqs, session, None, run_options, inputs, outputs,
+                        session.bind(inputs, outputs))  # fmt: skip
+        binding = session.io_binding()
         # The OrtValues share the views' memory (no copy): what is written into ``inputs`` is
         # what the session reads, and the session writes its outputs straight into ``outputs``.
         values = []

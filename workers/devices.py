@@ -57,6 +57,26 @@ def flag_set(line: str) -> set[str]:
     return set(line.split(":", 1)[-1].split())
 
 
+# The instruction sets that change which kernels compute a reduced-precision answer, best first.
+_ISA_CLASSES = (
+    ("amx", {"amx_bf16", "amx_int8"}), ("avx512_bf16", {"avx512_bf16"}), ("avx512_vnni", {"avx512_vnni"}),
+    ("avx512", {"avx512f"}), ("avx_vnni", {"avx_vnni"}), ("avx2", {"avx2"}),
+)  # fmt: skip
+
+
+def cpu_class(flags: str | None = None) -> str:
+    """The CPU's arithmetic class for a reduced-precision answer's identity ("amx", "avx512_bf16",
+    ..., or the machine name): BF16 and INT8 kernels differ by it, so two replicas on CPUs of
+    one class may share cached answers and replicas of different classes do not."""
+    import platform
+
+    have = flag_set(cpu_flags() if flags is None else flags)
+    for name, need in _ISA_CLASSES:
+        if need <= have:
+            return name
+    return platform.machine() or "cpu"
+
+
 def int8_saturates(flags: str | None = None, arch: str | None = None) -> bool:
     """Whether ONNX Runtime's UINT8 x INT8 GEMM saturates here: on x86 without VNNI it multiplies
     with VPMADDUBSW, whose pairwise 16-bit sums clip (docs/engines.md measures 14 % off), so INT8

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from batchgate.workers import ort_capi
+from batchgate.workers import openvino_engine, ort_capi
 from batchgate.workers.buckets import ShapePlan
 from batchgate.workers.buffers import CudaBuffers, HostBuffers, Slot
 from batchgate.workers.devices import Device
@@ -68,8 +68,14 @@ class EngineOptions:
     # Runs in the worker on the merged batch before the model (e.g. texts -> token inputs); its
     # output goes through the buckets and pools like any batch.
     preprocess: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
+    # "onnxruntime" or "openvino" (CPU only; workers/openvino_engine.py); ``precision`` is
+    # OpenVINO's inference precision ("fp32", "bf16", or "auto": BF16 where the CPU has it).
+    engine: str = "onnxruntime"
+    precision: str = "fp32"
 
     def resolved_mode(self, device: Device) -> str:
+        if self.engine == "openvino":
+            return "shared"  # one compiled model with dynamic shapes (openvino_engine.py says why)
         if self.mode in ("shared", "static"):
             return self.mode
         return "static" if device.kind == "gpu" and self.cuda_graphs else "shared"
@@ -124,7 +130,21 @@ class Engine:
             cupy.cuda.Device(device.id).use()  # this worker thread's current device, for CuPy
             self._cupy_pool = cupy.cuda.MemoryPool()
             self._stream = cupy.cuda.Stream(non_blocking=True)
-        self.factory = SessionFactory(
+        if options.engine == "openvino":
+            if device.kind != "cpu":
+                raise ValueError(f"{device}: engine 'openvino' runs on the CPU only")
+            self.factory = openvino_engine.SessionFactory(
+                model_path, precision=options.precision, threads=options.intra_op_threads,
+                cache_dir=options.cache_dir,
+            )  # fmt: skip
+        else:
+            self.factory = self._ort_factory(model_path, fingerprint, device, options)
+        self.cuda_graphs = self.factory.cuda_graphs
+        self._init_sessions(plan, options)
+
+    @staticmethod
+    def _ort_factory(model_path, fingerprint, device, options) -> SessionFactory:
+        return SessionFactory(
             model_path,
             fingerprint,
             device,
@@ -134,7 +154,8 @@ class Engine:
             cache_dir=options.cache_dir,
             cuda_graphs=options.cuda_graphs and device.kind == "gpu",
         )
-        self.cuda_graphs = self.factory.cuda_graphs
+
+    def _init_sessions(self, plan: ShapePlan | None, options: EngineOptions) -> None:
         self.pooled = plan is not None and plan.pooled
         if self.mode == "static" and self.pooled and not plan.static_ok:
             log.warning("static engines need a dim_param on every variable axis; using one shared session")
@@ -166,6 +187,11 @@ class Engine:
         # binding. (Such models are never pooled, so ``ref`` is their dynamic session.)
         self._strings: ort_capi.Session | None = None
         if ref is not None and _has_strings(ref):
+            if options.engine == "openvino":
+                raise ValueError(
+                    "the model's graph reads or writes string tensors, which engine 'openvino' does not "
+                    "take; serve it with engine 'onnxruntime'"
+                )
             self._strings = self._string_session()
 
     # -- sessions and slots -------------------------------------------------------------------

@@ -277,6 +277,8 @@ class WorkerPool:
         bound, run, seconds = getattr(engine, "warmed", (0, 0, 0.0))
         graphs = " with CUDA graphs" if getattr(engine, "cuda_graphs", False) else ""
         mode = f", {engine.mode} engines{graphs}" if engine is not None else ""
+        if engine is not None and engine.options.engine == "openvino":
+            mode = f", {engine.mode} OpenVINO {engine.factory.precision.upper()} engines"
         dims = [_span(plan.batch_sizes, "batch sizes")]
         for g in plan.groups:
             dims.append(_span(g.buckets, f"{g.name} lengths") if g.buckets else f"exact {g.name} lengths")
