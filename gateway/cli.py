@@ -121,6 +121,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# parameters.VARIANTS, spelt out: importing it here would import the runtime before the CLI can say
+# that none is installed (tests/test_optimize.py checks the two agree).
+USE_CHOICES = ["fp32", "optimized", "fp16", "int8", "openvino-fp32", "openvino-bf16", "openvino-int8"]
+
+
 def _optimize_parser(sub) -> None:
     from batchgate.gateway.build.thresholds import METHODS, SCALES, Thresholds
 
@@ -141,8 +146,19 @@ def _optimize_parser(sub) -> None:
                        help="FP16 with FP32 inputs/outputs (for GPUs; checked for accuracy here)")  # fmt: skip
     which.add_argument("--optimized", dest="variant", action="store_const", const="optimized",
                        help="FP32 with ONNX Runtime's transformer fusions")  # fmt: skip
-    which.add_argument("--use", choices=["fp32", "optimized", "fp16", "int8"],
+    which.add_argument("--bf16", dest="variant", action="store_const", const="bf16",
+                       help="BF16 (with --engine openvino; where the CPU has AMX or AVX-512 BF16)")  # fmt: skip
+    which.add_argument("--fp32", dest="variant", action="store_const", const="fp32",
+                       help="FP32 (with --engine openvino: OpenVINO running the original file)")  # fmt: skip
+    which.add_argument("--auto", dest="variant", action="store_const", const="auto",
+                       help="build every candidate this host supports (ONNX Runtime INT8, OpenVINO FP32, BF16 "
+                       "and INT8), gate and time them all in one run, write one report "
+                       "(model.auto.report.md) and serve the fastest that passes; exit 1 when none passes")  # fmt: skip
+    which.add_argument("--use", choices=USE_CHOICES,
                        help="build nothing: make this (already gated) variant what the model serves")  # fmt: skip
+    opt.add_argument("--engine", choices=["onnxruntime", "openvino"], default="onnxruntime",
+                     help="the runtime of the variant built: --engine openvino with --fp32, --bf16 or --int8 "
+                     "(default onnxruntime)")  # fmt: skip
     opt.add_argument("--model-repository", type=Path,
                      default=Path(os.environ.get("BATCHGATE_MODEL_REPOSITORY", "model_repository")),
                      help="the repository (env BATCHGATE_MODEL_REPOSITORY; default model_repository)")  # fmt: skip
@@ -180,13 +196,20 @@ def _optimize_parser(sub) -> None:
     opt.add_argument("--repeats", type=int, default=3, help="timing repeats (default 3)")
     opt.add_argument("--no-memory", dest="memory", action="store_false", help="skip the RSS measurement")
     for name in ("min_cosine", "mean_cosine", "nn_agreement", "max_abs_err", "max_rel_err", "rank_agreement",
-                 "batch_tolerance"):  # fmt: skip
+                 "batch_tolerance", "batch_tolerance_bf16"):  # fmt: skip
         opt.add_argument(flag_name(name), type=float, default=getattr(t, name),
                          help=f"gate threshold (default {getattr(t, name):g})")  # fmt: skip
 
 
 def _optimize(args: argparse.Namespace, argv: list[str]) -> int:
-    from batchgate.gateway.build.optimize import Options, OptimizeError, Thresholds, optimize, set_variant
+    from batchgate.gateway.build.optimize import (
+        Options,
+        OptimizeError,
+        Thresholds,
+        optimize,
+        optimize_auto,
+        set_variant,
+    )
 
     model_dir = args.model_repository / args.model
     if Path(args.model).name != args.model or not model_dir.is_dir():
@@ -200,21 +223,40 @@ def _optimize(args: argparse.Namespace, argv: list[str]) -> int:
             print("batchgate optimize: --method calibrates static scales; --scales row has none to calibrate",
                   file=sys.stderr)  # fmt: skip
             return 2
+        variant = args.variant
+        if args.engine == "openvino" and variant != "auto":
+            if variant not in ("fp32", "bf16", "int8"):
+                print(f"batchgate optimize: --engine openvino builds --fp32, --bf16 or --int8, not --{variant}",
+                      file=sys.stderr)  # fmt: skip
+                return 2
+            variant = f"openvino-{variant}"
+        elif variant in ("fp32", "bf16"):
+            print(f"batchgate optimize: --{variant} is OpenVINO's (add --engine openvino); ONNX Runtime's FP32 is "
+                  "the original (--use fp32 serves it)", file=sys.stderr)  # fmt: skip
+            return 2
         scales = args.scales or ("static" if args.method else "row")
         th = Thresholds(**{k: getattr(args, k) for k in Thresholds.__dataclass_fields__})
         opts = Options(
-            variant=args.variant, version=args.version, calibration=args.calibration, heldout=args.heldout,
+            variant=variant if variant != "auto" else "int8", version=args.version, calibration=args.calibration, heldout=args.heldout,
             scales=scales, method=args.method or "percentile", percentile=args.percentile, per_channel=args.per_channel, smooth=args.smooth,
             weights=args.int8_weights,
             fallback=args.fallback, thresholds=th, force=args.force, core=args.core,
             timing_repeats=max(1, args.repeats), memory=args.memory,
             command="batchgate " + shlex.join(argv),
         )  # fmt: skip
-        result = optimize(model_dir, opts, log=lambda m: print(m, flush=True))
+        log = lambda m: print(m, flush=True)  # noqa: E731
+        if variant == "auto":
+            auto = optimize_auto(model_dir, opts, log=log)
+            if auto.chosen is None:
+                return 1
+            if args.serve:
+                print(set_variant(model_dir, auto.chosen, args.version))
+            return 0
+        result = optimize(model_dir, opts, log=log)
         if result.status != "passed":
             return 1
         if args.serve:
-            print(set_variant(model_dir, args.variant, args.version))
+            print(set_variant(model_dir, variant, args.version))
         return 0
     except OptimizeError as exc:
         print(f"batchgate optimize: {exc}", file=sys.stderr)

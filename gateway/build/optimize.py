@@ -44,6 +44,7 @@ import contextlib
 import copy
 import datetime
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -55,10 +56,13 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from dataclasses import replace as dataclass_replace
 from pathlib import Path
 
 import numpy as np
 import onnx
+
+from batchgate.workers.devices import cpu_class
 
 from batchgate.gateway.build.thresholds import METHODS, NN_TIE, SCALES, Thresholds
 from batchgate.gateway.repository import (
@@ -67,6 +71,7 @@ from batchgate.gateway.repository import (
     VARIANT_PARAMETER,
     VARIANT_PRECISION,
     ConfigError,
+    SAME_FILE_VARIANTS,
     ModelSpec,
     check_variant,
     load_model,
@@ -75,7 +80,11 @@ from batchgate.gateway.repository import (
     variant_path,
 )
 
-VARIANTS = ("optimized", "fp16", "int8")
+VARIANTS = ("optimized", "fp16", "int8", "openvino-fp32", "openvino-bf16", "openvino-int8")
+# What `--auto` builds and measures on a host, in this order (the original, ONNX Runtime FP32, is
+# measured beside them as the baseline): ONNX Runtime's INT8 and OpenVINO's FP32, BF16 (where the
+# CPU computes it natively) and INT8 (where NNCF is installed).
+AUTO_CANDIDATES = ("int8", "openvino-fp32", "openvino-bf16", "openvino-int8")
 TEXTS = Path(__file__).resolve().parent / "texts"
 CALIBRATION_TEXTS = TEXTS / "calibration.txt"
 HELDOUT_TEXTS = TEXTS / "heldout.txt"
@@ -130,6 +139,7 @@ class Rows:
     feeds: list[dict[str, np.ndarray]]
     source: str
     digest: str  # sha256 of the rows' bytes: the report names exactly what was measured
+    kinds: list[str] | None = None  # per row, from the text file's `# kind: NAME` lines; None: one kind
 
     def __len__(self) -> int:
         return len(self.feeds)
@@ -146,14 +156,30 @@ def _digest(feeds: list[dict[str, np.ndarray]]) -> str:
 
 def read_texts(path: Path) -> list[str]:
     """One text per line; blank lines and lines starting with '#' skipped."""
+    return read_kinded_texts(path)[0]
+
+
+_KIND = re.compile(r"^#\s*kind:\s*(\S+)\s*$")
+
+
+def read_kinded_texts(path: Path) -> tuple[list[str], list[str]]:
+    """The texts and, per text, its kind: the last ``# kind: NAME`` line above it ("text" before any)."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise OptimizeError(f"cannot read texts from {path}: {exc}") from None
-    texts = [t for t in lines if t.strip() and not t.startswith("#")]
+    texts, kinds, kind = [], [], "text"
+    for line in lines:
+        if line.startswith("#"):
+            if m := _KIND.match(line):
+                kind = m.group(1)
+            continue
+        if line.strip():
+            texts.append(line)
+            kinds.append(kind)
     if not texts:
         raise OptimizeError(f"{path} holds no texts (expected one text per line)")
-    return texts
+    return texts, kinds
 
 
 def _token_rows(spec: ModelSpec, texts: list[str]) -> list[dict[str, np.ndarray]]:
@@ -253,8 +279,10 @@ def model_rows(spec: ModelSpec, which: str, path: Path | None = None) -> Rows:
             raise OptimizeError(f"model '{spec.name}' takes no text; give {path.name} as .npz arrays")
         src = path or (CALIBRATION_TEXTS if which == "calibration" else HELDOUT_TEXTS)
         shipped = path is None
-        feeds = _token_rows(spec, read_texts(src))
+        texts, kinds = read_kinded_texts(src)
+        feeds = _token_rows(spec, texts)
         source = f"gateway/build/texts/{src.name} (shipped)" if shipped else str(src)
+        return Rows(feeds, source, _digest(feeds), kinds if len(set(kinds)) > 1 else None)
     else:
         seed = CALIBRATION_SEED if which == "calibration" else HELDOUT_SEED
         feeds = _synthetic_rows(spec, SYNTHETIC_ROWS[which], seed)
@@ -293,6 +321,27 @@ def session(path: Path, threads: int = 1):
     return ort.InferenceSession(
         str(path), so, providers=["CPUExecutionProvider"], disabled_optimizers=disabled_fusions("cpu")
     )
+
+
+def engine_precision(variant: str) -> tuple[str, str]:
+    """(engine, OpenVINO precision) a variant runs with; ONNX Runtime's precision is in its file."""
+    if not variant.startswith("openvino-"):
+        return "onnxruntime", "fp32"
+    from batchgate.workers import openvino_engine
+
+    asked = {"openvino-fp32": "fp32", "openvino-bf16": "bf16"}.get(variant, "auto")
+    return "openvino", openvino_engine.resolve_precision(asked)
+
+
+def engine_session(path: Path, variant: str):
+    """A session of ``variant``'s engine over ``path`` as a worker makes one (one thread):
+    ONNX Runtime's, or OpenVINO's behind the same ``run``/``get_outputs``."""
+    engine, precision = engine_precision(variant)
+    if engine == "onnxruntime":
+        return session(path)
+    from batchgate.workers import openvino_engine
+
+    return openvino_engine.Session(path, precision=precision, threads=1)
 
 
 def run_rows(sess, feeds: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -427,12 +476,14 @@ def _pin(core: int | None) -> int:
     return core
 
 
-def speed(paths: dict[str, Path], feeds: list[dict[str, np.ndarray]], max_batch: int, repeats: int) -> dict:
-    """Per engine, measured alternately in one run on the current (pinned) core: latency of one row
-    alone (p50/p99 over every held-out row, ``repeats`` times) and rows/s at each batch size (the
-    held-out rows by length, each batch padded to its longest, as a server's length bucket pads;
-    each batch at its quickest of the repeats)."""
-    sessions = {k: session(p) for k, p in paths.items()}
+def speed(engines: dict[str, tuple[Path, str]], feeds: list[dict[str, np.ndarray]], max_batch: int,
+          repeats: int) -> dict:  # fmt: skip
+    """Per engine (name -> (file, variant)), measured alternately in one run on the current (pinned)
+    core: latency of one row alone (p50/p99 over every held-out row, ``repeats`` times) and rows/s
+    at each batch size (the held-out rows by length, each batch padded to its longest, as a
+    server's length bucket pads; each batch at its quickest of the repeats)."""
+    paths = engines
+    sessions = {k: engine_session(p, v) for k, (p, v) in engines.items()}
     for s in sessions.values():  # first runs pay for allocation
         for f in feeds[:3]:
             s.run(None, f)
@@ -472,6 +523,9 @@ def speed(paths: dict[str, Path], feeds: list[dict[str, np.ndarray]], max_batch:
             })  # fmt: skip
     for r in result.values():
         r["peak_rows_per_s"] = max(x["rows_per_s"] for x in r["batches"])
+        # What --auto ranks by: served traffic mixes lone rows and full batches, so no one size speaks
+        # for it; the geometric mean of rows/s over the measured batch sizes weighs them alike.
+        r["score_rows_per_s"] = float(np.exp(np.mean([np.log(x["rows_per_s"]) for x in r["batches"]])))
     return result
 
 
@@ -485,25 +539,34 @@ def rss():
     for line in open('/proc/self/status'):
         if line.startswith('VmRSS:'):
             return int(line.split()[1]) * 1024
-import onnxruntime as ort
 feed = dict(np.load(sys.argv[2]))
-before = rss()
-so = ort.SessionOptions(); so.intra_op_num_threads = 1; so.inter_op_num_threads = 1
-s = ort.InferenceSession(sys.argv[1], so, providers=['CPUExecutionProvider'], disabled_optimizers=sys.argv[3:])
-s.run(None, feed)
+if sys.argv[3] == "openvino":
+    import openvino
+    before = rss()
+    from batchgate.workers.openvino_engine import Session
+    Session(sys.argv[1], precision=sys.argv[4]).run(None, feed)
+else:
+    import onnxruntime as ort
+    before = rss()
+    so = ort.SessionOptions(); so.intra_op_num_threads = 1; so.inter_op_num_threads = 1
+    s = ort.InferenceSession(sys.argv[1], so, providers=['CPUExecutionProvider'], disabled_optimizers=sys.argv[4:])
+    s.run(None, feed)
 print(rss() - before)
 """
 
 
-def engine_rss(path: Path, feed: dict[str, np.ndarray]) -> int | None:
-    """Bytes of RSS a loaded engine adds after one run, in a fresh child (so nothing of ours is shared)."""
+def engine_rss(path: Path, feed: dict[str, np.ndarray], variant: str = "fp32") -> int | None:
+    """Bytes of RSS a loaded engine adds after one run, in a fresh child (so nothing of ours is
+    shared; the runtime's own import is before the first reading)."""
     from batchgate.workers.sessions import disabled_fusions
 
+    engine, precision = engine_precision(variant)
+    rest = [precision] if engine == "openvino" else ["fp32", *disabled_fusions("cpu")]
     with tempfile.TemporaryDirectory() as tmp:
         np.savez(Path(tmp) / "feed.npz", **feed)
         try:
             out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(path), str(Path(tmp) / "feed.npz"),
-                                  *disabled_fusions("cpu")],
+                                  engine, *rest],
                                  capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
             return int(out.stdout.strip().splitlines()[-1])
         except (subprocess.SubprocessError, ValueError, IndexError):
@@ -987,6 +1050,30 @@ def build_fp16(src: Path, dst: Path, calib: Rows, opts: Options, log: Log) -> di
             "calibration_batch_independence": indep}  # fmt: skip
 
 
+def build_openvino_int8(src: Path, dst: Path, calib: Rows, opts: Options, log: Log) -> dict:
+    """NNCF's post-training quantisation (its ONNX backend: a QDQ ONNX file OpenVINO runs with INT8
+    kernels), transformer preset (attention scores, softmax, LayerNorm and the like kept in the
+    engine's precision; SmoothQuant on), static scales calibrated on the calibration rows."""
+    try:
+        import nncf
+    except ImportError:
+        raise OptimizeError(
+            "openvino-int8 is built with NNCF, which is not installed: pip install 'batchgate[openvino-int8]'"
+        ) from None
+    log(f"openvino-int8: NNCF post-training quantisation on {len(calib)} calibration rows (transformer preset)")
+    model = onnx.load(str(src))
+    with _quiet(), contextlib.redirect_stderr(open(os.devnull, "w")):
+        quantized = nncf.quantize(
+            model, nncf.Dataset(calib.feeds), model_type=nncf.ModelType.TRANSFORMER, subset_size=len(calib)
+        )
+    _save(quantized, dst)
+    nodes = [n for n in quantized.graph.node]
+    qdq = sum(n.op_type == "QuantizeLinear" for n in nodes)
+    gemms = [n for n in model.graph.node if n.op_type in INT8_OPS]
+    return {"nncf": nncf.__version__, "quantize_nodes": qdq, "quantisable_nodes": len(gemms),
+            "compute_precision": engine_precision("openvino-int8")[1]}  # fmt: skip
+
+
 def _strip(acc: dict) -> dict:
     return {k: {kk: vv for kk, vv in v.items() if kk != "per_row"} for k, v in acc.items()}
 
@@ -1020,9 +1107,7 @@ def _spec(model_dir: Path, version: str | None) -> ModelSpec:
     return by_version[version]
 
 
-def optimize(model_dir: Path, opts: Options, log: Log = print) -> Result:
-    """Build ``opts.variant`` of the model in ``model_dir``, gate it, write it and its report.
-    Does not change what the model serves (``set_variant`` does)."""
+def _check_options(opts: Options) -> None:
     if opts.variant not in VARIANTS:
         raise OptimizeError(f"variant must be one of {', '.join(VARIANTS)}, got '{opts.variant}'")
     if opts.scales not in SCALES:
@@ -1031,102 +1116,408 @@ def optimize(model_dir: Path, opts: Options, log: Log = print) -> Result:
         raise OptimizeError(f"calibration method must be one of {', '.join(METHODS)}, got '{opts.method}'")
     if not 0 < opts.percentile <= 100:
         raise OptimizeError(f"percentile must be in (0, 100], got {opts.percentile}")
-    spec = _spec(model_dir, opts.version)
-    src = spec.path
-    dst = variant_path(src, opts.variant)
-    started = time.perf_counter()
-    log(f"{spec.name} v{spec.version}: building {opts.variant} from {src}")
+    if opts.variant.startswith("openvino-"):
+        from batchgate.workers import openvino_engine
+
+        if not openvino_engine.available():
+            raise OptimizeError(f"{opts.variant} runs on OpenVINO, which is not installed: "
+                                "pip install 'batchgate[openvino]'")  # fmt: skip
+
+
+def _rows(spec: ModelSpec, opts: Options) -> tuple[Rows, Rows]:
     calib = model_rows(spec, "calibration", opts.calibration)
     held = model_rows(spec, "heldout", opts.heldout)
     if calib.digest == held.digest:
         raise OptimizeError(
             "the held-out rows are the calibration rows; the gate needs rows calibration never saw"
         )
+    return calib, held
+
+
+def build_variant(src: Path, variant: str, tmp_dst: Path, calib: Rows, opts: Options, log: Log) -> tuple[Path, dict]:
+    """Build ``variant`` of ``src`` into ``tmp_dst``; (the file that runs, what the build did).
+    OpenVINO's FP32 and BF16 build nothing: they run ``src`` itself."""
+    if variant in SAME_FILE_VARIANTS:
+        engine, precision = engine_precision(variant)
+        from batchgate.workers import openvino_engine
+
+        log(f"{variant}: nothing to build; OpenVINO {openvino_engine.version()} runs {src.name} in "
+            f"{precision.upper()}")  # fmt: skip
+        return src, {"openvino": openvino_engine.version(), "compute_precision": precision}
+    if variant == "optimized":
+        build = build_optimized(src, tmp_dst, log)
+    elif variant == "int8":
+        build = build_int8(src, tmp_dst, calib, dataclass_replace(opts, variant=variant), log)
+    elif variant == "openvino-int8":
+        build = build_openvino_int8(src, tmp_dst, calib, opts, log)
+    else:
+        build = build_fp16(src, tmp_dst, calib, opts, log)
+    return tmp_dst, build
+
+
+def batch_bound(variant: str, t: Thresholds) -> float:
+    """The batch-independence bound of ``variant``: ``batch_tolerance`` where the kernels compute in
+    FP32 (or INT8 with FP32 around it), ``batch_tolerance_bf16`` where they compute in BF16, whose
+    blocking changes with the batch's shape (docs/engines.md says why that bound)."""
+    return t.batch_tolerance_bf16 if engine_precision(variant)[1] == "bf16" else t.batch_tolerance
+
+
+def by_kind(acc: dict[str, dict], kinds: list[str] | None) -> dict[str, dict[str, dict]]:
+    """Per output, per kind of held-out row: rows, min and mean of the per-row figure (cosine for
+    embeddings, absolute error for scores)."""
+    if not kinds:
+        return {}
+    out: dict[str, dict[str, dict]] = {}
+    for name, a in acc.items():
+        vals = np.asarray(a["per_row"])
+        per: dict[str, dict] = {}
+        for kind in dict.fromkeys(kinds):
+            sel = vals[[k == kind for k in kinds]]
+            if a["kind"] == "embedding":
+                per[kind] = {"rows": int(len(sel)), "min_cosine": float(sel.min()), "mean_cosine": float(sel.mean())}
+            else:
+                per[kind] = {"rows": int(len(sel)), "max_abs_err": float(sel.max()), "mean_abs_err": float(sel.mean())}
+        out[name] = per
+    return out
+
+
+def gate(ref: dict[str, np.ndarray], file: Path, variant: str, held: Rows, opts: Options) -> tuple[dict, list[str], dict]:
+    """Accuracy against ``ref`` (the original's outputs) and batch independence of one candidate:
+    (accuracy, failures, {"max_abs", "bound", "min_cosine"})."""
+    sess = engine_session(file, variant)
+    got = run_rows(sess, held.feeds)
+    acc = accuracy(ref, got)
+    failures = judge(acc, opts.thresholds)
+    indep = batch_independence(sess, held.feeds, got)
+    bound = batch_bound(variant, opts.thresholds)
+    if indep > bound:
+        failures.append(f"batch_independence {indep:.3g} (needs <= {bound:g})")
+    return acc, failures, {"max_abs": indep, "bound": bound}
+
+
+def _report(spec: ModelSpec, variant: str, file: Path, status: str, failures: list[str], opts: Options,
+            acc: dict, indep: dict, timing: dict, memory: dict, build: dict, calib: Rows, held: Rows,
+            core: int, started: float) -> dict:  # fmt: skip
+    src = spec.path
+    engine, precision = engine_precision(variant)
+    shown = VARIANT_PRECISION[variant] if engine == "onnxruntime" or variant == "openvino-int8" else precision.upper()
+    mine, base = timing[variant], timing["original"]
+    return {
+        "model": spec.name,
+        "version": spec.version,
+        "variant": {
+            "name": variant,
+            "precision": shown,
+            "engine": engine,
+            "file": variant_path(src, variant).name,
+            "sha256": sha256_file(file),
+            "bytes": file.stat().st_size,
+        },  # fmt: skip
+        "original": {"file": src.name, "sha256": sha256_file(src), "bytes": src.stat().st_size},
+        "status": status,
+        "failures": failures,
+        "thresholds": asdict(opts.thresholds),
+        "accuracy": acc,
+        "accuracy_by_kind": by_kind(acc, held.kinds),
+        "batch_independence_max_abs": indep["max_abs"],
+        "batch_independence_bound": indep["bound"],
+        "speed": {k: timing[k] for k in ("original", variant)},
+        "speedup": {
+            "latency_p50": base["latency_ms"]["p50"] / mine["latency_ms"]["p50"],
+            "peak_rows_per_s": mine["peak_rows_per_s"] / base["peak_rows_per_s"],
+        },
+        "memory_rss_bytes": {k: memory.get(k) for k in ("original", variant) if k in memory},
+        "build": build,
+        "calibration": {"source": calib.source, "rows": len(calib), "sha256": calib.digest},
+        "heldout": {"source": held.source, "rows": len(held), "sha256": held.digest},
+        "machine": machine(core),
+        "date": datetime.date.today().isoformat(),
+        "command": opts.command,
+        "build_seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def _publish(report: dict, spec: ModelSpec, variant: str, file: Path, opts: Options) -> Path | None:
+    """Write the report and, when it passed (or ``force``), move the built file into place; a
+    failed rebuild removes an older file of the same variant. The file written, or None."""
+    src = spec.path
+    dst = variant_path(src, variant)
+    write_report(report, report_path(src, variant))
+    if dst == src:  # runs the original itself: nothing to move, and never anything to delete
+        return src if report["status"] == "passed" or opts.force else None
+    if report["status"] == "passed" or opts.force:
+        os.replace(file, dst)
+        return dst
+    if dst.exists():
+        # A failed rebuild must not leave an older variant looking current beside its new report.
+        dst.unlink()
+    return None
+
+
+def optimize(model_dir: Path, opts: Options, log: Log = print) -> Result:
+    """Build ``opts.variant`` of the model in ``model_dir``, gate it, write it and its report.
+    Does not change what the model serves (``set_variant`` does)."""
+    _check_options(opts)
+    spec = _spec(model_dir, opts.version)
+    src = spec.path
+    variant = opts.variant
+    dst = variant_path(src, variant)
+    started = time.perf_counter()
+    log(f"{spec.name} v{spec.version}: building {variant} from {src}")
+    calib, held = _rows(spec, opts)
     tmp_dst = dst.with_name(f".{dst.name}.{os.getpid()}.build")
     try:
-        if opts.variant == "optimized":
-            build = build_optimized(src, tmp_dst, log)
-        elif opts.variant == "int8":
-            build = build_int8(src, tmp_dst, calib, opts, log)
-        else:
-            build = build_fp16(src, tmp_dst, calib, opts, log)
+        file, build = build_variant(src, variant, tmp_dst, calib, opts, log)
         log(f"evaluating on {len(held)} held-out rows ({held.source})")
-        ref_sess, var_sess = session(src), session(tmp_dst)
-        ref = run_rows(ref_sess, held.feeds)
-        got = run_rows(var_sess, held.feeds)
-        acc = accuracy(ref, got)
-        failures = judge(acc, opts.thresholds)
-        indep = batch_independence(var_sess, held.feeds, got)
-        if indep > opts.thresholds.batch_tolerance:
-            failures.append(f"batch_independence {indep:.3g} (needs <= {opts.thresholds.batch_tolerance:g})")
+        ref = run_rows(session(src), held.feeds)
+        acc, failures, indep = gate(ref, file, variant, held, opts)
         if build.get("nothing_quantised"):
             failures.append("int8_nodes 0: no node stays INT8 within the targets (needs >= 1)")
-        del ref_sess, var_sess
         core = _pin(opts.core)
-        log(f"timing on core {core} (original and {opts.variant} alternately, {opts.timing_repeats} repeats)")
-        timing = speed({"original": src, opts.variant: tmp_dst}, held.feeds, max(1, spec.max_batch_size),
-                       opts.timing_repeats)  # fmt: skip
+        log(f"timing on core {core} (original and {variant} alternately, {opts.timing_repeats} repeats)")
+        timing = speed({"original": (src, "fp32"), variant: (file, variant)}, held.feeds,
+                       max(1, spec.max_batch_size), opts.timing_repeats)  # fmt: skip
         memory = {}
         if opts.memory:
             log("memory: RSS of each loaded engine (a child process each)")
-            memory = {
-                "original": engine_rss(src, held.feeds[0]),
-                opts.variant: engine_rss(tmp_dst, held.feeds[0]),
-            }
+            memory = {"original": engine_rss(src, held.feeds[0]), variant: engine_rss(file, held.feeds[0], variant)}
         status = "passed" if not failures else "failed"
-        report = {
-            "model": spec.name,
-            "version": spec.version,
-            "variant": {
-                "name": opts.variant,
-                "precision": VARIANT_PRECISION[opts.variant],
-                "file": dst.name,
-                "sha256": sha256_file(tmp_dst),
-                "bytes": tmp_dst.stat().st_size,
-            },  # fmt: skip
-            "original": {"file": src.name, "sha256": sha256_file(src), "bytes": src.stat().st_size},
-            "status": status,
-            "failures": failures,
-            "thresholds": asdict(opts.thresholds),
-            "accuracy": acc,
-            "batch_independence_max_abs": indep,
-            "speed": timing,
-            "speedup": {
-                "latency_p50": timing["original"]["latency_ms"]["p50"]
-                / timing[opts.variant]["latency_ms"]["p50"],
-                "peak_rows_per_s": timing[opts.variant]["peak_rows_per_s"]
-                / timing["original"]["peak_rows_per_s"],
-            },
-            "memory_rss_bytes": memory,
-            "build": build,
-            "calibration": {"source": calib.source, "rows": len(calib), "sha256": calib.digest},
-            "heldout": {"source": held.source, "rows": len(held), "sha256": held.digest},
-            "machine": machine(core),
-            "date": datetime.date.today().isoformat(),
-            "command": opts.command,
-            "build_seconds": round(time.perf_counter() - started, 1),
-        }
-        rp = report_path(src, opts.variant)
-        write_report(report, rp)
-        written = None
-        if status == "passed" or opts.force:
-            os.replace(tmp_dst, dst)
-            written = dst
-        elif dst.exists():
-            # A failed rebuild must not leave an older variant looking current beside its new report.
-            dst.unlink()
-        line = f"{spec.name} {opts.variant}: {status.upper()}"
+        report = _report(spec, variant, file, status, failures, opts, acc, indep, timing, memory, build,
+                         calib, held, core, started)  # fmt: skip
+        written = _publish(report, spec, variant, file, opts)
+        rp = report_path(src, variant)
+        line = f"{spec.name} {variant}: {status.upper()}"
         if failures:
             line += " — " + "; ".join(failures)
         log(line)
         log(f"report: {rp.with_suffix('.md')}" + ("" if written else f" ({dst.name} not written)"))
         if status == "passed" and max(report["speedup"].values()) < 1.0:
-            log(f"note: {opts.variant} is not faster than the original on this CPU (x{report['speedup']['latency_p50']:.2f} "
+            log(f"note: {variant} is not faster than the original on this CPU (x{report['speedup']['latency_p50']:.2f} "
                 f"one row, x{report['speedup']['peak_rows_per_s']:.2f} peak); keep serving the original: "
                 f"`batchgate optimize {spec.name} --use fp32`")  # fmt: skip
         return Result(status, failures, report, written, rp)
     finally:
         tmp_dst.unlink(missing_ok=True)
+
+
+@dataclass(slots=True)
+class AutoResult:
+    chosen: str | None  # the variant to serve; None: no candidate passed
+    serving: str  # what the model served before
+    candidates: dict[str, Result]
+    skipped: dict[str, str]  # candidate -> why this host does not build it
+    report: dict
+    report_file: Path
+
+
+def auto_candidates() -> tuple[list[str], dict[str, str]]:
+    """The candidates this host builds, and those it skips with the reason."""
+    from batchgate.workers import openvino_engine
+
+    take, skip = [], {}
+    for v in AUTO_CANDIDATES:
+        if v.startswith("openvino-") and not openvino_engine.available():
+            skip[v] = "the openvino package is not installed (pip install 'batchgate[openvino]')"
+        elif v == "openvino-bf16" and not openvino_engine.native_bf16():
+            skip[v] = "this CPU has neither AMX nor AVX-512 BF16 (BF16 would be emulated, slower than FP32)"
+        elif v == "openvino-int8" and importlib.util.find_spec("nncf") is None:
+            skip[v] = "NNCF is not installed (pip install 'batchgate[openvino-int8]')"
+        else:
+            take.append(v)
+    return take, skip
+
+
+def optimize_auto(model_dir: Path, opts: Options, log: Log = print, candidates: list[str] | None = None) -> AutoResult:
+    """Build every candidate this host supports, gate each against the original on the same held-out
+    rows, time them all (and the original, and what serves now) alternately on one pinned core in
+    one run, write each candidate's report and one table of them all (``model.auto.report.md``),
+    and name the fastest candidate that passed — never one slower than what serves now. Does not
+    change what the model serves (``set_variant`` does)."""
+    spec = _spec(model_dir, opts.version)
+    serving = _serving_variant(model_dir, spec.version)
+    src = spec.path
+    take, skipped = auto_candidates()
+    if candidates is not None:
+        take = [c for c in candidates if c in take]
+    for v, why in skipped.items():
+        log(f"{v}: skipped: {why}")
+    started = time.perf_counter()
+    calib, held = _rows(spec, opts)
+    log(f"{spec.name} v{spec.version}: candidates {', '.join(take)}; gate on {len(held)} held-out rows ({held.source})")
+    ref = run_rows(session(src), held.feeds)
+    tmp: dict[str, Path] = {}
+    built: dict[str, tuple[Path, dict, dict, list[str], dict]] = {}
+    try:
+        for v in take:
+            o = dataclass_replace(opts, variant=v)
+            _check_options(o)
+            tmp[v] = variant_path(src, v).with_name(f".{variant_path(src, v).name}.{os.getpid()}.build")
+            t0 = time.perf_counter()
+            try:
+                file, build = build_variant(src, v, tmp[v], calib, o, log)
+            except OptimizeError as exc:
+                skipped[v] = str(exc)
+                log(f"{v}: not built: {exc}")
+                continue
+            acc, failures, indep = gate(ref, file, v, held, o)
+            if build.get("nothing_quantised"):
+                failures.append("int8_nodes 0: no node stays INT8 within the targets (needs >= 1)")
+            build["build_seconds"] = round(time.perf_counter() - t0, 1)
+            built[v] = (file, build, acc, failures, indep)
+            log(f"{v}: gate {'passed' if not failures else 'FAILED — ' + '; '.join(failures)}")
+        engines = {"original": (src, "fp32")} | {v: (b[0], v) for v, b in built.items()}
+        if serving not in ("fp32", *built):
+            try:  # what serves now is measured too: --auto never picks anything slower
+                engines[serving] = (check_variant(spec.name, spec.version, src, serving), serving)
+            except ConfigError as exc:
+                log(f"{serving} (serving now): not measured: {exc}")
+        core = _pin(opts.core)
+        log(f"timing on core {core}: {', '.join(engines)} alternately, {opts.timing_repeats} repeats")
+        timing = speed(engines, held.feeds, max(1, spec.max_batch_size), opts.timing_repeats)
+        memory: dict[str, int | None] = {}
+        if opts.memory:
+            log("memory: RSS of each loaded engine (a child process each)")
+            memory = {k: engine_rss(p, held.feeds[0], v) for k, (p, v) in engines.items()}
+        results: dict[str, Result] = {}
+        for v, (file, build, acc, failures, indep) in built.items():
+            o = dataclass_replace(opts, variant=v)
+            status = "passed" if not failures else "failed"
+            report = _report(spec, v, file, status, failures, o, acc, indep, timing, memory, build, calib, held,
+                             core, started)  # fmt: skip
+            written = _publish(report, spec, v, file, o)
+            results[v] = Result(status, failures, report, written, report_path(src, v))
+        score = {k: t["score_rows_per_s"] for k, t in timing.items()}
+        floor = score.get(serving if serving in score else "original", score["original"])
+        passed = [v for v, r in results.items() if r.status == "passed"]
+        best = max(passed, key=lambda v: score[v], default=None)
+        chosen = None
+        if best is not None:
+            chosen = best if score[best] >= floor else (serving if serving in score else "fp32")
+        summary = _auto_report(spec, serving, chosen, results, skipped, timing, memory, held, opts, core, started)
+        rp = report_path(src, "auto")
+        write_auto_report(summary, rp)
+        log(f"report: {rp.with_suffix('.md')}")
+        if chosen is None:
+            log(f"{spec.name}: no candidate passed the gate; it keeps serving {serving}")
+        else:
+            log(f"{spec.name}: fastest passing: {best} (x{score[best] / score['original']:.2f} the original's "
+                f"rows/s, geometric mean over batch sizes); serves {chosen}")  # fmt: skip
+        return AutoResult(chosen, serving, results, skipped, summary, rp)
+    finally:
+        for t in tmp.values():
+            t.unlink(missing_ok=True)
+
+
+def _serving_variant(model_dir: Path, version: str | None) -> str:
+    try:
+        specs = load_model(model_dir)
+    except ConfigError:
+        return "fp32"
+    by_version = {s.version: s for s in specs}
+    return (by_version.get(version) or specs[-1]).variant
+
+
+def _auto_report(spec, serving, chosen, results, skipped, timing, memory, held, opts, core, started) -> dict:
+    rows = []
+    base = timing["original"]["score_rows_per_s"]
+    for k, t in timing.items():
+        r = results.get(k)
+        rep = r.report if r else None
+        entry = {
+            "candidate": "fp32 (original)" if k == "original" else k,
+            "engine": engine_precision(k if k != "original" else "fp32")[0],
+            "precision": rep["variant"]["precision"] if rep else VARIANT_PRECISION.get(k, "FP32"),
+            "status": r.status if r else "original",
+            "failures": r.failures if r else [],
+            "p50_ms": t["latency_ms"]["p50"],
+            "p99_ms": t["latency_ms"]["p99"],
+            "rows_per_s": {str(b["batch"]): b["rows_per_s"] for b in t["batches"]},
+            "score_rows_per_s": t["score_rows_per_s"],
+            "x_original": t["score_rows_per_s"] / base,
+            "rss_bytes": memory.get(k),
+        }
+        if rep:
+            entry["accuracy"] = _strip(rep["accuracy"])
+            entry["accuracy_by_kind"] = rep["accuracy_by_kind"]
+            entry["batch_independence_max_abs"] = rep["batch_independence_max_abs"]
+            entry["batch_independence_bound"] = rep["batch_independence_bound"]
+        rows.append(entry)
+    return {
+        "model": spec.name,
+        "version": spec.version,
+        "serving_before": serving,
+        "chosen": chosen,
+        "candidates": rows,
+        "skipped": skipped,
+        "thresholds": asdict(opts.thresholds),
+        "heldout": {"source": held.source, "rows": len(held), "sha256": held.digest},
+        "machine": machine(core),
+        "cpu_class": cpu_class(),
+        "date": datetime.date.today().isoformat(),
+        "command": opts.command,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def write_auto_report(r: dict, json_path: Path) -> None:
+    tmp = json_path.with_name(f".{json_path.name}.tmp")
+    tmp.write_text(json.dumps(r, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, json_path)
+    json_path.with_suffix(".md").write_text(auto_markdown(r))
+
+
+def auto_markdown(r: dict) -> str:
+    sizes = list(r["candidates"][0]["rows_per_s"])
+    lines = [
+        f"# {r['model']} v{r['version']}: engine and precision by measurement — serves {r['chosen'] or r['serving_before']}",
+        "",
+        f"{r['date']}, {r['machine']} (arithmetic class {r['cpu_class']}). Command: `{r['command'] or 'batchgate optimize --auto'}`.",
+        f"Gate on {r['heldout']['rows']} held-out rows from {r['heldout']['source']}; every engine timed "
+        "alternately in one run on one pinned core, one thread.",
+        "",
+        "| candidate | engine | precision | gate | min cos | mean cos | batch indep. (bound) | p50 ms | p99 ms | "
+        + " | ".join(f"rows/s @{b}" for b in sizes) + " | x original | RSS MiB |",
+        "|---|---|---|---|---|---|---|---|---|" + "---|" * len(sizes) + "---|---|",
+    ]
+    for c in r["candidates"]:
+        acc = next(iter(c.get("accuracy", {}).values()), None)
+        if acc is None:
+            cos = ("1", "1")
+        elif acc["kind"] == "embedding":
+            cos = (f"{acc['min_cosine']:.5f}", f"{acc['mean_cosine']:.5f}")
+        else:
+            cos = (f"abs {acc['max_abs_err']:.2g}", f"rank {acc['rank_agreement']:.4f}")
+        bi = (f"{c['batch_independence_max_abs']:.1e} ({c['batch_independence_bound']:g})"
+              if "batch_independence_max_abs" in c else "-")  # fmt: skip
+        rss = c["rss_bytes"]
+        lines.append(
+            f"| {c['candidate']} | {c['engine']} | {c['precision']} | {c['status']} | {cos[0]} | {cos[1]} | {bi} | "
+            f"{c['p50_ms']:.2f} | {c['p99_ms']:.2f} | "
+            + " | ".join(f"{c['rows_per_s'][b]:.1f}" for b in sizes)
+            + f" | {c['x_original']:.2f} | {'-' if rss is None else f'{rss / 2**20:.0f}'} |"
+        )
+    lines.append("")
+    for c in r["candidates"]:
+        if c["failures"]:
+            lines.append(f"- {c['candidate']} refused: {'; '.join(c['failures'])}")
+    for v, why in r["skipped"].items():
+        lines.append(f"- {v} not built: {why}")
+    kinds = {c["candidate"]: c["accuracy_by_kind"] for c in r["candidates"] if c.get("accuracy_by_kind")}
+    if kinds:
+        out = next(iter(next(iter(kinds.values()))))
+        names = list(next(iter(kinds.values()))[out])
+        first = next(iter(kinds.values()))[out][names[0]]
+        fig = "min_cosine" if "min_cosine" in first else "max_abs_err"
+        lines += ["", f"Gate figure per kind of held-out row ({out}, {fig.replace('_', ' ')}):", "",
+                  "| candidate | " + " | ".join(f"{n} ({first_rows})" for n, first_rows in
+                                               ((n, next(iter(kinds.values()))[out][n]["rows"]) for n in names)) + " |",
+                  "|---|" + "---|" * len(names)]  # fmt: skip
+        for cand, per in kinds.items():
+            lines.append(f"| {cand} | " + " | ".join(f"{per[out][n][fig]:.5f}" for n in names) + " |")
+    lines += ["", "x original: the geometric mean of rows/s over the batch sizes, against ONNX Runtime FP32 "
+              "(the original) in the same run; --auto serves the fastest candidate that passed, never one "
+              "slower than what served before."]  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 def machine(core: int | None = None) -> str:
