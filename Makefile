@@ -8,9 +8,14 @@ BIN    := $(VENV)/bin
 # must never share an environment (both provide the `onnxruntime` module): switch on a fresh
 # .venv, e.g. `make clean && make serve RUNTIME=gpu`.
 RUNTIME ?= cpu
+# OPENVINO=1 adds the OpenVINO engine to `make serve` (the openvino extra; a model served with
+# engine "openvino" or an openvino-* variant needs it). `make test` always installs it.
+OPENVINO ?= 0
+comma := ,
+SERVE_EXTRAS := $(RUNTIME)$(if $(filter 1,$(OPENVINO)),$(comma)openvino)
 # One stamp per install, so `make serve` then `make test` in one checkout installs the rest, and
 # `make serve` after `make test` installs nothing. pyproject.toml changing re-runs them.
-SERVE_STAMP := $(VENV)/.installed-$(RUNTIME)
+SERVE_STAMP := $(VENV)/.installed-$(RUNTIME)$(if $(filter 1,$(OPENVINO)),-openvino)
 TEST_STAMP  := $(VENV)/.installed-$(RUNTIME)-test
 OTHER_ORT   := $(if $(filter gpu,$(RUNTIME)),onnxruntime,onnxruntime-gpu)
 
@@ -31,8 +36,8 @@ endef
 # minute or more and should not look stuck.
 $(SERVE_STAMP): pyproject.toml | $(BIN)/python
 	$(check_runtime)
-	@echo "== installing batchgate[$(RUNTIME)] into $(VENV) (serving only; make test adds the test tools)"
-	$(BIN)/python -m pip install -e '.[$(RUNTIME)]'
+	@echo "== installing batchgate[$(SERVE_EXTRAS)] into $(VENV) (serving only; make test adds the test tools)"
+	$(BIN)/python -m pip install -e '.[$(SERVE_EXTRAS)]'
 	@touch $@
 
 $(TEST_STAMP): pyproject.toml | $(BIN)/python

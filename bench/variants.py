@@ -31,6 +31,7 @@ import numpy as np
 
 from batchgate.bench.loadgen import Started, free_ports
 from batchgate.bench.text_batches import cpu_s, load, ort_limit, texts
+from batchgate.gateway.repository import report_path, variant_path
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pbg
 
@@ -43,10 +44,12 @@ def make_repo(src: Path, dst: Path, variants: list[str]) -> None:
     for v in variants:
         d = dst / f"minilm_{v}"
         (d / "1").mkdir(parents=True)
-        names = ["model.onnx"] + ([] if v == "fp32" else [f"model.{v}.onnx", f"model.{v}.report.json"])
-        for n in names:
+        names = {"model.onnx"}
+        if v != "fp32":
+            names |= {variant_path(src / "1" / "model.onnx", v).name, report_path(src / "1" / "model.onnx", v).name}
+        for n in sorted(names):
             if not (src / "1" / n).is_file():
-                raise SystemExit(f"{src}/1/{n} is missing: run `batchgate optimize minilm --{v}` first")
+                raise SystemExit(f"{src}/1/{n} is missing: run `batchgate optimize minilm --auto` (or --{v}) first")
             (d / "1" / n).symlink_to((src / "1" / n).resolve())
         shutil.copy(src / "tokenizer.json", d / "tokenizer.json")
         cfg = (src / "config.pbtxt").read_text().replace('name: "minilm"', f'name: "{d.name}"')
@@ -99,7 +102,7 @@ def main() -> int:
     os.sched_setaffinity(0, {args.load_core})
     try:
         server.ready(300)
-        print(f"\n{'variant':<10} {'shape':<14} {'texts/s':>8} {'texts/cpu-s':>11} {'vs limit':>8} {'wall x':>6} "
+        print(f"\n{'variant':<14} {'shape':<14} {'texts/s':>8} {'texts/cpu-s':>11} {'vs limit':>8} {'wall x':>6} "
               f"{'p50 ms':>7} {'p99 ms':>7}  refused")  # fmt: skip
         for item in args.shapes.split(","):
             dims, _, cls = item.partition(":")
@@ -113,7 +116,7 @@ def main() -> int:
                 )
                 used = cpu_s(proc.pid) - c0
                 per_cpu = r["texts"] / used if used else float("nan")
-                print(f"{v:<10} {item:<14} {r['texts_per_s']:>8.1f} {per_cpu:>11.1f} {per_cpu / limit:>8.2f} "
+                print(f"{v:<14} {item:<14} {r['texts_per_s']:>8.1f} {per_cpu:>11.1f} {per_cpu / limit:>8.2f} "
                       f"{r['texts_per_s'] / limit:>6.2f} {r['p50_ms']:>7.0f} {r['p99_ms']:>7.0f}  {r['refused'] or ''}")  # fmt: skip
         held = [t for t in HELDOUT.read_text().splitlines() if t.strip() and not t.startswith("#")]
         ref = np.concatenate([embed(url, "minilm_fp32" if "fp32" in variants else f"minilm_{variants[0]}",
@@ -126,7 +129,8 @@ def main() -> int:
                 [embed(url, f"minilm_{v}", held[i : i + 32]) for i in range(0, len(held), 32)]
             )
             cos = (ref * got).sum(1) / np.linalg.norm(ref, axis=1) / np.linalg.norm(got, axis=1)
-            print(f"  {v}: cosine min {cos.min():.4f} mean {cos.mean():.4f}")
+            worst = int(cos.argmin())
+            print(f"  {v}: cosine min {cos.min():.5f} mean {cos.mean():.5f} (worst: {held[worst][:40]!r})")
     finally:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1061,11 +1061,15 @@ def build_openvino_int8(src: Path, dst: Path, calib: Rows, opts: Options, log: L
             "openvino-int8 is built with NNCF, which is not installed: pip install 'batchgate[openvino-int8]'"
         ) from None
     log(f"openvino-int8: NNCF post-training quantisation on {len(calib)} calibration rows (transformer preset)")
-    model = onnx.load(str(src))
-    with _quiet(), contextlib.redirect_stderr(open(os.devnull, "w")):
-        quantized = nncf.quantize(
-            model, nncf.Dataset(calib.feeds), model_type=nncf.ModelType.TRANSFORMER, subset_size=len(calib)
-        )
+    # NNCF's ONNX passes read every tensor's type from value_info: infer the shapes first.
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(src)))
+    try:
+        with _quiet(), contextlib.redirect_stderr(open(os.devnull, "w")):
+            quantized = nncf.quantize(
+                model, nncf.Dataset(calib.feeds), model_type=nncf.ModelType.TRANSFORMER, subset_size=len(calib)
+            )
+    except Exception as exc:  # NNCF's own errors carry no common type
+        raise OptimizeError(f"NNCF {nncf.__version__} could not quantise {src.name}: {type(exc).__name__}: {exc}") from None
     _save(quantized, dst)
     nodes = [n for n in quantized.graph.node]
     qdq = sum(n.op_type == "QuantizeLinear" for n in nodes)
