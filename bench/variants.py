@@ -46,10 +46,15 @@ def make_repo(src: Path, dst: Path, variants: list[str]) -> None:
         (d / "1").mkdir(parents=True)
         names = {"model.onnx"}
         if v != "fp32":
-            names |= {variant_path(src / "1" / "model.onnx", v).name, report_path(src / "1" / "model.onnx", v).name}
+            names |= {
+                variant_path(src / "1" / "model.onnx", v).name,
+                report_path(src / "1" / "model.onnx", v).name,
+            }
         for n in sorted(names):
             if not (src / "1" / n).is_file():
-                raise SystemExit(f"{src}/1/{n} is missing: run `batchgate optimize minilm --auto` (or --{v}) first")
+                raise SystemExit(
+                    f"{src}/1/{n} is missing: run `batchgate optimize minilm --auto` (or --{v}) first"
+                )
             (d / "1" / n).symlink_to((src / "1" / n).resolve())
         shutil.copy(src / "tokenizer.json", d / "tokenizer.json")
         cfg = (src / "config.pbtxt").read_text().replace('name: "minilm"', f'name: "{d.name}"')

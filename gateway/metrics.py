@@ -277,7 +277,9 @@ def _server_families(m: Metrics, plane) -> Iterator:
         labels=MV + ["variant", "precision", "engine"],
     )
     for rt in plane.runtimes():
-        variant.add_metric([rt.spec.name, rt.spec.version, rt.spec.variant, rt.spec.precision, rt.spec.engine], 1)
+        variant.add_metric(
+            [rt.spec.name, rt.spec.version, rt.spec.variant, rt.spec.precision, rt.spec.engine], 1
+        )
     yield variant
 
 

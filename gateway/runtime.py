@@ -245,7 +245,9 @@ def place_model(spec: ModelSpec, s: Settings, probe: Callable[[], tuple[int, str
     instance group placed by the one rule (workers/devices.py), devices merged in order. A
     fallback to the CPU is logged once, as a WARNING naming the model."""
     if spec.engine == "openvino":  # a CPU engine here (workers/openvino_engine.py)
-        asked = s.device == "gpu" or any(g.kind == mc.ModelInstanceGroup.KIND_GPU for g in spec.config.instance_group)
+        asked = s.device == "gpu" or any(
+            g.kind == mc.ModelInstanceGroup.KIND_GPU for g in spec.config.instance_group
+        )
         return Placement((Device("cpu"),), "engine openvino: CPU" if asked else "")
     strings = any(t.dtype == object for ts in read_model_io(spec.path) for t in ts)
     groups = list(spec.config.instance_group) or [mc.ModelInstanceGroup(kind=mc.ModelInstanceGroup.KIND_AUTO)]

@@ -221,7 +221,17 @@ def test_heldout_rows_look_like_traffic_and_calibration_never_sees_them():
     from batchgate.gateway.build.optimize import CALIBRATION_TEXTS, HELDOUT_TEXTS
 
     texts, kinds = read_kinded_texts(HELDOUT_TEXTS)
-    want = {"sentences", "punctuation", "digits", "urls", "code", "emoji", "scripts", "one_word", "cut_at_length"}
+    want = {
+        "sentences",
+        "punctuation",
+        "digits",
+        "urls",
+        "code",
+        "emoji",
+        "scripts",
+        "one_word",
+        "cut_at_length",
+    }
     assert want <= set(kinds)
     calib = set(read_kinded_texts(CALIBRATION_TEXTS)[0])
     assert not calib & set(texts)

@@ -116,7 +116,9 @@ def _port_type(port) -> str:
 class Session:
     """A compiled OpenVINO model with the part of ONNX Runtime's session API the Engine uses."""
 
-    def __init__(self, model_path: Path, *, precision: str, threads: int = 1, cache_dir: Path | None = None) -> None:
+    def __init__(
+        self, model_path: Path, *, precision: str, threads: int = 1, cache_dir: Path | None = None
+    ) -> None:
         import openvino as ov
 
         self.precision = resolve_precision(precision)
@@ -171,7 +173,9 @@ class Session:
 class SessionFactory:
     """The OpenVINO counterpart of sessions.SessionFactory: the Engine asks it for sessions."""
 
-    def __init__(self, model_path: Path, *, precision: str, threads: int = 1, cache_dir: Path | None = None) -> None:
+    def __init__(
+        self, model_path: Path, *, precision: str, threads: int = 1, cache_dir: Path | None = None
+    ) -> None:
         self.model_path = Path(model_path)
         self.precision = resolve_precision(precision)
         self.threads = threads
@@ -187,7 +191,11 @@ class SessionFactory:
         self.misses = 0
         self.cuda_graphs = False
 
-    def create(self, overrides=None, *, shared_arena: bool = False, cuda_graphs: bool | None = None) -> Session:
+    def create(
+        self, overrides=None, *, shared_arena: bool = False, cuda_graphs: bool | None = None
+    ) -> Session:
         # Dynamic shapes always (see the module docstring): ``overrides`` would fix dims per bucket.
         self.misses += 1
-        return Session(self.model_path, precision=self.precision, threads=self.threads, cache_dir=self.cache_dir)
+        return Session(
+            self.model_path, precision=self.precision, threads=self.threads, cache_dir=self.cache_dir
+        )

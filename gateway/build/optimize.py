@@ -1060,16 +1060,23 @@ def build_openvino_int8(src: Path, dst: Path, calib: Rows, opts: Options, log: L
         raise OptimizeError(
             "openvino-int8 is built with NNCF, which is not installed: pip install 'batchgate[openvino-int8]'"
         ) from None
-    log(f"openvino-int8: NNCF post-training quantisation on {len(calib)} calibration rows (transformer preset)")
+    log(
+        f"openvino-int8: NNCF post-training quantisation on {len(calib)} calibration rows (transformer preset)"
+    )
     # NNCF's ONNX passes read every tensor's type from value_info: infer the shapes first.
     model = onnx.shape_inference.infer_shapes(onnx.load(str(src)))
     try:
         with _quiet(), contextlib.redirect_stderr(open(os.devnull, "w")):
             quantized = nncf.quantize(
-                model, nncf.Dataset(calib.feeds), model_type=nncf.ModelType.TRANSFORMER, subset_size=len(calib)
+                model,
+                nncf.Dataset(calib.feeds),
+                model_type=nncf.ModelType.TRANSFORMER,
+                subset_size=len(calib),
             )
     except Exception as exc:  # NNCF's own errors carry no common type
-        raise OptimizeError(f"NNCF {nncf.__version__} could not quantise {src.name}: {type(exc).__name__}: {exc}") from None
+        raise OptimizeError(
+            f"NNCF {nncf.__version__} could not quantise {src.name}: {type(exc).__name__}: {exc}"
+        ) from None
     _save(quantized, dst)
     nodes = [n for n in quantized.graph.node]
     qdq = sum(n.op_type == "QuantizeLinear" for n in nodes)
@@ -1138,7 +1145,9 @@ def _rows(spec: ModelSpec, opts: Options) -> tuple[Rows, Rows]:
     return calib, held
 
 
-def build_variant(src: Path, variant: str, tmp_dst: Path, calib: Rows, opts: Options, log: Log) -> tuple[Path, dict]:
+def build_variant(
+    src: Path, variant: str, tmp_dst: Path, calib: Rows, opts: Options, log: Log
+) -> tuple[Path, dict]:
     """Build ``variant`` of ``src`` into ``tmp_dst``; (the file that runs, what the build did).
     OpenVINO's FP32 and BF16 build nothing: they run ``src`` itself."""
     if variant in SAME_FILE_VARIANTS:
@@ -1178,14 +1187,24 @@ def by_kind(acc: dict[str, dict], kinds: list[str] | None) -> dict[str, dict[str
         for kind in dict.fromkeys(kinds):
             sel = vals[[k == kind for k in kinds]]
             if a["kind"] == "embedding":
-                per[kind] = {"rows": int(len(sel)), "min_cosine": float(sel.min()), "mean_cosine": float(sel.mean())}
+                per[kind] = {
+                    "rows": int(len(sel)),
+                    "min_cosine": float(sel.min()),
+                    "mean_cosine": float(sel.mean()),
+                }
             else:
-                per[kind] = {"rows": int(len(sel)), "max_abs_err": float(sel.max()), "mean_abs_err": float(sel.mean())}
+                per[kind] = {
+                    "rows": int(len(sel)),
+                    "max_abs_err": float(sel.max()),
+                    "mean_abs_err": float(sel.mean()),
+                }
         out[name] = per
     return out
 
 
-def gate(ref: dict[str, np.ndarray], file: Path, variant: str, held: Rows, opts: Options) -> tuple[dict, list[str], dict]:
+def gate(
+    ref: dict[str, np.ndarray], file: Path, variant: str, held: Rows, opts: Options
+) -> tuple[dict, list[str], dict]:
     """Accuracy against ``ref`` (the original's outputs) and batch independence of one candidate:
     (accuracy, failures, {"max_abs", "bound", "min_cosine"})."""
     sess = engine_session(file, variant)
@@ -1204,7 +1223,11 @@ def _report(spec: ModelSpec, variant: str, file: Path, status: str, failures: li
             core: int, started: float) -> dict:  # fmt: skip
     src = spec.path
     engine, precision = engine_precision(variant)
-    shown = VARIANT_PRECISION[variant] if engine == "onnxruntime" or variant == "openvino-int8" else precision.upper()
+    shown = (
+        VARIANT_PRECISION[variant]
+        if engine == "onnxruntime" or variant == "openvino-int8"
+        else precision.upper()
+    )
     mine, base = timing[variant], timing["original"]
     return {
         "model": spec.name,
@@ -1284,7 +1307,10 @@ def optimize(model_dir: Path, opts: Options, log: Log = print) -> Result:
         memory = {}
         if opts.memory:
             log("memory: RSS of each loaded engine (a child process each)")
-            memory = {"original": engine_rss(src, held.feeds[0]), variant: engine_rss(file, held.feeds[0], variant)}
+            memory = {
+                "original": engine_rss(src, held.feeds[0]),
+                variant: engine_rss(file, held.feeds[0], variant),
+            }
         status = "passed" if not failures else "failed"
         report = _report(spec, variant, file, status, failures, opts, acc, indep, timing, memory, build,
                          calib, held, core, started)  # fmt: skip
@@ -1331,7 +1357,9 @@ def auto_candidates() -> tuple[list[str], dict[str, str]]:
     return take, skip
 
 
-def optimize_auto(model_dir: Path, opts: Options, log: Log = print, candidates: list[str] | None = None) -> AutoResult:
+def optimize_auto(
+    model_dir: Path, opts: Options, log: Log = print, candidates: list[str] | None = None
+) -> AutoResult:
     """Build every candidate this host supports, gate each against the original on the same held-out
     rows, time them all (and the original, and what serves now) alternately on one pinned core in
     one run, write each candidate's report and one table of them all (``model.auto.report.md``),
@@ -1347,7 +1375,9 @@ def optimize_auto(model_dir: Path, opts: Options, log: Log = print, candidates: 
         log(f"{v}: skipped: {why}")
     started = time.perf_counter()
     calib, held = _rows(spec, opts)
-    log(f"{spec.name} v{spec.version}: candidates {', '.join(take)}; gate on {len(held)} held-out rows ({held.source})")
+    log(
+        f"{spec.name} v{spec.version}: candidates {', '.join(take)}; gate on {len(held)} held-out rows ({held.source})"
+    )
     ref = run_rows(session(src), held.feeds)
     tmp: dict[str, Path] = {}
     built: dict[str, tuple[Path, dict, dict, list[str], dict]] = {}
@@ -1397,7 +1427,9 @@ def optimize_auto(model_dir: Path, opts: Options, log: Log = print, candidates: 
         chosen = None
         if best is not None:
             chosen = best if score[best] >= floor else (serving if serving in score else "fp32")
-        summary = _auto_report(spec, serving, chosen, results, skipped, timing, memory, held, opts, core, started)
+        summary = _auto_report(
+            spec, serving, chosen, results, skipped, timing, memory, held, opts, core, started
+        )
         rp = report_path(src, "auto")
         write_auto_report(summary, rp)
         log(f"report: {rp.with_suffix('.md')}")
@@ -1480,7 +1512,8 @@ def auto_markdown(r: dict) -> str:
         "alternately in one run on one pinned core, one thread.",
         "",
         "| candidate | engine | precision | gate | min cos | mean cos | batch indep. (bound) | p50 ms | p99 ms | "
-        + " | ".join(f"rows/s @{b}" for b in sizes) + " | x original | RSS MiB |",
+        + " | ".join(f"rows/s @{b}" for b in sizes)
+        + " | x original | RSS MiB |",
         "|---|---|---|---|---|---|---|---|---|" + "---|" * len(sizes) + "---|---|",
     ]
     for c in r["candidates"]:
