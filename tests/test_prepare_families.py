@@ -275,6 +275,57 @@ def test_mpnet_relative_buckets_equal_transformers():
     np.testing.assert_array_equal(mpnet.relative_buckets(n), expected)
 
 
+# -- served by every route --------------------------------------------------------------------------
+
+QUERIES = ["what is the man eating", "who plays the violin", "where is the train station"]
+DOCS = ["the man is eating bread", "A woman is playing the violin on the street.", "dog",
+        "the old train station in the city and a small river"]  # fmt: skip
+
+
+def _post(url: str, body: dict):
+    import urllib.request
+
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def test_served_qwen3_matches_transformers_on_every_route(folders, repo, tmp_path):
+    """A prepared Qwen3 folder served as is: queries through OpenAI /v1/embeddings naming the
+    card's "query" prompt (the instruction goes in front, EOS after), documents through KServe
+    gRPC and TEI /embed with none; each row against transformers on a left-padded batch."""
+    import tritonclient.grpc as tc
+
+    from tests.conftest import start_server
+
+    folder, model, pooling, normalize = folders["qwen3_plain"]
+    served = tmp_path / "repo"
+    shutil.copytree(repo / "qwen3_plain", served / "qwen3_plain")
+    srv = start_server(tmp_path, "--no-build-models", repo=served, ready_timeout=120)
+    try:
+        base = f"http://127.0.0.1:{srv.http_port}"
+        body = {"model": "qwen3_plain", "input": QUERIES, "prompt_name": "query"}
+        oai = np.array([d["embedding"] for d in _post(base + "/v1/embeddings", body)["data"]], np.float32)
+        tei = np.array(_post(base + "/embed", {"model": "qwen3_plain", "inputs": DOCS}), np.float32)
+        client = tc.InferenceServerClient(srv.grpc_url)
+        inp = tc.InferInput("text", [len(DOCS), 1], "BYTES")
+        inp.set_data_from_numpy(np.array([d.encode() for d in DOCS], dtype=object).reshape(-1, 1))
+        kserve = client.infer("qwen3_plain", [inp], client_timeout=60).as_numpy("embedding")
+        client.close()
+    finally:
+        srv.stop()
+    prompt = qwen3.DEFAULT_PROMPTS["query"]
+    want_q, _ = reference(folder, model, pooling, normalize, [prompt + q for q in QUERIES], left=True)
+    want_d, _ = reference(folder, model, pooling, normalize, DOCS, left=True)
+    for route, got, want in (("openai", oai, want_q), ("tei", tei, want_d), ("kserve", kserve, want_d)):
+        cos = cosines(got, want)
+        print(f"qwen3 served via {route}: min cosine {cos.min():.8f}")
+        assert got.shape == want.shape and cos.min() >= MIN_COSINE, (route, cos)
+    # The prompt changed the vectors: a query without it is another vector.
+    plain_q, _ = reference(folder, model, pooling, normalize, QUERIES, left=True)
+    assert cosines(oai, plain_q).max() < 0.99
+
+
 # -- refusals --------------------------------------------------------------------------------------
 
 
