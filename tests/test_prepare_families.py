@@ -242,6 +242,8 @@ def test_config_records_pooling_length_and_prompts(repo):
     p = spec_of(repo / "qwen3_plain").params
     assert dict(p.prompts) == qwen3.DEFAULT_PROMPTS and p.default_prompt_name is None
     assert dict(spec_of(repo / "mpnet_mean").params.prompts) == {}
+    # Which token last-token pooling reads is taken from tokenizer.json and said in the config.
+    assert "lasttoken pools <|endoftext|>" in (repo / "qwen3_last" / "config.pbtxt").read_text()
 
 
 def test_qwen3_folder_prompts_win_over_the_card_default(folders, tmp_path):

@@ -15,18 +15,22 @@ or at serving time.
 
 What it decides, and where from (docs/embeddings.md, "Bringing your own model"):
 
-* architecture: BERT, RoBERTa or XLM-RoBERTa (``model_type``); an ``*ForSequenceClassification``
-  with one label becomes a rerank model whose rows are pairs (parameter ``text_pair``) and
-  whose output is the raw logit. Anything else is refused by name (``PrepareError``, exit 2).
+* architecture: BERT, RoBERTa or XLM-RoBERTa (``model_type``; encoder.py), MPNet, DistilBERT,
+  ModernBERT or Qwen3 (one module each: mpnet.py, distilbert.py, modernbert.py, qwen3.py); a
+  BERT/RoBERTa ``*ForSequenceClassification`` with one label becomes a rerank model whose rows
+  are pairs (parameter ``text_pair``) and whose output is the raw logit. Anything else is
+  refused by name (``PrepareError``, exit 2).
 * max length: sentence-transformers' ``max_seq_length``, else the tokenizer's
   ``model_max_length``, never more than the position table allows (RoBERTa's loses
   ``padding_idx + 1`` rows to its offset).
 * pooling and normalisation: as ``modules.json`` declares them (a ``Normalize`` module means
   unit vectors, none means raw pooled vectors); a plain Hugging Face folder, which declares
-  neither, gets mean pooling and L2 normalisation, what sentence-transformers' own fallback
-  pools and what cosine-similarity callers expect. ``--pooling`` and ``--normalize`` override.
+  neither, gets mean pooling (Qwen3: the last token, as Qwen3-Embedding's card pools) and L2
+  normalisation, what sentence-transformers' own fallback pools and what cosine-similarity
+  callers expect. ``--pooling`` and ``--normalize`` override.
 * prompts: ``config_sentence_transformers.json``'s ``prompts`` and ``default_prompt_name``,
-  recorded as parameters ``prompt.<name>`` and ``default_prompt_name``.
+  recorded as parameters ``prompt.<name>`` and ``default_prompt_name``; a Qwen3 folder without
+  prompts gets its card's query instruction as ``prompt.query``.
 """
 
 from __future__ import annotations
@@ -409,6 +413,8 @@ def render_config(name: str, plan: Plan) -> str:
         )
         params["pooling"] = plan.head.pooling
         params["normalize"] = "true" if plan.head.normalize else "false"
+        if plan.head.pooling == "lasttoken":
+            notes.append(_last_token_note(plan.tokenizer))
     for prompt, text in sorted(plan.prompts.items()):
         params[f"prompt.{_escape(prompt)}"] = _escape(text)
     if plan.default_prompt_name is not None:
@@ -421,6 +427,19 @@ def render_config(name: str, plan: Plan) -> str:
         params,
         notes,
     )
+
+
+def _last_token_note(tokenizer: Path) -> str:
+    """Which token last-token pooling reads, from what tokenizer.json's post-processor does (a
+    decoder embedder pools the end-of-text token only if its tokenizer appends one)."""
+    from tokenizers import Tokenizer
+
+    enc = Tokenizer.from_file(str(tokenizer)).encode("a")
+    if enc.special_tokens_mask and enc.special_tokens_mask[-1]:
+        return (
+            f"lasttoken pools {enc.tokens[-1]}, which tokenizer.json's post-processor appends to every text."
+        )
+    return "tokenizer.json appends no special token: lasttoken pools each text's own last token."
 
 
 # --------------------------------------------------------------------------------------------
