@@ -93,6 +93,9 @@ _POOLING_MODES = {
     "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
     "pooling_mode_weightedmean_tokens": "weightedmean",
 }
+# One ONNX file is one protobuf message, at most 2 GiB; the graph stores float32 weights in it
+# (a little under the limit: the nodes and names take room too).
+ONNX_WEIGHT_LIMIT = 2**31 - 64 * 2**20
 # A tokenizer_config.json without a limit says 1e30 (transformers' VERY_LARGE_INTEGER).
 _NO_LIMIT = 1_000_000
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -459,6 +462,14 @@ def prepare_model(source: Path, name: str, repo: Path, *, pooling: str | None = 
     plan = read_folder(source, pooling=pooling, normalize=normalize)
     encoder, head = _split_weights(_read_safetensors(plan.model_dir / "model.safetensors"), plan)
     _check_vocab(plan, encoder)
+    size = sum(v.nbytes for v in (*encoder.values(), *head.values()))
+    if size > ONNX_WEIGHT_LIMIT:
+        # Refused before the graph is built: protobuf would refuse it after minutes of work.
+        raise PrepareError(
+            f"{plan.model_dir / 'model.safetensors'}: {plan.architecture}'s weights are {size / 2**30:.2f} GiB as "
+            "float32; one model.onnx holds at most 2 GiB (protobuf's limit) and external weight files are "
+            "not written"
+        )
     module = _family_module(FAMILIES[plan.model_type])
     try:
         if module is None:
