@@ -57,7 +57,8 @@ def rms_norm(g: GraphBuilder, name: str, x: str, weight: np.ndarray, eps: float)
 
 def positions(g: GraphBuilder, mask: str) -> str:
     """[batch, seq] float: 0, 1, 2, … along each row. Counted with CumSum over a row of ones
-    rather than Range, which onnxruntime 1.32's optimiser rewrites into a failing Slice."""
+    rather than with Range (encoder.py: onnxruntime 1.32's optimiser rewrote Range + Gather into
+    a Slice that fails)."""
     zeros = g.op("Mul", [mask, g.const("pos_zero", np.array(0.0, np.float32))], "pos_zeros")
     ones = g.op("Add", [zeros, g.const("pos_one", np.array(1.0, np.float32))], "pos_ones")
     counted = g.op("CumSum", [ones, g.const("pos_axis", np.array(1, np.int64))], "pos_counted")
@@ -67,8 +68,8 @@ def positions(g: GraphBuilder, mask: str) -> str:
 def rotary_tables(g: GraphBuilder, name: str, pos: str, theta: float, dim: int) -> tuple[str, str]:
     """(cos, sin), each [batch, seq, 1, dim] to broadcast over heads in the [batch, seq, heads,
     dim] layout: the default RoPE, inv_freq = theta ** -(2i / dim), angles repeated for both
-    halves (transformers' ``torch.cat((freqs, freqs))``). inv_freq is computed in float32 as
-    transformers does, so the angles agree to the last bit before cos/sin."""
+    halves (transformers' ``torch.cat((freqs, freqs))``). inv_freq and the angles are float32,
+    as transformers computes them."""
     inv_freq = (1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))).astype(
         np.float32
     )
