@@ -415,7 +415,7 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path):
 @pytest.mark.parametrize(
     "config, named",
     [
-        ({"architectures": ["DistilBertModel"], "model_type": "distilbert"}, "DistilBertModel"),
+        ({"architectures": ["ElectraModel"], "model_type": "electra"}, "ElectraModel"),
         ({"architectures": ["BertForTokenClassification"], "model_type": "bert"}, "BertForTokenClassification"),
         ({"architectures": ["BertModel"], "model_type": "bert", "hidden_act": "gelu_new"}, "hidden_act 'gelu_new'"),
     ],

@@ -198,6 +198,34 @@ def _embeddings(g: _Graph, weights: dict[str, np.ndarray], cfg: EncoderConfig) -
     return _layer_norm(g, "embeddings.ln", x, weights, "embeddings.LayerNorm", cfg.ln_epsilon)
 
 
+def _embeddings_no_types(g: _Graph, weights: dict[str, np.ndarray], cfg: EncoderConfig) -> str:
+    """Words + positions + LayerNorm, for the BERT-like families without a token-type table
+    (MPNet, DistilBERT): none is added, where a zero row would cost an Add over every token."""
+    if cfg.padding_idx is not None:
+        g.scalar("axis1", np.array(1, np.int64))
+    words = g.op(
+        "Gather",
+        [g.const("word_embeddings", weights["embeddings.word_embeddings.weight"]), "input_ids"],
+        "word_states",
+        axis=0,
+    )
+    positions = _positions(g, weights["embeddings.position_embeddings.weight"], cfg)
+    x = g.op("Add", [words, positions], "embedded")
+    return _layer_norm(g, "embeddings.ln", x, weights, "embeddings.LayerNorm", cfg.ln_epsilon)
+
+
+def standard_constants(g: GraphBuilder, cfg: EncoderConfig) -> None:
+    """The shared constants every BERT-like block reads by name (GELU's, the head shapes, the
+    fused QKV split)."""
+    head_dim = cfg.hidden // cfg.heads
+    g.const("one_f", np.array(1.0, np.float32))
+    g.const("half_f", np.array(0.5, np.float32))
+    g.const("sqrt2", np.array(math.sqrt(2), np.float32))
+    g.const("heads_shape", np.array([0, 0, cfg.heads, head_dim], np.int64))
+    g.const("merge_shape", np.array([0, 0, cfg.hidden], np.int64))
+    g.const("qkv_split", np.array([cfg.hidden] * 3, np.int64))
+
+
 def _pool(g: _Graph, x: str, mask: str, pooling: str) -> str:
     """sentence-transformers' Pooling over [batch, seq, hidden] -> [batch, hidden]."""
     if pooling == "cls":
@@ -258,17 +286,22 @@ def build_model(
     a bare ``BertModel`` (no ``bert.``/``roberta.`` prefix); ``head_weights`` hold the
     classifier's (and BERT's pooler, prefix stripped)."""
     g = _Graph()
-    head_dim = cfg.hidden // cfg.heads
-    g.const("one_f", np.array(1.0, np.float32))
-    g.const("half_f", np.array(0.5, np.float32))
-    g.const("sqrt2", np.array(math.sqrt(2), np.float32))
-    g.const("heads_shape", np.array([0, 0, cfg.heads, head_dim], np.int64))
-    g.const("merge_shape", np.array([0, 0, cfg.hidden], np.int64))
-    g.const("qkv_split", np.array([cfg.hidden] * 3, np.int64))
-
+    standard_constants(g, cfg)
     x = _embeddings(g, weights, cfg)
+    mask, key_bias = key_padding_bias(g)
+    for i in range(cfg.layers):
+        x = _layer(g, i, x, key_bias, weights, cfg)
 
-    # [batch, 1, 1, seq] additive key mask: 0 for real tokens, MASK_PENALTY for padding.
+    names = ["input_ids", "attention_mask"] + (["token_type_ids"] if cfg.token_types else [])
+    if head.classifier:
+        _classify(g, x, head_weights or weights, head.classifier)
+        return finish_head(g, None, mask, head, 1, names, name=name, producer=producer)
+    return finish_head(g, x, mask, head, cfg.hidden, names, name=name, producer=producer)
+
+
+def key_padding_bias(g: GraphBuilder) -> tuple[str, str]:
+    """(``mask_f``: the attention mask as float [batch, seq], ``key_bias``: [batch, 1, 1, seq],
+    0 for real tokens and MASK_PENALTY for padding). Needs the graph's ``one_f``."""
     mask = g.op("Cast", ["attention_mask"], "mask_f", to=TensorProto.FLOAT)
     penalty = g.op(
         "Mul",
@@ -279,13 +312,25 @@ def build_model(
         "key_penalty",
     )
     key_bias = g.op("Unsqueeze", [penalty, g.const("key_bias_axes", np.array([1, 2], np.int64))], "key_bias")
+    return mask, key_bias
 
-    for i in range(cfg.layers):
-        x = _layer(g, i, x, key_bias, weights, cfg)
 
+def finish_head(
+    g: GraphBuilder,
+    x: str | None,
+    mask: str,
+    head: Head,
+    width: int,
+    input_names: list[str],
+    *,
+    name: str,
+    producer: str,
+) -> onnx.ModelProto:
+    """The pooled (and normalised) ``embedding`` of the final states ``x``, or, for a classifier
+    whose ``score`` node is already built (``x`` None), just that; then the finished model with
+    INT64 [batch, seq] inputs ``input_names``. Shared by every family's graph."""
     if head.classifier:
-        _classify(g, x, head_weights or weights, head.classifier)
-        out_dims = ["batch", 1]
+        out_dims = ["batch", width]
     else:
         pooled = _pool(g, x, mask, head.pooling)
         if head.normalize:
@@ -297,10 +342,9 @@ def build_model(
             g.op("Div", [pooled, norm], "embedding")
         else:
             g.op("Identity", [pooled], "embedding")
-        out_dims = ["batch", cfg.hidden]
+        out_dims = ["batch", width]
 
     ids = ["batch", "seq"]
-    names = ["input_ids", "attention_mask"] + (["token_type_ids"] if cfg.token_types else [])
-    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, ids) for n in names]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, ids) for n in input_names]
     outputs = [helper.make_tensor_value_info(head.output, TensorProto.FLOAT, out_dims)]
     return finish_model(g, name, inputs, outputs, producer=producer)

@@ -15,23 +15,28 @@ or at serving time.
 
 What it decides, and where from (docs/embeddings.md, "Bringing your own model"):
 
-* architecture: BERT, RoBERTa or XLM-RoBERTa (``model_type``); an ``*ForSequenceClassification``
-  with one label becomes a rerank model whose rows are pairs (parameter ``text_pair``) and
-  whose output is the raw logit. Anything else is refused by name (``PrepareError``, exit 2).
+* architecture: BERT, RoBERTa or XLM-RoBERTa (``model_type``; encoder.py), MPNet, DistilBERT,
+  ModernBERT or Qwen3 (one module each: mpnet.py, distilbert.py, modernbert.py, qwen3.py); a
+  BERT/RoBERTa ``*ForSequenceClassification`` with one label becomes a rerank model whose rows
+  are pairs (parameter ``text_pair``) and whose output is the raw logit. Anything else is
+  refused by name (``PrepareError``, exit 2).
 * max length: sentence-transformers' ``max_seq_length``, else the tokenizer's
   ``model_max_length``, never more than the position table allows (RoBERTa's loses
   ``padding_idx + 1`` rows to its offset).
 * pooling and normalisation: as ``modules.json`` declares them (a ``Normalize`` module means
   unit vectors, none means raw pooled vectors); a plain Hugging Face folder, which declares
-  neither, gets mean pooling and L2 normalisation, what sentence-transformers' own fallback
-  pools and what cosine-similarity callers expect. ``--pooling`` and ``--normalize`` override.
+  neither, gets mean pooling (Qwen3: the last token, as Qwen3-Embedding's card pools) and L2
+  normalisation, what sentence-transformers' own fallback pools and what cosine-similarity
+  callers expect. ``--pooling`` and ``--normalize`` override.
 * prompts: ``config_sentence_transformers.json``'s ``prompts`` and ``default_prompt_name``,
-  recorded as parameters ``prompt.<name>`` and ``default_prompt_name``.
+  recorded as parameters ``prompt.<name>`` and ``default_prompt_name``; a Qwen3 folder without
+  prompts gets its card's query instruction as ``prompt.query``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import re
 import sys
@@ -48,8 +53,18 @@ Log = Callable[[str], object]
 
 PRODUCER = "batchgate.prepare_model"
 VERSION = "1"
-# model_type -> family: the family fixes the embeddings (offset positions) and the classifier head.
-FAMILIES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta"}
+# model_type -> family: bert and roberta are encoder.py's (the family fixes the embeddings'
+# offset positions and the classifier head); every other family has its own module in
+# gateway/build/ (STEM, ARCHS, PREFIXES, WORD, check, position_limit, encoder_config, build_model).
+FAMILIES = {
+    "bert": "bert",
+    "roberta": "roberta",
+    "xlm-roberta": "roberta",
+    "mpnet": "mpnet",
+    "distilbert": "distilbert",
+    "modernbert": "modernbert",
+    "qwen3": "qwen3",
+}
 # The class-name stems Hugging Face gives each model_type, for the architectures check.
 _STEMS = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta"}
 # Heads whose checkpoints hold the bare encoder under a prefix; their head is not served.
@@ -57,8 +72,19 @@ _ENCODER_ARCHS = ("Model", "ForMaskedLM", "ForPreTraining")
 SUPPORTED = (
     "BERT, RoBERTa and XLM-RoBERTa encoders (model_type bert, roberta, xlm-roberta; "
     "architectures *Model, *ForMaskedLM, *ForPreTraining) and their *ForSequenceClassification "
-    "cross-encoders with one label"
+    "cross-encoders with one label; MPNet, DistilBERT and ModernBERT encoders (model_type mpnet, "
+    "distilbert, modernbert; *Model, *ForMaskedLM); Qwen3 embedders (model_type qwen3; Qwen3Model, "
+    "Qwen3ForCausalLM)"
 )
+
+
+def _family_module(family: str):
+    """The graph module of a family outside encoder.py, or None for bert and roberta."""
+    if family in ("bert", "roberta"):
+        return None
+    return importlib.import_module(f"batchgate.gateway.build.{family}")
+
+
 _POOLING_MODES = {
     "pooling_mode_mean_tokens": "mean",
     "pooling_mode_cls_token": "cls",
@@ -67,6 +93,9 @@ _POOLING_MODES = {
     "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
     "pooling_mode_weightedmean_tokens": "weightedmean",
 }
+# One ONNX file is one protobuf message, at most 2 GiB; the graph stores float32 weights in it
+# (a little under the limit: the nodes and names take room too).
+ONNX_WEIGHT_LIMIT = 2**31 - 64 * 2**20
 # A tokenizer_config.json without a limit says 1e30 (transformers' VERY_LARGE_INTEGER).
 _NO_LIMIT = 1_000_000
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -85,7 +114,7 @@ class Plan:
     tokenizer: Path
     architecture: str
     model_type: str
-    cfg: EncoderConfig
+    cfg: EncoderConfig | object  # EncoderConfig for bert, roberta, mpnet, distilbert; else the family's own
     head: Head
     max_tokens: int
     prompts: dict[str, str] = field(default_factory=dict)
@@ -162,9 +191,19 @@ def _architecture(config: dict, where: Path) -> tuple[str, str, bool]:
     archs = config.get("architectures") or []
     arch = str(archs[0]) if archs else ""
     shown = f"{arch} (model_type '{model_type}')" if arch else f"model_type '{model_type}'"
-    stem = _STEMS.get(model_type)
-    if stem is None:
+    family = FAMILIES.get(model_type)
+    if family is None:
         raise PrepareError(f"{where}: unsupported architecture {shown}; supported: {SUPPORTED}")
+    module = _family_module(family)
+    if module is not None:
+        tail = arch[len(module.STEM) :] if arch.startswith(module.STEM) else None
+        if arch and tail not in module.ARCHS:
+            raise PrepareError(f"{where}: unsupported architecture {shown}; supported: {SUPPORTED}")
+        problem = module.check(config)
+        if problem:
+            raise PrepareError(f"{where}: {problem}")
+        return arch or f"{module.STEM}Model", model_type, False
+    stem = _STEMS[model_type]
     tail = arch[len(stem) :] if arch.startswith(stem) else None
     if arch and tail not in (*_ENCODER_ARCHS, "ForSequenceClassification"):
         raise PrepareError(f"{where}: unsupported architecture {shown}; supported: {SUPPORTED}")
@@ -222,24 +261,30 @@ def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | N
                 hint = " (sharded weights are not read: save them as one file)"
             raise PrepareError(f"{model_dir / name} is missing{hint}")
 
-    padding_idx = int(config.get("pad_token_id", 1)) if family == "roberta" else None
-    max_positions = int(config["max_position_embeddings"])
-    position_limit = max_positions - (padding_idx + 1 if padding_idx is not None else 0)
-    hidden = int(config["hidden_size"])
-    cfg = EncoderConfig(
-        hidden=hidden,
-        layers=int(config["num_hidden_layers"]),
-        heads=int(config["num_attention_heads"]),
-        intermediate=int(config["intermediate_size"]),
-        max_positions=max_positions,
-        type_vocab=int(config.get("type_vocab_size", 2)),
-        ln_epsilon=float(config.get("layer_norm_eps", 1e-12)),
-        max_seq_length=_max_tokens(config, model_dir, position_limit),
-        padding_idx=padding_idx,
-    )
+    module = _family_module(family)
+    if module is not None:
+        cfg = module.encoder_config(config, _max_tokens(config, model_dir, module.position_limit(config)))
+    else:
+        padding_idx = int(config.get("pad_token_id", 1)) if family == "roberta" else None
+        max_positions = int(config["max_position_embeddings"])
+        position_limit = max_positions - (padding_idx + 1 if padding_idx is not None else 0)
+        cfg = EncoderConfig(
+            hidden=int(config["hidden_size"]),
+            layers=int(config["num_hidden_layers"]),
+            heads=int(config["num_attention_heads"]),
+            intermediate=int(config["intermediate_size"]),
+            max_positions=max_positions,
+            type_vocab=int(config.get("type_vocab_size", 2)),
+            ln_epsilon=float(config.get("layer_norm_eps", 1e-12)),
+            max_seq_length=_max_tokens(config, model_dir, position_limit),
+            padding_idx=padding_idx,
+        )
+    hidden = cfg.hidden
 
     st = _json(source / "config_sentence_transformers.json", required=False) or {}
-    prompts = st.get("prompts") or {}
+    # A family whose card gives prompts (Qwen3-Embedding's query instruction) has them recorded
+    # when the folder names none of its own.
+    prompts = st.get("prompts") or dict(getattr(module, "DEFAULT_PROMPTS", {}))
     if not isinstance(prompts, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()
     ):
@@ -270,7 +315,7 @@ def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | N
             found_pooling = _pooling(modules[1], hidden, any(prompts.values()))
             found_normalize = modules[2]
         else:
-            found_pooling, found_normalize = "mean", True
+            found_pooling, found_normalize = getattr(module, "DEFAULT_POOLING", "mean"), True
         head = Head(
             pooling=pooling or found_pooling, normalize=found_normalize if normalize is None else normalize
         )
@@ -310,12 +355,13 @@ def _split_weights(
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(encoder weights named as in a bare model, head weights); the encoder may sit under the
     family's prefix (``bert.``, ``roberta.``), as every task model's checkpoint has it."""
-    word = "embeddings.word_embeddings.weight"
-    prefix = next((p for p in ("", "bert.", "roberta.") if p + word in weights), None)
+    module = _family_module(FAMILIES[plan.model_type])
+    word = module.WORD if module else "embeddings.word_embeddings.weight"
+    prefixes = module.PREFIXES if module else ("", "bert.", "roberta.")
+    prefix = next((p for p in prefixes if p + word in weights), None)
     if prefix is None:
-        raise PrepareError(
-            f"{plan.model_dir / 'model.safetensors'} has no tensor {word} (nor bert./roberta. {word})"
-        )
+        others = " nor ".join(f"{p}{word}" for p in prefixes if p)
+        raise PrepareError(f"{plan.model_dir / 'model.safetensors'} has no tensor {word} (nor {others})")
     encoder = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
     head: dict[str, np.ndarray] = {}
     if plan.head.classifier == "bert":
@@ -370,6 +416,8 @@ def render_config(name: str, plan: Plan) -> str:
         )
         params["pooling"] = plan.head.pooling
         params["normalize"] = "true" if plan.head.normalize else "false"
+        if plan.head.pooling == "lasttoken":
+            notes.append(_last_token_note(plan.tokenizer))
     for prompt, text in sorted(plan.prompts.items()):
         params[f"prompt.{_escape(prompt)}"] = _escape(text)
     if plan.default_prompt_name is not None:
@@ -382,6 +430,19 @@ def render_config(name: str, plan: Plan) -> str:
         params,
         notes,
     )
+
+
+def _last_token_note(tokenizer: Path) -> str:
+    """Which token last-token pooling reads, from what tokenizer.json's post-processor does (a
+    decoder embedder pools the end-of-text token only if its tokenizer appends one)."""
+    from tokenizers import Tokenizer
+
+    enc = Tokenizer.from_file(str(tokenizer)).encode("a")
+    if enc.special_tokens_mask and enc.special_tokens_mask[-1]:
+        return (
+            f"lasttoken pools {enc.tokens[-1]}, which tokenizer.json's post-processor appends to every text."
+        )
+    return "tokenizer.json appends no special token: lasttoken pools each text's own last token."
 
 
 # --------------------------------------------------------------------------------------------
@@ -401,8 +462,20 @@ def prepare_model(source: Path, name: str, repo: Path, *, pooling: str | None = 
     plan = read_folder(source, pooling=pooling, normalize=normalize)
     encoder, head = _split_weights(_read_safetensors(plan.model_dir / "model.safetensors"), plan)
     _check_vocab(plan, encoder)
+    size = sum(v.nbytes for v in (*encoder.values(), *head.values()))
+    if size > ONNX_WEIGHT_LIMIT:
+        # Refused before the graph is built: protobuf would refuse it after minutes of work.
+        raise PrepareError(
+            f"{plan.model_dir / 'model.safetensors'}: {plan.architecture}'s weights are {size / 2**30:.2f} GiB as "
+            "float32; one model.onnx holds at most 2 GiB (protobuf's limit) and external weight files are "
+            "not written"
+        )
+    module = _family_module(FAMILIES[plan.model_type])
     try:
-        model = build_model(encoder, plan.cfg, plan.head, name=name, producer=PRODUCER, head_weights=head)
+        if module is None:
+            model = build_model(encoder, plan.cfg, plan.head, name=name, producer=PRODUCER, head_weights=head)
+        else:
+            model = module.build_model(encoder, plan.cfg, plan.head, name=name, producer=PRODUCER)
     except KeyError as exc:
         raise PrepareError(f"{plan.model_dir / 'model.safetensors'} has no tensor {exc.args[0]}") from None
     model_bytes = model.SerializeToString(deterministic=True)
@@ -426,7 +499,8 @@ def prepare_model(source: Path, name: str, repo: Path, *, pooling: str | None = 
 def _check_vocab(plan: Plan, encoder: dict[str, np.ndarray]) -> None:
     from tokenizers import Tokenizer
 
-    rows = encoder["embeddings.word_embeddings.weight"].shape[0]
+    module = _family_module(FAMILIES[plan.model_type])
+    rows = encoder[module.WORD if module else "embeddings.word_embeddings.weight"].shape[0]
     tokens = Tokenizer.from_file(str(plan.tokenizer)).get_vocab_size(with_added_tokens=True)
     if tokens > rows:
         raise PrepareError(
