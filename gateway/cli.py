@@ -99,13 +99,15 @@ def _parser() -> argparse.ArgumentParser:
     minilm.add_argument("--force", action="store_true", help="rebuild even if the model exists")
     pm = sub.add_parser(
         "prepare-model",
-        help="serve a sentence-transformers / Hugging Face folder or an ONNX export (docs/embeddings.md)",
+        help="serve a sentence-transformers / Hugging Face folder, Hub model ID or ONNX export (docs/embeddings.md)",
     )
     pm.add_argument(
         "source",
-        type=Path,
-        help="the model folder (config.json, model.safetensors or onnx/model.onnx, tokenizer.json)",
+        help="the model folder (config.json, model.safetensors or onnx/model.onnx, tokenizer.json), or a "
+        "Hugging Face model ID ORG/NAME (read from the hub cache; downloaded first when huggingface_hub "
+        "is installed and HF_HUB_OFFLINE is not set)",
     )
+    pm.add_argument("--revision", help="for a model ID: the branch, tag or commit (default main)")
     pm.add_argument("--from-onnx", action="store_true",
                     help="serve the folder's ONNX export (onnx/model.onnx or model.onnx) even if its weights could be built")  # fmt: skip
     pm.add_argument("--onnx", type=Path, metavar="PATH",

@@ -464,17 +464,23 @@ def render_config(name: str, plan) -> str:
 
 
 def prepare_model(source: str | Path, name: str, repo: Path, *, pooling: str | None = None,
-                  normalize: bool | None = None, from_onnx: bool = False,
+                  normalize: bool | None = None, revision: str | None = None, from_onnx: bool = False,
                   onnx_file: Path | None = None, log: Log = print) -> Path:  # fmt: skip
-    """Write ``<repo>/<name>`` from the folder ``source``; returns the model directory. The weights
+    """Write ``<repo>/<name>`` from ``source`` (a folder, or a Hugging Face model ID resolved
+    through the hub cache: gateway/build/sources.py); returns the model directory. The weights
     are built into a graph when the builder knows the architecture; a folder carrying an ONNX
     export is served from that export otherwise (gateway/build/onnx_export.py), or always with
     ``from_onnx`` / ``onnx_file``. Raises PrepareError (one line) when the folder is not one
     this build serves faithfully."""
+    from batchgate.gateway.build import sources
+
     if not _NAME.fullmatch(name):
         raise PrepareError(f"--name '{name}': a model name is letters, digits, '_', '.' and '-'")
     t0 = time.monotonic()
-    folder = Path(source)
+    try:
+        folder = sources.resolve(source, revision, log=log)
+    except sources.SourceError as exc:
+        raise PrepareError(str(exc)) from None
     if from_onnx or onnx_file is not None or _export_only(folder):
         from batchgate.gateway.build.onnx_export import prepare_export
 
@@ -569,6 +575,7 @@ def run(args: argparse.Namespace) -> int:
             args.model_repository,
             pooling=args.pooling,
             normalize=args.normalize,
+            revision=args.revision,
             from_onnx=args.from_onnx,
             onnx_file=args.onnx,
         )
