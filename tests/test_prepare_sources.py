@@ -85,6 +85,7 @@ def _entry(path: Path) -> dict[str, bytes]:
 def test_a_model_id_is_read_from_the_cache_offline(folders, cache, tmp_path):
     lines: list[str] = []
     out = prepare_model(REPO_ID, "from_id", tmp_path / "repo", log=lines.append)
+    assert len(lines) == 1, lines  # offline: no download tried
     assert f"from {cache / 'models--acme--tiny-bert' / 'snapshots' / MAIN}" in lines[-1]
     direct = prepare_model(folders["mean"], "from_id", tmp_path / "direct", log=print)
     assert _entry(out) == _entry(direct)
@@ -127,7 +128,11 @@ def test_without_huggingface_hub_the_cache_alone_answers(cache, monkeypatch, tmp
     """Online, but the optional package is not installed: no download is tried."""
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # `import huggingface_hub` fails
-    assert sources.resolve(REPO_ID) == cache / "models--acme--tiny-bert" / "snapshots" / MAIN
+    lines: list[str] = []
+    assert (
+        sources.resolve(REPO_ID, log=lines.append) == cache / "models--acme--tiny-bert" / "snapshots" / MAIN
+    )
+    assert lines == []  # no download was tried, so none failed
 
 
 def test_a_model_missing_offline_is_one_line_naming_the_cache(cache, tmp_path):
