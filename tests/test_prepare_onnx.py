@@ -1,7 +1,7 @@
 """``batchgate prepare-model`` on an ONNX export, and sentence-transformers' Dense modules.
 
-An architecture the weights builder does not know (ELECTRA: its embeddings are projected from
-16 to the hidden 32, which encoder.py does not build) is exported with ``torch.onnx.export``
+Architectures the weights builder does not know (ELECTRA: its embeddings are projected from 16
+to the hidden 32, which encoder.py does not build; ALBERT; DeBERTa-v2) are exported with ``torch.onnx.export``
 from a transformers model with scrambled weights, into folders laid out as Hub repos and
 ``optimum-cli`` ship them, with a ``tokenizers`` WordPiece tokenizer and sentence-transformers'
 files written here. The prepared models are served by a real server and compared with
@@ -195,6 +195,32 @@ def electra(tmp_path_factory):
     )
     st_folder(d, "cls", True)
     out["electra_st"] = (d, model, "cls", [], True)
+    # Two more architectures the builder does not know: ALBERT (one layer's weights shared by
+    # all, factorised embeddings) and DeBERTa-v2 (relative-position attention), CLS-pooled.
+    for name, cls, config in (
+        ("albert_cls", transformers.AlbertModel, transformers.AlbertConfig(**TINY, embedding_size=16)),
+        (
+            "deberta_cls",
+            transformers.DebertaV2Model,
+            transformers.DebertaV2Config(**TINY, max_position_embeddings=64),
+        ),
+    ):
+        config.vocab_size = wp.get_vocab_size()
+        other = cls(config)
+        scramble(other)
+        other.eval().config.architectures = [cls.__name__]
+        d = root / name
+        d.mkdir()
+        other.config.save_pretrained(d)
+        wp.save(str(d / "tokenizer.json"))
+        export(
+            other,
+            d / "onnx" / "model.onnx",
+            ("input_ids", "attention_mask", "token_type_ids"),
+            ("last_hidden_state",),
+        )
+        st_folder(d, "cls", True)
+        out[name] = (d, other, "cls", [], True)
     return out
 
 
@@ -243,7 +269,16 @@ def _spec(model_dir: Path):
 
 
 @pytest.mark.parametrize(
-    "name", ["electra_dense", "electra_plain", "electra_last", "electra_st", "bert_dense"]
+    "name",
+    [
+        "electra_dense",
+        "electra_plain",
+        "electra_last",
+        "electra_st",
+        "albert_cls",
+        "deberta_cls",
+        "bert_dense",
+    ],
 )
 def test_graph_matches_transformers(name, electra, bert_dense, repo):
     folder, model, pooling, dense, normalize = _cases(electra, bert_dense)[name]
@@ -287,7 +322,7 @@ def client(repo, tmp_path_factory):
     srv.stop()
 
 
-@pytest.mark.parametrize("name", ["electra_dense", "electra_plain", "bert_dense"])
+@pytest.mark.parametrize("name", ["electra_dense", "electra_plain", "deberta_cls", "bert_dense"])
 def test_served_embeddings_match_transformers(name, electra, bert_dense, repo, client):
     folder, model, pooling, dense, normalize = _cases(electra, bert_dense)[name]
     inp = tc.InferInput("text", [len(TEXTS), 1], "BYTES")
