@@ -1,6 +1,6 @@
-"""Bring your own model: a local sentence-transformers or Hugging Face folder as a served model.
+"""Bring your own model: a sentence-transformers or Hugging Face folder as a served model.
 
-``batchgate prepare-model SOURCE_DIR --name NAME [--model-repository DIR]`` writes::
+``batchgate prepare-model SOURCE --name NAME [--model-repository DIR]`` writes::
 
     <repo>/NAME/config.pbtxt      text (BYTES) in; embedding (FP32 [hidden]) or score (FP32 [1]) out
     <repo>/NAME/tokenizer.json    the folder's tokenizer, unchanged
@@ -11,7 +11,9 @@ the Transformer module's folder when ``modules.json`` names one), and when prese
 sentence-transformers' ``modules.json``, the Pooling module's ``config.json``,
 ``sentence_bert_config.json`` and ``config_sentence_transformers.json``. The weights are read
 with safetensors' numpy API and the graph is spelled out with ``onnx.helper``: no PyTorch here
-or at serving time.
+or at serving time. SOURCE may also be a Hugging Face model ID, read through the hub cache
+(``sources.py``); a folder whose architecture the builder does not know is served from its ONNX
+export (``onnx/model.onnx`` or ``model.onnx``) with the head appended (``onnx_export.py``).
 
 What it decides, and where from (docs/embeddings.md, "Bringing your own model"):
 
@@ -21,8 +23,9 @@ What it decides, and where from (docs/embeddings.md, "Bringing your own model"):
 * max length: sentence-transformers' ``max_seq_length``, else the tokenizer's
   ``model_max_length``, never more than the position table allows (RoBERTa's loses
   ``padding_idx + 1`` rows to its offset).
-* pooling and normalisation: as ``modules.json`` declares them (a ``Normalize`` module means
-  unit vectors, none means raw pooled vectors); a plain Hugging Face folder, which declares
+* pooling, Dense and normalisation: as ``modules.json`` declares them (``Dense`` modules in
+  its order, the last one's ``out_features`` the served dimension; a ``Normalize`` module means
+  unit vectors, none means raw vectors); a plain Hugging Face folder, which declares
   neither, gets mean pooling and L2 normalisation, what sentence-transformers' own fallback
   pools and what cosine-similarity callers expect. ``--pooling`` and ``--normalize`` override.
 * prompts: ``config_sentence_transformers.json``'s ``prompts`` and ``default_prompt_name``,
