@@ -127,7 +127,8 @@ def export(model, path: Path, inputs: tuple[str, ...], outputs: tuple[str, ...],
 
     path.parent.mkdir(parents=True, exist_ok=True)
     ids = torch.tensor([[2, 5, 6, 3, 0], [2, 7, 3, 0, 0]])
-    feeds = {"input_ids": ids, "attention_mask": (ids != 0).long(), "token_type_ids": torch.zeros_like(ids)}
+    feeds = {"input_ids": ids, "attention_mask": (ids != 0).long(), "token_type_ids": torch.zeros_like(ids),
+             "position_ids": torch.arange(ids.shape[1]).expand(ids.shape)}  # fmt: skip
     axes = {n: {0: "batch", 1: "seq"} for n in inputs} | {outputs[0]: {0: "batch", 1: "seq"}}
     if len(outputs) > 1:
         axes[outputs[1]] = {0: "batch"}
@@ -178,6 +179,16 @@ def electra(tmp_path_factory):
     d = folder("electra_plain")
     export(model, d / "model.onnx", ("input_ids", "attention_mask"), ("hidden",))
     out["electra_plain"] = (d, model, "mean", [], True)
+    # position_ids as an input (decoder-style exports take it): computed in the graph, not fed.
+    d = folder("electra_pos")
+    export(
+        model,
+        d / "onnx" / "model.onnx",
+        ("input_ids", "attention_mask", "position_ids"),
+        ("last_hidden_state",),
+    )
+    st_folder(d, "mean", False)
+    out["electra_pos"] = (d, model, "mean", [], False)
     # Opset 18 (ReduceMax takes its axes as an input there) and last-token pooling, not normalised.
     d = folder("electra_last")
     export(
@@ -273,6 +284,7 @@ def _spec(model_dir: Path):
     [
         "electra_dense",
         "electra_plain",
+        "electra_pos",
         "electra_last",
         "electra_st",
         "albert_cls",
@@ -301,6 +313,7 @@ def test_config_follows_the_graph(repo):
     assert set(dense.model_inputs) == {"input_ids", "attention_mask", "token_type_ids"}
     assert (dense.params.pooling, dense.params.normalize, dense.params.max_tokens) == ("mean", True, 64)
     assert set(_spec(repo / "electra_plain").model_inputs) == {"input_ids", "attention_mask"}
+    assert set(_spec(repo / "electra_pos").model_inputs) == {"input_ids", "attention_mask"}
     assert [list(o.dims) for o in _spec(repo / "bert_dense").outputs] == [[16]]
     # The pipeline export is served as it is: nothing of batchgate's but the renaming Identity.
     graph = onnx.load(str(repo / "electra_st" / "1" / "model.onnx")).graph

@@ -9,7 +9,8 @@ appended to the export's own graph (``onnx.helper``; the export's nodes are not 
 outputs are found by name, not assumed: ``sentence_embedding`` (an export of the whole
 sentence-transformers pipeline) is served as it is; otherwise ``last_hidden_state`` or
 ``token_embeddings``, or the one rank-3 float output. The served inputs are the graph's own:
-the text stage feeds ``token_type_ids`` only to a graph that takes it.
+the text stage feeds ``token_type_ids`` only to a graph that takes it, and a ``position_ids``
+input is computed in the graph (0..seq-1, transformers' default) rather than fed.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ ONNX_FILES = ("onnx/model.onnx", "model.onnx")
 EXPORT_HINT = "or provide an ONNX export (onnx/model.onnx)"
 # What the text stage can feed (gateway/repository.py TOKEN_INPUTS).
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+# Not fed: computed in the graph as transformers computes it when a caller passes none.
+POSITION_IDS = "position_ids"
 STATE_OUTPUTS = ("last_hidden_state", "token_embeddings")
 POOLED_OUTPUT = "sentence_embedding"
 # Unsqueeze and ReduceSum take their axes as inputs from opset 13; older exports are rare.
@@ -83,7 +86,12 @@ class ExportPlan:
 
     @property
     def summary(self) -> str:
-        return f"ONNX export {self.onnx_file.name} of {self.architecture}, output {self.output}, hidden {self.hidden}"
+        where = (
+            self.onnx_file.relative_to(self.model_dir)
+            if self.onnx_file.is_relative_to(self.model_dir)
+            else self.onnx_file.name
+        )
+        return f"ONNX export {where} of {self.architecture}, output {self.output}, hidden {self.hidden}"
 
 
 def _dims(v: onnx.ValueInfoProto) -> list[int | str]:
@@ -112,11 +120,12 @@ def _check_inputs(graph: onnx.GraphProto, where: Path) -> tuple[str, ...]:
     weights = {t.name for t in graph.initializer}
     inputs = [v for v in graph.input if v.name not in weights]
     names = tuple(v.name for v in inputs)
-    if "input_ids" not in names or "attention_mask" not in names or any(n not in TOKEN_INPUTS for n in names):
+    fed = tuple(n for n in names if n != POSITION_IDS)
+    if "input_ids" not in fed or "attention_mask" not in fed or any(n not in TOKEN_INPUTS for n in fed):
         # Without attention_mask the encoder would attend to the padding of a batch's shorter rows.
         raise PrepareError(
             f"{where}: inputs {list(names)}; supported: input_ids and attention_mask, optionally "
-            "token_type_ids (re-export with these names)"
+            f"token_type_ids and {POSITION_IDS} (re-export with these names)"
         )
     for v in inputs:
         kind = TensorProto.DataType.Name(v.type.tensor_type.elem_type)
@@ -126,7 +135,7 @@ def _check_inputs(graph: onnx.GraphProto, where: Path) -> tuple[str, ...]:
                 f"{where}: input {v.name} is {kind} {dims}; supported: INT64 [batch, sequence] with both "
                 "dimensions dynamic (re-export with dynamic axes)"
             )
-    return names
+    return fed
 
 
 def _find_output(graph: onnx.GraphProto, where: Path) -> tuple[onnx.ValueInfoProto, bool]:
@@ -297,6 +306,31 @@ def _head_nodes(h: _Head, plan: ExportPlan, states: str) -> None:
         h.op("Identity", [x], "embedding")
 
 
+def _positions(graph: onnx.GraphProto) -> None:
+    """position_ids computed in the graph, 0..seq-1 for every row: what transformers uses when
+    a caller (sentence-transformers among them) passes none, whichever side the padding is on."""
+    if not any(v.name == POSITION_IDS for v in graph.input):
+        return
+    h = GraphBuilder()
+    shape = h.op("Shape", ["input_ids"], f"{P}ids_shape")
+    seq = h.op("Gather", [shape, h.const(f"{P}one_i", np.array(1, np.int64))], f"{P}seq", axis=0)
+    steps = h.op(
+        "Range",
+        [h.const(f"{P}zero_i", np.array(0, np.int64)), seq, h.const(f"{P}step", np.array(1, np.int64))],
+        f"{P}steps",
+    )
+    row = h.op("Unsqueeze", [steps, h.const(f"{P}axis0", np.array([0], np.int64))], f"{P}row")
+    h.op("Expand", [row, shape], POSITION_IDS)
+    keep = [v for v in graph.input if v.name != POSITION_IDS]
+    del graph.input[:]
+    graph.input.extend(keep)
+    # Topological order: the new nodes first, before anything reads position_ids.
+    nodes = h.nodes + list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    graph.initializer.extend(h.initializers)
+
+
 def _used_in_subgraphs(node: onnx.NodeProto) -> set[str]:
     """Names an If/Loop/Scan body reads from the enclosing graph."""
     names: set[str] = set()
@@ -343,6 +377,7 @@ def build_export(plan: ExportPlan, name: str) -> onnx.ModelProto:
     if out.type.tensor_type.elem_type != TensorProto.FLOAT:  # a half-precision export
         states = h.op("Cast", [states], f"{P}states_f", to=TensorProto.FLOAT)
     _head_nodes(h, plan, states)
+    _positions(graph)
     graph.node.extend(h.nodes)
     graph.initializer.extend(h.initializers)
     del graph.output[:]
