@@ -365,6 +365,30 @@ def test_from_onnx_forces_the_export_of_a_known_architecture(electra, bert_dense
     assert any(n.name.startswith(P) for n in graph.node)
 
 
+def test_onnx_path_names_the_export_to_serve(electra, tmp_path):
+    """--onnx PATH (relative to the model folder) over the folder's own onnx/model.onnx."""
+    folder = tmp_path / "two-exports"
+    shutil.copytree(electra["electra_dense"][0], folder)
+    (folder / "exports").mkdir()
+    shutil.copy(electra["electra_last"][0] / "onnx" / "model.onnx", folder / "exports" / "last.onnx")
+
+    def cli(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "batchgate", "prepare-model", str(folder), "--name", "x",
+             "--model-repository", str(tmp_path / "repo"), *extra],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    proc = cli("--onnx", "exports/last.onnx")
+    assert proc.returncode == 0, proc.stderr
+    assert f"from {folder / 'exports' / 'last.onnx'} " in proc.stdout
+    # The named export takes no token_type_ids; the folder's own does.
+    assert set(_spec(tmp_path / "repo" / "x").model_inputs) == {"input_ids", "attention_mask"}
+    proc = cli("--onnx", "exports/missing.onnx")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "--onnx exports/missing.onnx: no such file" in proc.stderr
+
+
 def test_an_architecture_neither_route_covers_names_the_onnx_way(electra, tmp_path):
     folder = tmp_path / "no-export"
     shutil.copytree(electra["electra_plain"][0], folder)
