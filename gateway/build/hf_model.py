@@ -476,21 +476,46 @@ def prepare_model(source: str | Path, name: str, repo: Path, *, pooling: str | N
     ``from_onnx`` / ``onnx_file``. Raises PrepareError (one line) when the folder is not one
     this build serves faithfully."""
     from batchgate.gateway.build import sources
+    from batchgate.gateway.build.encoder import build_model
+    from batchgate.gateway.build.onnx_graph import write_atomic
 
     if not _NAME.fullmatch(name):
         raise PrepareError(f"--name '{name}': a model name is letters, digits, '_', '.' and '-'")
     t0 = time.monotonic()
     try:
-        folder = sources.resolve(source, revision, log=log)
+        source = sources.resolve(source, revision, log=log)
     except sources.SourceError as exc:
         raise PrepareError(str(exc)) from None
-    if from_onnx or onnx_file is not None or _export_only(folder):
+    if from_onnx or onnx_file is not None or _export_only(source):
         from batchgate.gateway.build.onnx_export import prepare_export
 
         return prepare_export(
-            folder, name, repo, onnx_file=onnx_file, pooling=pooling, normalize=normalize, log=log, t0=t0
+            source, name, repo, onnx_file=onnx_file, pooling=pooling, normalize=normalize, log=log, t0=t0
         )
-    return _prepare_weights(folder, name, repo, pooling=pooling, normalize=normalize, log=log, t0=t0)
+    plan = read_folder(source, pooling=pooling, normalize=normalize)
+    encoder, head = _split_weights(_read_safetensors(plan.model_dir / "model.safetensors"), plan)
+    _check_vocab(plan, encoder)
+    try:
+        model = build_model(encoder, plan.cfg, plan.head, name=name, producer=PRODUCER, head_weights=head)
+    except KeyError as exc:
+        raise PrepareError(f"{plan.model_dir / 'model.safetensors'} has no tensor {exc.args[0]}") from None
+    model_bytes = model.SerializeToString(deterministic=True)
+    out = Path(repo) / name
+    write_atomic(out / VERSION / "model.onnx", model_bytes)
+    write_atomic(out / "tokenizer.json", plan.tokenizer.read_bytes())
+    # Config last, so a repository scan never finds a config whose other files are missing.
+    write_atomic(out / "config.pbtxt", render_config(name, plan).encode())
+    dense = f", {len(plan.head.dense)} Dense to {plan.dim} dims" if plan.head.dense else ""
+    what = (
+        "rerank, raw logit"
+        if plan.rerank
+        else f"embedding, {plan.head.pooling} pooling{dense}{', normalised' if plan.head.normalize else ''}"
+    )
+    log(
+        f"{name}: wrote {out} from {plan.source} ({plan.architecture}, {what}, max {plan.max_tokens} tokens"
+        f"{f', prompts {sorted(plan.prompts)}' if plan.prompts else ''}) in {time.monotonic() - t0:.1f}s"
+    )
+    return out
 
 
 def _export_only(folder: Path) -> bool:
@@ -514,48 +539,6 @@ def _export_only(folder: Path) -> bool:
             return True
         raise PrepareError(f"{exc}; {EXPORT_HINT}") from None
     return has_export and not (model_dir / "model.safetensors").is_file()
-
-
-def _prepare_weights(source: Path, name: str, repo: Path, *, pooling: str | None, normalize: bool | None,
-                     log: Log, t0: float) -> Path:  # fmt: skip
-    from batchgate.gateway.build.encoder import build_model
-
-    plan = read_folder(source, pooling=pooling, normalize=normalize)
-    encoder, head = _split_weights(_read_safetensors(plan.model_dir / "model.safetensors"), plan)
-    _check_vocab(plan, encoder)
-    try:
-        model = build_model(encoder, plan.cfg, plan.head, name=name, producer=PRODUCER, head_weights=head)
-    except KeyError as exc:
-        raise PrepareError(f"{plan.model_dir / 'model.safetensors'} has no tensor {exc.args[0]}") from None
-    out = write_entry(repo, name, model.SerializeToString(deterministic=True), plan)
-    log(
-        f"{name}: wrote {out} from {plan.source} ({plan.architecture}, {describe(plan)}) in {time.monotonic() - t0:.1f}s"
-    )
-    return out
-
-
-def write_entry(repo: Path, name: str, model_bytes: bytes, plan) -> Path:
-    """The repository entry: the graph, the tokenizer, then the config."""
-    from batchgate.gateway.build.onnx_graph import write_atomic
-
-    out = Path(repo) / name
-    write_atomic(out / VERSION / "model.onnx", model_bytes)
-    write_atomic(out / "tokenizer.json", plan.tokenizer.read_bytes())
-    # Config last, so a repository scan never finds a config whose other files are missing.
-    write_atomic(out / "config.pbtxt", render_config(name, plan).encode())
-    return out
-
-
-def describe(plan) -> str:
-    """What the served model does, for the command's one line."""
-    if plan.rerank:
-        what = "rerank, raw logit"
-    else:
-        dense = f", {len(plan.head.dense)} Dense" if plan.head.dense else ""
-        norm = ", normalised" if plan.head.normalize else ""
-        what = f"embedding, {plan.head.pooling} pooling{dense}{norm}, {plan.dim} dims"
-    prompts = f", prompts {sorted(plan.prompts)}" if plan.prompts else ""
-    return f"{what}, max {plan.max_tokens} tokens{prompts}"
 
 
 def _check_vocab(plan: Plan, encoder: dict[str, np.ndarray]) -> None:

@@ -26,16 +26,16 @@ from onnx import TensorProto, helper
 from batchgate.gateway.build.encoder import NORM_EPSILON, POOL_EPSILON, Head, add_dense
 from batchgate.gateway.build.hf_model import (
     Log,
+    VERSION,
     PrepareError,
     _embedding_head,
     _json,
     _max_tokens,
     _modules,
-    describe,
+    render_config,
     text_settings,
-    write_entry,
 )
-from batchgate.gateway.build.onnx_graph import GraphBuilder
+from batchgate.gateway.build.onnx_graph import GraphBuilder, write_atomic
 
 ONNX_FILES = ("onnx/model.onnx", "model.onnx")
 EXPORT_HINT = "or provide an ONNX export (onnx/model.onnx)"
@@ -394,13 +394,25 @@ def build_export(plan: ExportPlan, name: str) -> onnx.ModelProto:
     return model
 
 
+def describe(plan: ExportPlan) -> str:
+    """What the served model does, for the command's one line."""
+    dense = f", {len(plan.head.dense)} Dense" if plan.head.dense else ""
+    norm = ", normalised" if plan.head.normalize else ""
+    prompts = f", prompts {sorted(plan.prompts)}" if plan.prompts else ""
+    return f"embedding, {plan.head.pooling} pooling{dense}{norm}, {plan.dim} dims, max {plan.max_tokens} tokens{prompts}"
+
+
 def prepare_export(source: Path, name: str, repo: Path, *, onnx_file: Path | None = None,
                    pooling: str | None = None, normalize: bool | None = None, log: Log = print,
                    t0: float | None = None) -> Path:  # fmt: skip
     t0 = time.monotonic() if t0 is None else t0
     plan = read_export(source, onnx_file=onnx_file, pooling=pooling, normalize=normalize)
     model = build_export(plan, name)
-    out = write_entry(repo, name, model.SerializeToString(deterministic=True), plan)
+    out = Path(repo) / name
+    write_atomic(out / VERSION / "model.onnx", model.SerializeToString(deterministic=True))
+    write_atomic(out / "tokenizer.json", plan.tokenizer.read_bytes())
+    # Config last, so a repository scan never finds a config whose other files are missing.
+    write_atomic(out / "config.pbtxt", render_config(name, plan).encode())
     log(
         f"{name}: wrote {out} from {plan.onnx_file} ({plan.architecture}, ONNX export, {describe(plan)}) "
         f"in {time.monotonic() - t0:.1f}s"
