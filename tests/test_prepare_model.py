@@ -436,11 +436,13 @@ def test_missing_file_is_named_in_one_line(folders, tmp_path):
 
 
 def test_modules_and_pooling_the_graph_does_not_do_are_refused(folders, tmp_path):
-    folder = tmp_path / "dense"
+    folder = tmp_path / "layernorm"
     shutil.copytree(folders["bert_mean"][0], folder)
     modules = json.loads((folder / "modules.json").read_text())
-    (folder / "modules.json").write_text(json.dumps(modules + [{"path": "3_Dense", "type": ST + "Dense"}]))
-    with pytest.raises(PrepareError, match="module Dense"):
+    (folder / "modules.json").write_text(
+        json.dumps(modules + [{"path": "3_LayerNorm", "type": ST + "LayerNorm"}])
+    )
+    with pytest.raises(PrepareError, match="module LayerNorm"):
         read_folder(folder)
     (folder / "modules.json").write_text(json.dumps(modules))
     pool = json.loads((folder / "1_Pooling" / "config.json").read_text())

@@ -1,7 +1,7 @@
 """The BERT-family encoder spelled out with ``onnx.helper``: BERT, RoBERTa and XLM-RoBERTa
 blocks from their safetensors weights, then one of the heads a served model ends in —
-sentence-transformers' pooling (mean, CLS, last token) with optional L2 normalisation, or a
-``*ForSequenceClassification`` head's logit (a cross-encoder's score).
+sentence-transformers' pooling (mean, CLS, last token), its Dense modules and optional L2
+normalisation, or a ``*ForSequenceClassification`` head's logit (a cross-encoder's score).
 
 The arithmetic is Hugging Face's ``BertModel`` / ``RobertaModel`` (post-LN blocks, erf GELU);
 the two families differ only in their embeddings: RoBERTa's positions count from
@@ -29,6 +29,8 @@ POOL_EPSILON = 1e-9
 NORM_EPSILON = 1e-12
 
 POOLINGS = ("mean", "cls", "lasttoken")
+# sentence-transformers' Dense activation_function (a torch class path) -> its ONNX spelling.
+ACTIVATIONS = {"Identity": None, "Tanh": "Tanh", "Sigmoid": "Sigmoid", "ReLU": "Relu", "GELU": "gelu"}
 
 
 @dataclass(frozen=True)
@@ -52,18 +54,41 @@ class EncoderConfig:
         return self.type_vocab > 1 and self.padding_idx is None
 
 
+@dataclass(frozen=True, eq=False)
+class Dense:
+    """A sentence-transformers ``Dense`` module: ``activation(x @ weight.T + bias)``."""
+
+    weight: np.ndarray  # [out_features, in_features], torch Linear's layout
+    bias: np.ndarray | None
+    activation: str  # a key of ACTIVATIONS
+
+    @property
+    def in_features(self) -> int:
+        return int(self.weight.shape[1])
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+
 @dataclass(frozen=True)
 class Head:
-    """What follows the encoder: ``pooling`` + ``normalize`` (an embedding), or ``classifier``
-    (a cross-encoder's score: "bert" pooler + classifier, "roberta" classification head)."""
+    """What follows the encoder: ``pooling``, then ``dense`` (sentence-transformers' Dense
+    modules, in order), then ``normalize`` (an embedding); or ``classifier`` (a cross-encoder's
+    score: "bert" pooler + classifier, "roberta" classification head)."""
 
     pooling: str = "mean"
     normalize: bool = True
     classifier: str | None = None
+    dense: tuple[Dense, ...] = ()
 
     @property
     def output(self) -> str:
         return "score" if self.classifier else "embedding"
+
+    def dim(self, hidden: int) -> int:
+        """The served vector's length: the last Dense's out_features, else the hidden size."""
+        return 1 if self.classifier else self.dense[-1].out_features if self.dense else hidden
 
 
 class _Graph(GraphBuilder):
@@ -254,6 +279,22 @@ def _pool(g: _Graph, x: str, mask: str, pooling: str) -> str:
     return g.op("Div", [total, count], "pooled")
 
 
+def add_dense(g: GraphBuilder, x: str, layers: tuple[Dense, ...], prefix: str = "dense") -> str:
+    """sentence-transformers' Dense modules in order over [batch, in] -> [batch, out]."""
+    for i, layer in enumerate(layers):
+        name = f"{prefix}{i}"
+        w = g.const(f"{name}.weight", np.ascontiguousarray(layer.weight.T.astype(np.float32)))
+        x = g.op("MatMul", [x, w], f"{name}.matmul")
+        if layer.bias is not None:
+            x = g.op("Add", [x, g.const(f"{name}.bias", layer.bias.astype(np.float32))], f"{name}.linear")
+        op = ACTIVATIONS[layer.activation]
+        if op == "gelu":  # torch's GELU() default: the exact (erf) form
+            x = gelu(g, f"{name}.gelu", x, one=g.const(f"{name}.one", np.array(1.0, np.float32)))
+        elif op is not None:
+            x = g.op(op, [x], f"{name}.{op.lower()}")
+    return x
+
+
 def _classify(g: _Graph, x: str, weights: dict[str, np.ndarray], kind: str) -> str:
     """The sequence-classification head on the first token's state -> [batch, num_labels]."""
     first = g.op("Gather", [x, g.scalar("first_token", np.array(0, np.int64))], "first_state", axis=1)
@@ -332,7 +373,7 @@ def finish_head(
     if head.classifier:
         out_dims = ["batch", width]
     else:
-        pooled = _pool(g, x, mask, head.pooling)
+        pooled = add_dense(g, _pool(g, x, mask, head.pooling), head.dense)
         if head.normalize:
             # ReduceL2 still takes axes as an attribute at opset 17 (ReduceSum moved them to an input).
             norm = g.op("ReduceL2", [pooled], "norm", axes=[1], keepdims=1)
@@ -342,7 +383,7 @@ def finish_head(
             g.op("Div", [pooled, norm], "embedding")
         else:
             g.op("Identity", [pooled], "embedding")
-        out_dims = ["batch", width]
+        out_dims = ["batch", head.dim(width)]
 
     ids = ["batch", "seq"]
     inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, ids) for n in input_names]

@@ -1,6 +1,6 @@
-"""Bring your own model: a local sentence-transformers or Hugging Face folder as a served model.
+"""Bring your own model: a sentence-transformers or Hugging Face folder as a served model.
 
-``batchgate prepare-model SOURCE_DIR --name NAME [--model-repository DIR]`` writes::
+``batchgate prepare-model SOURCE --name NAME [--model-repository DIR]`` writes::
 
     <repo>/NAME/config.pbtxt      text (BYTES) in; embedding (FP32 [hidden]) or score (FP32 [1]) out
     <repo>/NAME/tokenizer.json    the folder's tokenizer, unchanged
@@ -11,7 +11,9 @@ the Transformer module's folder when ``modules.json`` names one), and when prese
 sentence-transformers' ``modules.json``, the Pooling module's ``config.json``,
 ``sentence_bert_config.json`` and ``config_sentence_transformers.json``. The weights are read
 with safetensors' numpy API and the graph is spelled out with ``onnx.helper``: no PyTorch here
-or at serving time.
+or at serving time. SOURCE may also be a Hugging Face model ID, read through the hub cache
+(``sources.py``); a folder whose architecture the builder does not know is served from its ONNX
+export (``onnx/model.onnx`` or ``model.onnx``) with the head appended (``onnx_export.py``).
 
 What it decides, and where from (docs/embeddings.md, "Bringing your own model"):
 
@@ -23,8 +25,9 @@ What it decides, and where from (docs/embeddings.md, "Bringing your own model"):
 * max length: sentence-transformers' ``max_seq_length``, else the tokenizer's
   ``model_max_length``, never more than the position table allows (RoBERTa's loses
   ``padding_idx + 1`` rows to its offset).
-* pooling and normalisation: as ``modules.json`` declares them (a ``Normalize`` module means
-  unit vectors, none means raw pooled vectors); a plain Hugging Face folder, which declares
+* pooling, Dense and normalisation: as ``modules.json`` declares them (``Dense`` modules in
+  its order, the last one's ``out_features`` the served dimension; a ``Normalize`` module means
+  unit vectors, none means raw vectors); a plain Hugging Face folder, which declares
   neither, gets mean pooling (Qwen3: the last token, as Qwen3-Embedding's card pools) and L2
   normalisation, what sentence-transformers' own fallback pools and what cosine-similarity
   callers expect. ``--pooling`` and ``--normalize`` override.
@@ -47,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from batchgate.gateway.build.encoder import POOLINGS, EncoderConfig, Head
+from batchgate.gateway.build.encoder import ACTIVATIONS, POOLINGS, Dense, EncoderConfig, Head
 
 Log = Callable[[str], object]
 
@@ -124,6 +127,14 @@ class Plan:
     def rerank(self) -> bool:
         return self.head.classifier is not None
 
+    @property
+    def dim(self) -> int:
+        return self.head.dim(self.cfg.hidden)
+
+    @property
+    def summary(self) -> str:
+        return f"{self.architecture} ({self.model_type}), {self.cfg.layers} layers, hidden {self.cfg.hidden}"
+
 
 # --------------------------------------------------------------------------------------------
 # reading the folder
@@ -140,26 +151,73 @@ def _json(path: Path, required: bool = True) -> dict | list | None:
         raise PrepareError(f"{path} is not readable JSON: {exc}") from None
 
 
-def _modules(source: Path) -> tuple[Path, Path | None, bool] | None:
-    """sentence-transformers' pipeline: (Transformer folder, Pooling folder, Normalize), or None
-    for a plain Hugging Face folder."""
+@dataclass(frozen=True)
+class Modules:
+    """sentence-transformers' pipeline, as modules.json lists it."""
+
+    transformer: Path
+    pooling: Path
+    dense: tuple[Path, ...]
+    normalize: bool
+
+
+_PIPELINE = "supported: Transformer, then Pooling, then any Dense, then optionally Normalize"
+
+
+def _modules(source: Path) -> Modules | None:
+    """sentence-transformers' pipeline, or None for a plain Hugging Face folder."""
     modules = _json(source / "modules.json", required=False)
     if modules is None:
         return None
     kinds = [(str(m.get("type", "")).rsplit(".", 1)[-1], str(m.get("path", ""))) for m in modules]
     for kind, path in kinds:
-        if kind not in ("Transformer", "Pooling", "Normalize"):
+        if kind not in ("Transformer", "Pooling", "Dense", "Normalize"):
             raise PrepareError(
-                f"{source / 'modules.json'}: module {kind} ({path or 'no path'}) is not supported; "
-                "supported: Transformer, then Pooling, then optionally Normalize"
+                f"{source / 'modules.json'}: module {kind} ({path or 'no path'}) is not supported; {_PIPELINE}"
             )
     order = [k for k, _ in kinds]
-    if order not in (["Transformer", "Pooling"], ["Transformer", "Pooling", "Normalize"]):
+    n_dense = order.count("Dense")
+    if order not in (
+        ["Transformer", "Pooling"] + ["Dense"] * n_dense,
+        ["Transformer", "Pooling"] + ["Dense"] * n_dense + ["Normalize"],
+    ):
+        raise PrepareError(f"{source / 'modules.json'}: modules {', '.join(order)}; {_PIPELINE}")
+    return Modules(
+        transformer=source / kinds[0][1],
+        pooling=source / kinds[1][1],
+        dense=tuple(source / path for kind, path in kinds if kind == "Dense"),
+        normalize=order[-1] == "Normalize",
+    )
+
+
+def _dense(folder: Path, in_features: int) -> Dense:
+    """A Dense module's folder: config.json (features, bias, activation) and its weights."""
+    cfg = _json(folder / "config.json")
+    act = str(cfg.get("activation_function", "torch.nn.modules.linear.Identity")).rsplit(".", 1)[-1]
+    if act not in ACTIVATIONS:
         raise PrepareError(
-            f"{source / 'modules.json'}: modules {', '.join(order)}; supported: Transformer, then Pooling, "
-            "then optionally Normalize"
+            f"{folder / 'config.json'}: activation_function {cfg.get('activation_function')} is not "
+            f"supported; supported: {', '.join(ACTIVATIONS)}"
         )
-    return source / kinds[0][1], source / kinds[1][1], len(order) == 3
+    if cfg.get("in_features") != in_features:
+        raise PrepareError(
+            f"{folder / 'config.json'}: in_features {cfg.get('in_features')}; the vector before it "
+            f"has {in_features}"
+        )
+    weights_file = folder / "model.safetensors"
+    if not weights_file.is_file():
+        bins = sorted(p.name for p in folder.glob("*.bin"))
+        hint = f" ({bins[0]} is not read: it needs PyTorch; save the model with safetensors)" if bins else ""
+        raise PrepareError(f"{weights_file} is missing{hint}")
+    weights = _read_safetensors(weights_file)
+    weight, bias = weights.get("linear.weight"), weights.get("linear.bias")
+    out = cfg.get("out_features")
+    if weight is None or weight.shape != (out, in_features):
+        got = "no tensor linear.weight" if weight is None else f"linear.weight {list(weight.shape)}"
+        raise PrepareError(f"{weights_file}: {got}; config.json says [{out}, {in_features}]")
+    if cfg.get("bias", True) and (bias is None or bias.shape != (out,)):
+        raise PrepareError(f"{weights_file}: config.json says bias, and linear.bias is not [{out}]")
+    return Dense(weight=weight, bias=bias if cfg.get("bias", True) else None, activation=act)
 
 
 def _pooling(pool_dir: Path, hidden: int, has_prompts: bool) -> str:
@@ -220,6 +278,25 @@ def _architecture(config: dict, where: Path) -> tuple[str, str, bool]:
     return arch or f"{stem}Model", model_type, tail == "ForSequenceClassification"
 
 
+def _embedding_head(source: Path, modules: Modules | None, hidden: int, prompts: dict[str, str],
+                    pooling: str | None, normalize: bool | None, default_pooling: str = "mean") -> Head:  # fmt: skip
+    """Pooling, Dense modules (chained: each takes the previous one's vector) and Normalize as
+    ``modules.json`` declares them; a plain folder gets mean pooling and unit vectors."""
+    if modules:
+        found_pooling = _pooling(modules.pooling, hidden, any(prompts.values()))
+        found_normalize = modules.normalize
+        dense: list[Dense] = []
+        for folder in modules.dense:
+            dense.append(_dense(folder, dense[-1].out_features if dense else hidden))
+    else:
+        found_pooling, found_normalize, dense = default_pooling, True, []
+    return Head(
+        pooling=pooling or found_pooling,
+        normalize=found_normalize if normalize is None else normalize,
+        dense=tuple(dense),
+    )
+
+
 def _max_tokens(config: dict, model_dir: Path, position_limit: int) -> int:
     """sentence-transformers' rule: its max_seq_length, else min(positions, the tokenizer's
     model_max_length); here also never past the position table."""
@@ -238,6 +315,34 @@ def _lowercases(tokenizer: dict) -> bool:
     return '"lowercase": true' in text or '"Lowercase"' in text
 
 
+def text_settings(
+    source: Path, model_dir: Path, default_prompts: dict[str, str] | None = None
+) -> tuple[dict[str, str], str | None]:
+    """(prompts, default prompt name) from config_sentence_transformers.json (``default_prompts``
+    where it names none), after checking that tokenizer.json lowercases when
+    sentence_bert_config.json says the model expects it."""
+    st = _json(source / "config_sentence_transformers.json", required=False) or {}
+    prompts = st.get("prompts") or dict(default_prompts or {})
+    if not isinstance(prompts, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()
+    ):
+        raise PrepareError(f"{source / 'config_sentence_transformers.json'}: prompts must map names to texts")
+    default_prompt = st.get("default_prompt_name")
+    if default_prompt is not None and default_prompt not in prompts:
+        raise PrepareError(
+            f"{source / 'config_sentence_transformers.json'}: default_prompt_name '{default_prompt}' "
+            f"names no prompt; the folder's: {sorted(prompts)}"
+        )
+    st_model = _json(model_dir / "sentence_bert_config.json", required=False) or {}
+    tokenizer = _json(model_dir / "tokenizer.json")
+    if st_model.get("do_lower_case") and not _lowercases(tokenizer):
+        raise PrepareError(
+            f"{model_dir / 'sentence_bert_config.json'}: do_lower_case is set but tokenizer.json does not "
+            "lowercase; add a Lowercase normalizer to tokenizer.json"
+        )
+    return dict(prompts), default_prompt
+
+
 def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | None = None) -> Plan:
     """Read and check ``source``; PrepareError (one line) on anything the build would not serve
     as the folder's own library would."""
@@ -247,7 +352,7 @@ def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | N
             f"{source} is not a directory (expected a sentence-transformers or Hugging Face model folder)"
         )
     modules = _modules(source)
-    model_dir = modules[0] if modules else source
+    model_dir = modules.transformer if modules else source
     # The architecture first: a folder of another kind is refused by name, not for a file it lacks.
     config = _json(model_dir / "config.json")
     arch, model_type, rerank = _architecture(config, model_dir / "config.json")
@@ -281,28 +386,9 @@ def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | N
         )
     hidden = cfg.hidden
 
-    st = _json(source / "config_sentence_transformers.json", required=False) or {}
     # A family whose card gives prompts (Qwen3-Embedding's query instruction) has them recorded
     # when the folder names none of its own.
-    prompts = st.get("prompts") or dict(getattr(module, "DEFAULT_PROMPTS", {}))
-    if not isinstance(prompts, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()
-    ):
-        raise PrepareError(f"{source / 'config_sentence_transformers.json'}: prompts must map names to texts")
-    default_prompt = st.get("default_prompt_name")
-    if default_prompt is not None and default_prompt not in prompts:
-        raise PrepareError(
-            f"{source / 'config_sentence_transformers.json'}: default_prompt_name '{default_prompt}' "
-            f"names no prompt; the folder's: {sorted(prompts)}"
-        )
-
-    st_model = _json(model_dir / "sentence_bert_config.json", required=False) or {}
-    tokenizer = _json(model_dir / "tokenizer.json")
-    if st_model.get("do_lower_case") and not _lowercases(tokenizer):
-        raise PrepareError(
-            f"{model_dir / 'sentence_bert_config.json'}: do_lower_case is set but tokenizer.json does not "
-            "lowercase; add a Lowercase normalizer to tokenizer.json"
-        )
+    prompts, default_prompt = text_settings(source, model_dir, dict(getattr(module, "DEFAULT_PROMPTS", {})))
 
     if rerank:
         if pooling is not None or normalize is not None:
@@ -311,13 +397,8 @@ def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | N
             )
         head = Head(classifier=family)
     else:
-        if modules:
-            found_pooling = _pooling(modules[1], hidden, any(prompts.values()))
-            found_normalize = modules[2]
-        else:
-            found_pooling, found_normalize = getattr(module, "DEFAULT_POOLING", "mean"), True
-        head = Head(
-            pooling=pooling or found_pooling, normalize=found_normalize if normalize is None else normalize
+        head = _embedding_head(
+            source, modules, hidden, prompts, pooling, normalize, getattr(module, "DEFAULT_POOLING", "mean")
         )
     return Plan(
         source=source,
@@ -328,7 +409,7 @@ def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | N
         cfg=cfg,
         head=head,
         max_tokens=cfg.max_seq_length,
-        prompts=dict(prompts),
+        prompts=prompts,
         default_prompt_name=default_prompt,
     )
 
@@ -397,14 +478,13 @@ def _escape(text: str) -> str:
     return text_encoding.CEscape(text, as_utf8=True)
 
 
-def render_config(name: str, plan: Plan) -> str:
+def render_config(name: str, plan) -> str:
+    """``plan``: a Plan, or onnx_export's ExportPlan (the same fields this reads)."""
     from batchgate.gateway.build.minilm import render_text_config, text_parameters
 
     params = text_parameters(plan.max_tokens)
     kind = "rerank: pairs in, the classifier's logit out" if plan.rerank else "embedding"
-    notes = [
-        f"Source: {plan.architecture} ({plan.model_type}), {plan.cfg.layers} layers, hidden {plan.cfg.hidden}; {kind}."
-    ]
+    notes = [f"Source: {plan.summary}; {kind}."]
     if plan.rerank:
         notes.append(
             "Each row is a pair: query and document joined by U+001F (gateway/text.py PAIR_SEPARATOR)."
@@ -414,6 +494,9 @@ def render_config(name: str, plan: Plan) -> str:
         notes.append(
             "pooling and normalize record what the graph does; prompt.<name> are the folder's prompts."
         )
+        if plan.head.dense:
+            shapes = ", ".join(f"{d.in_features}->{d.out_features} {d.activation}" for d in plan.head.dense)
+            notes.append(f"Dense modules after pooling (in the graph): {shapes}.")
         params["pooling"] = plan.head.pooling
         params["normalize"] = "true" if plan.head.normalize else "false"
         if plan.head.pooling == "lasttoken":
@@ -426,7 +509,7 @@ def render_config(name: str, plan: Plan) -> str:
         name,
         "gateway/build/hf_model.py (batchgate prepare-model)",
         plan.head.output,
-        1 if plan.rerank else plan.cfg.hidden,
+        plan.dim,
         params,
         notes,
     )
@@ -449,16 +532,32 @@ def _last_token_note(tokenizer: Path) -> str:
 # the command
 
 
-def prepare_model(source: Path, name: str, repo: Path, *, pooling: str | None = None,
-                  normalize: bool | None = None, log: Log = print) -> Path:  # fmt: skip
-    """Write ``<repo>/<name>`` from the folder ``source``; returns the model directory. Raises
-    PrepareError (one line) when the folder is not one this build serves faithfully."""
+def prepare_model(source: str | Path, name: str, repo: Path, *, pooling: str | None = None,
+                  normalize: bool | None = None, revision: str | None = None, from_onnx: bool = False,
+                  onnx_file: Path | None = None, log: Log = print) -> Path:  # fmt: skip
+    """Write ``<repo>/<name>`` from ``source`` (a folder, or a Hugging Face model ID resolved
+    through the hub cache: gateway/build/sources.py); returns the model directory. The weights
+    are built into a graph when the builder knows the architecture; a folder carrying an ONNX
+    export is served from that export otherwise (gateway/build/onnx_export.py), or always with
+    ``from_onnx`` / ``onnx_file``. Raises PrepareError (one line) when the folder is not one
+    this build serves faithfully."""
+    from batchgate.gateway.build import sources
     from batchgate.gateway.build.encoder import build_model
     from batchgate.gateway.build.onnx_graph import write_atomic
 
     if not _NAME.fullmatch(name):
         raise PrepareError(f"--name '{name}': a model name is letters, digits, '_', '.' and '-'")
     t0 = time.monotonic()
+    try:
+        source = sources.resolve(source, revision, log=log)
+    except sources.SourceError as exc:
+        raise PrepareError(str(exc)) from None
+    if from_onnx or onnx_file is not None or _export_only(source):
+        from batchgate.gateway.build.onnx_export import prepare_export
+
+        return prepare_export(
+            source, name, repo, onnx_file=onnx_file, pooling=pooling, normalize=normalize, log=log, t0=t0
+        )
     plan = read_folder(source, pooling=pooling, normalize=normalize)
     encoder, head = _split_weights(_read_safetensors(plan.model_dir / "model.safetensors"), plan)
     _check_vocab(plan, encoder)
@@ -484,16 +583,40 @@ def prepare_model(source: Path, name: str, repo: Path, *, pooling: str | None = 
     write_atomic(out / "tokenizer.json", plan.tokenizer.read_bytes())
     # Config last, so a repository scan never finds a config whose other files are missing.
     write_atomic(out / "config.pbtxt", render_config(name, plan).encode())
+    dense = f", {len(plan.head.dense)} Dense to {plan.dim} dims" if plan.head.dense else ""
     what = (
         "rerank, raw logit"
         if plan.rerank
-        else f"embedding, {plan.head.pooling} pooling{', normalised' if plan.head.normalize else ''}"
+        else f"embedding, {plan.head.pooling} pooling{dense}{', normalised' if plan.head.normalize else ''}"
     )
     log(
         f"{name}: wrote {out} from {plan.source} ({plan.architecture}, {what}, max {plan.max_tokens} tokens"
         f"{f', prompts {sorted(plan.prompts)}' if plan.prompts else ''}) in {time.monotonic() - t0:.1f}s"
     )
     return out
+
+
+def _export_only(folder: Path) -> bool:
+    """Whether the folder is served from its ONNX export: it has one, and the builder does not
+    know its architecture (or has no safetensors weights to build from). An architecture
+    neither covers is refused with the way forward appended."""
+    from batchgate.gateway.build.onnx_export import EXPORT_HINT, find_onnx
+
+    if not folder.is_dir():
+        return False  # read_folder says what it is
+    modules = _modules(folder)
+    model_dir = modules.transformer if modules else folder
+    has_export = find_onnx(model_dir, folder) is not None
+    config = _json(model_dir / "config.json", required=has_export is False)
+    if config is None:
+        return True
+    try:
+        _architecture(config, model_dir / "config.json")
+    except PrepareError as exc:
+        if has_export:
+            return True
+        raise PrepareError(f"{exc}; {EXPORT_HINT}") from None
+    return has_export and not (model_dir / "model.safetensors").is_file()
 
 
 def _check_vocab(plan: Plan, encoder: dict[str, np.ndarray]) -> None:
@@ -512,7 +635,14 @@ def run(args: argparse.Namespace) -> int:
     """``batchgate prepare-model``: 0; 2 for a folder it refuses, 1 for a failure; one line on stderr."""
     try:
         prepare_model(
-            args.source, args.name, args.model_repository, pooling=args.pooling, normalize=args.normalize
+            args.source,
+            args.name,
+            args.model_repository,
+            pooling=args.pooling,
+            normalize=args.normalize,
+            revision=args.revision,
+            from_onnx=args.from_onnx,
+            onnx_file=args.onnx,
         )
     except PrepareError as exc:
         print(f"batchgate prepare-model: {str(exc).replace(chr(10), ' ')}", file=sys.stderr)

@@ -1,0 +1,434 @@
+"""``batchgate prepare-model`` on an ONNX export, and sentence-transformers' Dense modules.
+
+Architectures the weights builder does not know (ELECTRA: its embeddings are projected from 16
+to the hidden 32, which encoder.py does not build; ALBERT; DeBERTa-v2) are exported with ``torch.onnx.export``
+from a transformers model with scrambled weights, into folders laid out as Hub repos and
+``optimum-cli`` ship them, with a ``tokenizers`` WordPiece tokenizer and sentence-transformers'
+files written here. The prepared models are served by a real server and compared with
+transformers' own ``last_hidden_state`` pooled, passed through the Dense modules (torch Linear
+and activation) and normalised as sentence-transformers does: cosine >= 0.9999 per row on a
+padded batch of mixed lengths. The weights route (BERT) is checked with Dense modules the same
+way. Refusals: an architecture neither route covers names the ONNX way forward; a Dense
+module's pytorch_model.bin is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import tritonclient.grpc as tc
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer
+
+from batchgate.gateway.build.hf_model import PrepareError, prepare_model
+from batchgate.gateway.build.onnx_export import P, read_export
+from batchgate.gateway.repository import load_model
+from batchgate.gateway.text import TextStage
+from tests.conftest import start_server
+from tests.test_prepare_model import MIN_COSINE, ST, TEXTS, TINY, cosines, scramble, st_folder, wordpiece
+
+ELECTRA = dict(TINY, embedding_size=16, max_position_embeddings=64)
+# Two Dense modules chained, as modules.json orders them: 32 -> 24 (tanh) -> 16 (no bias).
+DENSE = [(32, 24, "Tanh", True), (24, 16, "Identity", False)]
+ACT = {"Tanh": "torch.nn.modules.activation.Tanh", "Identity": "torch.nn.modules.linear.Identity"}
+
+
+def add_dense(folder: Path, layers=DENSE, normalize: bool = True, seed: int = 1) -> list:
+    """Dense folders (config.json + model.safetensors, scrambled) after the Pooling module;
+    returns [(weight, bias, activation)] for the reference."""
+    rng = np.random.default_rng(seed)
+    modules = [
+        m for m in json.loads((folder / "modules.json").read_text()) if not m["type"].endswith("Normalize")
+    ]
+    made = []
+    for i, (fan_in, fan_out, act, bias) in enumerate(layers):
+        d = folder / f"{2 + i}_Dense"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"in_features": fan_in, "out_features": fan_out, "bias": bias,
+                                                   "activation_function": ACT[act]}))  # fmt: skip
+        w = rng.normal(0, 0.3, (fan_out, fan_in)).astype(np.float32)
+        b = rng.normal(0, 0.3, fan_out).astype(np.float32) if bias else None
+        save_file({"linear.weight": w, **({"linear.bias": b} if bias else {})}, str(d / "model.safetensors"))
+        modules.append({"idx": len(modules), "name": str(len(modules)), "path": d.name, "type": ST + "Dense"})
+        made.append((w, b, act))
+    if normalize:
+        modules.append(
+            {"idx": len(modules), "name": str(len(modules)), "path": "9_Normalize", "type": ST + "Normalize"}
+        )
+    (folder / "modules.json").write_text(json.dumps(modules))
+    return made
+
+
+def reference(
+    model, tok_path: Path, max_tokens: int, pooling: str, dense: list, normalize: bool
+) -> np.ndarray:
+    """transformers' last_hidden_state for TEXTS in one padded batch, pooled, through the Dense
+    layers and normalised as sentence-transformers does (torch for all of it)."""
+    import torch
+
+    tok = Tokenizer.from_file(str(tok_path))
+    tok.enable_padding(pad_id=tok.token_to_id("[PAD]"), pad_token="[PAD]")
+    tok.enable_truncation(max_tokens)
+    enc = tok.encode_batch(TEXTS)
+    ids = torch.tensor([e.ids for e in enc])
+    mask = torch.tensor([e.attention_mask for e in enc])
+    with torch.no_grad():
+        states = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        if pooling == "cls":
+            x = states[:, 0]
+        elif pooling == "mean":
+            m = mask.unsqueeze(-1).float()
+            x = (states * m).sum(1) / m.sum(1).clamp(min=1e-9)
+        else:  # last token
+            values, indices = mask.flip(1).max(1)
+            x = states[torch.arange(len(enc)), mask.shape[1] - indices - 1]
+        for w, b, act in dense:
+            x = torch.nn.functional.linear(x, torch.from_numpy(w), None if b is None else torch.from_numpy(b))
+            x = torch.tanh(x) if act == "Tanh" else x
+        if normalize:
+            x = torch.nn.functional.normalize(x, p=2, dim=1)
+    assert mask.min() == 0  # mixed lengths: the batch was padded
+    return x.numpy()
+
+
+class _Wrap:
+    """torch.onnx.export traces a module's positional forward; transformers 5's forward takes
+    other arguments in those positions, so the export goes through a wrapper."""
+
+    @staticmethod
+    def make(model, inputs: tuple[str, ...], pooled: str | None = None):
+        import torch
+
+        class Wrap(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+
+            def forward(self, *args):
+                states = self.model(**dict(zip(inputs, args))).last_hidden_state
+                if pooled is None:
+                    return states
+                # sentence-transformers' own export: the whole pipeline (CLS + Normalize here).
+                return states, torch.nn.functional.normalize(states[:, 0], p=2, dim=1)
+
+        return Wrap().eval()
+
+
+def export(model, path: Path, inputs: tuple[str, ...], outputs: tuple[str, ...], opset: int = 17) -> None:
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ids = torch.tensor([[2, 5, 6, 3, 0], [2, 7, 3, 0, 0]])
+    feeds = {"input_ids": ids, "attention_mask": (ids != 0).long(), "token_type_ids": torch.zeros_like(ids),
+             "position_ids": torch.arange(ids.shape[1]).expand(ids.shape)}  # fmt: skip
+    axes = {n: {0: "batch", 1: "seq"} for n in inputs} | {outputs[0]: {0: "batch", 1: "seq"}}
+    if len(outputs) > 1:
+        axes[outputs[1]] = {0: "batch"}
+    torch.onnx.export(
+        _Wrap.make(model, inputs, pooled=outputs[1] if len(outputs) > 1 else None),
+        tuple(feeds[n] for n in inputs),
+        str(path),
+        input_names=list(inputs),
+        output_names=list(outputs),
+        dynamic_axes=axes,
+        opset_version=opset,
+        dynamo=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def electra(tmp_path_factory):
+    """name -> (folder, the transformers model, pooling, dense layers, normalize)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("onnx-folders")
+    wp = wordpiece()
+    model = transformers.ElectraModel(transformers.ElectraConfig(**ELECTRA, vocab_size=wp.get_vocab_size()))
+    scramble(model)
+    model.eval().config.architectures = ["ElectraModel"]  # as save_pretrained records it
+    out = {}
+
+    def folder(name: str) -> Path:
+        d = root / name
+        d.mkdir()
+        model.config.save_pretrained(d)  # config.json only: the route needs no weights file
+        wp.save(str(d / "tokenizer.json"))
+        return d
+
+    # The Hub layout: onnx/model.onnx, three inputs, last_hidden_state; mean, two Dense, Normalize.
+    d = folder("electra_dense")
+    export(
+        model,
+        d / "onnx" / "model.onnx",
+        ("input_ids", "attention_mask", "token_type_ids"),
+        ("last_hidden_state",),
+    )
+    st_folder(d, "mean", True)
+    out["electra_dense"] = (d, model, "mean", add_dense(d), True)
+    # optimum's layout: model.onnx at the top, no token_type_ids, an output of another name, no
+    # modules.json (mean pooling and unit vectors, as for a plain folder).
+    d = folder("electra_plain")
+    export(model, d / "model.onnx", ("input_ids", "attention_mask"), ("hidden",))
+    out["electra_plain"] = (d, model, "mean", [], True)
+    # position_ids as an input (decoder-style exports take it): computed in the graph, not fed.
+    d = folder("electra_pos")
+    export(
+        model,
+        d / "onnx" / "model.onnx",
+        ("input_ids", "attention_mask", "position_ids"),
+        ("last_hidden_state",),
+    )
+    st_folder(d, "mean", False)
+    out["electra_pos"] = (d, model, "mean", [], False)
+    # Opset 18 (ReduceMax takes its axes as an input there) and last-token pooling, not normalised.
+    d = folder("electra_last")
+    export(
+        model, d / "onnx" / "model.onnx", ("input_ids", "attention_mask"), ("last_hidden_state",), opset=18
+    )
+    st_folder(d, "lasttoken", False)
+    out["electra_last"] = (d, model, "lasttoken", [], False)
+    # An export of the whole pipeline: its sentence_embedding is served as it is.
+    d = folder("electra_st")
+    export(
+        model,
+        d / "onnx" / "model.onnx",
+        ("input_ids", "attention_mask"),
+        ("token_embeddings", "sentence_embedding"),
+    )
+    st_folder(d, "cls", True)
+    out["electra_st"] = (d, model, "cls", [], True)
+    # Two more architectures the builder does not know: ALBERT (one layer's weights shared by
+    # all, factorised embeddings) and DeBERTa-v2 (relative-position attention), CLS-pooled.
+    for name, cls, config in (
+        ("albert_cls", transformers.AlbertModel, transformers.AlbertConfig(**TINY, embedding_size=16)),
+        (
+            "deberta_cls",
+            transformers.DebertaV2Model,
+            transformers.DebertaV2Config(**TINY, max_position_embeddings=64),
+        ),
+    ):
+        config.vocab_size = wp.get_vocab_size()
+        other = cls(config)
+        scramble(other)
+        other.eval().config.architectures = [cls.__name__]
+        d = root / name
+        d.mkdir()
+        other.config.save_pretrained(d)
+        wp.save(str(d / "tokenizer.json"))
+        export(
+            other,
+            d / "onnx" / "model.onnx",
+            ("input_ids", "attention_mask", "token_type_ids"),
+            ("last_hidden_state",),
+        )
+        st_folder(d, "cls", True)
+        out[name] = (d, other, "cls", [], True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def bert_dense(tmp_path_factory):
+    """The weights route with Dense modules: a BERT folder, CLS pooling, two Dense, Normalize."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    wp = wordpiece()
+    model = transformers.BertModel(transformers.BertConfig(**TINY, vocab_size=wp.get_vocab_size(),
+                                                           max_position_embeddings=64))  # fmt: skip
+    scramble(model)
+    d = tmp_path_factory.mktemp("bert-dense") / "bert_dense"
+    model.eval().save_pretrained(d)
+    wp.save(str(d / "tokenizer.json"))
+    st_folder(d, "cls", True)
+    return d, model, "cls", add_dense(d, seed=2), True
+
+
+@pytest.fixture(scope="module")
+def repo(electra, bert_dense, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("onnx-repo")
+    # One through the command line, with the route chosen by itself (ELECTRA is unknown to the builder).
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchgate", "prepare-model", str(electra["electra_dense"][0]),
+         "--name", "electra_dense", "--model-repository", str(repo)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "ONNX export, embedding, mean pooling, 2 Dense, normalised, 16 dims" in proc.stdout, proc.stdout
+    for name, (folder, *_rest) in electra.items():
+        if name != "electra_dense":
+            prepare_model(folder, name, repo, log=print)
+    prepare_model(bert_dense[0], "bert_dense", repo, log=print)
+    return repo
+
+
+def _cases(electra, bert_dense) -> dict:
+    return {**electra, "bert_dense": bert_dense}
+
+
+def _spec(model_dir: Path):
+    (spec,) = load_model(model_dir)
+    return spec
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "electra_dense",
+        "electra_plain",
+        "electra_pos",
+        "electra_last",
+        "electra_st",
+        "albert_cls",
+        "deberta_cls",
+        "bert_dense",
+    ],
+)
+def test_graph_matches_transformers(name, electra, bert_dense, repo):
+    folder, model, pooling, dense, normalize = _cases(electra, bert_dense)[name]
+    spec = _spec(repo / name)
+    expected = reference(model, folder / "tokenizer.json", spec.params.max_tokens, pooling, dense, normalize)
+    feeds = TextStage(spec)({"text": np.array(TEXTS, dtype=object)})
+    sess = ort.InferenceSession(str(repo / name / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert {i.name for i in sess.get_inputs()} == set(feeds)  # the graph's inputs are what is fed
+    got = sess.run(None, feeds)[0]
+    cos = cosines(got, expected)
+    print(f"{name}: min cosine {cos.min():.8f}, dims {got.shape[1]}")
+    assert got.shape == expected.shape and cos.min() >= MIN_COSINE, cos
+    if normalize:
+        np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+def test_config_follows_the_graph(repo):
+    dense = _spec(repo / "electra_dense")
+    assert [(o.name, list(o.dims)) for o in dense.outputs] == [("embedding", [16])]  # the last Dense
+    assert set(dense.model_inputs) == {"input_ids", "attention_mask", "token_type_ids"}
+    assert (dense.params.pooling, dense.params.normalize, dense.params.max_tokens) == ("mean", True, 64)
+    assert set(_spec(repo / "electra_plain").model_inputs) == {"input_ids", "attention_mask"}
+    assert set(_spec(repo / "electra_pos").model_inputs) == {"input_ids", "attention_mask"}
+    assert [list(o.dims) for o in _spec(repo / "bert_dense").outputs] == [[16]]
+    # The pipeline export is served as it is: nothing of batchgate's but the renaming Identity.
+    graph = onnx.load(str(repo / "electra_st" / "1" / "model.onnx")).graph
+    assert not [n for n in graph.node if n.name.startswith(P)]
+    assert [o.name for o in graph.output] == ["embedding"]
+    # The other outputs' nodes are pruned: the head's output is the only one.
+    graph = onnx.load(str(repo / "electra_dense" / "1" / "model.onnx")).graph
+    assert [o.name for o in graph.output] == ["embedding"]
+
+
+@pytest.fixture(scope="module")
+def client(repo, tmp_path_factory):
+    srv = start_server(
+        tmp_path_factory.mktemp("onnx-server"), "--no-build-models", repo=repo, ready_timeout=120
+    )
+    c = tc.InferenceServerClient(srv.grpc_url)
+    yield c
+    c.close()
+    srv.stop()
+
+
+@pytest.mark.parametrize("name", ["electra_dense", "electra_plain", "deberta_cls", "bert_dense"])
+def test_served_embeddings_match_transformers(name, electra, bert_dense, repo, client):
+    folder, model, pooling, dense, normalize = _cases(electra, bert_dense)[name]
+    inp = tc.InferInput("text", [len(TEXTS), 1], "BYTES")
+    inp.set_data_from_numpy(np.array([t.encode() for t in TEXTS], dtype=object).reshape(-1, 1))
+    got = client.infer(name, [inp], client_timeout=60).as_numpy("embedding")
+    max_tokens = _spec(repo / name).params.max_tokens
+    cos = cosines(got, reference(model, folder / "tokenizer.json", max_tokens, pooling, dense, normalize))
+    print(f"{name} served: min cosine {cos.min():.8f}, dims {got.shape[1]}")
+    assert cos.min() >= MIN_COSINE, cos
+
+
+# -- choosing the route, and refusals ---------------------------------------------------------------
+
+
+def test_from_onnx_forces_the_export_of_a_known_architecture(electra, bert_dense, tmp_path):
+    """A BERT folder that also ships an export: the weights are built unless --from-onnx."""
+    folder = tmp_path / "both"
+    shutil.copytree(bert_dense[0], folder)
+    (folder / "onnx").mkdir()
+    shutil.copy(electra["electra_plain"][0] / "model.onnx", folder / "onnx" / "model.onnx")
+    lines: list[str] = []
+    prepare_model(folder, "built", tmp_path / "repo", log=lines.append)
+    assert "ONNX export" not in lines[-1] and "(BertModel," in lines[-1]
+    prepare_model(folder, "exported", tmp_path / "repo", from_onnx=True, log=lines.append)
+    assert "ONNX export" in lines[-1]
+    graph = onnx.load(str(tmp_path / "repo" / "exported" / "1" / "model.onnx")).graph
+    assert any(n.name.startswith(P) for n in graph.node)
+
+
+def test_onnx_path_names_the_export_to_serve(electra, tmp_path):
+    """--onnx PATH (relative to the model folder) over the folder's own onnx/model.onnx."""
+    folder = tmp_path / "two-exports"
+    shutil.copytree(electra["electra_dense"][0], folder)
+    (folder / "exports").mkdir()
+    shutil.copy(electra["electra_last"][0] / "onnx" / "model.onnx", folder / "exports" / "last.onnx")
+
+    def cli(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "batchgate", "prepare-model", str(folder), "--name", "x",
+             "--model-repository", str(tmp_path / "repo"), *extra],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    proc = cli("--onnx", "exports/last.onnx")
+    assert proc.returncode == 0, proc.stderr
+    assert f"from {folder / 'exports' / 'last.onnx'} " in proc.stdout
+    # The named export takes no token_type_ids; the folder's own does.
+    assert set(_spec(tmp_path / "repo" / "x").model_inputs) == {"input_ids", "attention_mask"}
+    proc = cli("--onnx", "exports/missing.onnx")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "--onnx exports/missing.onnx: no such file" in proc.stderr
+
+
+def test_an_architecture_neither_route_covers_names_the_onnx_way(electra, tmp_path):
+    folder = tmp_path / "no-export"
+    shutil.copytree(electra["electra_plain"][0], folder)
+    (folder / "model.onnx").unlink()
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchgate", "prepare-model", str(folder), "--name", "x",
+         "--model-repository", str(tmp_path / "repo")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "unsupported architecture ElectraModel (model_type 'electra')" in proc.stderr
+    assert "or provide an ONNX export (onnx/model.onnx)" in proc.stderr
+
+
+def test_dense_weights_in_pytorch_bin_are_refused_by_name(bert_dense, tmp_path):
+    folder = tmp_path / "bin"
+    shutil.copytree(bert_dense[0], folder)
+    (folder / "2_Dense" / "model.safetensors").rename(folder / "2_Dense" / "pytorch_model.bin")
+    with pytest.raises(
+        PrepareError, match=r"2_Dense/model.safetensors is missing \(pytorch_model.bin is not read"
+    ):
+        prepare_model(folder, "x", tmp_path / "repo", log=print)
+
+
+def test_dense_that_does_not_chain_is_refused(bert_dense, tmp_path):
+    folder = tmp_path / "chain"
+    shutil.copytree(bert_dense[0], folder)
+    cfg = json.loads((folder / "3_Dense" / "config.json").read_text())
+    (folder / "3_Dense" / "config.json").write_text(json.dumps({**cfg, "in_features": 32}))
+    with pytest.raises(
+        PrepareError, match="3_Dense/config.json: in_features 32; the vector before it has 24"
+    ):
+        prepare_model(folder, "x", tmp_path / "repo", log=print)
+
+
+def test_an_export_without_attention_mask_is_refused(electra, tmp_path):
+    folder = tmp_path / "ids-only"
+    shutil.copytree(electra["electra_plain"][0], folder)
+    export(electra["electra_plain"][1], folder / "model.onnx", ("input_ids",), ("hidden",))
+    with pytest.raises(
+        PrepareError, match=r"model.onnx: inputs \['input_ids'\]; supported: input_ids and attention_mask"
+    ):
+        read_export(folder)
