@@ -258,7 +258,7 @@ def _optimize(args: argparse.Namespace, argv: list[str]) -> int:
             auto = optimize_auto(model_dir, opts, log=log)
             if auto.chosen is None:
                 return 1
-            if args.serve:
+            if args.serve and auto.chosen != auto.serving:
                 print(set_variant(model_dir, auto.chosen, args.version))
             return 0
         result = optimize(model_dir, opts, log=log)
