@@ -198,6 +198,9 @@ def _positions(g: _Graph, table: np.ndarray, cfg: EncoderConfig) -> str:
 
 
 def _embeddings(g: _Graph, weights: dict[str, np.ndarray], cfg: EncoderConfig) -> str:
+    """Words + positions (+ token types where the family has a table) + LayerNorm. MPNet and
+    DistilBERT have no type table: nothing is added there, where a zero row would cost an Add
+    over every token."""
     # seq is read from the input at run time, so one graph serves 1..max_positions; a longer
     # input fails its Gather instead of silently wrapping.
     if cfg.padding_idx is not None:
@@ -209,34 +212,32 @@ def _embeddings(g: _Graph, weights: dict[str, np.ndarray], cfg: EncoderConfig) -
         axis=0,
     )
     positions = _positions(g, weights["embeddings.position_embeddings.weight"], cfg)
-    type_table = weights["embeddings.token_type_embeddings.weight"]
-    if cfg.token_types:
-        types = g.op(
-            "Gather",
-            [g.const("token_type_embeddings", type_table), "token_type_ids"],
-            "type_states",
-            axis=0,
-        )
+    type_table = weights.get("embeddings.token_type_embeddings.weight")
+    if type_table is None:
+        x = g.op("Add", [words, positions], "embedded")
     else:
-        types = g.const("token_type_embedding", type_table[0])
-    x = g.op("Add", [g.op("Add", [words, positions], "word_pos"), types], "embedded")
+        if cfg.token_types:
+            types = g.op(
+                "Gather",
+                [g.const("token_type_embeddings", type_table), "token_type_ids"],
+                "type_states",
+                axis=0,
+            )
+        else:
+            types = g.const("token_type_embedding", type_table[0])
+        x = g.op("Add", [g.op("Add", [words, positions], "word_pos"), types], "embedded")
     return _layer_norm(g, "embeddings.ln", x, weights, "embeddings.LayerNorm", cfg.ln_epsilon)
 
 
-def _embeddings_no_types(g: _Graph, weights: dict[str, np.ndarray], cfg: EncoderConfig) -> str:
-    """Words + positions + LayerNorm, for the BERT-like families without a token-type table
-    (MPNet, DistilBERT): none is added, where a zero row would cost an Add over every token."""
-    if cfg.padding_idx is not None:
-        g.scalar("axis1", np.array(1, np.int64))
-    words = g.op(
-        "Gather",
-        [g.const("word_embeddings", weights["embeddings.word_embeddings.weight"]), "input_ids"],
-        "word_states",
-        axis=0,
-    )
-    positions = _positions(g, weights["embeddings.position_embeddings.weight"], cfg)
-    x = g.op("Add", [words, positions], "embedded")
-    return _layer_norm(g, "embeddings.ln", x, weights, "embeddings.LayerNorm", cfg.ln_epsilon)
+def renamed(weights: dict[str, np.ndarray], renames: tuple[tuple[str, str], ...]) -> dict[str, np.ndarray]:
+    """``weights`` with each (old, new) substring replaced in their names, in order: a family's
+    names mapped onto the BERT names the shared blocks read."""
+    out = {}
+    for key, value in weights.items():
+        for old, new in renames:
+            key = key.replace(old, new)
+        out[key] = value
+    return out
 
 
 def standard_constants(g: GraphBuilder, cfg: EncoderConfig) -> None:

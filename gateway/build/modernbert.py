@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from batchgate.gateway.build.encoder import Head, _Graph, finish_head, key_padding_bias
+from batchgate.gateway.build.encoder import Head, _Graph, finish_head, key_padding_bias, standard_constants
 from batchgate.gateway.build.onnx_graph import GraphBuilder, attend, gelu
 from batchgate.gateway.build.rotary import layer_norm, linear, position_bias, positions, rotary_tables, rotate
 
@@ -146,12 +146,7 @@ def build_model(weights: dict[str, np.ndarray], cfg: ModernBertConfig, head: Hea
     ``weights`` are named as in a bare ``ModernBertModel`` (no ``model.`` prefix)."""
     g = _Graph()
     head_dim = cfg.hidden // cfg.heads
-    g.const("one_f", np.array(1.0, np.float32))
-    g.const("half_f", np.array(0.5, np.float32))
-    g.const("sqrt2", np.array(math.sqrt(2), np.float32))
-    g.const("heads_shape", np.array([0, 0, cfg.heads, head_dim], np.int64))
-    g.const("merge_shape", np.array([0, 0, cfg.hidden], np.int64))
-    g.const("qkv_split", np.array([cfg.hidden] * 3, np.int64))
+    standard_constants(g, cfg)
     g.const("glu_split", np.array([cfg.intermediate] * 2, np.int64))
 
     words = g.op("Gather", [g.const("tok_embeddings", weights[WORD]), "input_ids"], "word_states", axis=0)

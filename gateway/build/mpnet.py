@@ -18,8 +18,9 @@ import onnx
 from batchgate.gateway.build.encoder import (
     EncoderConfig,
     Head,
-    _embeddings_no_types,
+    _embeddings,
     _Graph,
+    renamed,
     _layer,
     finish_head,
     key_padding_bias,
@@ -103,23 +104,14 @@ def _relative_bias(g: _Graph, table: np.ndarray, key_bias: str, length: int) -> 
     return g.op("Add", [per_head, key_bias], "attention_bias")
 
 
-def bert_names(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    out = {}
-    for key, value in weights.items():
-        for old, new in _RENAMES:
-            key = key.replace(old, new)
-        out[key] = value
-    return out
-
-
 def build_model(weights: dict[str, np.ndarray], cfg: EncoderConfig, head: Head, *, name: str,
                 producer: str) -> onnx.ModelProto:  # fmt: skip
     """input_ids, attention_mask (INT64 [batch, seq]) -> ``embedding`` (FP32 [batch, hidden]).
     ``weights`` are named as in a bare ``MPNetModel`` (no ``mpnet.`` prefix)."""
-    w = bert_names(weights)
+    w = renamed(weights, _RENAMES)
     g = _Graph()
     standard_constants(g, cfg)
-    x = _embeddings_no_types(g, w, cfg)
+    x = _embeddings(g, w, cfg)
     mask, key_bias = key_padding_bias(g)
     bias = _relative_bias(
         g, w["encoder.relative_attention_bias.weight"], key_bias, cfg.max_positions - PADDING_IDX - 1
