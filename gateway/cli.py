@@ -169,7 +169,8 @@ def _optimize_parser(sub) -> None:
     opt.add_argument("--heldout", type=Path, help="held-out inputs for the gate, same formats")
     opt.add_argument("--scales", choices=SCALES,
                      help="INT8 activation scales: each row's own at run time (default; batch-independent, "
-                     "no ranges to calibrate) or static, calibrated once (--method; giving --method implies static)")  # fmt: skip
+                     "no ranges to calibrate), static, calibrated once (--method; giving --method implies static), "
+                     "or dynamic (ONNX Runtime's, one scale per batch: built only to show the gate refuse it)")  # fmt: skip
     opt.add_argument(
         "--method",
         choices=METHODS,
