@@ -220,9 +220,9 @@ def _optimize(args: argparse.Namespace, argv: list[str]) -> int:
         if args.use:
             print(set_variant(model_dir, args.use, args.version))
             return 0
-        if args.method and args.scales == "row":
-            print("batchgate optimize: --method calibrates static scales; --scales row has none to calibrate",
-                  file=sys.stderr)  # fmt: skip
+        if args.method and args.scales in ("row", "dynamic"):
+            print(f"batchgate optimize: --method calibrates static scales; --scales {args.scales} has none to "
+                  "calibrate", file=sys.stderr)  # fmt: skip
             return 2
         variant = args.variant
         if args.engine == "openvino" and variant != "auto":
