@@ -178,7 +178,8 @@ def _optimize_parser(sub) -> None:
     opt.add_argument("--heldout", type=Path, help="held-out inputs for the gate, same formats")
     opt.add_argument("--scales", choices=SCALES,
                      help="INT8 activation scales: each row's own at run time (default; batch-independent, "
-                     "no ranges to calibrate) or static, calibrated once (--method; giving --method implies static)")  # fmt: skip
+                     "no ranges to calibrate), static, calibrated once (--method; giving --method implies static), "
+                     "or dynamic (ONNX Runtime's, one scale per batch: built only to show the gate refuse it)")  # fmt: skip
     opt.add_argument(
         "--method",
         choices=METHODS,
@@ -228,9 +229,9 @@ def _optimize(args: argparse.Namespace, argv: list[str]) -> int:
         if args.use:
             print(set_variant(model_dir, args.use, args.version))
             return 0
-        if args.method and args.scales == "row":
-            print("batchgate optimize: --method calibrates static scales; --scales row has none to calibrate",
-                  file=sys.stderr)  # fmt: skip
+        if args.method and args.scales in ("row", "dynamic"):
+            print(f"batchgate optimize: --method calibrates static scales; --scales {args.scales} has none to "
+                  "calibrate", file=sys.stderr)  # fmt: skip
             return 2
         variant = args.variant
         if args.engine == "openvino" and variant != "auto":

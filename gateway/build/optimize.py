@@ -10,10 +10,11 @@ A variant is built offline into the version folder of the model it came from
 
   - ``row`` scales (the default): each activation row (a token) gets its own scale at run time,
     max|row| / 127, so a row's answer never depends on its batch-mates or its padding, and no
-    calibration of ranges is needed (``row_int8``). ONNX Runtime's own dynamic quantisation is not
-    offered: it computes one scale over the whole batch tensor, so a text would get another vector
-    beside a long or odd neighbour (measured: cosine 0.991 to itself alone, docs/engines.md), and
-    the result cache would keep whichever came first.
+    calibration of ranges is needed (``row_int8``). ONNX Runtime's own dynamic quantisation
+    (``dynamic``) is built only to be refused: it computes one scale over the whole batch tensor, so
+    a text would get another vector beside a long or odd neighbour (measured: cosine 0.991 to itself
+    alone, docs/engines.md), the result cache would keep whichever came first, and the gate's batch
+    figure says so.
   - ``static`` scales: QDQ (``onnxruntime.quantization.quantize_static``), UINT8 activations with
     ranges calibrated once on calibration inputs (percentile by default, entropy or min/max).
 
@@ -851,7 +852,13 @@ def row_int8(model: onnx.ModelProto, names: set[str], per_channel: bool, weights
 
 
 def build_int8(src: Path, dst: Path, calib: Rows, opts: Options, log: Log) -> dict:
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization import (
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_dynamic,
+        quantize_static,
+    )
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     wtype = weight_type(opts.weights)
@@ -882,13 +889,14 @@ def build_int8(src: Path, dst: Path, calib: Rows, opts: Options, log: Log) -> di
         extra = {"CalibStridedMinMax": 1, "CalibPercentile": opts.percentile, "ActivationSymmetric": False,
                  "WeightSymmetric": True}  # fmt: skip
 
-        if opts.scales == "row":
+        if opts.scales in ("row", "dynamic"):
             # Activation x activation products (attention's) have no weight to quantise ahead.
             candidates = weights
             if not candidates:
                 raise OptimizeError(
                     f"{src}: no {' or '.join(INT8_OPS)} node with a constant 2-D weight to quantise"
                 )
+        if opts.scales == "row":
 
             def quantize(out: Path, include: list[str] | None, exclude: list[str]) -> None:
                 m = onnx.load(str(pre))
@@ -901,6 +909,18 @@ def build_int8(src: Path, dst: Path, calib: Rows, opts: Options, log: Log) -> di
                 onnx.save(m, str(out))
 
             log(f"int8: each row's own activation scale (at run time); {len(candidates)} weight GEMMs")
+        elif opts.scales == "dynamic":
+            # Built so the gate can be seen refusing it (thresholds.SCALES says why).
+
+            def quantize(out: Path, include: list[str] | None, exclude: list[str]) -> None:
+                with _quiet():
+                    quantize_dynamic(
+                        str(pre), str(out), per_channel=opts.per_channel,
+                        weight_type=QuantType.QUInt8 if wtype == "uint8" else QuantType.QInt8,
+                        op_types_to_quantize=list(INT8_OPS), nodes_to_quantize=include, nodes_to_exclude=exclude,
+                    )  # fmt: skip
+
+            log(f"int8: ONNX Runtime's dynamic scales (one per batch tensor); {len(candidates)} weight GEMMs")
         else:
 
             def quantize(out: Path, include: list[str] | None, exclude: list[str]) -> None:
@@ -933,7 +953,9 @@ def build_int8(src: Path, dst: Path, calib: Rows, opts: Options, log: Log) -> di
         info: dict = {"scales": opts.scales, "method": opts.method if static else None,
                       "percentile": opts.percentile if static and opts.method == "percentile" else None,
                       "per_channel": opts.per_channel,
-                      "activations": "uint8 per tensor (static)" if static else "int8 per row (each row's own scale, at run time)",
+                      "activations": "uint8 per tensor (static)" if static else
+                                     "uint8 per batch tensor (one scale for the whole batch, at run time)" if opts.scales == "dynamic" else
+                                     "int8 per row (each row's own scale, at run time)",
                       "weights": f"{wtype if wtype == 'int8' else 'uint8 around 128'} per {'channel' if opts.per_channel else 'tensor'}",
                       "weight_type": wtype,
                       "quantisable_nodes": len(candidates), "fallback": opts.fallback,
@@ -1651,6 +1673,8 @@ def markdown(r: dict, png: str | None) -> str:
             (
                 f"INT8: {b['method']}{' p' + format(b['percentile'], 'g') if b.get('percentile') else ''} calibration, "
                 if b.get("method")
+                else "INT8: one activation scale per batch tensor at run time (ONNX Runtime's dynamic), "
+                if b.get("scales") == "dynamic"
                 else "INT8: activation scales per row at run time (no calibration of ranges), "
             )
             + f"SmoothQuant alpha {b.get('smooth_alpha') or 'off'} on {b.get('smoothed_activations', 0)} activations, "

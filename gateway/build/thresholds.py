@@ -7,7 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METHODS = ("percentile", "entropy", "minmax")  # static INT8 scales' calibration
-SCALES = ("row", "static")  # INT8 activation scales: each row's own at run time, or calibrated once
+# INT8 activation scales: each row's own at run time, or calibrated once; "dynamic" (ONNX Runtime's
+# quantize_dynamic: one scale per batch tensor at run time) is built only for the gate to refuse it:
+# a row's answer moves with its batch-mates, which the batch-independence figure catches.
+SCALES = ("row", "static", "dynamic")
 # Nearest-neighbour agreement counts a row as agreeing when the variant's nearest neighbour is, by
 # the original's cosines, within this of the original's nearest: a near-tie is the same answer to a
 # retrieval caller, and the exact figure flips on them (docs/engines.md). Reported beside it.
