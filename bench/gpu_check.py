@@ -260,12 +260,15 @@ def check_pytest(work: Path, files: tuple[str, ...] = PYTEST_FILES) -> tuple[dic
                 counts["failed"] += 1
             else:
                 counts["passed"] += 1
-        shutil.rmtree(junit.parent, ignore_errors=True)
+    shutil.rmtree(junit.parent, ignore_errors=True)
     problems = []
     if proc.returncode != 0:
         problems.append(f"pytest exited {proc.returncode}")
-    if not counts["passed"]:
-        problems.append("no GPU test ran" if not counts["skipped"] else "every GPU test skipped")
+    total = sum(counts.values())
+    if not total:
+        problems.append("no GPU test ran")
+    elif counts["skipped"] == total:
+        problems.append("every GPU test skipped")
     elif counts["skipped"]:
         problems.append(f"{counts['skipped']} GPU test(s) skipped")
     ok = not problems

@@ -309,7 +309,7 @@ def test_a():
 @pytest.mark.gpu
 @pytest.mark.skipif({skip_b}, reason="no GPU here")
 def test_b():
-    pass
+    assert {b_passes}
 
 def test_not_a_gpu_test():
     pass
@@ -317,17 +317,20 @@ def test_not_a_gpu_test():
 
 
 @pytest.mark.parametrize(
-    ("skip_a", "skip_b", "gpu_marks", "problems"),
+    ("skip_a", "skip_b", "b_passes", "gpu_marks", "problems"),
     [
-        (True, True, True, ["every GPU test skipped"]),
-        (False, True, True, ["1 GPU test(s) skipped"]),
-        (False, False, False, ["pytest exited 5", "no GPU test ran"]),  # 5: pytest selected nothing
-        (False, False, True, []),
+        (True, True, True, True, ["every GPU test skipped"]),
+        (False, True, True, True, ["1 GPU test(s) skipped"]),
+        (False, False, True, False, ["pytest exited 5", "no GPU test ran"]),  # 5: pytest selected nothing
+        (False, False, False, True, ["pytest exited 1"]),
+        (False, False, True, True, []),
     ],
 )
-def test_the_pytest_stage_passes_only_when_gpu_tests_ran(tmp_path, skip_a, skip_b, gpu_marks, problems):
+def test_the_pytest_stage_passes_only_when_gpu_tests_ran(
+    tmp_path, skip_a, skip_b, b_passes, gpu_marks, problems
+):
     """A GPU test skips where it finds no GPU: skips are not passes, and none selected is no check."""
-    text = GPU_TESTS.format(skip_a=skip_a, skip_b=skip_b)
+    text = GPU_TESTS.format(skip_a=skip_a, skip_b=skip_b, b_passes=b_passes)
     if not gpu_marks:
         text = text.replace("@pytest.mark.gpu\n", "")
     (tmp_path / "tests").mkdir()
@@ -335,7 +338,7 @@ def test_the_pytest_stage_passes_only_when_gpu_tests_ran(tmp_path, skip_a, skip_
     (tmp_path / "pyproject.toml").write_text('[tool.pytest.ini_options]\nmarkers = ["gpu: needs a GPU"]\n')
     data, ok = gpu_check.check_pytest(tmp_path, files=("tests/test_x.py",))
     assert data["problems"] == problems and ok is (not problems), data["tail"]
-    assert data["passed"] == 2 - skip_a - skip_b if gpu_marks else data["passed"] == 0
+    assert data["passed"] == (2 - skip_a - skip_b - (not b_passes) if gpu_marks else 0)
 
 
 @pytest.fixture
