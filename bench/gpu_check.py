@@ -18,6 +18,7 @@ RUNTIME=gpu``) writes JSON into --out as each stage ends, so a run cut short sti
 
 1. environment.json: versions, providers, devices;
 2. pytest.json: every GPU test (``pytest -m gpu``: the tests marked gpu, not those merely named so);
+   fails unless they ran and passed with none skipped (a GPU test skips where it finds no GPU);
 3. accuracy.json: encoder and minilm on the CUDA provider against the CPU, TF32 off (near exact)
    and TF32 on (ORT's default; loose);
 4. server.json: a real server with ``--device gpu`` (the bundled configs say KIND_CPU) answering
@@ -25,17 +26,23 @@ RUNTIME=gpu``) writes JSON into --out as each stage ends, so a run cut short sti
 5. configs.json: each engine configuration (dynamic shapes; shared session with buckets and
    IOBinding on CuPy pools; static sessions; static and shared with CUDA graphs) on encoder and
    minilm: start-up, whether graphs engaged, device memory, agreement with the CPU on every bucket
-   at TF32 tolerances, rows/s and tokens/s per bucket;
-6. workers.json: one against two workers on one GPU (``workers_per_device``), rows/s;
+   at TF32 tolerances, device buffers of the plan's sizes on the device asked for, and a CUDA graph
+   on every bucket where asked (an engine that fell back to running without fails), rows/s and
+   tokens/s per bucket;
+6. workers.json: one against two workers on one GPU (``workers_per_device``), rows/s; fails unless
+   each worker's engine holds its device buffers on that GPU, ran batches, and answered as the CPU;
 7. summary.json: pass/fail per stage and the seconds taken.
 
 ``--checks --dry-run-cpu`` runs every stage's own code on the CPU provider (``--quick``: a few
-small buckets), so the script is proven on a machine without a GPU (tests/test_gpu_check.py).
+small buckets), with tests/fake_cuda.py standing in for CuPy and CUDA, so the engines build, bind
+and run their device buffers and the script is proven on a machine without a GPU
+(tests/test_gpu_check.py). Its pytest stage fails there, as it should: every GPU test skips.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -72,9 +79,48 @@ KIND = "gpu"
 
 
 def _device(device_id: int):
+    """Always a GPU device: in the dry run tests/fake_cuda.py stands in for CuPy and CUDA, so the
+    engines still build their device buffers, bind them and run the GPU data path (on the CPU
+    provider), and a fault there fails the dry run as it would fail the GPU."""
     from batchgate.workers import Device
 
-    return Device(KIND, device_id if KIND == "gpu" else 0)
+    return Device("gpu", device_id)
+
+
+def device_buffer_failures(engine, device_id: int) -> list[str]:
+    """What is wrong with a pooled engine's device buffers: each length bucket the plan names
+    must hold CuPy buffers on ``device_id``, of the shapes the plan gives for its most rows, all
+    from the engine's own pool; [] when all is as it should be."""
+    import numpy as np
+
+    plan = engine.plan
+    if plan is None or not plan.pooled:
+        return []
+    out = []
+    if engine.device != _device(device_id):
+        out.append(f"the engine runs on {engine.device}, not gpu:{device_id}")
+    expected = 0
+    for seqs in dict.fromkeys(s for _, s in plan.slots()):
+        buffers = engine._buffers.get(seqs)
+        if buffers is None or not hasattr(buffers, "dev_in"):
+            out.append(f"lengths {seqs}: no device buffers ({type(buffers).__name__})")
+            continue
+        cap = plan.max_rows(seqs)
+        want = {t.name: (plan.input_shape(t.name, cap, seqs), t.dtype) for t in plan.inputs}
+        want |= {t.name: (plan.output_shape(t.name, cap, seqs), t.dtype) for t in plan.outputs}
+        for name, a in {**buffers.dev_in, **buffers.dev_out}.items():
+            shape, dtype = want[name]
+            expected += int(np.prod(shape)) * np.dtype(dtype).itemsize
+            if tuple(a.shape) != shape or a.dtype != np.dtype(dtype):
+                got = f"{tuple(a.shape)} {a.dtype}"
+                out.append(f"lengths {seqs}, {name}: {got}, want {shape} {np.dtype(dtype)}")
+            if a.device.id != device_id:
+                out.append(f"lengths {seqs}, {name}: on device {a.device.id}, not {device_id}")
+    held = engine.buffer_bytes()[1]
+    if held != expected or engine._cupy_pool.used_bytes() < expected:
+        out.append(f"device buffers hold {held} bytes (pool {engine._cupy_pool.used_bytes()}); the plan needs "
+                   f"{expected}")  # fmt: skip
+    return out
 
 
 def _free_bytes(device_id: int) -> int:
@@ -180,24 +226,62 @@ def _compare(got, want) -> dict:
     return {"max_abs_diff": float(diff.max()), "min_cosine": float(cos.min())}
 
 
-def check_pytest(work: Path) -> tuple[dict, bool]:
+PYTEST_FILES = ("tests/test_engines.py", "tests/test_strings.py")
+
+
+def check_pytest(work: Path, files: tuple[str, ...] = PYTEST_FILES) -> tuple[dict, bool]:
+    """``pytest -m gpu`` on ``files``. Passes only when GPU tests ran, passed and none skipped: a
+    GPU test skips when it finds no GPU, and a stage that counted skips as passes would pass
+    on a machine where nothing was checked."""
+    import xml.etree.ElementTree as ET
+
     t = time.perf_counter()
-    files = [f for f in ("tests/test_engines.py", "tests/test_strings.py") if (work / f).exists()]
+    files = [f for f in files if (work / f).exists()]
+    junit = Path(tempfile.mkdtemp(prefix="bg-gpu-pytest-")) / "junit.xml"
     # Only the plugins the suite needs: a machine's own pytest plugins (pytest-cov, -benchmark, …)
     # were built for its pytest, not for the carried one, and one that fails to load stops pytest.
     env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "pytest_asyncio.plugin",
-         "-p", "pytest_timeout", "-m", "gpu", *files],
+         "-p", "pytest_timeout", "-m", "gpu", f"--junitxml={junit}", *files],
         cwd=work, capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
     log(tail)
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    skipped: list[str] = []
+    if junit.exists():
+        for case in ET.parse(junit).iter("testcase"):
+            name = f"{case.get('classname', '')}::{case.get('name', '')}"
+            if (s := case.find("skipped")) is not None:
+                counts["skipped"] += 1
+                skipped.append(f"{name}: {s.get('message', '')}")
+            elif case.find("failure") is not None or case.find("error") is not None:
+                counts["failed"] += 1
+            else:
+                counts["passed"] += 1
+    shutil.rmtree(junit.parent, ignore_errors=True)
+    problems = []
+    if proc.returncode != 0:
+        problems.append(f"pytest exited {proc.returncode}")
+    total = sum(counts.values())
+    if not total:
+        problems.append("no GPU test ran")
+    elif counts["skipped"] == total:
+        problems.append("every GPU test skipped")
+    elif counts["skipped"]:
+        problems.append(f"{counts['skipped']} GPU test(s) skipped")
+    ok = not problems
+    log(f"  pytest -m gpu: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
+        f"{'OK' if ok else 'FAILED: ' + '; '.join(problems)}")  # fmt: skip
     return {
         "rc": proc.returncode,
         "seconds": round(time.perf_counter() - t, 1),
+        **counts,
+        "skipped_tests": skipped[:20],
+        "problems": problems,
         "tail": tail,
-    }, proc.returncode == 0
+    }, ok
 
 
 def check_accuracy(models: dict[str, Path], device_id: int) -> tuple[dict, bool]:
@@ -263,7 +347,8 @@ def check_config(name: str, path: Path, params: dict, mode: str, graphs: bool, d
     buckets = None if mode == "dynamic" else bucket_config(params, MAX_BATCH)
     pool = WorkerPool(f"{name}-{mode}", path, [_device(device_id)], 1, options, buckets)
     t = time.perf_counter()
-    pool.start()
+    with _engine_warnings() as warned:  # the engine says here when it falls back from CUDA graphs
+        pool.start()
     start_s = time.perf_counter() - t
     engine = pool.workers[0].engine
     out: dict = {"model": name, "config": label, "mode": engine.mode, "start_s": round(start_s, 2),
@@ -308,6 +393,18 @@ def check_config(name: str, path: Path, params: dict, mode: str, graphs: bool, d
                             "max_abs_diff": worst, "failures": failures[:10], "ok": not failures}  # fmt: skip
         log(f"  {label}: {checked} cases vs CPU, max |diff| {worst:.3g} "
             f"{'OK' if not failures else 'FAILED ' + '; '.join(failures[:3])}")  # fmt: skip
+        # Right answers are not enough: the run must also have used what this configuration is
+        # about, device buffers on this GPU and, when asked for, a CUDA graph on every bucket.
+        other = device_buffer_failures(engine, device_id)
+        if graphs and not (engine.cuda_graphs and engine._slots and engine.graph_slots == set(engine._slots)):
+            why = "; ".join(warned) or "no warning logged"
+            other.append(f"CUDA graphs asked for, engaged on {len(engine.graph_slots)} of {len(engine._slots)} "
+                         f"buckets ({why})")  # fmt: skip
+        out["cuda_graphs"] = {"asked": graphs, "engaged": bool(engine.cuda_graphs), "warnings": warned}
+        out["failures"] = other
+        out["ok"] = not failures and not other
+        if other:
+            log(f"  {label}: FAILED {'; '.join(other[:3])}")
         per_bucket = []
         if not engine._slots:  # dynamic shapes: the whole batch path at each case's shape
             for (rows, seq), parts in cases:
@@ -350,9 +447,32 @@ def check_config(name: str, path: Path, params: dict, mode: str, graphs: bool, d
     return out
 
 
+@contextlib.contextmanager
+def _engine_warnings():
+    """The warnings the engines log meanwhile (from their worker threads too), as text."""
+    import logging
+
+    got: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            got.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    logger = logging.getLogger("batchgate.workers.engine")
+    logger.addHandler(handler)
+    try:
+        yield got
+    finally:
+        logger.removeHandler(handler)
+
+
 def check_workers(path: Path, params: dict, device_id: int, seconds: float = 2.0) -> tuple[dict, bool]:
-    """workers_per_device 1 against 2 on one GPU: closed-loop batches of 32 x 64 tokens, 4 in flight."""
+    """workers_per_device 1 against 2 on one GPU: closed-loop batches of 32 x 64 tokens, 4 in
+    flight, rows/s. It passes only if every worker's engine holds its device buffers on this GPU,
+    with its own stream and pool, ran batches of its own, and every answer matches the CPU."""
     import numpy as np
+    import onnxruntime as ort
 
     from batchgate.gateway.parameters import bucket_config
     from batchgate.workers import EngineOptions, WorkerPool
@@ -360,27 +480,52 @@ def check_workers(path: Path, params: dict, device_id: int, seconds: float = 2.0
     rng = np.random.default_rng(2)
     rows = min(32, MAX_BATCH)
     batch = [feeds(path, rng, rows, 64, ragged=False)]
-    out = {}
+    cpu = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    want = dict(zip([o.name for o in cpu.get_outputs()], cpu.run(None, batch[0])))
+    out: dict = {}
+    failures: list[str] = []
     for n in (1, 2):
         pool = WorkerPool(f"w{n}", path, [_device(device_id)], n, EngineOptions(warmup="all"),
                           bucket_config(params, MAX_BATCH))  # fmt: skip
         pool.start()
         try:
+            engines = [w.engine for w in pool.workers]
+            for i, e in enumerate(engines):
+                failures += [f"{n} worker(s), worker {i}: {f}" for f in device_buffer_failures(e, device_id)]
+            if len({id(e._stream) for e in engines}) != n or len({id(e._cupy_pool) for e in engines}) != n:
+                failures.append(f"{n} worker(s) share a CUDA stream or memory pool")
+            warm = [sum(s.runs for s in e._slots.values()) for e in engines]
+            worst = 0.0
+
+            def check(f) -> None:
+                nonlocal worst
+                for name, got in f.result()[0][0].items():
+                    worst = max(worst, float(np.abs(got - want[name]).max()))
+                    if not np.allclose(got, want[name], rtol=TF32_RTOL, atol=TF32_ATOL):
+                        failures.append(f"{n} worker(s): '{name}' differs from the CPU by {worst:.3g}")
+
             done, t0, inflight = 0, time.perf_counter(), [pool.submit(batch, [rows], True) for _ in range(4)]
             while time.perf_counter() - t0 < seconds:
-                inflight.pop(0).result()
+                check(inflight.pop(0))
                 done += 1
                 inflight.append(pool.submit(batch, [rows], True))
             for f in inflight:
-                f.result()
+                check(f)
                 done += 1
-            out[f"workers_{n}"] = {"rows_per_s": round(done * rows / (time.perf_counter() - t0))}
+            el = time.perf_counter() - t0
+            ran = [sum(s.runs for s in e._slots.values()) - w for e, w in zip(engines, warm)]
+            if not all(ran):
+                failures.append(f"{n} worker(s): batches run per worker {ran}: a worker did none")
+            out[f"workers_{n}"] = {"rows_per_s": round(done * rows / el), "batches_per_worker": ran,
+                                   "max_abs_diff_vs_cpu": worst}  # fmt: skip
         finally:
             pool.close()
     out["ratio_2_over_1"] = round(out["workers_2"]["rows_per_s"] / out["workers_1"]["rows_per_s"], 3)
+    out["failures"] = failures[:10]
     log(f"  encoder {rows} x 64: 1 worker {out['workers_1']['rows_per_s']:,} rows/s, 2 workers "
-        f"{out['workers_2']['rows_per_s']:,} rows/s (x{out['ratio_2_over_1']})")  # fmt: skip
-    return out, True
+        f"{out['workers_2']['rows_per_s']:,} rows/s (x{out['ratio_2_over_1']})"
+        f"{'; FAILED ' + '; '.join(failures[:3]) if failures else ''}")  # fmt: skip
+    return out, not failures
 
 
 def check_server(work: Path, models: dict[str, Path], device_id: int, rng) -> tuple[dict, bool]:
@@ -564,7 +709,7 @@ def checks(work: Path, out: Path, device_id: int = 0, seconds_per_bucket: float 
                     results.append({"model": f"{m} fp16", "config": f"{m} fp16: shared", "error": repr(exc)})
                 report.write("configs", results)  # so far, in case the machine's time runs out
         print_buckets([r for r in results if "per_bucket" in r])
-        ok = all(r.get("agreement", {}).get("ok", False) for r in results if "skipped" not in r)
+        ok = all(r.get("ok", False) for r in results if "skipped" not in r)
         return results, ok
 
     stage("server", lambda: check_server(work, models, device_id, rng))
@@ -677,7 +822,16 @@ def main(argv: list[str] | None = None) -> int:
         extra = dict(
             device_id=args.device, seconds_per_bucket=args.seconds_per_bucket, budget_s=args.budget_s
         )
-        return checks(args.work.resolve(), args.out, stages=args.stages, models_wanted=args.models, **extra)
+        fake = contextlib.nullcontext()
+        if args.dry_run_cpu:
+            # CuPy and CUDA are what this machine lacks: the fake stands in for them alone (it checks
+            # bindings and stream order), so the engines' GPU data path runs for real on the CPU.
+            from tests.fake_cuda import FakeCuda
+
+            fake = FakeCuda().installed()
+        with fake:
+            return checks(args.work.resolve(), args.out, stages=args.stages, models_wanted=args.models,
+                          **extra)  # fmt: skip
     missing = gpu_travel.receive(args.receive, args.stash, log=log) if args.receive is not None else []
     if not args.run:
         return 0

@@ -21,6 +21,7 @@ from onnx import TensorProto, helper
 from tritonclient.grpc import InferInput
 
 from tests.conftest import REPO, start_server
+from tests.fake_cuda import FakeCuda
 from batchgate.gateway.parameters import bucket_config
 from batchgate.workers import Device, EngineOptions, WorkerPool, gpu_count
 from batchgate.workers.buckets import read_model_io
@@ -507,132 +508,46 @@ def test_a_plain_engine_without_a_plan_still_runs(reference):
 # -- the GPU data path, on the CPU, with a stand-in for CuPy -------------------------------------
 
 
-class _FakeCupy:
-    """Just enough of CuPy for workers/buffers.py and the GPU branch of the engine: device arrays
-    are numpy arrays over pool memory, streams do nothing, pinned memory is plain memory."""
-
-    def __init__(self) -> None:
-        import types
-
-        fake = self
-
-        class MemoryPointer:
-            def __init__(self, buf: np.ndarray) -> None:
-                self.buf = buf
-                self.ptr = buf.ctypes.data
-
-        class MemoryPool:
-            def __init__(self) -> None:
-                self.used = 0
-
-            def malloc(self, n: int) -> MemoryPointer:
-                self.used += n
-                return MemoryPointer(np.zeros(n, np.uint8))
-
-            def used_bytes(self) -> int:
-                return self.used
-
-            def free_all_blocks(self) -> None:
-                pass
-
-        class ndarray:  # noqa: N801 - CuPy's name
-            def __init__(self, shape, dtype=None, memptr=None, _a=None) -> None:
-                if _a is None:
-                    _a = np.frombuffer(memptr.buf, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
-                self._a = _a
-                self.dtype, self.shape, self.nbytes = _a.dtype, _a.shape, _a.nbytes
-                self.data = types.SimpleNamespace(ptr=_a.ctypes.data)
-
-            def __getitem__(self, key):
-                return ndarray(None, _a=self._a[key])
-
-            def set(self, arr: np.ndarray, stream=None) -> None:
-                assert arr.shape == self.shape and arr.dtype == self.dtype and arr.flags.c_contiguous
-                fake.copies += 1
-                self._a[...] = arr
-
-            def get(self, stream=None, out=None):
-                assert out.shape == self.shape and out.dtype == self.dtype
-                out[...] = self._a
-                return out
-
-        class Device:
-            def __init__(self, i: int = 0) -> None:
-                self.id = i
-
-            def use(self) -> None:
-                fake.used_device = self.id
-
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *exc) -> None:
-                pass
-
-        class Stream:
-            def __init__(self, non_blocking: bool = False) -> None:
-                pass
-
-            def synchronize(self) -> None:
-                fake.syncs += 1
-
-        self.copies = self.syncs = 0
-        self.used_device = None
-        self.ndarray = ndarray
-        runtime = types.SimpleNamespace(
-            memGetInfo=lambda: (6 << 30, 8 << 30), getDeviceCount=lambda: 1,
-            getDeviceProperties=lambda i: {"name": b"Fake GPU"},
-        )  # fmt: skip
-        self.cuda = types.SimpleNamespace(
-            Device=Device, MemoryPool=MemoryPool, Stream=Stream, runtime=runtime
-        )
-        self.cupyx = types.SimpleNamespace(empty_pinned=lambda shape, dtype: np.empty(shape, dtype))
-
-
-@pytest.mark.parametrize(("mode", "graphs"), [("auto", False), ("auto", True), ("shared", True)])
-def test_cuda_data_path_with_a_fake_cupy(tmp_path, reference, monkeypatch, mode, graphs):
+@pytest.mark.parametrize(
+    ("mode", "graphs", "dev"),
+    [("auto", False, 0), ("auto", True, 1), ("shared", True, 0), ("shared", False, 1)],
+)
+def test_cuda_data_path_with_a_fake_cupy(tmp_path, reference, mode, graphs, dev):
     """Pinned host buffers -> device buffers bound by pointer -> run -> device -> host, checked on
-    the CPU: ORT binds the 'device' pointers as CPU memory, and falls back from the CUDA provider."""
-    import sys
-
-    from onnxruntime.capi import onnxruntime_inference_collection as oic
-
-    fake = _FakeCupy()
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setitem(sys.modules, "cupyx", fake.cupyx)
-    bind_input, bind_output = oic.IOBinding.bind_input, oic.IOBinding.bind_output
-    monkeypatch.setattr(
-        oic.IOBinding, "bind_input", lambda self, n, d, i, *a: bind_input(self, n, "cpu", 0, *a)
-    )
-    monkeypatch.setattr(
-        oic.IOBinding, "bind_output", lambda self, n, d, i, *a: bind_output(self, n, "cpu", 0, *a)
-    )
-    params = {"seq_buckets": "16,64", "batch_buckets": "1,4,16"}
-    pool = _pool(tmp_path, params, device=Device("gpu", 0), mode=mode, cuda_graphs=graphs)
-    try:
-        engine = pool.workers[0].engine
-        assert fake.used_device == 0
-        assert engine.mode == ("static" if mode == "auto" and graphs else "shared")  # auto: static for graphs
-        assert engine.graph_slots == (set(engine._slots) if graphs else set())
-        assert all(s.runs == (3 if graphs else 1) for s in engine._slots.values())  # GPU warm-up runs all
-        assert _check_every_bucket(pool, reference, seed=10) == len(pool.plan.slots()) == 8
-        if graphs and mode == "shared":  # a graph id per bucket; other shapes skip the graphs
-            ids = {s.run_options.get_run_config_entry("gpu_graph_id") for s in engine._slots.values()}
-            assert ids == {str(i) for i in range(8)}
-            assert engine._no_graph.get_run_config_entry("gpu_graph_id") == "-1"
-        assert fake.copies > 0 and fake.syncs > 0
-        host, dev = engine.buffer_bytes()
-        assert dev == engine._cupy_pool.used_bytes() > 0 and host > 0  # every device byte from the pool
-        assert pool.device_memory() == {"gpu:0": 2 << 30}  # the driver's used = total - free
-        # batchgate_device_memory_bytes{device,pool}: the same figures, by memory pool.
-        mem = {
-            ("gpu:0", "io_buffers"): dev,
-            ("gpu:0", "pinned_host"): host,
-            ("gpu:0", "driver_used"): 2 << 30,
-        }
-        assert pool.memory_by_pool() == mem
-    finally:
-        pool.close()
+    the CPU (tests/fake_cuda.py): every binding says ("cuda", the worker's device), every run is
+    copies in, synchronise, run, copies out, synchronise on the engine's stream, and the answers
+    are the CPU's (the fake's copies land only at a synchronise, as a stream's do)."""
+    with FakeCuda(devices=2).installed() as fake:
+        params = {"seq_buckets": "16,64", "batch_buckets": "1,4,16"}
+        pool = _pool(tmp_path, params, device=Device("gpu", dev), mode=mode, cuda_graphs=graphs)
+        try:
+            engine = pool.workers[0].engine
+            # auto: static for graphs; a GPU's warm-up runs every bucket (3 times for graph capture).
+            assert engine.mode == ("static" if mode == "auto" and graphs else "shared")
+            assert engine.graph_slots == (set(engine._slots) if graphs else set())
+            assert all(s.runs == (3 if graphs else 1) for s in engine._slots.values())
+            n_in, n_out = len(engine.input_names), len(engine.output_names)
+            warm = fake.runs_in_order(engine._stream, n_in, n_out)
+            assert warm == sum(s.runs for s in engine._slots.values())
+            assert _check_every_bucket(pool, reference, seed=10) == len(pool.plan.slots()) == 8
+            runs = fake.runs_in_order(engine._stream, n_in, n_out)
+            assert runs == sum(s.runs for s in engine._slots.values()) == warm + 8
+            if graphs and mode == "shared":  # a graph id per bucket; other shapes skip the graphs
+                ids = {s.run_options.get_run_config_entry("gpu_graph_id") for s in engine._slots.values()}
+                assert ids == {str(i) for i in range(8)}
+                assert engine._no_graph.get_run_config_entry("gpu_graph_id") == "-1"
+            # Each slot binds each input and output once, on the worker's device.
+            assert len(fake.binds) == len(engine._slots) * (n_in + n_out)
+            assert {(t, i, on) for _, _, t, i, on in fake.binds} == {("cuda", dev, dev)}
+            host, dev_bytes = engine.buffer_bytes()
+            assert dev_bytes == engine._cupy_pool.used_bytes() > 0 and host > 0  # all from the pool
+            gpu = f"gpu:{dev}"
+            assert pool.device_memory() == {gpu: 2 << 30}  # the driver's used = total - free
+            # batchgate_device_memory_bytes{device,pool}: the same figures, by memory pool.
+            mem = {(gpu, "io_buffers"): dev_bytes, (gpu, "pinned_host"): host, (gpu, "driver_used"): 2 << 30}
+            assert pool.memory_by_pool() == mem
+        finally:
+            pool.close()
 
 
 def test_fixed_shape_batches_answer_each_request_like_the_model_alone(tmp_path):

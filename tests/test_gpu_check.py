@@ -253,32 +253,179 @@ def test_what_travels_is_what_the_gpu_machine_lacks():
 
 
 def test_every_stage_runs_its_code_on_the_cpu(tmp_path):
-    """--dry-run-cpu: the checks' own code, end to end on the CPU provider (the GPU is the only
-    thing left for the GPU machine): JSON per stage, a real server, five engine configurations."""
+    """--dry-run-cpu: the checks' own code, end to end on the CPU provider, with tests/fake_cuda.py
+    standing in for CuPy and CUDA (the GPU is the only thing left for the GPU machine): JSON per
+    stage, a real server, five engine configurations whose engines build, bind and run device
+    buffers on the GPU asked for (here gpu:1). The pytest stage fails, as it must with no GPU:
+    every GPU test skipped, so nothing was checked and the whole check says FAILED."""
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "batchgate.bench.gpu_check", "--checks", "--dry-run-cpu", "--quick",
-           "--models", "encoder", "--seconds-per-bucket", "0.001", "--out", str(out)]  # fmt: skip
+           "--models", "encoder", "--device", "1", "--seconds-per-bucket", "0.001", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     files = sorted(p.name for p in out.iterdir())
     assert files == [
         f"{n}.json" for n in ("accuracy", "configs", "environment", "pytest", "server", "summary", "workers")
     ]
     assert len(files) <= 8  # what the device tool brings back
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["ok"] and not summary["skipped"]
+    stages = {name: st["ok"] for name, st in summary["stages"].items()}
+    assert stages == {"environment": None, "pytest": False, "accuracy": True, "server": True, "configs": True,
+                      "workers": True}, proc.stdout[-3000:]  # fmt: skip
+    assert summary["ok"] is False and not summary["skipped"]
+    pytest_stage = json.loads((out / "pytest.json").read_text())
+    assert pytest_stage["passed"] == 0 and pytest_stage["skipped"] >= 4
+    assert pytest_stage["problems"] == ["every GPU test skipped"]
+    assert json.loads((out / "environment.json").read_text())["cupy"] == "fake"
     configs = json.loads((out / "configs.json").read_text())
     assert [c["config"] for c in configs] == [
         "encoder: dynamic", "encoder: shared", "encoder: static", "encoder: static + CUDA graphs",
         "encoder: shared + CUDA graphs",
     ]  # fmt: skip
     for c in configs:
-        assert c["agreement"]["ok"] and c["agreement"]["cases"] > 0 and c["per_bucket"], c["config"]
+        name = c["config"]
+        assert c["ok"] and c["agreement"]["ok"] and c["agreement"]["cases"] > 0 and c["per_bucket"], name
+        assert c["failures"] == [] and c["cuda_graphs"]["engaged"] == c["cuda_graphs"]["asked"], name
+    pooled = [c for c in configs if c["buckets"]]
+    assert len(pooled) == 4 and all(c["memory"]["by_pool"]["gpu:1/io_buffers"] > 0 for c in pooled)
     server = json.loads((out / "server.json").read_text())
     assert server["ok"] and server["requests"] == 96
-    assert all("on cpu:0" in ln for ln in server["startup_lines"])
+    assert all("on cpu:0" in ln for ln in server["startup_lines"])  # a server process has no fake
     workers = json.loads((out / "workers.json").read_text())
+    assert workers["failures"] == []
     assert workers["workers_1"]["rows_per_s"] > 0 and workers["workers_2"]["rows_per_s"] > 0
+    assert all(n > 0 for n in workers["workers_2"]["batches_per_worker"])
+    assert workers["workers_2"]["max_abs_diff_vs_cpu"] <= gpu_check.TF32_ATOL
+
+
+GPU_TESTS = """
+import pytest
+
+@pytest.mark.gpu
+@pytest.mark.skipif({skip_a}, reason="no GPU here")
+def test_a():
+    pass
+
+@pytest.mark.gpu
+@pytest.mark.skipif({skip_b}, reason="no GPU here")
+def test_b():
+    assert {b_passes}
+
+def test_not_a_gpu_test():
+    pass
+"""
+
+
+@pytest.mark.parametrize(
+    ("skip_a", "skip_b", "b_passes", "gpu_marks", "problems"),
+    [
+        (True, True, True, True, ["every GPU test skipped"]),
+        (False, True, True, True, ["1 GPU test(s) skipped"]),
+        (False, False, True, False, ["pytest exited 5", "no GPU test ran"]),  # 5: pytest selected nothing
+        (False, False, False, True, ["pytest exited 1"]),
+        (False, False, True, True, []),
+    ],
+)
+def test_the_pytest_stage_passes_only_when_gpu_tests_ran(
+    tmp_path, skip_a, skip_b, b_passes, gpu_marks, problems
+):
+    """A GPU test skips where it finds no GPU: skips are not passes, and none selected is no check."""
+    text = GPU_TESTS.format(skip_a=skip_a, skip_b=skip_b, b_passes=b_passes)
+    if not gpu_marks:
+        text = text.replace("@pytest.mark.gpu\n", "")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text(text)
+    (tmp_path / "pyproject.toml").write_text('[tool.pytest.ini_options]\nmarkers = ["gpu: needs a GPU"]\n')
+    data, ok = gpu_check.check_pytest(tmp_path, files=("tests/test_x.py",))
+    assert data["problems"] == problems and ok is (not problems), data["tail"]
+    assert data["passed"] == (2 - skip_a - skip_b - (not b_passes) if gpu_marks else 0)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """check_config and check_workers in this process, as the dry run runs them."""
+    from tests.fake_cuda import FakeCuda
+
+    monkeypatch.setattr(gpu_check, "KIND", "cpu")
+    monkeypatch.setattr(gpu_check, "MAX_BATCH", 8)
+    with FakeCuda().installed() as fake:
+        yield fake
+
+
+ENCODER = ROOT / "model_repository" / "encoder" / "1" / "model.onnx"
+
+
+@pytest.mark.parametrize("mode", ["static", "shared"])
+def test_a_cuda_graph_capture_that_falls_back_fails_its_config(fake_gpu, monkeypatch, mode):
+    """ORT refusing a graph (a node off the GPU) leaves the engine running without one, with the
+    right answers: only the CUDA-graph check itself can tell, and it must fail."""
+    import numpy as np
+
+    from batchgate.workers.sessions import SessionFactory
+
+    rng = np.random.default_rng(0)
+    ok = gpu_check.check_config("encoder", ENCODER, gpu_check.QUICK_PARAMS, mode, True, 1, 0.001, rng)
+    assert ok["ok"] and ok["cuda_graphs"] == {"asked": True, "engaged": True, "warnings": []}
+
+    create = SessionFactory.create
+
+    def refuse_graphs(self, overrides=None, shared_arena=False, cuda_graphs=None):
+        if cuda_graphs:  # ORT's words when a graph cannot be captured
+            raise RuntimeError("This session cannot use the CUDA Graph feature as requested by the user "
+                               "as all compute graph nodes have not been partitioned to the CUDA EP.")  # fmt: skip
+        return create(self, overrides, shared_arena=shared_arena, cuda_graphs=cuda_graphs)
+
+    monkeypatch.setattr(SessionFactory, "create", refuse_graphs)
+    out = gpu_check.check_config("encoder", ENCODER, gpu_check.QUICK_PARAMS, mode, True, 1, 0.001, rng)
+    assert out["agreement"]["ok"]  # the answers are right all the same
+    assert not out["ok"] and not out["cuda_graphs"]["engaged"]
+    (failure,) = out["failures"]
+    assert failure.startswith("CUDA graphs asked for, engaged on 0 of") and "CUDA Graph feature" in failure
+
+
+def test_device_buffers_are_checked_for_device_shape_and_size(fake_gpu):
+    """What the configs and workers stages hold every pooled engine to, beside its answers."""
+    from batchgate.gateway.parameters import bucket_config
+    from batchgate.workers import Device, EngineOptions
+    from batchgate.workers.engine import Engine
+    from batchgate.workers.pool import WorkerPool
+
+    pool = WorkerPool("b", ENCODER, [Device("gpu", 1)], 1, EngineOptions(warmup="none"),
+                      bucket_config(gpu_check.QUICK_PARAMS, 8))  # fmt: skip
+    pool.start()
+    try:
+        engine: Engine = pool.workers[0].engine
+        assert gpu_check.device_buffer_failures(engine, 1) == []
+        assert gpu_check.device_buffer_failures(engine, 0)[0] == "the engine runs on gpu:1, not gpu:0"
+        seqs = next(iter(engine._buffers))
+        buffers = engine._buffers[seqs]
+        buffers.dev_out["embedding"] = buffers.dev_out["embedding"][:1]  # too small for the bucket
+        got = gpu_check.device_buffer_failures(engine, 1)
+        assert any("embedding" in f and "want" in f for f in got) and "the plan needs" in got[-1]
+        del engine._buffers[seqs]
+        got = gpu_check.device_buffer_failures(engine, 1)
+        assert got[0] == f"lengths {seqs}: no device buffers (NoneType)"
+    finally:
+        pool.close()
+
+
+def test_the_workers_stage_fails_on_answers_unlike_the_cpu(fake_gpu, monkeypatch):
+    import numpy as np
+
+    from batchgate.workers.buffers import Slot
+
+    data, ok = gpu_check.check_workers(ENCODER, gpu_check.QUICK_PARAMS, 1, seconds=0.05)
+    assert ok and data["failures"] == [] and all(data["workers_2"]["batches_per_worker"])
+    run = Slot.run
+
+    def off_by_one(self) -> None:  # a data path that loses nothing but the right answer
+        run(self)
+        for a in self.outputs.values():
+            a += np.float32(1)
+
+    monkeypatch.setattr(Slot, "run", off_by_one)
+    data, ok = gpu_check.check_workers(ENCODER, gpu_check.QUICK_PARAMS, 1, seconds=0.05)
+    assert not ok and "differs from the CPU by 1" in data["failures"][0]
 
 
 def test_an_fp16_variant_beside_the_model_is_checked_against_the_fp32_one(tmp_path):
