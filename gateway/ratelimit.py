@@ -83,6 +83,14 @@ class Bucket:
         limit = now + self.tau_s
         self.tat = min(limit, tat)
 
+    def settle(self, delta: float, now: float) -> None:
+        """Charge (or give back, when negative) what an estimate charged at admission missed: never
+        refused, since the work is done; a bucket may go into debt, and the next calls wait for it."""
+        if delta > 0:
+            self.tat = max(now, self.tat) + delta * self.interval_s
+        elif delta < 0:
+            self.refund(-delta)
+
     def tokens(self, now: float) -> float:
         """Tokens available at ``now`` (negative while in debt)."""
         ahead = self.tat - now if self.tat > now else 0.0
@@ -108,7 +116,8 @@ class Rate:
 #   KEYS[i]   a bucket's TAT, microseconds on that clock, expiring when the bucket is full again
 #   ARGV[1]   now in microseconds, or '' for TIME
 #   ARGV[3i-1], ARGV[3i], ARGV[3i+1]   emission interval (us), tolerance = burst x interval (us), cost
-# Returns {1, 0} admitted; {0, wait_us} refused.
+# Returns {1, 0, ahead_1..n} admitted; {0, wait_us, ahead_1..n} refused, where ahead_i is how far
+# bucket i's TAT is ahead of now after the decision (its time to be full again; the headers' reset).
 GCRA_LUA = """
 local now
 if ARGV[1] ~= '' then
@@ -133,15 +142,43 @@ for i = 1, #KEYS do
   end
   new[i] = nt
 end
+local ahead = {}
 if wait > 0 then
-  return {0, math.ceil(wait)}
+  ahead[1], ahead[2] = 0, math.ceil(wait)
+  for i = 1, #KEYS do
+    ahead[i + 2] = math.max(0, math.ceil(new[i] - now - tonumber(ARGV[3 * i + 1]) * tonumber(ARGV[3 * i - 1])))
+  end
+  return ahead
 end
+ahead[1], ahead[2] = 1, 0
 for i = 1, #KEYS do
   redis.call('SET', KEYS[i], string.format('%.17g', new[i]), 'PX', math.ceil((new[i] - now) / 1000) + 1)
+  ahead[i + 2] = math.ceil(new[i] - now)
 end
-return {1, 0}
+return ahead
 """
 GCRA_SHA = hashlib.sha1(GCRA_LUA.encode()).hexdigest()
+
+# What an admission estimate missed, charged (or given back) once the exact count is known: never
+# refused. KEYS[1] a bucket's TAT; ARGV: now ('' for TIME), interval (us), delta (tokens).
+SETTLE_LUA = """
+local now
+if ARGV[1] ~= '' then
+  now = tonumber(ARGV[1])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local tat = tonumber(redis.call('GET', KEYS[1]) or 0)
+if tat < now then tat = now end
+local nt = tat + tonumber(ARGV[3]) * tonumber(ARGV[2])
+if nt > now then
+  redis.call('SET', KEYS[1], string.format('%.17g', nt), 'PX', math.ceil((nt - now) / 1000) + 1)
+else
+  redis.call('DEL', KEYS[1])
+end
+return 1
+"""
 
 
 class GlobalSpec:
@@ -149,30 +186,36 @@ class GlobalSpec:
     local share buckets this replica uses when Redis cannot answer, and Redis's last answer here."""
 
     __slots__ = (
-        "_args", "admit_ratio", "keys", "late_credit", "name", "requests", "retry_at", "rows", "share_requests",
-        "share_rows",
+        "_args", "admit_ratio", "ahead", "keys", "late_credit", "name", "requests", "retry_at", "rows",
+        "share_requests", "share_rows", "share_tokens", "tokens",
     )  # fmt: skip
 
     def __init__(
-        self, name: str, keys: tuple[str, ...], requests: Rate | None, rows: Rate | None, share: float
-    ):
+        self, name: str, keys: tuple[str, ...], requests: Rate | None, rows: Rate | None, share: float,
+        tokens: Rate | None = None,
+    ):  # fmt: skip
         self.name = name
         self.requests = requests
         self.rows = rows
+        self.tokens = tokens  # its key is the last of ``keys``
         self.keys = keys
         self.share_requests = requests.bucket(share) if requests else None
         self.share_rows = rows.bucket(share) if rows else None
+        self.share_tokens = tokens.bucket(share) if tokens else None
+        self.ahead: tuple[float, tuple] = (0.0, ())  # Redis's last (clock, each key's time to full, s)
         self.admit_ratio: float | None = None  # recent share of this replica's decisions Redis admitted
         self.late_credit = 0.0  # error diffusion: late decisions admit in that ratio, without bursts
         self.retry_at = 0.0  # when Redis's last refusal said to come back (limiter clock)
         # per-key (interval, tolerance) in microseconds, formatted once; the cost is added per call
         self._args = tuple(
-            (repr(1e6 / r.per_s), repr(r.burst * 1e6 / r.per_s)) for r in (requests, rows) if r is not None
+            (repr(1e6 / r.per_s), repr(r.burst * 1e6 / r.per_s))
+            for r in (requests, rows, tokens)
+            if r is not None
         )
 
-    def argv(self, rows: int, now_us: str = "") -> list[str]:
+    def argv(self, rows: int, now_us: str = "", tokens: int = 0) -> list[str]:
         args = [now_us]
-        costs = ([1] if self.requests else []) + ([rows] if self.rows else [])
+        costs = ([1] if self.requests else []) + ([rows] if self.rows else []) + ([tokens] if self.tokens else [])
         for (interval, tau), cost in zip(self._args, costs, strict=True):
             args += (interval, tau, str(cost))
         return args
@@ -191,24 +234,35 @@ class GlobalSpec:
             return True
         return False
 
-    def take_share(self, rows: int, now: float) -> float:
+    def take_share(self, rows: int, now: float, tokens: int = 0) -> float:
         wait = 0.0
-        r, w = self.share_requests, self.share_rows
+        r, w, t = self.share_requests, self.share_rows, self.share_tokens
         if r is not None:
             wait = r.take(1, now)
             if wait:
                 return wait
         if w is not None and rows:
             wait = w.take(rows, now)
-            if wait and r is not None:
-                r.refund(1)
+            if wait:
+                if r is not None:
+                    r.refund(1)
+                return wait
+        if t is not None and tokens:
+            wait = t.take(tokens, now)
+            if wait:
+                if r is not None:
+                    r.refund(1)
+                if w is not None and rows:
+                    w.refund(rows)
         return wait
 
-    def charge_share(self, rows: int, now: float) -> None:
+    def charge_share(self, rows: int, now: float, tokens: int = 0) -> None:
         if self.share_requests is not None:
             self.share_requests.charge(1, now)
         if self.share_rows is not None and rows:
             self.share_rows.charge(rows, now)
+        if self.share_tokens is not None and tokens:
+            self.share_tokens.charge(tokens, now)
 
 
 class GlobalLimiter:
@@ -231,9 +285,15 @@ class GlobalLimiter:
     async def close(self) -> None:
         pass
 
-    async def decide(self, spec: GlobalSpec, rows: int) -> float:
+    async def decide(self, spec: GlobalSpec, rows: int, tokens: int = 0) -> float:
         self.fallback_decisions += 1
-        return spec.take_share(rows, self.clock())
+        return spec.take_share(rows, self.clock(), tokens)
+
+    def settle(self, spec: GlobalSpec, delta: int) -> None:
+        """Charge ``delta`` more tokens (fewer, when negative) than the decision did: the exact
+        count against the estimate it was decided on."""
+        if spec.share_tokens is not None and delta:
+            spec.share_tokens.settle(delta, self.clock())
 
     def stats(self) -> dict:
         return {"backend": self.backend, "up": self.up, "fallback_decisions": self.fallback_decisions}
@@ -350,11 +410,11 @@ class RedisLimiter(GlobalLimiter):
         if self._close_link:
             await self.link.close()
 
-    async def decide(self, spec: GlobalSpec, rows: int) -> float:
+    async def decide(self, spec: GlobalSpec, rows: int, tokens: int = 0) -> float:
         if self.breaker.allow():
             loop = asyncio.get_running_loop()
             t0 = loop.time()
-            answer = self._submit(spec.keys, spec.argv(rows))
+            answer = self._submit(spec.keys, spec.argv(rows, "", tokens))
             try:
                 await asyncio.wait((answer,), timeout=self.timeout_s)
                 if not answer.done() and loop.time() - t0 > self.timeout_s + _LAG_S:
@@ -376,15 +436,16 @@ class RedisLimiter(GlobalLimiter):
                     # than its share of the traffic, and these are Redis's calls, not an outage.
                     now = self.clock()
                     if spec.take_late():
-                        spec.charge_share(rows, now)
+                        spec.charge_share(rows, now, tokens)
                         return 0.0
                     return max(spec.retry_at - now, 0.001)
             elif answer.exception() is None:
-                allowed, wait_us = answer.result()
+                allowed, wait_us, *ahead = answer.result()
                 now = self.clock()
+                spec.ahead = (now, tuple(a / 1e6 for a in ahead))
                 spec.answered(bool(allowed))
                 if allowed:
-                    spec.charge_share(rows, now)
+                    spec.charge_share(rows, now, tokens)
                     return 0.0
                 spec.retry_at = now + wait_us / 1e6
                 return wait_us / 1e6
@@ -392,7 +453,24 @@ class RedisLimiter(GlobalLimiter):
         self.fallback_decisions += 1
         if self.fail_mode == "closed":
             return self.link.retry_in()
-        return spec.take_share(rows, self.clock())
+        return spec.take_share(rows, self.clock(), tokens)
+
+    def settle(self, spec: GlobalSpec, delta: int) -> None:
+        super().settle(spec, delta)
+        if delta and spec.tokens is not None and self.breaker.allow() and not self._closed:
+            # Not waited for: the call is answered; a settlement lost to a Redis failure leaves the
+            # shared bucket off by one estimate's error, as a fail-open decision does.
+            task = asyncio.get_running_loop().create_task(self._settle(spec, delta))
+            self._batches.add(task)
+            task.add_done_callback(self._batches.discard)
+
+    async def _settle(self, spec: GlobalSpec, delta: int) -> None:
+        key, interval = spec.keys[-1], spec._args[-1][0]
+        try:
+            async with asyncio.timeout(self.slow_s):
+                await self.client.eval(SETTLE_LUA, 1, key, "", interval, str(delta))
+        except Exception as exc:  # noqa: BLE001 - timeouts, connection and server errors alike
+            self._trip(exc)
 
     def _submit(self, keys: tuple[str, ...], argv: list[str]) -> asyncio.Future:
         """Queue one decision; it goes out at the end of this loop turn if a batch slot is free,

@@ -21,6 +21,8 @@ same) looks like::
           requests_burst: 1000
           rows_per_s: 50000
           rows_burst: 100000
+          tokens_per_minute: 1000000   # tokens as `usage` counts them (text models)
+          tokens_burst: 1000000        # default: one minute's worth; also the largest call
           max_in_flight: 64
         global_limits:                 # shared by all replicas, through Redis
           requests_per_s: 200
@@ -89,16 +91,18 @@ class Limits:
     requests: Rate | None = None
     rows: Rate | None = None
     max_in_flight: int | None = None
+    tokens: Rate | None = None  # per second, as every Rate (the file says per minute)
 
     @property
     def empty(self) -> bool:
-        return self.requests is None and self.rows is None and self.max_in_flight is None
+        return self.requests is None and self.rows is None and self.max_in_flight is None and self.tokens is None
 
     def merged(self, over: Limits) -> Limits:
         return Limits(
             requests=over.requests or self.requests,
             rows=over.rows or self.rows,
             max_in_flight=over.max_in_flight if over.max_in_flight is not None else self.max_in_flight,
+            tokens=over.tokens or self.tokens,
         )
 
 
@@ -143,12 +147,18 @@ class _Limits(BaseModel):
         None, ge=1, description="rows at once, also the largest request; default: one second's worth"
     )
     max_in_flight: int | None = Field(None, ge=1, description="concurrent requests, per replica")
+    tokens_per_minute: float | None = Field(
+        None, gt=0, description="tokens a minute, counted as the answers' `usage` counts them"
+    )
+    tokens_burst: float | None = Field(
+        None, ge=1, description="tokens at once, also the largest call; default: one minute's worth"
+    )
 
     @model_validator(mode="after")
     def _bursts_need_rates(self) -> _Limits:
-        for what in ("requests", "rows"):
-            if getattr(self, f"{what}_burst") is not None and getattr(self, f"{what}_per_s") is None:
-                raise ValueError(f"{what}_burst needs {what}_per_s")
+        for what, rate in (("requests", "per_s"), ("rows", "per_s"), ("tokens", "per_minute")):
+            if getattr(self, f"{what}_burst") is not None and getattr(self, f"{what}_{rate}") is None:
+                raise ValueError(f"{what}_burst needs {what}_{rate}")
         return self
 
     def build(self) -> Limits:
@@ -161,6 +171,9 @@ class _Limits(BaseModel):
             rate(self.requests_per_s, self.requests_burst),
             rate(self.rows_per_s, self.rows_burst),
             self.max_in_flight,
+            None
+            if self.tokens_per_minute is None
+            else Rate(self.tokens_per_minute / 60, self.tokens_burst or self.tokens_per_minute),
         )
 
 

@@ -203,7 +203,10 @@ async def test_requests_per_second_with_retry_after():
         await adm.admit(acct, "ranker", 1)
     assert e.value.kind is Kind.EXHAUSTED
     assert e.value.retry_after_ms == 500
-    assert e.value.trailing_metadata == (("retry-after-ms", "500"),)
+    trailers = dict(e.value.trailing_metadata)
+    assert (trailers["retry-after-ms"], trailers["grpc-retry-pushback-ms"]) == ("500", "500")
+    assert trailers["x-ratelimit-remaining-requests"] == "0"
+    assert trailers["x-ratelimit-reset-requests"] == "1s"  # until the bucket is full again
     clock.advance(0.5)
     (await adm.admit(acct, "ranker", 1)).release()
     st = adm.stats()["tenants"]["t"]

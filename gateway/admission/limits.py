@@ -24,6 +24,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 
+from batchgate.gateway.admission import budgets
 from batchgate.gateway.errors import GatewayError, Kind
 from batchgate.gateway.ratelimit import Bucket, GlobalLimiter, GlobalSpec, RedisLimiter
 from batchgate.gateway.tenants import ANONYMOUS, Directory, Limits, Tenant, TenantFileError, load_tenants
@@ -38,10 +39,13 @@ IN_FLIGHT_RETRY_MS = 10
 class Limited(GatewayError):
     """RESOURCE_EXHAUSTED, with ``retry-after-ms`` in the trailing metadata."""
 
-    def __init__(self, message: str, retry_after_s: float) -> None:
+    def __init__(self, message: str, retry_after_s: float, cause: str = "", headers: tuple = ()) -> None:
         self.retry_after_ms = max(1, math.ceil(retry_after_s * 1e3 - 1e-6))  # no extra ms for float dust
         super().__init__(Kind.EXHAUSTED, f"{message}; retry after {self.retry_after_ms} ms")
-        self.trailing_metadata = (("retry-after-ms", str(self.retry_after_ms)),)
+        ms = str(self.retry_after_ms)
+        # grpc-retry-pushback-ms: what gRPC's own retry policy honours
+        self.trailing_metadata = (("retry-after-ms", ms), ("grpc-retry-pushback-ms", ms), *headers)
+        self.cause = cause  # which limit refused (usage metering's refusal label)
 
 
 class TenantStats:
@@ -55,6 +59,7 @@ class TenantStats:
         "limited_oversize",
         "limited_requests",
         "limited_rows",
+        "limited_tokens",
         "rows_admitted",
     )  # fmt: skip
 
@@ -69,7 +74,7 @@ class TenantStats:
 class Gate:
     """The limits one (tenant, model) pair is held to; models without overrides share the tenant's."""
 
-    __slots__ = ("in_flight", "label", "max_in_flight", "max_rows", "requests", "rows", "spec")
+    __slots__ = ("in_flight", "label", "max_in_flight", "max_rows", "max_tokens", "requests", "rows", "spec", "tokens")
 
     def __init__(self, label: str, local: Limits, spec: GlobalSpec | None, global_limits: Limits) -> None:
         self.label = label
@@ -80,6 +85,9 @@ class Gate:
         self.spec = spec
         bursts = [r.burst for r in (local.rows, global_limits.rows) if r is not None]
         self.max_rows = int(min(bursts)) if bursts else None  # larger requests could never be admitted
+        self.tokens: Bucket | None = local.tokens.bucket() if local.tokens else None
+        bursts = [r.burst for r in (local.tokens, global_limits.tokens) if r is not None]
+        self.max_tokens = int(min(bursts)) if bursts else None
 
 
 class Account:
@@ -97,13 +105,23 @@ class Account:
 
 
 class Ticket:
-    """An admitted request; ``release`` frees its in-flight slot (idempotent)."""
+    """An admitted request; ``release`` frees its in-flight slot (idempotent). ``settle`` charges
+    the exact token count against the estimate ``charged`` at admission."""
 
-    __slots__ = ("_gate", "tenant")
+    __slots__ = ("_gate", "charged", "gate", "limiter", "tenant")
 
-    def __init__(self, tenant: Tenant, gate: Gate | None) -> None:
+    def __init__(self, tenant: Tenant, gate: Gate | None, charged: int = 0, limiter=None) -> None:
         self.tenant = tenant
         self._gate = gate
+        self.gate = gate  # kept after release: the settlement and the headers need it
+        self.charged = charged
+        self.limiter = limiter
+
+    def settle(self, tokens: int, now: float) -> None:
+        budgets.settle(self, tokens, now)
+
+    def headers(self, now: float) -> tuple[tuple[str, str], ...]:
+        return budgets.headers(self.gate, now) if self.gate is not None else ()
 
     def release(self) -> None:
         gate = self._gate
@@ -158,15 +176,18 @@ class Admission:
             for model in (None, *t.model_limits):
                 local, glob = t.limits_for(model) if model else (t.limits, t.global_limits)
                 spec = None
-                if glob.requests or glob.rows:
+                if glob.requests or glob.rows or glob.tokens:
                     has_global = True
                     scope = model or "*"
                     # one hash tag per tenant keeps a decision's keys in one Redis Cluster slot
                     keys = tuple(
                         f"{redis_prefix}:{{{t.name}}}:{scope}:{what}"
-                        for what, r in (("req", glob.requests), ("rows", glob.rows)) if r is not None
+                        for what, r in (("req", glob.requests), ("rows", glob.rows), ("tok", glob.tokens))
+                        if r is not None
                     )  # fmt: skip
-                    spec = GlobalSpec(f"{t.name}/{scope}", keys, glob.requests, glob.rows, local_share)
+                    spec = GlobalSpec(
+                        f"{t.name}/{scope}", keys, glob.requests, glob.rows, local_share, glob.tokens
+                    )
                 gates[model or ""] = Gate(f"{t.name}/{model or '*'}", local, spec, glob)
             default = gates.pop("")
             self.accounts[t.name] = Account(t, default, gates)
@@ -275,10 +296,13 @@ class Admission:
                 settings.api_keys_file,
             )
             self.limiter = fresh.limiter
+        now = self.clock()
         for name, account in fresh.accounts.items():
             old = self.accounts.get(name)
             if old is not None and old.tenant == account.tenant:
                 fresh.accounts[name] = old
+            elif old is not None:  # new limits: what was used this minute stays used
+                budgets.carry_over(old, account, now)
         self.directory, self.accounts = fresh.directory, fresh.accounts
         self._by_hash = {h: self.accounts[t.name] for h, t in self.directory.by_hash.items()}
         log.info(
@@ -296,9 +320,11 @@ class Admission:
             raise
         return self.accounts[tenant.name]
 
-    async def admit(self, account: Account, model: str, rows: int) -> Ticket:
+    async def admit(self, account: Account, model: str, rows: int, tokens: int = 0) -> Ticket:
         """A ticket for one request of ``rows`` rows to ``model``, or PERMISSION_DENIED /
-        RESOURCE_EXHAUSTED (``Limited``). Release the ticket when the request finishes."""
+        RESOURCE_EXHAUSTED (``Limited``). Release the ticket when the request finishes.
+        ``tokens``: the call's estimated token count, charged to the token budgets now and
+        settled against the exact count later (``Ticket.settle``)."""
         st = account.stats
         if account.models is not None and model not in account.models:
             st.denied_model += 1
@@ -313,51 +339,75 @@ class Admission:
                 f"request has {rows} rows but tenant '{account.tenant.name}' may send at most {gate.max_rows} "
                 f"rows per request to model '{model}' (its rows burst); split it",
             )
+        if gate.max_tokens is not None and tokens > gate.max_tokens:
+            st.limited_oversize += 1
+            raise budgets.too_large(account.tenant.name, model, tokens, gate.max_tokens)
         if gate.max_in_flight is not None and gate.in_flight >= gate.max_in_flight:
             st.limited_in_flight += 1
             raise Limited(
                 f"tenant '{account.tenant.name}' has {gate.max_in_flight} requests in flight (its limit)",
                 IN_FLIGHT_RETRY_MS / 1e3,
+                "in_flight",
             )
         req, rws = gate.requests, gate.rows
         if req is not None or rws is not None:
             now = self.clock()
             if req is not None and (wait := req.take(1, now)):
                 st.limited_requests += 1
-                raise Limited(f"tenant '{account.tenant.name}' is over {req.rate_per_s:g} requests/s", wait)
+                raise Limited(
+                    f"tenant '{account.tenant.name}' is over {req.rate_per_s:g} requests/s",
+                    wait,
+                    "requests",
+                    budgets.headers(gate, now),
+                )
             if rws is not None and rows and (wait := rws.take(rows, now)):
                 if req is not None:
                     req.refund(1)
                 st.limited_rows += 1
-                raise Limited(f"tenant '{account.tenant.name}' is over {rws.rate_per_s:g} rows/s", wait)
+                raise Limited(f"tenant '{account.tenant.name}' is over {rws.rate_per_s:g} rows/s", wait, "rows")
+        tks = gate.tokens
+        if tks is not None and tokens and (wait := tks.take(tokens, self.clock())):
+            if req is not None:
+                req.refund(1)
+            if rws is not None and rows:
+                rws.refund(rows)
+            st.limited_tokens += 1
+            raise budgets.limited(account.tenant.name, gate, wait, self.clock())
         spec = gate.spec
         if spec is not None:
             # The slot is held across the await so the in-flight cap counts requests waiting on
             # Redis too; a cancel while waiting gives everything back.
             gate.in_flight += 1
             try:
-                wait = await self.limiter.decide(spec, rows)
+                wait = await self.limiter.decide(spec, rows, tokens)
             except BaseException:
                 gate.in_flight -= 1
-                self._refund(gate, rows)
+                self._refund(gate, rows, tokens)
                 raise
             if wait:
                 gate.in_flight -= 1
-                self._refund(gate, rows)
+                self._refund(gate, rows, tokens)
                 st.limited_global += 1
-                raise Limited(f"tenant '{account.tenant.name}' is over its global limit ({spec.name})", wait)
+                raise Limited(
+                    f"tenant '{account.tenant.name}' is over its global limit ({spec.name})",
+                    wait,
+                    "global",
+                    budgets.headers(gate, self.clock()),
+                )
         else:
             gate.in_flight += 1
         st.admitted += 1
         st.rows_admitted += rows
-        return Ticket(account.tenant, gate)
+        return Ticket(account.tenant, gate, tokens, self.limiter)
 
     @staticmethod
-    def _refund(gate: Gate, rows: int) -> None:
+    def _refund(gate: Gate, rows: int, tokens: int = 0) -> None:
         if gate.requests is not None:
             gate.requests.refund(1)
         if gate.rows is not None and rows:
             gate.rows.refund(rows)
+        if gate.tokens is not None and tokens:
+            gate.tokens.refund(tokens)
 
     # -- observability -------------------------------------------------------------------------
 
