@@ -17,7 +17,7 @@ import tritonclient.grpc as tc
 from batchgate.gateway.codec import serialize_bytes
 from batchgate.gateway.errors import GatewayError, Kind
 from batchgate.gateway.call import Answer, Output
-from batchgate.gateway.transport.rest import HEADER_LENGTH, HTTP_STATUS, build_request, build_response
+from batchgate.gateway.transport.kserve_rest import HEADER_LENGTH, HTTP_STATUS, build_request, build_response
 
 
 def call(server, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None):

@@ -44,6 +44,8 @@ STATUS = {
     Kind.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
     Kind.PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
     Kind.FAILED: grpc.StatusCode.INTERNAL,
+    Kind.TOO_LARGE: grpc.StatusCode.INVALID_ARGUMENT,
+    Kind.SLOW: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 

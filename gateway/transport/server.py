@@ -1,5 +1,5 @@
 """The process lifecycle: listeners (gRPC and HTTP), health, reflection, start, ready, drain on
-SIGTERM, exit 0. The servicer is in ``grpc.py``, the REST app in ``rest.py``.
+SIGTERM, exit 0. The servicer is in ``grpc.py``, the REST listener and its app in ``http.py``.
 
 Bounds set here, before any Python runs for a call: the gRPC message size (derived from the served
 models unless configured), the cap on concurrent RPCs (``maximum_concurrent_rpcs``: gRPC answers
@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from batchgate import proto
 from batchgate.cache import RedisLink
-from batchgate.gateway import dtypes, probes, tracing
+from batchgate.gateway import dtypes, tracing
 from batchgate.gateway.admission import Admission
 from batchgate.gateway.codec import Limits, set_limits
 from batchgate.gateway.config import Settings
@@ -32,7 +32,7 @@ from batchgate.gateway.dataplane import DataPlane
 from batchgate.gateway.infer import VERSION, Pipeline
 from batchgate.gateway.metrics import Metrics
 from batchgate.gateway.repository import ModelSpec, tokenized
-from batchgate.gateway.transport import rest
+from batchgate.gateway.transport import http, probes
 from batchgate.gateway.transport.grpc import SERVICE_NAME, AuthInterceptor, InferenceServicer
 from batchgate.gateway.transport.takers import CallTakers
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
@@ -213,7 +213,7 @@ class Server:
         self.http_port = 0
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
-        self.http_site: rest.Listener | None = None
+        self.http_site: http.Listener | None = None
         self.probes: probes.Probes | None = None
         self.takers: CallTakers | None = None
         self.gate = DrainGate()
@@ -277,7 +277,8 @@ class Server:
         self.takers.start()
         self._grpc = server
         try:
-            self._http, self.http_port = await rest.start(self)
+            self._http, self.http_site = await http.start(self)
+            self.http_port = self.http_site.port
         except OSError as exc:
             await server.stop(None)
             if exc.errno == errno.EADDRINUSE:

@@ -1,0 +1,170 @@
+"""The JSON fields the text APIs share (OpenAI embeddings, TEI embed and rerank, Cohere/Jina
+rerank), read once each, and the door pass every text route holds while its call runs.
+
+Each reader refuses with a ``GatewayError`` naming the field (OpenAI's ``param``); each wire's
+error table turns it into that wire's shape.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from aiohttp import web
+
+from batchgate.gateway.errors import GatewayError, invalid, too_large
+from batchgate.gateway.logs import REQUEST_ID_KEY, clean_request_id
+
+if TYPE_CHECKING:
+    from batchgate.gateway.admission.door import Pass
+    from batchgate.gateway.transport.http import Http
+    from batchgate.gateway.transport.server import Server
+
+MAX_INPUTS = 2048  # texts per request: OpenAI's own limit; larger bodies are refused before any work
+LATENCY_CLASS_HEADER = "X-Latency-Class"
+LATENCY_BUDGET_HEADER = "X-Latency-Budget-Ms"
+
+_PASS = "batchgate.pass"  # the request's door pass, ended by ``ends_its_pass`` if nothing else did
+
+
+def ends_its_pass(route):
+    """A route that takes a door pass: however the call ends (a field refused before the pipeline,
+    a body that never came), the door counts its end once, so the overload gate's ended calls
+    match the calls it took."""
+
+    @functools.wraps(route)
+    async def wrapped(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await route(self, request)
+        finally:
+            pass_ = request.get(_PASS)
+            if pass_ is not None and not pass_.ended:
+                self.server.pipeline.door.leave(None, pass_)
+
+    return wrapped
+
+
+async def entered_body(server: Server, http: Http, request: web.Request) -> tuple[Pass, Any]:
+    """The door's pass and the JSON body, read only once the door has taken the call (a key-less
+    caller costs its headers, not its body), by the listener's one body reader."""
+    pass_ = request[_PASS] = server.pipeline.door.enter(http.metadata(request))
+    raw = await http.body(request)
+    try:
+        return pass_, json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise invalid(f"the request body is not valid JSON: {exc}") from None
+
+
+def texts_of(value: Any, field: str) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list):
+        raise invalid(f"'{field}' must be a string or a list of strings", field)
+    if not value:
+        raise invalid(f"'{field}' is an empty list; send at least one text", field)
+    if len(value) > MAX_INPUTS:
+        raise too_large(f"'{field}' holds {len(value)} texts; at most {MAX_INPUTS} per request", field)
+    if all(isinstance(v, int) for v in value) or all(
+        isinstance(v, list) and v and all(isinstance(x, int) for x in v) for v in value
+    ):
+        raise invalid(f"'{field}' holds token ids; this server tokenizes text itself: send strings", field)
+    for i, v in enumerate(value):
+        if not isinstance(v, str):
+            raise invalid(f"'{field}[{i}]' must be a string, not {type(v).__name__}", field)
+    return value
+
+
+def latency_of(request: web.Request, doc: dict) -> dict:
+    """The call's parameters ``latency_class`` and ``latency_budget_ms``: the body's extension
+    fields, else the headers."""
+    cls = doc.get("latency_class", request.headers.get(LATENCY_CLASS_HEADER))
+    if cls is not None and not isinstance(cls, str):
+        raise invalid("'latency_class' must be a string such as 'realtime'", "latency_class")
+    budget = doc.get("latency_budget_ms", request.headers.get(LATENCY_BUDGET_HEADER))
+    if budget is not None:
+        try:
+            budget = float(budget)
+        except (TypeError, ValueError):
+            budget = -1.0
+        if isinstance(doc.get("latency_budget_ms"), bool) or not 0 < budget < math.inf:
+            raise invalid(
+                "'latency_budget_ms' must be a positive number of milliseconds",
+                "latency_budget_ms",
+            )
+    params: dict[str, Any] = {}
+    if cls is not None:
+        params["latency_class"] = cls
+    if budget is not None:
+        params["latency_budget_ms"] = budget
+    return params
+
+
+def prompt_name_of(doc: dict) -> str | None:
+    name = doc.get("prompt_name")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise invalid("'prompt_name' must be the name of one of the model's prompts", "prompt_name")
+    return name
+
+
+def dimensions_of(value: Any, dim: int, model: str, allowed: tuple[int, ...]) -> int | None:
+    """The size a call's ``dimensions`` cuts the vectors to (None: the model's own size)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid("'dimensions' must be an integer", "dimensions")
+    if value == dim:
+        return None
+    if value in allowed and value < dim:
+        return value
+    sizes = sorted({*(a for a in allowed if a < dim), dim})
+    why = (
+        "its Matryoshka sizes (parameter matryoshka_dimensions) and its own"
+        if allowed
+        else "none declared: it returns"
+    )
+    raise invalid(
+        f"model '{model}' does not support 'dimensions' {value}: {why} {sizes}-dim vectors "
+        f"(omit 'dimensions' or send one of {sizes})",
+        "dimensions",
+    )
+
+
+def cut_to(vectors: np.ndarray, size: int | None) -> np.ndarray:
+    """Matryoshka: the leading ``size`` values of each vector, re-normalised to unit length."""
+    if size is None:
+        return vectors
+    head = vectors[:, :size].astype(np.float32)
+    return (head / np.maximum(np.linalg.norm(head, axis=1, keepdims=True), 1e-12)).astype(np.float32)
+
+
+def flag(doc: dict, key: str, default: bool) -> bool:
+    value = doc.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(f"'{key}' must be true or false", key)
+    return value
+
+
+def dimensions_for(server: Server, model: str, value: Any) -> int | None:
+    """``dimensions_of`` for served model ``model`` (None, unchecked, when it is not served: the
+    pipeline answers for the model, after the key is checked)."""
+    if value is None:
+        return None
+    try:
+        rt = server.plane.get(model)
+    except GatewayError:
+        return None
+    output = next((t for t in rt.spec.outputs if t.datatype == "FP32"), None)
+    if output is not None and len(output.dims) == 1:
+        return dimensions_of(value, output.dims[0], model, rt.spec.params.matryoshka_dimensions)
+    return None
+
+
+def request_echo(request: web.Request) -> dict:
+    """The caller's x-request-id to send back (none when it sent none)."""
+    rid = clean_request_id(request.headers.get(REQUEST_ID_KEY))
+    return {REQUEST_ID_KEY: rid} if rid else {}
