@@ -159,6 +159,14 @@ class Settings(BaseSettings):
         description="while Redis cannot answer: open = enforce this replica's local share of each "
         "global limit; closed = refuse requests under a global limit",
     )
+    usage_sink: str | None = Field(
+        None,
+        description="where one usage record per call goes: a file path (JSON lines, appended), or "
+        "'redis' for the stream batchgate:usage on redis_url; none = metrics and the usage API only",
+    )
+    usage_sink_interval_s: float = Field(
+        1.0, gt=0, description="how often buffered usage records are written to the sink"
+    )
     ratelimit_expected_replicas: int = Field(
         1, ge=1, description="replicas sharing the global limits; the local share is 1/this"
     )

@@ -32,6 +32,9 @@ from batchgate.gateway.call import Answer, Call, Output
 from batchgate.gateway.admission import Account, Admission, Ticket
 from batchgate.gateway.admission.door import Door, Pass, StreamSlots
 from batchgate.gateway.admission.gate import OverloadGate
+from batchgate.gateway.admission.usage import UNKNOWN_MODEL, Usage, cause_of
+from batchgate.gateway.admission import budgets
+from batchgate.gateway.scheduling.stats import COST, CallCost
 from batchgate.gateway.scheduling.request import resolve as resolve_budget
 from batchgate.gateway.dataplane import DataPlane, ReloadFailed
 from batchgate.gateway.errors import ECHO_MAX, GatewayError, Kind, clip, invalid, not_found, too_large
@@ -139,6 +142,7 @@ class Pipeline:
         self.admission = admission or Admission()  # no tenants: open
         self.settings = plane.settings
         self.inflight = 0  # calls inside ``infer``, all transports
+        self.usage = Usage()  # the server gives it its record sink
         s = self.settings
         self.gate = OverloadGate(self, s.overload_lag_ms / 1000, s.overload_min_in_flight)
         self.door = Door(
@@ -169,22 +173,40 @@ class Pipeline:
         edge.inflight += 1
         self.inflight += 1
         span = tracing.begin_call(model, pass_, edge.name) if tracing.TRACER is not None else None
+        cost = CallCost()
+        reset = COST.set(cost)  # the scheduler adds the call's rows computed and compute time
         try:
             answer = await work
         except BaseException as exc:
+            self._refused(pass_, model, exc)
             edge.failed(model, version, exc)
             self.door.leave(exc, pass_)
             if span is not None:
                 tracing.end_call(span, exc)
             raise
         finally:
+            COST.reset(reset)
             edge.inflight -= 1
             self.inflight -= 1
+        caller = pass_.caller
+        tokens = answer.tokens
+        self.usage.answered(
+            caller.tenant.name if caller is not None else "anonymous", answer.model, cost.rows,
+            sum(tokens) if tokens else 0, cost,
+        )  # fmt: skip
         edge.ok(answer.model, answer.version, _clock() - t0)
         self.door.leave(None, pass_)
         if span is not None:
             tracing.end_call(span)
         return answer
+
+    def _refused(self, pass_: Pass, model: str, exc: BaseException) -> None:
+        caller = pass_.caller
+        self.usage.refused(
+            caller.tenant.name if caller is not None else "anonymous",
+            model if model in self.plane.models else UNKNOWN_MODEL,  # a label never holds client text
+            cause_of(exc),
+        )
 
     def failed(
         self, pass_: Pass, edge: TransportCounters, model: str, version: str, exc: GatewayError
@@ -216,11 +238,11 @@ class Pipeline:
         finally:
             ticket.release()
 
-    async def _admit(self, pass_: Pass, model: str, rows: int) -> Ticket:
+    async def _admit(self, pass_: Pass, model: str, rows: int, tokens: int = 0) -> Ticket:
         if tracing.TRACER is None:
-            return await self.door.admit(pass_, model, rows)
+            return await self.door.admit(pass_, model, rows, tokens)
         with tracing.TRACER.start_as_current_span("admission", attributes={"batchgate.rows": rows}):
-            return await self.door.admit(pass_, model, rows)
+            return await self.door.admit(pass_, model, rows, tokens)
 
     def _budget(self, rt, parameters: dict, time_left: float | None, default_class: str | None):
         plane = self.plane
@@ -234,6 +256,8 @@ class Pipeline:
         codec = rt.codec
         wanted = codec.requested(call)
         arrays, rows = codec.decode(call)
+        if (cost := COST.get()) is not None:
+            cost.rows = rows
         if rt.text is not None and (rt.spec.params.prompts or "prompt_name" in call.parameters):
             arrays = apply_prompt(rt, arrays, call.parameters)
         outputs = await rt.infer(arrays, rows, budget, wanted=wanted, namespace=namespace)
@@ -349,7 +373,13 @@ class Pipeline:
             encodings = [None] * len(texts)
             for i, e in zip(long, made):
                 encodings[i] = e
-        ticket = await self._admit(pass_, model, len(texts))
+        raw = [t.encode() for t in texts]
+        caller = pass_.caller
+        # the estimate only where a token budget will read it (a few us a text, on the loop)
+        charge = budgets.estimate(stage, raw) if caller is not None and caller.budgets_tokens(model) else 0
+        ticket = await self._admit(pass_, model, len(texts), charge)
+        if (cost := COST.get()) is not None:
+            cost.rows = len(texts)
         try:
             # Looked up after admission: a reload may have swapped it during a Redis decision.
             rt = self.plane.get(model, "")
@@ -358,17 +388,23 @@ class Pipeline:
             budget = self._budget(rt, parameters, pass_.time_left, tenant and tenant.default_class)
             try:
                 vectors, tokens = await rt.texts(
-                    [t.encode() for t in texts], output.name, budget, tenant and tenant.cache_namespace,
-                    encodings,
-                )  # fmt: skip
+                    raw, output.name, budget, tenant and tenant.cache_namespace, encodings
+                )
             except GatewayError as exc:
                 m = _ROW.match(exc.message)
                 if m:  # the text stage names the row: the caller's list index
                     exc.message = f"input {m.group(1)}: {exc.message[m.end() :]}"
                     exc.field = "input"
                 raise
+        except BaseException:
+            ticket.settle(0, self.admission.clock())  # nothing answered: nothing used
+            raise
         finally:
             ticket.release()
+        if caller is not None:
+            now = self.admission.clock()
+            ticket.settle(sum(tokens), now)  # the budget tracks what `usage` reports
+            pass_.limits = ticket.headers(now)
         spec = rt.spec
         return Answer(spec.name, spec.version, "", [Output(output.name, "FP32", vectors, True)], tokens)
 

@@ -185,6 +185,7 @@ class Metrics:
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
         self.overload = None  # (OverloadGate, CallTakers | None), set by the server once made
+        self.usage = None  # (Usage, Admission), set by the server: per-tenant usage families
         self.registry.register(_PlaneCollector(self))
 
     def transport(self, name: str) -> TransportCounters:
@@ -249,6 +250,9 @@ class _PlaneCollector:
         yield _loop_lag_family(plane)
         yield from _overload_families(m)
         yield from _cache_families(plane)
+        if m.usage is not None:
+            usage, admission = m.usage
+            yield from usage.families(admission.unauthenticated)
 
 
 P = "batchgate_"

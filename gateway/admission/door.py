@@ -34,6 +34,7 @@ class Pass:
     time_left: float | None = None
     trace: object | None = None  # the caller's trace context while tracing is on (gateway/tracing.py)
     ended: bool = False  # set by Door.leave: a route that ends its pass on every path can tell
+    limits: tuple = ()  # the tenant's rate-limit headers once admitted (OpenAI's x-ratelimit-*)
 
 
 class Door:
@@ -79,11 +80,11 @@ class Door:
     def trailing(self) -> tuple:
         return self.gate.trailing()
 
-    async def admit(self, pass_: Pass, model: str, rows: int) -> Ticket:
+    async def admit(self, pass_: Pass, model: str, rows: int, tokens: int = 0) -> Ticket:
         """The tenant's limits for ``rows`` rows of ``model`` (an open server: nothing to check)."""
         if pass_.caller is None:
             return OPEN_TICKET
-        return await self.admission.admit(pass_.caller, model, rows)
+        return await self.admission.admit(pass_.caller, model, rows, tokens)
 
     def leave(self, exc: BaseException | None = None, pass_: Pass | None = None) -> None:
         """A call the door took as ``pass_`` has ended (``exc``: how it failed, if it did)."""

@@ -103,6 +103,10 @@ class Account:
         self.gates = gates
         self.stats = TenantStats()
 
+    def budgets_tokens(self, model: str) -> bool:
+        """Whether a token budget binds this tenant's calls to ``model`` (then admission needs an estimate)."""
+        return self.gates.get(model, self.default).max_tokens is not None
+
 
 class Ticket:
     """An admitted request; ``release`` frees its in-flight slot (idempotent). ``settle`` charges

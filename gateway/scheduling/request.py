@@ -180,7 +180,7 @@ class Request:
 
     __slots__ = (
         "inputs", "rows", "key", "arrival", "future", "deadline", "cls", "level", "queue_deadline", "delay", "call",
-        "trace",
+        "trace", "compute_s",
     )  # fmt: skip
 
     def __init__(
@@ -207,6 +207,7 @@ class Request:
         self.queue_deadline = queue_deadline
         self.delay = delay
         self.trace = None  # the call's span context while tracing is on (gateway/tracing.py)
+        self.compute_s = 0.0  # its share, by rows, of its batch's engine time (usage metering)
         # The call's requests when it has several (None when it is the whole call): one that
         # fails drops the others before compute, nobody would read their rows.
         self.call: list[Request] | None = None

@@ -38,7 +38,7 @@ from batchgate.gateway.errors import GatewayError, Kind, unavailable
 from batchgate.gateway.scheduling.interface import Queue
 from batchgate.gateway.scheduling.latency import LatencyModel
 from batchgate.gateway.scheduling.request import Budget, Request
-from batchgate.gateway.scheduling.stats import BatchStats, SchedulerSnapshot, Stats
+from batchgate.gateway.scheduling.stats import COST, BatchStats, SchedulerSnapshot, Stats
 
 __all__ = ["Part", "Scheduler"]
 
@@ -149,6 +149,9 @@ class Scheduler:
             # If our caller is cancelled, awaiting cancels the future too; the batcher then
             # skips the request when it forms the next batch (counted as dropped).
             out = await future
+            if (cost := COST.get()) is not None:
+                cost.computed += rows
+                cost.compute_s += req.compute_s
         except (GatewayError, asyncio.CancelledError) as exc:
             if prediction is not None:
                 self._judge(req, now, prediction, predicted_miss, exc)
@@ -205,6 +208,9 @@ class Scheduler:
                 out = await self._gather(reqs, loop)
             if prediction is not None:
                 self._judge(first, now, prediction, predicted_miss)
+            if (cost := COST.get()) is not None:
+                cost.computed += sum(r.rows for r in reqs)
+                cost.compute_s += sum(r.compute_s for r in reqs)
             return out
         except (GatewayError, asyncio.CancelledError) as exc:
             if prediction is not None:
@@ -546,7 +552,9 @@ class Scheduler:
         bs.output_ns += timing.output_ns
         if st.observer is not None:
             st.observer(batch, start, n_rows, timing)
+        per_row_s = (timing.input_ns + timing.infer_ns + timing.output_ns) / 1e9 / n_rows
         for r, out in zip(batch, outputs):
+            r.compute_s = per_row_s * r.rows
             if r.cls is not None:
                 st.count_class(r.class_name, "success" if now <= r.deadline else "late")
                 st.time_class(r.class_name, now - r.arrival)

@@ -5,6 +5,7 @@ and the statistics endpoints read; nothing outside the scheduler reads its priva
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from batchgate.gateway.histogram import LATENCY_BUCKETS, Histogram
@@ -83,3 +84,18 @@ class SchedulerSnapshot:
     # admission predictions against the calls' real times: (samples, mean ratio, mean |deviation|);
     # None for a policy that predicts nothing
     estimate_ratio: tuple[int, float, float] | None = None
+
+
+class CallCost:
+    """What the scheduler saw of one call (set per call by the pipeline, filled by the scheduler on
+    the call's own task): rows computed and their share of the batches' compute time."""
+
+    __slots__ = ("compute_s", "computed", "rows")
+
+    def __init__(self) -> None:
+        self.rows = 0  # the call's rows (set by the pipeline)
+        self.computed = 0
+        self.compute_s = 0.0
+
+
+COST: ContextVar[CallCost | None] = ContextVar("batchgate_call_cost", default=None)

@@ -124,8 +124,23 @@ class OpenAI:
             "usage": {"prompt_tokens": total, "total_tokens": total},
         }
         return web.Response(
-            text=json.dumps(body, separators=(",", ":")), content_type="application/json", headers=echo
-        )
+            text=json.dumps(body, separators=(",", ":")), content_type="application/json",
+            headers={**echo, **dict(pass_.limits)},
+        )  # fmt: skip
+
+    async def usage(self, request: web.Request) -> web.Response:
+        """OpenAI's usage API for embeddings: a tenant marked admin sees every tenant, another
+        tenant only its own figures (this replica's; docs/tenants.md)."""
+        try:
+            account = self.server.pipeline.identify(self.http.metadata(request))
+            only = None if account is None or account.tenant.admin else account.tenant.name
+            query: dict[str, list[str]] = {}
+            for key, value in request.query.items():
+                query.setdefault(key, []).append(value)
+            page = self.server.pipeline.usage.page(query, only)
+        except GatewayError as exc:
+            return openai_error(exc)
+        return web.json_response(page)
 
     def _visible(self, request: web.Request) -> list[str]:
         """The text models this caller may call (all of them on an open server)."""
@@ -163,4 +178,5 @@ def routes(server: Server, http: Http) -> list[web.RouteDef]:
         web.post("/v1/embeddings", api.embeddings),
         web.get("/v1/models", api.models),
         web.get("/v1/models/{model}", api.model),
+        web.get("/v1/organization/usage/embeddings", api.usage),
     ]

@@ -26,6 +26,7 @@ from batchgate import proto
 from batchgate.cache import RedisLink
 from batchgate.gateway import dtypes, tracing
 from batchgate.gateway.admission import Admission
+from batchgate.gateway.admission.usage import Sink
 from batchgate.gateway.codec import Limits, set_limits
 from batchgate.gateway.config import Settings
 from batchgate.gateway.dataplane import DataPlane
@@ -203,6 +204,8 @@ class Server:
         self.admission = Admission.from_settings(settings, self.redis)
         self.metrics = Metrics(self.plane, VERSION)  # this process's own registry, read at scrape time
         self.pipeline = Pipeline(self.plane, self.admission)
+        self.pipeline.usage.sink = Sink.from_settings(settings, self.redis)
+        self.metrics.usage = (self.pipeline.usage, self.admission)
         self.servicer = InferenceServicer(self.pipeline, self.metrics)
         self.health = health_aio.HealthServicer()
         self.tls = CertStore.from_settings(settings)  # reads the certificate files; errors stop the start
@@ -253,6 +256,8 @@ class Server:
         self.metrics.overload = (gate, self.takers)
         tracing.setup(s)  # on only with otel_endpoint
         await self.admission.start()  # Redis for global limits, if any; being down is not fatal
+        if self.pipeline.usage.sink is not None:
+            await self.pipeline.usage.sink.start()
         server.add_generic_rpc_handlers((self.gate,))  # first: while holding it answers every call
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -362,6 +367,8 @@ class Server:
                 extra={"event": "unload", "model": rt.spec.name, "version": rt.spec.version},
             )  # fmt: skip
         await self.admission.close()
+        if self.pipeline.usage.sink is not None:
+            await self.pipeline.usage.sink.close()  # before the link it may write through
         if self.redis is not None:  # after both of its users
             await self.redis.close()
         tracing.stop()  # flushes the spans still buffered
