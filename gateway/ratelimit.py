@@ -110,6 +110,17 @@ class Rate:
 
 # -- the global limiter ---------------------------------------------------------------------------
 
+# Redis's clock in microseconds, or ARGV[1] when a test gives one.
+_NOW_LUA = """
+local now
+if ARGV[1] ~= '' then
+  now = tonumber(ARGV[1])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+"""
+
 # GCRA over 1..n keys, all or nothing: either every bucket admits and all are charged, or nothing
 # is written and the reply says how long to wait. Time is Redis's own clock (TIME), so replicas
 # with skewed clocks still share one timeline; ARGV[1] overrides it for tests.
@@ -118,15 +129,9 @@ class Rate:
 #   ARGV[3i-1], ARGV[3i], ARGV[3i+1]   emission interval (us), tolerance = burst x interval (us), cost
 # Returns {1, 0, ahead_1..n} admitted; {0, wait_us, ahead_1..n} refused, where ahead_i is how far
 # bucket i's TAT is ahead of now after the decision (its time to be full again; the headers' reset).
-GCRA_LUA = """
-local now
-if ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-local new = {}
+GCRA_LUA = (
+    _NOW_LUA
+    + """local new = {}
 local wait = 0
 for i = 1, #KEYS do
   local interval = tonumber(ARGV[3 * i - 1])
@@ -157,19 +162,14 @@ for i = 1, #KEYS do
 end
 return ahead
 """
+)
 GCRA_SHA = hashlib.sha1(GCRA_LUA.encode()).hexdigest()
 
 # What an admission estimate missed, charged (or given back) once the exact count is known: never
 # refused. KEYS[1] a bucket's TAT; ARGV: now ('' for TIME), interval (us), delta (tokens).
-SETTLE_LUA = """
-local now
-if ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-local tat = tonumber(redis.call('GET', KEYS[1]) or 0)
+SETTLE_LUA = (
+    _NOW_LUA
+    + """local tat = tonumber(redis.call('GET', KEYS[1]) or 0)
 if tat < now then tat = now end
 local nt = tat + tonumber(ARGV[3]) * tonumber(ARGV[2])
 if nt > now then
@@ -179,6 +179,7 @@ else
 end
 return 1
 """
+)
 
 
 class GlobalSpec:
@@ -215,7 +216,9 @@ class GlobalSpec:
 
     def argv(self, rows: int, now_us: str = "", tokens: int = 0) -> list[str]:
         args = [now_us]
-        costs = ([1] if self.requests else []) + ([rows] if self.rows else []) + ([tokens] if self.tokens else [])
+        costs = (
+            ([1] if self.requests else []) + ([rows] if self.rows else []) + ([tokens] if self.tokens else [])
+        )
         for (interval, tau), cost in zip(self._args, costs, strict=True):
             args += (interval, tau, str(cost))
         return args

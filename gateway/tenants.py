@@ -95,7 +95,9 @@ class Limits:
 
     @property
     def empty(self) -> bool:
-        return self.requests is None and self.rows is None and self.max_in_flight is None and self.tokens is None
+        return (
+            self.requests is None and self.rows is None and self.max_in_flight is None and self.tokens is None
+        )
 
     def merged(self, over: Limits) -> Limits:
         return Limits(

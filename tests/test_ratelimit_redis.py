@@ -34,7 +34,7 @@ def gcra(r: redis.Redis, now_s: float, *buckets: tuple[str, float, float, int]) 
     argv = [repr(now_s * US)]
     for _, rate, burst, cost in buckets:
         argv += [repr(US / rate), repr(burst * US / rate), str(cost)]
-    allowed, wait_us = r.evalsha(GCRA_SHA, len(keys), *keys, *argv)
+    allowed, wait_us, *_ = r.evalsha(GCRA_SHA, len(keys), *keys, *argv)  # then each key's time to full
     return allowed, wait_us / US
 
 

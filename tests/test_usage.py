@@ -96,7 +96,10 @@ async def test_usage_export_equals_the_usage_fields_per_tenant_and_hides_other_t
         status, page = await _usage(gw, ADMIN, f"start_time={start}&bucket_width=1m&group_by=project_id")
         assert status == 200, page
         assert page["object"] == "page" and page["data"][0]["object"] == "bucket"
-        assert _by(page, "project_id") == {"blue": [sent["blue"], calls["blue"]], "green": [sent["green"], calls["green"]]}
+        assert _by(page, "project_id") == {
+            "blue": [sent["blue"], calls["blue"]],
+            "green": [sent["green"], calls["green"]],
+        }
 
         status, page = await _usage(gw, BLUE, f"start_time={start}&bucket_width=1d&group_by=project_id,model")
         assert status == 200, page

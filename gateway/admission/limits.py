@@ -74,7 +74,17 @@ class TenantStats:
 class Gate:
     """The limits one (tenant, model) pair is held to; models without overrides share the tenant's."""
 
-    __slots__ = ("in_flight", "label", "max_in_flight", "max_rows", "max_tokens", "requests", "rows", "spec", "tokens")
+    __slots__ = (
+        "in_flight",
+        "label",
+        "max_in_flight",
+        "max_rows",
+        "max_tokens",
+        "requests",
+        "rows",
+        "spec",
+        "tokens",
+    )
 
     def __init__(self, label: str, local: Limits, spec: GlobalSpec | None, global_limits: Limits) -> None:
         self.label = label
@@ -368,7 +378,9 @@ class Admission:
                 if req is not None:
                     req.refund(1)
                 st.limited_rows += 1
-                raise Limited(f"tenant '{account.tenant.name}' is over {rws.rate_per_s:g} rows/s", wait, "rows")
+                raise Limited(
+                    f"tenant '{account.tenant.name}' is over {rws.rate_per_s:g} rows/s", wait, "rows"
+                )
         tks = gate.tokens
         if tks is not None and tokens and (wait := tks.take(tokens, self.clock())):
             if req is not None:

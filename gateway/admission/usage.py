@@ -41,8 +41,6 @@ GROUPS = ("project_id", "model")  # project_id: the tenant (an OpenAI project is
 _TOTALS = ("requests", "rows", "tokens", "cache_hits", "compute_s")
 
 
-
-
 class Usage:
     def __init__(self, sink: Sink | None = None, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
@@ -87,7 +85,9 @@ class Usage:
         key = (tenant, model, cause)
         self.refusals[key] = self.refusals.get(key, 0) + 1
         if self.sink is not None:
-            self.sink.add({"time": round(self.clock(), 3), "tenant": tenant, "model": model, "outcome": cause})
+            self.sink.add(
+                {"time": round(self.clock(), 3), "tenant": tenant, "model": model, "outcome": cause}
+            )
 
     def _roll(self, minute: int) -> None:
         self._minute = minute
@@ -107,7 +107,9 @@ class Usage:
         values). ``only``: the caller's tenant when it may see only its own figures."""
         start = _int(query, "start_time", None)
         if start is None:
-            raise invalid("'start_time' is required: Unix seconds, the start of the first bucket", "start_time")
+            raise invalid(
+                "'start_time' is required: Unix seconds, the start of the first bucket", "start_time"
+            )
         width = _one(query, "bucket_width", "1d")
         if width not in WIDTHS:
             raise invalid(f"'bucket_width' must be one of {list(WIDTHS)}, not {width!r}", "bucket_width")
@@ -118,7 +120,9 @@ class Usage:
         start = start - start % step
         page = _int(query, "page", start)  # next_page: the start of the next bucket
         end = _int(query, "end_time", None)
-        group_by = [g for v in query.get("group_by", []) + query.get("group_by[]", []) for g in v.split(",") if g]
+        group_by = [
+            g for v in query.get("group_by", []) + query.get("group_by[]", []) for g in v.split(",") if g
+        ]
         for g in group_by:
             if g not in GROUPS:
                 raise invalid(
@@ -145,11 +149,17 @@ class Usage:
                     acc[1] += requests
             results = [
                 {
-                    "object": "organization.usage.embeddings.result", "input_tokens": tokens,
-                    "num_model_requests": requests, "project_id": g[0], "user_id": None, "api_key_id": None,
+                    "object": "organization.usage.embeddings.result",
+                    "input_tokens": tokens,
+                    "num_model_requests": requests,
+                    "project_id": g[0],
+                    "user_id": None,
+                    "api_key_id": None,
                     "model": g[1],
                 }  # fmt: skip
-                for g, (tokens, requests) in sorted(groups.items(), key=lambda kv: (kv[0][0] or "", kv[0][1] or ""))
+                for g, (tokens, requests) in sorted(
+                    groups.items(), key=lambda kv: (kv[0][0] or "", kv[0][1] or "")
+                )
             ]
             data.append({"object": "bucket", "start_time": at, "end_time": at + step, "results": results})
             at += step
