@@ -289,11 +289,9 @@ def _missing_runtime(settings: Settings) -> str | None:
 
 
 def _bench(argv: list[str]) -> int:
-    try:
-        from batchgate.bench.__main__ import main as bench_main
-    except ImportError:  # bench/ lives in the source tree beside gateway/, not in the wheel
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from batchgate.bench.__main__ import main as bench_main
+    # The load generator ships in the wheel (batchgate.bench); imported only when asked for.
+    from batchgate.bench.__main__ import main as bench_main
+
     return bench_main(argv)
 
 

@@ -144,7 +144,7 @@ def test_exceptions_say_what_went_wrong(srv, bg):
 
 
 def test_no_server_is_unavailable_after_retries():
-    from batchgate.bench.loadgen import free_ports
+    from tests.helpers import free_ports
 
     (port,) = free_ports(1)
     t0 = time.monotonic()

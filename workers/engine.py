@@ -24,9 +24,9 @@ Engine modes (``EngineOptions.mode``):
   override, so ORT plans memory and folds shape arithmetic ahead of time (which CUDA graphs
   need: no shape nodes left to run on the CPU). Costs a weight copy and a session per bucket;
   on CPU the sessions share one arena (see sessions.py).
-* ``auto`` — static on a GPU with CUDA graphs on, shared otherwise. Measured on CPU (bundled
-  encoder, ORT 1.32, 1 thread): a static session is 0.9-1.0x the speed of the dynamic one at the
-  same shape, so there the sessions per bucket only cost memory.
+* ``auto`` — static on a GPU with CUDA graphs on, shared otherwise: on CPU a static session is
+  no faster than the dynamic one at the same shape, so there the sessions per bucket only cost
+  memory (docs/performance.md, "Figures the code cites").
 """
 
 from __future__ import annotations
@@ -607,10 +607,8 @@ class Engine:
 # The gateway carries BYTES tensors as object arrays of ``bytes``, any bytes (NULs, empty strings,
 # bytes that are not UTF-8). A model whose graph has a string input or output runs through ORT's
 # C API (ort_capi.py), which takes and returns each element at its exact length: nothing is
-# converted, so every byte arrives and leaves as sent. Measured in process (ORT 1.32, one thread,
-# identity over 16 strings of 1-63 bytes): a call costs 1.33x the instructions of the Python
-# binding's UTF-8 path (callgrind) and 1.7x its CPU time (``python -m tests.test_ort_capi``),
-# the price of a dozen ctypes calls per run (docs/engines.md, docs/performance.md).
+# converted, so every byte arrives and leaves as sent. A call costs more than the Python binding's
+# UTF-8 path, the price of a dozen ctypes calls per run (docs/performance.md, "Figures the code cites").
 #
 # The Python binding remains the road only where the C library cannot be used (ort_capi.load()
 # logs why). It (measured, ORT 1.32) turns each element of an object array into a std::string by type:
@@ -634,7 +632,7 @@ def to_ort_strings(name: str, arr: np.ndarray) -> np.ndarray:
     """An object array of bytes (or str) as the object array of str onnxruntime reads byte for byte."""
     out = np.empty(arr.shape, dtype=object)
     flat = arr.reshape(-1)
-    try:  # one comprehension: about twice as fast as filling the array element by element
+    try:  # one comprehension: faster than filling the array element by element (docs/performance.md)
         out.reshape(-1)[:] = [v.decode("utf-8") if type(v) is bytes else _as_str(v) for v in flat]
     except (UnicodeDecodeError, TypeError):
         i, why = next((i, why) for i, v in enumerate(flat) if (why := _not_str(v)))

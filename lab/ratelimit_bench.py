@@ -12,7 +12,7 @@ a global-limit decision (a Redis round trip) adds over a local one.
 Limits in 1 and 2 are set far above the offered load, so every decision admits and only the
 decision's cost is measured. It starts its own redis-server and gateway processes.
 
-    .venv/bin/python -m batchgate.bench.ratelimit_bench [--decisions 5000] [--concurrency 16] [--seconds 3]
+    .venv/bin/python -m lab.ratelimit_bench [--decisions 5000] [--concurrency 16] [--seconds 3]
                                               [--limit 50] [--accuracy-seconds 8] [--json]
 """
 
