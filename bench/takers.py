@@ -13,7 +13,7 @@ threads, from /proc, divided by the calls answered: robust on a shared machine, 
    each waits in core until its 50 ms deadline. No refusal in this process can cost less; it
    bounds what any door can do (docs/overload.md, "What a refusal costs").
 
-    .venv/bin/python -m lab.takers [--calls 300] [--callers 64] [--pin] [--open-loop 5000]
+    .venv/bin/python -m batchgate.bench.takers [--calls 300] [--callers 64] [--pin] [--open-loop 5000]
 
 ``--pin`` puts the servers on CPU 0 and the client on CPU 1. ``--open-loop RATE`` measures the
 refusals again under the C++ open-loop client (bench/openloop, as bench.goodput's overload points
@@ -29,7 +29,7 @@ refusals per second. It counts what /proc cannot: the compute thread preempted a
 core's threads and refilling its caches after (bench.goodput's 4x point of that call refuses
 ~700 calls/s).
 
-    .venv/bin/python -m lab.takers --pin --beside-compute 700,3000 [--repeat 3]
+    .venv/bin/python -m batchgate.bench.takers --pin --beside-compute 700,3000 [--repeat 3]
 
 On this VM one such run moves by ±30 %, so each server runs ``--repeat`` times, alternated, and
 the median is printed beside every run.
