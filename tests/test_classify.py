@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.request
 
 import numpy as np
 import onnxruntime as ort
@@ -154,13 +155,18 @@ def test_graph_matches_transformers(name, folders, repo):
 
 
 @pytest.fixture(scope="module")
-def client(repo, tmp_path_factory):
+def server(repo, tmp_path_factory):
     srv = start_server(tmp_path_factory.mktemp("classify-server"), "--no-build-models", repo=repo,
                        ready_timeout=120)  # fmt: skip
-    c = tc.InferenceServerClient(srv.grpc_url)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    c = tc.InferenceServerClient(server.grpc_url)
     yield c
     c.close()
-    srv.stop()
 
 
 def _infer(client, name: str, rows: list[str], outputs: list[str] | None = None):
@@ -182,6 +188,29 @@ def test_served_probabilities_and_logits_match_transformers(name, folders, clien
     only = _infer(client, name, _wire(rows), ["logits"])
     assert only.as_numpy("probabilities") is None
     np.testing.assert_allclose(only.as_numpy("logits"), want_l, atol=MAX_LOGIT_DIFF, rtol=0)
+
+
+def kserve_rest(
+    server, model: str, rows: list[str], outputs: list[str] | None = None
+) -> dict[str, np.ndarray]:
+    """KServe v2 REST ``POST /v2/models/{model}/infer`` (JSON): output name -> array."""
+    body = {"inputs": [{"name": "text", "shape": [len(rows), 1], "datatype": "BYTES", "data": rows}]}
+    if outputs:
+        body["outputs"] = [{"name": o} for o in outputs]
+    req = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v2/models/{model}/infer",
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        answer = json.loads(resp.read())
+    return {o["name"]: np.array(o["data"], np.float32).reshape(o["shape"]) for o in answer["outputs"]}
+
+
+def test_served_over_kserve_rest(folders, server):
+    folder, model, multi, _pairs = folders["topics"]
+    want_p, want_l = reference(folder, model, TEXTS, multi)
+    got = kserve_rest(server, "topics", TEXTS)
+    assert sorted(got) == ["logits", "probabilities"]
+    np.testing.assert_allclose(got["probabilities"], want_p, atol=MAX_PROB_DIFF, rtol=0)
+    np.testing.assert_allclose(got["logits"], want_l, atol=MAX_LOGIT_DIFF, rtol=0)
 
 
 def test_served_classifier_row_shapes(client):

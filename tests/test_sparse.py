@@ -23,6 +23,7 @@ from batchgate.gateway.build.hf_model import PrepareError, prepare_model, read_f
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
 from tests.conftest import start_server
+from tests.test_classify import kserve_rest
 from tests.test_prepare_model import TEXTS, TINY, scramble, unigram, wordpiece
 
 MAX_DIFF = 1e-4  # the acceptance bound
@@ -139,13 +140,18 @@ def test_graph_matches_transformers(name, folders, repo):
 
 
 @pytest.fixture(scope="module")
-def client(repo, tmp_path_factory):
+def server(repo, tmp_path_factory):
     srv = start_server(tmp_path_factory.mktemp("splade-server"), "--no-build-models", repo=repo,
                        ready_timeout=120)  # fmt: skip
-    c = tc.InferenceServerClient(srv.grpc_url)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    c = tc.InferenceServerClient(server.grpc_url)
     yield c
     c.close()
-    srv.stop()
 
 
 @pytest.mark.parametrize("name", ["bert_splade", "xlmr_splade"])
@@ -155,6 +161,12 @@ def test_served_sparse_vectors_match_transformers(name, folders, client):
     inp.set_data_from_numpy(np.array([t.encode() for t in TEXTS], dtype=object).reshape(-1, 1))
     got = client.infer(name, [inp], client_timeout=60).as_numpy("sparse_embedding")
     check_sparse(got, reference(folder, model, activation, pooling, TEXTS), name)
+
+
+def test_served_over_kserve_rest(folders, server):
+    folder, model, activation, pooling = folders["distil_splade"]
+    got = kserve_rest(server, "distil_splade", TEXTS, ["sparse_embedding"])["sparse_embedding"]
+    check_sparse(got, reference(folder, model, activation, pooling, TEXTS), "distil_splade over REST")
 
 
 def test_what_a_sparse_encoder_cannot_be_is_refused(folders, tmp_path):

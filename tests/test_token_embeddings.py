@@ -23,6 +23,7 @@ from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
 from batchgate.workers import EngineOptions, WorkerPool, discover
 from tests.conftest import start_server
+from tests.test_classify import kserve_rest
 from tests.test_prepare_model import TEXTS, TINY, cosines, scramble, st_folder, unigram, wordpiece
 
 MAX_DIFF = 1e-4
@@ -134,13 +135,18 @@ def test_a_request_batched_with_longer_rows_gets_its_own_length(folders, repo):
 
 
 @pytest.fixture(scope="module")
-def client(repo, tmp_path_factory):
+def server(repo, tmp_path_factory):
     srv = start_server(tmp_path_factory.mktemp("token-server"), "--no-build-models", repo=repo,
                        ready_timeout=120)  # fmt: skip
-    c = tc.InferenceServerClient(srv.grpc_url)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    c = tc.InferenceServerClient(server.grpc_url)
     yield c
     c.close()
-    srv.stop()
 
 
 def _infer(client, name: str, rows: list[str], outputs: list[str]):
@@ -161,3 +167,9 @@ def test_served_token_vectors_across_length_buckets(name, folders, client):
     short = TEXTS[:2]
     got = _infer(client, name, short, ["token_embeddings"]).as_numpy("token_embeddings")
     check_rows(got, *reference(folder, model, short), name)
+
+
+def test_served_over_kserve_rest(folders, server):
+    folder, model, *_ = folders["xlmr_tokens"]
+    got = kserve_rest(server, "xlmr_tokens", TEXTS, ["token_embeddings"])["token_embeddings"]
+    check_rows(got, *reference(folder, model, TEXTS), "xlmr_tokens over REST")
