@@ -119,6 +119,10 @@ def _parser() -> argparse.ArgumentParser:
     pm.add_argument("--pooling", choices=["mean", "cls", "lasttoken"], help="override the folder's pooling")
     pm.add_argument("--normalize", action=argparse.BooleanOptionalAction,
                     help="override the folder's normalisation (default: a Normalize module, or on without modules.json)")  # fmt: skip
+    pm.add_argument("--text-pair", action=argparse.BooleanOptionalAction,
+                    help="a classifier's rows are (text, text_pair) pairs (default: as the folder says; a rerank model's always are)")  # fmt: skip
+    pm.add_argument("--token-embeddings", action="store_true",
+                    help="an embedding model also outputs every token's vector (token_embeddings: TEI's /embed_all)")  # fmt: skip
     _optimize_parser(sub)
     sub.add_parser(
         "bench",

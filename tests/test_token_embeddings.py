@@ -12,6 +12,9 @@ and past the model's limit), and the pooled embedding beside it is unchanged.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -55,7 +58,13 @@ def folders(tmp_path_factory):
 def repo(folders, tmp_path_factory):
     repo = tmp_path_factory.mktemp("token-repo")
     for name, (folder, *_rest) in folders.items():
-        prepare_model(folder, name, repo, token_embeddings=True, log=print)
+        if name == "bert_tokens":  # one through the command line a user types
+            cmd = [sys.executable, "-m", "batchgate", "prepare-model", str(folder), "--name", name,
+                   "--model-repository", str(repo), "--token-embeddings"]  # fmt: skip
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 0, proc.stderr
+        else:
+            prepare_model(folder, name, repo, token_embeddings=True, log=print)
         prepare_model(folder, name + "_plain", repo, log=print)
     return repo
 

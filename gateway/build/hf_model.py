@@ -817,9 +817,8 @@ def run(args: argparse.Namespace) -> int:
             revision=args.revision,
             from_onnx=args.from_onnx,
             onnx_file=args.onnx,
-            # (flags cli.py may not offer yet)
-            text_pair=getattr(args, "text_pair", None),
-            token_embeddings=bool(getattr(args, "token_embeddings", False)),
+            text_pair=args.text_pair,
+            token_embeddings=args.token_embeddings,
         )
     except PrepareError as exc:
         print(f"batchgate prepare-model: {str(exc).replace(chr(10), ' ')}", file=sys.stderr)
