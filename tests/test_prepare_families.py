@@ -351,18 +351,6 @@ def test_unsupported_family_settings_are_refused(tmp_path, config, named):
         assert "MPNet, DistilBERT and ModernBERT" in str(err.value) and "Qwen3" in str(err.value)
 
 
-def test_weights_past_one_onnx_file_are_refused_before_building(folders, tmp_path, monkeypatch):
-    """Qwen3-Embedding-0.6B is 2.4 GiB as float32: past what one model.onnx holds."""
-    from batchgate.gateway.build import hf_model
-
-    monkeypatch.setattr(hf_model, "ONNX_WEIGHT_LIMIT", 1000)
-    with pytest.raises(
-        PrepareError, match="weights are 0.00 GiB as float32; one model.onnx holds at most 2 GiB"
-    ):
-        prepare_model(folders["qwen3_last"][0], "big", tmp_path, log=print)
-    assert not (tmp_path / "big").exists()
-
-
 def test_prepare_runs_without_torch(folders, tmp_path):
     """Every family prepared in a process where importing torch (or transformers) fails."""
     import subprocess

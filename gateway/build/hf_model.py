@@ -96,9 +96,6 @@ _POOLING_MODES = {
     "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
     "pooling_mode_weightedmean_tokens": "weightedmean",
 }
-# One ONNX file is one protobuf message, at most 2 GiB; the graph stores float32 weights in it
-# (a little under the limit: the nodes and names take room too).
-ONNX_WEIGHT_LIMIT = 2**31 - 64 * 2**20
 # A tokenizer_config.json without a limit says 1e30 (transformers' VERY_LARGE_INTEGER).
 _NO_LIMIT = 1_000_000
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -543,7 +540,7 @@ def prepare_model(source: str | Path, name: str, repo: Path, *, pooling: str | N
     this build serves faithfully."""
     from batchgate.gateway.build import sources
     from batchgate.gateway.build.encoder import build_model
-    from batchgate.gateway.build.onnx_graph import write_atomic
+    from batchgate.gateway.build.onnx_graph import write_atomic, write_model
 
     if not _NAME.fullmatch(name):
         raise PrepareError(f"--name '{name}': a model name is letters, digits, '_', '.' and '-'")
@@ -561,14 +558,6 @@ def prepare_model(source: str | Path, name: str, repo: Path, *, pooling: str | N
     plan = read_folder(source, pooling=pooling, normalize=normalize)
     encoder, head = _split_weights(_read_safetensors(plan.model_dir / "model.safetensors"), plan)
     _check_vocab(plan, encoder)
-    size = sum(v.nbytes for v in (*encoder.values(), *head.values()))
-    if size > ONNX_WEIGHT_LIMIT:
-        # Refused before the graph is built: protobuf would refuse it after minutes of work.
-        raise PrepareError(
-            f"{plan.model_dir / 'model.safetensors'}: {plan.architecture}'s weights are {size / 2**30:.2f} GiB as "
-            "float32; one model.onnx holds at most 2 GiB (protobuf's limit) and external weight files are "
-            "not written"
-        )
     module = _family_module(FAMILIES[plan.model_type])
     try:
         if module is None:
@@ -577,9 +566,8 @@ def prepare_model(source: str | Path, name: str, repo: Path, *, pooling: str | N
             model = module.build_model(encoder, plan.cfg, plan.head, name=name, producer=PRODUCER)
     except KeyError as exc:
         raise PrepareError(f"{plan.model_dir / 'model.safetensors'} has no tensor {exc.args[0]}") from None
-    model_bytes = model.SerializeToString(deterministic=True)
     out = Path(repo) / name
-    write_atomic(out / VERSION / "model.onnx", model_bytes)
+    write_model(out / VERSION / "model.onnx", model)  # past 2 GiB with its weights beside it
     write_atomic(out / "tokenizer.json", plan.tokenizer.read_bytes())
     # Config last, so a repository scan never finds a config whose other files are missing.
     write_atomic(out / "config.pbtxt", render_config(name, plan).encode())

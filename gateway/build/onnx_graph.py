@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,6 +27,13 @@ from onnx import TensorProto, helper, numpy_helper
 OPSET = 17
 IR_VERSION = 9
 PRODUCER = "batchgate.bundled_models"  # written into the files: part of their bytes
+# One protobuf message cannot pass 2 GiB, so a model past it keeps its weights in a second file.
+PROTOBUF_LIMIT = 2**31
+EXTERNAL_BYTES_ENV = "BATCHGATE_ONNX_EXTERNAL_BYTES"
+# A little under the limit: serialising a message near it already fails.
+DEFAULT_EXTERNAL_BYTES = 2**31 - 64 * 2**20
+# Every tensor past this size goes to the data file; smaller ones (shapes, scalars) stay inline.
+_EXTERNAL_TENSOR_BYTES = 1024
 
 
 class GraphBuilder:
@@ -77,8 +85,55 @@ def finish_model(
         producer_version="1",
     )
     model.ir_version = IR_VERSION
-    onnx.checker.check_model(model, full_check=True)
+    if model.ByteSize() < PROTOBUF_LIMIT:
+        onnx.checker.check_model(model, full_check=True)
+    # else the checker refuses the message in memory; write_model checks the written file.
     return model
+
+
+def external_bytes() -> int:
+    """The model size past which write_model stores the weights beside the graph: the env
+    setting ``BATCHGATE_ONNX_EXTERNAL_BYTES`` (so a test can send a tiny model down that path),
+    else just under protobuf's 2 GiB."""
+    raw = os.environ.get(EXTERNAL_BYTES_ENV, "").strip()
+    if not raw:
+        return DEFAULT_EXTERNAL_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= DEFAULT_EXTERNAL_BYTES:
+        raise ValueError(
+            f"{EXTERNAL_BYTES_ENV}={raw!r}: expected a byte count from 0 to {DEFAULT_EXTERNAL_BYTES}"
+        )
+    return value
+
+
+def external_data_path(model_file: Path) -> Path:
+    """Where write_model puts a large model's weights: ``model.onnx`` -> ``model.onnx.data``."""
+    return model_file.with_name(model_file.name + ".data")
+
+
+def write_model(path: Path, model: onnx.ModelProto) -> None:
+    """Write ``model`` to ``path`` atomically: one file, or past external_bytes() the graph in
+    ``path`` and every tensor over 1 KiB in ``<path>.data`` beside it (ONNX external data, which
+    ONNX Runtime and OpenVINO read from beside the graph). The external write moves the weights
+    out of ``model``'s tensors: the caller is done with it."""
+    data = external_data_path(path)
+    if model.ByteSize() <= external_bytes():
+        write_atomic(path, model.SerializeToString(deterministic=True))
+        data.unlink(missing_ok=True)  # a previous large build's weights, read by nothing now
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
+        staged = Path(tmp) / path.name
+        onnx.save_model(model, str(staged), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data.name, size_threshold=_EXTERNAL_TENSOR_BYTES)  # fmt: skip
+        onnx.checker.check_model(str(staged))  # the data file is where the graph says, and long enough
+        # Weights first, the graph that names them last: a load between the two renames (a
+        # model reloaded while it is being prepared) pairs the old graph with the new weights.
+        os.replace(Path(tmp) / data.name, data)
+        os.replace(staged, path)
 
 
 def write_atomic(path: Path, data: bytes) -> None:
