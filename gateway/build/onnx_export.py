@@ -35,7 +35,13 @@ from batchgate.gateway.build.hf_model import (
     render_config,
     text_settings,
 )
-from batchgate.gateway.build.onnx_graph import PROTOBUF_LIMIT, GraphBuilder, write_atomic, write_model
+from batchgate.gateway.build.onnx_graph import (
+    PROTOBUF_LIMIT,
+    GraphBuilder,
+    model_bytes,
+    write_atomic,
+    write_model,
+)
 
 ONNX_FILES = ("onnx/model.onnx", "model.onnx")
 EXPORT_HINT = "or provide an ONNX export (onnx/model.onnx)"
@@ -389,7 +395,7 @@ def build_export(plan: ExportPlan, name: str) -> onnx.ModelProto:
     model.doc_string = (
         f"{plan.onnx_file.name} with batchgate's head ({P}*: pooling, Dense, Normalize) as {name}"
     )
-    if model.ByteSize() < PROTOBUF_LIMIT:
+    if model_bytes(model) < PROTOBUF_LIMIT:
         onnx.checker.check_model(model)  # else write_model checks the file it writes
     return model
 
