@@ -137,6 +137,16 @@ def test_external_build_answers_as_the_single_file_build(repo):
     assert np.abs(single - external).max() <= SAME
 
 
+def test_a_data_file_in_the_working_directory_is_no_obstacle(folder, tmp_path, monkeypatch):
+    """onnx.save_model refuses when the working directory holds a file of the data file's name
+    (a user preparing from inside a model's version folder); the writer does not."""
+    (tmp_path / "model.onnx.data").write_bytes(b"another model's weights")
+    monkeypatch.chdir(tmp_path)
+    _prepare(folder, "m", tmp_path / "repo", monkeypatch, external=True)
+    assert (tmp_path / "model.onnx.data").read_bytes() == b"another model's weights"
+    assert (tmp_path / "repo" / "m" / "1" / "model.onnx.data").is_file()
+
+
 def test_a_smaller_rebuild_removes_the_old_data_file(folder, tmp_path, monkeypatch):
     _prepare(folder, "m", tmp_path, monkeypatch, external=True)
     assert (tmp_path / "m" / "1" / "model.onnx.data").is_file()

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+from onnx.external_data_helper import set_external_data, write_external_data_tensors
 
 # Pinned rather than taken from the installed onnx, whose defaults move between releases and
 # would change the bytes (and could exceed what the deployed onnxruntime accepts).
@@ -142,8 +143,13 @@ def write_model(path: Path, model: onnx.ModelProto) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
         staged = Path(tmp) / path.name
-        onnx.save_model(model, str(staged), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=data.name, size_threshold=_EXTERNAL_TENSOR_BYTES)  # fmt: skip
+        # What onnx.save_model(save_as_external_data=True) does, less its check that no file of
+        # the data file's name exists in the *working* directory (it refuses one that does).
+        for tensor in model.graph.initializer:
+            if tensor.HasField("raw_data") and len(tensor.raw_data) >= _EXTERNAL_TENSOR_BYTES:
+                set_external_data(tensor, data.name)
+        write_external_data_tensors(model, tmp)
+        staged.write_bytes(model.SerializeToString(deterministic=True))
         onnx.checker.check_model(str(staged))  # the data file is where the graph says, and long enough
         # Weights first, the graph that names them last: a load between the two renames (a
         # model reloaded while it is being prepared) pairs the old graph with the new weights.
