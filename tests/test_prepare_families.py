@@ -26,7 +26,7 @@ from batchgate.gateway.build import modernbert, mpnet, qwen3
 from batchgate.gateway.build.hf_model import PrepareError, prepare_model, read_folder
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
-from tests.test_prepare_model import MIN_COSINE, TEXTS, WORDS, cosines, st_folder, wordpiece
+from tests.test_prepare_model import MIN_COSINE, TEXTS, WORDS, cosines, st_folder, st_pool, wordpiece
 
 HIDDEN = 32
 STD = 0.3
@@ -164,18 +164,7 @@ def reference(folder: Path, model, pooling: str, normalize: bool, texts: list[st
     mask = np.array([e.attention_mask for e in enc], np.int64)
     with torch.no_grad():
         states = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state
-    m = torch.tensor(mask)
-    if pooling == "cls":
-        pooled = states[:, 0]
-    elif pooling == "mean":
-        mf = m.unsqueeze(-1).to(states.dtype)
-        pooled = (states * mf).sum(1) / mf.sum(1).clamp(min=1e-9)
-    else:  # sentence-transformers' last token: the last position whose mask is 1
-        values, indices = m.flip(1).max(1)
-        indices = torch.where(values == 0, m.shape[1] - 1, indices)
-        pooled = states[torch.arange(states.shape[0]), m.shape[1] - indices - 1]
-    if normalize:
-        pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+    pooled = st_pool(states, torch.tensor(mask), pooling, normalize)
     return pooled.numpy(), {"input_ids": ids, "attention_mask": mask}
 
 
