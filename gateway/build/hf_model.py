@@ -120,9 +120,6 @@ _POOLING_MODES = {
     "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
     "pooling_mode_weightedmean_tokens": "weightedmean",
 }
-# One ONNX file is one protobuf message, at most 2 GiB; the graph stores float32 weights in it
-# (a little under the limit: the nodes and names take room too).
-ONNX_WEIGHT_LIMIT = 2**31 - 64 * 2**20
 # A tokenizer_config.json without a limit says 1e30 (transformers' VERY_LARGE_INTEGER).
 _NO_LIMIT = 1_000_000
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -702,7 +699,7 @@ def prepare_model(source: str | Path, name: str, repo: Path, *, pooling: str | N
     this build serves faithfully."""
     from batchgate.gateway.build import sources
     from batchgate.gateway.build.encoder import build_model
-    from batchgate.gateway.build.onnx_graph import write_atomic
+    from batchgate.gateway.build.onnx_graph import write_atomic, write_model
 
     if not _NAME.fullmatch(name):
         raise PrepareError(f"--name '{name}': a model name is letters, digits, '_', '.' and '-'")
@@ -725,18 +722,6 @@ def prepare_model(source: str | Path, name: str, repo: Path, *, pooling: str | N
     if plan.splade is not None:
         plan = replace(plan, head=replace(plan.head, mlm=_mlm_head(plan, weights, encoder)))
     del weights
-    mlm = plan.head.mlm
-    # (a tied decoder is stored twice in the graph: gathered as embeddings, multiplied as the decoder)
-    size = sum(v.nbytes for v in (*encoder.values(), *head.values())) + (
-        mlm.decoder_weight.nbytes if mlm else 0
-    )
-    if size > ONNX_WEIGHT_LIMIT:
-        # Refused before the graph is built: protobuf would refuse it after minutes of work.
-        raise PrepareError(
-            f"{plan.model_dir / 'model.safetensors'}: {plan.architecture}'s weights are {size / 2**30:.2f} GiB as "
-            "float32; one model.onnx holds at most 2 GiB (protobuf's limit) and external weight files are "
-            "not written"
-        )
     module = _family_module(FAMILIES[plan.model_type])
     try:
         if module is None:
@@ -745,9 +730,8 @@ def prepare_model(source: str | Path, name: str, repo: Path, *, pooling: str | N
             model = module.build_model(encoder, plan.cfg, plan.head, name=name, producer=PRODUCER)
     except KeyError as exc:
         raise PrepareError(f"{plan.model_dir / 'model.safetensors'} has no tensor {exc.args[0]}") from None
-    model_bytes = model.SerializeToString(deterministic=True)
     out = Path(repo) / name
-    write_atomic(out / VERSION / "model.onnx", model_bytes)
+    write_model(out / VERSION / "model.onnx", model)  # past 2 GiB with its weights beside it
     write_atomic(out / "tokenizer.json", plan.tokenizer.read_bytes())
     # Config last, so a repository scan never finds a config whose other files are missing.
     write_atomic(out / "config.pbtxt", render_config(name, plan).encode())
