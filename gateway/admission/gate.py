@@ -43,10 +43,9 @@ class LoadShedder:
       dies now was taken up to its budget ago, so cutting by a step per look for as long as drops
       go on would overshoot to nothing and refuse at 1x. Saturated: the loop's thread busy, or the
       process's CPU at the cores it may use, for ``SATURATED`` of the time lately. Without it a
-      sudden 4x on an idle server went unseen: the calls waited in gRPC core, reached Python with
-      their deadlines spent and were shed at once, so never more than a few were inside, while core
-      let the rest expire (bench.goodput --mix one-class --loads 4: 159 of 40,317 calls answered
-      in 8 s, the door taking all);
+      sudden spike on an idle server goes unseen: the calls wait in gRPC core and reach Python
+      with their deadlines spent, so few are ever inside (docs/performance.md, "Figures the code
+      cites");
     - **a standing queue on the loop** (CoDel's idea): the event loop's lag has stayed over the
       target for a whole ``STANDING_S`` while more than ``min_in_flight`` calls are inside (a lag
       burst, a big batch's answers, is no overload) and calls are being lost (over ``LAG_WASTE``
@@ -70,12 +69,10 @@ class LoadShedder:
     refusals are spread evenly over arrivals (a credit counter, no randomness). A call pays a
     counter while not shedding, and its end two more in ``Door.leave``.
 
-    The odds are what keep a spike from feeding on itself. A 4x spike that leaves a backlog in
-    gRPC core makes every call reach Python with little left: one 250 ms class then looks like a
-    tight one, and by time left alone the door took the oldest calls eight times as often, nearly
-    all of which were then dropped, and that work kept the backlog from draining (bench.goodput
-    --mix one-class --loads 4 at 6,000 calls/s: 5,200-6,600 of the calls taken dropped against
-    200-830 answered; docs/overload.md)."""
+    The odds are what keep a spike from feeding on itself: a spike's backlog in gRPC core makes
+    every call reach Python with little left, so by time left alone the door would take the oldest
+    calls most often, nearly all of which are then dropped (docs/performance.md, "Figures the
+    code cites")."""
 
     TICK_S = 0.010
     WASTE = 0.10  # share of ended calls that were dropped, above which the door sheds
