@@ -36,6 +36,30 @@ async def json_body(http: Http, request: web.Request) -> Any:
         raise invalid(f"the request body is not valid JSON: {exc}") from None
 
 
+async def json_object(
+    http: Http, request: web.Request, allowed: set[str], shape: str, unknown_words: str
+) -> dict:
+    """``json_body``, which must be an object (``shape``: what it must hold) of ``allowed`` fields
+    only (an unknown one is refused with the API's own ``unknown_words``, naming it)."""
+    doc = await json_body(http, request)
+    if not isinstance(doc, dict):
+        raise invalid(f"the request body must be a JSON object with {shape}")
+    unknown = sorted(set(doc) - allowed)
+    if unknown:
+        raise invalid(f"{unknown_words}: {unknown}", unknown[0])
+    return doc
+
+
+class TextRoutes:
+    """What a text API's handlers hold: the server's door and pipeline, the body reader, their edge."""
+
+    def __init__(self, server: Server, http: Http) -> None:
+        self.server = server
+        self.http = http
+        self.door = server.door
+        self.edge = server.metrics.transport("http")
+
+
 def texts_of(value: Any, field: str) -> list[str]:
     if isinstance(value, str):
         return [value]

@@ -22,7 +22,8 @@ from batchgate.gateway.errors import GatewayError, Kind, invalid, not_found, ret
 from batchgate.gateway.transport.fields import (
     cut_to,
     dimensions_for,
-    json_body,
+    TextRoutes,
+    json_object,
     flag,
     latency_of,
     prompt_name_of,
@@ -74,23 +75,18 @@ def _model_card(name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "batchgate"}
 
 
-class OpenAI:
-    def __init__(self, server: Server, http: Http) -> None:
-        self.server = server
-        self.http = http
-        self.door = server.door
-        self.edge = server.metrics.transport("http")
-
+class OpenAI(TextRoutes):
     async def embeddings(self, request: web.Request) -> web.Response:
         echo = request_echo(request)
         try:
             with self.door.enter(self.http.metadata(request)) as pass_:
-                doc = await json_body(self.http, request)
-                if not isinstance(doc, dict):
-                    raise invalid("the request body must be a JSON object with 'model' and 'input'")
-                unknown = sorted(set(doc) - _OPENAI_FIELDS)
-                if unknown:
-                    raise invalid(f"unrecognized request argument(s): {unknown}", unknown[0])
+                doc = await json_object(
+                    self.http,
+                    request,
+                    _OPENAI_FIELDS,
+                    "'model' and 'input'",
+                    "unrecognized request argument(s)",
+                )
                 model = doc.get("model")
                 if not isinstance(model, str) or not model:
                     raise invalid("'model' is required: the name of a text model", "model")

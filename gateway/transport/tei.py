@@ -20,7 +20,8 @@ from batchgate.gateway.errors import GatewayError, Kind, invalid, retry_headers
 from batchgate.gateway.text import PAIR_SEPARATOR
 from batchgate.gateway.transport.fields import (
     dimensions_for,
-    json_body,
+    TextRoutes,
+    json_object,
     flag,
     latency_of,
     prompt_name_of,
@@ -118,23 +119,12 @@ def _right(doc: dict) -> None:
         raise invalid("'truncation_direction' must be 'Right': texts keep their first tokens")
 
 
-class Tei:
-    def __init__(self, server: Server, http: Http) -> None:
-        self.server = server
-        self.http = http
-        self.door = server.door
-        self.edge = server.metrics.transport("http")
-
+class Tei(TextRoutes):
     async def embed(self, request: web.Request) -> web.Response:
         echo = request_echo(request)
         try:
             with self.door.enter(self.http.metadata(request)) as pass_:
-                doc = await json_body(self.http, request)
-                if not isinstance(doc, dict):
-                    raise invalid("the request body must be a JSON object with 'inputs'")
-                unknown = sorted(set(doc) - _TEI_FIELDS)
-                if unknown:
-                    raise invalid(f"unknown field(s): {unknown}", unknown[0])
+                doc = await json_object(self.http, request, _TEI_FIELDS, "'inputs'", "unknown field(s)")
                 if "inputs" not in doc:
                     raise invalid("'inputs' is required: a string or a list of strings", "inputs")
                 if doc["inputs"] == []:
@@ -197,12 +187,9 @@ class Tei:
         echo = request_echo(request)
         try:
             with self.door.enter(self.http.metadata(request)) as pass_:
-                doc = await json_body(self.http, request)
-                if not isinstance(doc, dict):
-                    raise invalid("the request body must be a JSON object with 'query' and 'texts'")
-                unknown = sorted(set(doc) - _TEI_RERANK_FIELDS)
-                if unknown:
-                    raise invalid(f"unknown field(s): {unknown}", unknown[0])
+                doc = await json_object(
+                    self.http, request, _TEI_RERANK_FIELDS, "'query' and 'texts'", "unknown field(s)"
+                )
                 if doc.get("texts") == []:
                     raise invalid(EMPTY, "texts")
                 texts = texts_of(doc.get("texts"), "texts")
@@ -235,12 +222,13 @@ class Tei:
         echo = request_echo(request)
         try:
             with self.door.enter(self.http.metadata(request)) as pass_:
-                doc = await json_body(self.http, request)
-                if not isinstance(doc, dict):
-                    raise invalid("the request body must be a JSON object with 'query' and 'documents'")
-                unknown = sorted(set(doc) - _V1_RERANK_FIELDS)
-                if unknown:
-                    raise invalid(f"unrecognized request argument(s): {unknown}", unknown[0])
+                doc = await json_object(
+                    self.http,
+                    request,
+                    _V1_RERANK_FIELDS,
+                    "'query' and 'documents'",
+                    "unrecognized request argument(s)",
+                )
                 if "documents" not in doc:
                     raise invalid("'documents' is required: a list of texts", "documents")
                 texts = _documents(doc["documents"])
