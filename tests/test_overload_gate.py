@@ -275,3 +275,19 @@ def test_a_time_left_refused_for_long_is_tried_again():
     assert gate.weight[bucket(0.04)] < 0.05 * gate.BOOST
     _ticks(gate, clock, 500)  # 5 s: 200 endings decayed to under one
     assert gate.weight[bucket(0.04)] == pytest.approx(gate.BOOST, rel=0.05)
+
+
+def test_a_pass_is_left_once_however_many_exits_see_it():
+    """A transport's ``with door.enter(...) as pass_`` wraps the pipeline's own ``with pass_``:
+    the call ends at the door once, with how it failed, whichever exit sees it first."""
+    gate, _, _ = _gate(lag_s=0.001, inflight=0)
+    door = Door(None, gate, None)
+    with pytest.raises(GatewayError):
+        with Pass(door, time_left=0.2) as outer:
+            with outer:
+                raise GatewayError(Kind.DEADLINE, "expired", outcome="expired")
+    assert outer.ended and gate.ended == 1 and gate.dropped == 1
+    assert gate.outcomes[bucket(0.2)] == [1, 0]
+    with Pass(door) as answered:
+        pass
+    assert answered.ended and gate.ended == 2 and gate.dropped == 1
