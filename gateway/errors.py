@@ -1,4 +1,6 @@
-"""A small domain error vocabulary; the transports map it to status codes in one table each."""
+"""A small domain error vocabulary: one refusal type (``GatewayError``: a kind, a message fit for
+the caller, and the request field it concerns), which each wire maps to its own error shape in
+one table (gRPC, KServe REST, OpenAI, TEI)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ class Kind(enum.Enum):
     UNSUPPORTED = "unsupported"  # a feature batchgate does not offer
     PRECONDITION = "failed_precondition"  # the repository's files must be fixed first (a failed load)
     FAILED = "failed"  # the model failed to execute (not the client's fault)
+    TOO_LARGE = "too_large"  # more than a limit takes: a body, a list of texts, a text's bytes or tokens
+    SLOW = "slow"  # the request body did not arrive within its deadline
 
 
 # Client text echoed in an error (a model name, an input name, a parameter) is cut to this many
@@ -34,14 +38,17 @@ def clip(text: object, limit: int = ECHO_MAX) -> str:
 
 
 class GatewayError(Exception):
-    """An error that reaches the client with a status code and this message."""
+    """A refusal that reaches the client with its wire's status for ``kind`` and this message;
+    ``field``: the request field it concerns (OpenAI's ``param``), when one does."""
 
     def __init__(
-        self, kind: Kind, message: str, outcome: str | None = None, retry_after_s: float | None = None
-    ) -> None:
+        self, kind: Kind, message: str, outcome: str | None = None, retry_after_s: float | None = None,
+        field: str | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(message)
         self.kind = kind
         self.message = message
+        self.field = field
         self.outcome = outcome  # finer label for metrics than the kind (e.g. "shed" vs "expired")
         # A refusal's retry hint (the queue's drain time): sent as the gRPC trailer
         # grpc-retry-pushback-ms (what gRPC's own retry policy honours) and retry-after-ms, which
@@ -52,8 +59,14 @@ class GatewayError(Exception):
             self.trailing_metadata = (("grpc-retry-pushback-ms", ms), ("retry-after-ms", ms))
 
 
-def invalid(message: str) -> GatewayError:
-    return GatewayError(Kind.INVALID, message)
+def invalid(message: str, field: str | None = None) -> GatewayError:
+    return GatewayError(Kind.INVALID, message, field=field)
+
+
+def too_large(message: str, field: str | None = None) -> GatewayError:
+    """Over a size limit: counted as the client's mistake (outcome ``invalid``), answered as its
+    wire answers a request too large (TEI and a body: 413; gRPC: INVALID_ARGUMENT)."""
+    return GatewayError(Kind.TOO_LARGE, message, outcome="invalid", field=field)
 
 
 def not_found(message: str) -> GatewayError:
@@ -69,7 +82,6 @@ def unavailable(message: str, retry_after_s: float | None = None) -> GatewayErro
 # "... 'm' version 7 is not found", code NOT_FOUND -> gRPC NOT_FOUND / HTTP 404). Triton's own example
 # clients and tools match on its start, so ours comes after it. The caller's strings are clipped, and
 # the models served are not listed: a caller may not be allowed to see them.
-_ECHO_CHARS = ECHO_MAX  # (clip, above, is the one helper for both)
 
 
 def unknown_model(name: str) -> GatewayError:

@@ -3,14 +3,16 @@ admit → decode → runtime → encode.
 
 The transports (gateway/transport/) translate their wire format to a ``Call`` and an ``Answer``
 back (gateway/call.py: plain types, no protobuf) and map ``GatewayError`` kinds to their own
-status codes, each in one table. A list of texts (OpenAI, TEI) comes in through ``texts``. Who is calling
-and whether the server takes the call now is the door's (gateway/admission/door.py), asked once
-by each transport before any body is read. Here:
+status codes, each in one table. Who is calling and whether the server takes the call now is the
+door's (gateway/admission/door.py, built by the server and given to the pipeline and every
+transport), entered once by each transport before any body is read. Here:
 
 - ``check_call``: client strings bounded before anything echoes or keys on them;
-- ``infer``: the tenant's limits before decoding (unless the call was admitted whole already),
-  then the runtime; one accounting wrapper (in flight, ok, failed, and how the call ended for the
-  door's overload gate) for unary gRPC, each stream message and REST alike;
+- ``infer``: the tenant's limits before decoding, then the runtime; one accounting wrapper (in
+  flight, ok, failed, and the door's pass left as the call ends) for unary gRPC, each stream
+  message and REST alike;
+- ``texts``: a list of texts (OpenAI, TEI, rerank) as one call: the model looked up and checked
+  once, the prompt, the cut, the text limits, then admission and the runtime's text path;
 - model control (load/unload) behind ``model_control`` and the tenant file's ``admin`` flag, the
   name checked before any state is made for it;
 - the metadata, statistics and repository index answers, as protobuf messages the transports
@@ -19,6 +21,7 @@ by each transport before any body is read. Here:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -28,12 +31,11 @@ import numpy as np
 
 from batchgate.gateway import tracing
 from batchgate.gateway.call import Answer, Call, Output
-from batchgate.gateway.admission import Account, Admission, Ticket
-from batchgate.gateway.admission.door import Door, Pass, StreamSlots
-from batchgate.gateway.admission.gate import OverloadGate
+from batchgate.gateway.admission import Account, Ticket
+from batchgate.gateway.admission.door import Door, Pass
 from batchgate.gateway.scheduling.request import resolve as resolve_budget
 from batchgate.gateway.dataplane import DataPlane, ReloadFailed
-from batchgate.gateway.errors import ECHO_MAX, GatewayError, Kind, clip, invalid, not_found
+from batchgate.gateway.errors import ECHO_MAX, GatewayError, Kind, clip, invalid, not_found, too_large
 from batchgate.gateway.metrics import TransportCounters
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 
@@ -52,6 +54,7 @@ EXTENSIONS = ("model_repository", "model_configuration", "statistics", "binary_t
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
 _clock = time.perf_counter
+_ROW = re.compile(r"^input '[^']*' row (\d+): ")  # the text stage's name for a row of its input
 
 
 def _too_long(what: str, text: str) -> GatewayError:
@@ -85,6 +88,13 @@ def _check_parameters(params: dict) -> None:
             raise _too_long("parameter name", key)
         if isinstance(value, str) and len(value) > ECHO_MAX:
             raise invalid(f"parameter '{key}' is {len(value)} characters; at most {ECHO_MAX} are accepted")
+
+
+def _cut_text(text: str, max_bytes: int) -> str:
+    raw = text.encode()
+    if len(raw) <= max_bytes:
+        return text
+    return raw[: max(max_bytes, 0)].decode("utf-8", "ignore")  # (a character cut in two is dropped)
 
 
 def prompt_of(spec, name: str | None) -> str:
@@ -125,16 +135,17 @@ def apply_prompt(rt, arrays: dict, parameters) -> dict:
 class Pipeline:
     """What a call goes through, whichever transport it came on, once the door has taken it."""
 
-    def __init__(self, plane: DataPlane, admission: Admission | None = None) -> None:
+    def __init__(self, plane: DataPlane, door: Door) -> None:
         self.plane = plane
-        self.admission = admission or Admission()  # no tenants: open
+        self.door = door  # built by the server, which gives the same door to every transport
+        self.admission = door.admission
         self.settings = plane.settings
-        self.inflight = 0  # calls inside ``infer``, all transports
-        s = self.settings
-        self.gate = OverloadGate(self, s.overload_lag_ms / 1000, s.overload_min_in_flight)
-        self.door = Door(
-            self.admission, self.gate, StreamSlots(s.max_streams_per_tenant, s.max_streams_per_connection)
-        )
+        self.inflight = 0  # calls inside ``infer`` and ``texts``, all transports (the shedder's ``Load``)
+
+    @property
+    def lag(self):
+        """The event loop's lag monitor (the shedder's ``Load``)."""
+        return self.plane.lag
 
     @property
     def open(self) -> bool:
@@ -145,47 +156,35 @@ class Pipeline:
 
     # -- inference ------------------------------------------------------------------------------
 
-    async def infer(
-        self, call: Call, pass_: Pass, edge: TransportCounters, ticket: Ticket | None = None
-    ) -> Answer:
+    async def infer(self, call: Call, pass_: Pass, edge: TransportCounters) -> Answer:
         """The call the door took as ``pass_``, counted at ``edge`` and at the door (``_counted``).
-        ``ticket``: the tenant's limits were already charged for these rows. Raises
-        ``GatewayError`` for everything the client should hear about; other exceptions are bugs."""
-        return await self._counted(pass_, edge, call.model, call.version, self._infer(call, pass_, ticket))
+        Raises ``GatewayError`` for everything the client should hear about; other exceptions are bugs."""
+        return await self._counted(pass_, edge, call.model, call.version, self._infer(call, pass_))
 
     async def _counted(self, pass_: Pass, edge: TransportCounters, model: str, version: str, work) -> Answer:
         """One accounting wrapper for every call: in flight, then ok or failed with its outcome at
-        ``edge``, and how it ended at the door (for its overload gate)."""
+        ``edge``; the pass is left here, as the call ends (its transport's own exit is then a no-op)."""
         t0 = _clock()
         edge.inflight += 1
         self.inflight += 1
         span = tracing.begin_call(model, pass_, edge.name) if tracing.TRACER is not None else None
-        try:
-            answer = await work
-        except BaseException as exc:
-            edge.failed(model, version, exc)
-            self.door.leave(exc, pass_)
-            if span is not None:
-                tracing.end_call(span, exc)
-            raise
-        finally:
-            edge.inflight -= 1
-            self.inflight -= 1
+        with pass_:
+            try:
+                answer = await work
+            except BaseException as exc:
+                edge.failed(model, version, exc)
+                if span is not None:
+                    tracing.end_call(span, exc)
+                raise
+            finally:
+                edge.inflight -= 1
+                self.inflight -= 1
         edge.ok(answer.model, answer.version, _clock() - t0)
-        self.door.leave(None, pass_)
         if span is not None:
             tracing.end_call(span)
         return answer
 
-    def failed(
-        self, pass_: Pass, edge: TransportCounters, model: str, version: str, exc: GatewayError
-    ) -> None:
-        """A call the door took that its transport refused before the pipeline (its wire form was
-        wrong): counted at ``edge`` and at the door as ``infer`` counts a failed call."""
-        edge.failed(model, version, exc)
-        self.door.leave(exc, pass_)
-
-    async def _infer(self, call: Call, pass_: Pass, ticket: Ticket | None) -> Answer:
+    async def _infer(self, call: Call, pass_: Pass) -> Answer:
         check_call(call)
         plane = self.plane
         if plane.draining:
@@ -195,8 +194,6 @@ class Pipeline:
         if caller is None:
             return await self._run(rt, call, pass_.time_left, None, None)
         tenant = caller.tenant
-        if ticket is not None:
-            return await self._run(rt, call, pass_.time_left, tenant.default_class, tenant.cache_namespace)
         # Admission runs before any decoding: the row count is read off the first input's shape.
         rows = call.rows if rt.spec.batched else 1
         ticket = await self._admit(pass_, call.model, rows)
@@ -233,23 +230,113 @@ class Pipeline:
         with tracing.TRACER.start_as_current_span("response"):
             return codec.encode(call, outputs, wanted)
 
+    def text_models(self, pairs: bool | None = None) -> list[str]:
+        """Served models that take text (parameter ``tokenizer``), sorted; ``pairs``: only those that
+        do (True: rerank models) or do not (False: embedding models) take pairs."""
+        plane = self.plane
+        out = []
+        for name, versions in plane.models.items():
+            stage = versions[plane.latest[name]].text if versions else None
+            if stage is not None and (pairs is None or stage.settings.pair == pairs):
+                out.append(name)
+        return sorted(out)
+
     async def texts(
-        self, pass_: Pass, edge: TransportCounters, model: str, texts: list[bytes], parameters: dict,
-        output: str, encodings: list | None = None,
+        self, pass_: Pass, edge: TransportCounters, model: str, texts: list[str], parameters: dict, *,
+        exact_limit: bool = False, pairs: bool = False, prompt_name: str | None = None, cut: bool = False,
     ) -> Answer:  # fmt: skip
-        """A text model's ``output`` for a list of texts (OpenAI, TEI) as one call: admitted once
-        for all its rows, each row queued by its length bucket, each text tokenised once. The
-        answer's one output holds the vectors in order, its ``tokens`` each text's token count as
-        the model saw it (after truncation).
+        """Embed (or score, for a rerank model) a list of texts with text model ``model`` as one call:
+        through the door once (``pass_``), admitted once against the tenant's limits for all its
+        rows, each text tokenised once, its rows queued by length bucket to batch with other
+        callers' texts. The answer's one output holds the model's first FP32 output in order, its
+        ``tokens`` each text's token count as the model saw it (after truncation).
 
-        ``texts``: UTF-8, the prompt already before each. ``encodings``: the tokenizer's encodings
-        of some texts that the route made already (TEI counts long texts before admission), one
-        per text or None."""
+        ``parameters``: the call's (``latency_class``, ``latency_budget_ms``). ``exact_limit``:
+        refuse a text over the model's ``max_tokens`` instead of letting the model's ``truncate``
+        setting decide. ``pairs``: the model must be a rerank model (and the texts are pairs).
+        ``cut``: the caller asked for truncation, so a text over ``max_text_bytes`` is cut to it
+        (at a character) instead of refused; the model keeps its first ``max_tokens`` tokens.
+        Raises ``GatewayError`` naming the field it concerns."""
         return await self._counted(
-            pass_, edge, model, "", self._texts(pass_, model, texts, parameters, output, encodings)
-        )
+            pass_, edge, model, "",
+            self._texts(pass_, model, texts, parameters, exact_limit, pairs, prompt_name, cut),
+        )  # fmt: skip
 
-    async def _texts(self, pass_, model, texts, parameters, output, encodings) -> Answer:
+    def _text_runtime(self, model: str, pairs: bool):
+        """The runtime of text model ``model``, or the refusal naming the field ``model``."""
+        try:
+            rt = self.plane.get(model)
+        except GatewayError as exc:
+            exc.field = "model"
+            raise
+        stage = rt.text
+        if stage is None:
+            raise invalid(f"model '{model}' does not take text; text models: {self.text_models()}", "model")
+        if stage.settings.pair != pairs:
+            if pairs:
+                message = (
+                    f"model '{model}' is not a rerank model (a cross-encoder); "
+                    f"rerank models: {self.text_models(pairs=True)}"
+                )
+            else:
+                message = (
+                    f"model '{model}' is a rerank model: send its query and texts to /rerank or /v1/rerank"
+                )
+            raise invalid(message, "model")
+        return rt
+
+    async def _texts(self, pass_, model, texts, parameters, exact_limit, pairs, prompt_name, cut) -> Answer:
+        rt = self._text_runtime(model, pairs)
+        stage, spec = rt.text, rt.spec
+        output = next((t for t in spec.outputs if t.datatype == "FP32"), None)
+        if output is None:
+            raise invalid(f"model '{model}' has no FP32 output to return as an embedding", "model")
+        try:
+            # before every text: what the model, the checks and the cache see
+            prompt = prompt_of(spec, prompt_name)
+        except GatewayError as exc:
+            exc.field = "prompt_name"
+            raise
+        max_tokens = stage.settings.max_tokens
+        max_bytes = stage.settings.max_text_bytes
+        if cut:
+            if not stage.settings.truncate:
+                raise invalid(
+                    f"model '{model}' does not truncate (parameter truncate is 'reject')", "truncate"
+                )
+            # Every token covers at least one byte: the first max_text_bytes bytes hold more tokens
+            # than max_tokens for any text this bound was made for; cutting first bounds the work.
+            room = max_bytes - len(prompt.encode())
+            texts = [_cut_text(t, room) if len(t) * 4 > room else t for t in texts]
+        if prompt:
+            texts = [prompt + t for t in texts]
+        fits = max_tokens - stage.specials  # a text of at most this many bytes cannot be over max_tokens
+        long = []
+        for i, t in enumerate(texts):
+            if len(t) * 4 > fits:  # (a character is at most 4 UTF-8 bytes)
+                n = len(t.encode())
+                if n > max_bytes:  # refused before the tokenizer ever sees it (bounds the counting below)
+                    raise too_large(
+                        f"input {i}: text is {n} bytes; model '{model}' accepts at most {max_bytes} "
+                        "(parameter max_text_bytes)", "input",
+                    )  # fmt: skip
+                if n > fits:
+                    long.append(i)
+        encodings = None
+        if exact_limit and long:
+            # Only texts that could be over max_tokens are tokenised before admission (in a thread);
+            # their encodings go on with the call, so no text is tokenised twice.
+            made = await asyncio.to_thread(stage.encode, [texts[i] for i in long])
+            for i, e in zip(long, made, strict=True):
+                if e.overflowing or len(e.ids) > max_tokens:
+                    n = len(e.ids) if not e.overflowing else "more than " + str(max_tokens)
+                    raise too_large(
+                        f"input {i} is {n} tokens; model '{model}' takes at most {max_tokens} "
+                        "(send truncate: true to keep its first tokens)", "input",
+                    )  # fmt: skip
+            encodings = [None] * len(texts)
+            for i, e in zip(long, made):
+                encodings[i] = e
         ticket = await self._admit(pass_, model, len(texts))
         try:
             # Looked up after admission: a reload may have swapped it during a Redis decision.
@@ -257,13 +344,21 @@ class Pipeline:
             caller = pass_.caller
             tenant = caller.tenant if caller is not None else None
             budget = self._budget(rt, parameters, pass_.time_left, tenant and tenant.default_class)
-            vectors, tokens = await rt.texts(
-                texts, output, budget, tenant and tenant.cache_namespace, encodings
-            )
+            try:
+                vectors, tokens = await rt.texts(
+                    [t.encode() for t in texts], output.name, budget, tenant and tenant.cache_namespace,
+                    encodings,
+                )  # fmt: skip
+            except GatewayError as exc:
+                m = _ROW.match(exc.message)
+                if m:  # the text stage names the row: the caller's list index
+                    exc.message = f"input {m.group(1)}: {exc.message[m.end() :]}"
+                    exc.field = "input"
+                raise
         finally:
             ticket.release()
         spec = rt.spec
-        return Answer(spec.name, spec.version, "", [Output(output, "FP32", vectors, True)], tokens)
+        return Answer(spec.name, spec.version, "", [Output(output.name, "FP32", vectors, True)], tokens)
 
     # -- model control --------------------------------------------------------------------------
 

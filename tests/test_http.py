@@ -17,7 +17,7 @@ import tritonclient.grpc as tc
 from batchgate.gateway.codec import serialize_bytes
 from batchgate.gateway.errors import GatewayError, Kind
 from batchgate.gateway.call import Answer, Output
-from batchgate.gateway.transport.rest import HEADER_LENGTH, HTTP_STATUS, build_request, build_response
+from batchgate.gateway.transport.kserve_rest import HEADER_LENGTH, HTTP_STATUS, build_request, build_response
 
 
 def call(server, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None):
@@ -335,7 +335,7 @@ def test_parameters_pass_through_typed():
 
 
 def test_auth_and_rate_limits_over_rest(tmp_path):
-    from batchgate.gateway.tenants import hash_key
+    from batchgate.gateway.admission.tenants import hash_key
     from tests.conftest import start_server
     from tests.test_metrics import scrape, value
 

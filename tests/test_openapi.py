@@ -2,7 +2,7 @@
 app really registers, honoured by a live server under schemathesis, and browsable at /docs in a real
 headless Chromium.
 
-The drift test builds the app the REST listener serves (``HttpFrontend.app()``, the real function,
+The drift test builds the app the REST listener serves (``http.app()``, the real function,
 over a stand-in server object: registering routes touches nothing else) and compares method + path
 template both ways, so a route added without its contract (or a contract left for a route gone)
 fails here.
@@ -25,10 +25,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from batchgate.gateway.tenants import hash_key
+from batchgate.gateway.admission.tenants import hash_key
 from batchgate.gateway.transport import openapi
-from batchgate.gateway.transport.embeddings import LATENCY_BUDGET_HEADER
-from batchgate.gateway.transport.rest import HttpFrontend
+from batchgate.gateway.transport.fields import LATENCY_BUDGET_HEADER
+from batchgate.gateway.transport import http
 from tests.conftest import REPO, start_server
 from tests.test_front_door import PeakRss
 
@@ -81,9 +81,9 @@ def rest_app():
     settings = SimpleNamespace(max_http_body_bytes=1 << 20, http_body_timeout_s=30.0)
     metrics = SimpleNamespace(transport=lambda _name: None)
     server = SimpleNamespace(
-        settings=settings, pipeline=None, plane=None, metrics=metrics, max_message_bytes=1 << 20
+        settings=settings, pipeline=None, plane=None, door=None, metrics=metrics, max_message_bytes=1 << 20
     )
-    return HttpFrontend(server).app()
+    return http.app(server)
 
 
 def test_document_is_valid_openapi_3_1():

@@ -14,9 +14,8 @@ import math
 from collections import deque
 from collections.abc import Callable, Hashable
 
-from batchgate.gateway.scheduling.interface import Refusal
 from batchgate.gateway.scheduling.latency import LatencyModel, LoopLag
-from batchgate.gateway.scheduling.request import LatencyClass, Request
+from batchgate.gateway.scheduling.request import LatencyClass, Refusal, Request
 
 _DELAYED_LEVEL = 1 << 30  # Triton DELAY: after every live request of every level
 

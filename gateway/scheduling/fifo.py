@@ -8,8 +8,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Hashable
 
-from batchgate.gateway.scheduling.interface import Refusal
-from batchgate.gateway.scheduling.request import Request
+from batchgate.gateway.scheduling.request import Refusal, Request
 
 
 class _Group:

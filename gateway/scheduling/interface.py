@@ -14,17 +14,10 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
+from batchgate.gateway.scheduling.deadline import DeadlineQueue
+from batchgate.gateway.scheduling.fifo import FifoQueue
 from batchgate.gateway.scheduling.latency import LatencyModel, LoopLag
-from batchgate.gateway.scheduling.request import LatencyClass, Request
-
-
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    """Why a call was refused at admission, in the queue's own estimates (seconds)."""
-
-    wait_s: float  # queued (and running) work ahead of the call, per worker slot
-    own_s: float  # the call's own rows' compute
-    retry_after_s: float  # when a retry could fit: the time the work ahead takes to drain
+from batchgate.gateway.scheduling.request import LatencyClass, Refusal, Request
 
 
 class Queue(Protocol):
@@ -107,9 +100,6 @@ POLICIES = ("deadline", "fifo")
 
 def make_queue(settings: QueueSettings, latency: LatencyModel, lag: LoopLag | None = None) -> Queue:
     """The queue ``settings.policy`` names; ValueError for an unknown one."""
-    from batchgate.gateway.scheduling.deadline import DeadlineQueue
-    from batchgate.gateway.scheduling.fifo import FifoQueue
-
     s = settings
     if s.policy == "deadline":
         if not s.classes:

@@ -214,3 +214,12 @@ class Request:
     @property
     def class_name(self) -> str:
         return self.cls.name if self.cls is not None else ""
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a call was refused at admission, in the queue's own estimates (seconds)."""
+
+    wait_s: float  # queued (and running) work ahead of the call, per worker slot
+    own_s: float  # the call's own rows' compute
+    retry_after_s: float  # when a retry could fit: the time the work ahead takes to drain

@@ -1,8 +1,8 @@
 """The REST API's contract: an OpenAPI 3.1 document of every route the REST listener serves, at
 ``GET /openapi.json``, and Swagger UI to browse it at ``GET /docs``.
 
-The document is written here by hand from the handlers (gateway/transport/rest.py,
-gateway/transport/embeddings.py): their fields, limits, statuses and the three error shapes (KServe's
+The document is written here by hand from the handlers (gateway/transport/kserve_rest.py,
+openai.py, tei.py): their fields, limits, statuses and the three error shapes (KServe's
 ``{"error"}``, OpenAI's ``{"error": {message, type, param, code}}``, TEI's ``{"error", "error_type"}``).
 It cannot drift silently: tests/test_openapi.py fails when the app registers a route the document
 lacks (or the other way round), and fuzzes a live server from it with schemathesis, which fails on
@@ -25,9 +25,9 @@ from typing import Any
 
 from aiohttp import web
 
-from batchgate.gateway.transport.embeddings import DEFAULT_MODEL, LATENCY_BUDGET_HEADER, LATENCY_CLASS_HEADER
-from batchgate.gateway.transport.embeddings import MAX_INPUTS
-from batchgate.gateway.transport.rest import HEADER_LENGTH, MAX_JSON_DEPTH
+from batchgate.gateway.transport.fields import LATENCY_BUDGET_HEADER, LATENCY_CLASS_HEADER, MAX_INPUTS
+from batchgate.gateway.transport.kserve_rest import HEADER_LENGTH, MAX_JSON_DEPTH
+from batchgate.gateway.transport.tei import DEFAULT_MODEL
 
 VERSION = "0.1.0"
 # The files of Swagger UI the page loads; nothing else under the package's static folder is served.
@@ -194,7 +194,6 @@ def _op(
 # -- schemas -----------------------------------------------------------------------------------------
 
 _PARAM_VALUE = {"type": ["boolean", "number", "string"], "description": "bool, int64, double or string"}
-_PARAMETERS = {"type": "object", "additionalProperties": _PARAM_VALUE}
 _LATENCY_FIELDS = {
     "latency_class": {"type": "string", "description": "The call's latency class (an extension)."},
     "latency_budget_ms": {
@@ -882,9 +881,10 @@ async def asset(req: web.Request) -> web.StreamResponse:
     )
 
 
-def add_routes(app: web.Application) -> None:
-    """``GET /openapi.json``, ``GET /docs`` and Swagger UI's files (rest.py ``HttpFrontend.app`` calls this)."""
-    r = app.router
-    r.add_get("/openapi.json", openapi_json)
-    r.add_get("/docs", docs)
-    r.add_get("/docs/static/{name}", asset)
+def routes() -> list[web.RouteDef]:
+    """``GET /openapi.json``, ``GET /docs`` and Swagger UI's files (the HTTP listener's ``app()`` adds them)."""
+    return [
+        web.get("/openapi.json", openapi_json),
+        web.get("/docs", docs),
+        web.get("/docs/static/{name}", asset),
+    ]

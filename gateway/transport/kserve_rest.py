@@ -1,24 +1,19 @@
-"""The REST transport (aiohttp): health, KServe v2 REST (JSON, with Triton's binary tensor data
-extension), model metadata/config/statistics, the repository extension (index, load, unload) and
-``/metrics``.
+"""KServe v2 REST (Open Inference Protocol over HTTP, with Triton's binary tensor data extension):
+health, server and model metadata/config/statistics, the repository extension (index, load,
+unload) and ``/v2/models/{m}/infer``.
 
-A REST call is turned into the ``ModelInferRequest`` the gRPC client would have sent and handed to
-the same pipeline (``gateway/infer.py``) the gRPC servicer calls, so validation, budgets,
-accounting and error messages are the same; this module never goes through the gRPC servicer or
-gRPC status codes. Only the translation lives here: JSON <-> protobuf, and the error table below
-(domain ``Kind`` -> HTTP status).
+An infer body becomes the plain ``Call`` (gateway/call.py) straight from its JSON (and binary)
+body, and the ``Answer`` goes back as JSON (and binary); both go through the same pipeline
+(gateway/infer.py) the gRPC servicer calls, so validation, budgets, accounting and error messages
+are the same; this module never goes through the gRPC servicer or gRPC status codes. Only the
+translation lives here, and the error table below (domain ``Kind`` -> HTTP status).
 
-Cheap refusals first: the API key is checked from the headers before the body is read; a body
-larger than the limit is refused from its Content-Length; a body that takes longer than
-``http_body_timeout_s`` to arrive gets 408; connections are capped and a connection that does not
-send a whole request head in ``http_header_timeout_s`` is closed (``Listener``).
+The API key is checked from the headers before the body is read (the door, ``Http.body``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -26,19 +21,16 @@ import numpy as np
 from aiohttp import web
 
 from batchgate.gateway import codec as codec_module
-from batchgate.gateway import tracing
 from batchgate.gateway import dtypes
 from batchgate.gateway.call import Answer, Call, Output, Tensor, Wanted
 from batchgate.gateway.codec import serialize_bytes
 from batchgate.gateway.errors import GatewayError, Kind, clip, invalid, retry_headers
-from batchgate.gateway.logs import REQUEST_ID, REQUEST_ID_KEY, clean_request_id
-from batchgate.gateway.metrics import CONTENT_TYPE_LATEST
+from batchgate.gateway.logs import REQUEST_ID_KEY, adopt_request_id
 
 if TYPE_CHECKING:
     from batchgate.gateway.admission import Account
+    from batchgate.gateway.transport.http import Http
     from batchgate.gateway.transport.server import Server
-
-log = logging.getLogger(__name__)
 
 HTTP_STATUS = {
     Kind.INVALID: 400,
@@ -51,6 +43,8 @@ HTTP_STATUS = {
     Kind.UNSUPPORTED: 501,
     Kind.PRECONDITION: 400,  # Triton answers a failed load 400
     Kind.FAILED: 500,
+    Kind.TOO_LARGE: 413,
+    Kind.SLOW: 408,
 }
 HEADER_LENGTH = "Inference-Header-Content-Length"  # Triton's binary tensor data extension
 JSON_TYPE = "application/json"
@@ -326,134 +320,24 @@ def _json_data(o: Output) -> list:
     return o.array.reshape(-1).tolist()
 
 
-class BodyRefused(Exception):
-    """A request body not taken: larger than the limit (413) or slower than the body deadline
-    (408). The connection closes with the answer: what is left of the body is never parsed."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
+def _error(status: int, message: str, headers: dict | None = None) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers)
 
 
-async def read_body(req: web.Request, max_body: int, timeout_s: float) -> bytes:
-    """The one reader of every REST route's body: refused by its declared length when too large,
-    cut off at ``max_body`` when undeclared (chunked), and within the body deadline (a client
-    trickling its body holds a connection, not the server)."""
-    n = req.content_length
-    if n is not None and n > max_body:
-        raise BodyRefused(
-            413, f"the request body is {n} bytes; at most {max_body} are accepted (max_http_body_bytes)"
-        )
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await req.read()
-    except TimeoutError:
-        raise BodyRefused(
-            408, f"the request body did not arrive within {timeout_s:g} s (http_body_timeout_s)"
-        ) from None
-    except web.HTTPRequestEntityTooLarge:
-        raise BodyRefused(
-            413, f"the request body is larger than {max_body} bytes (max_http_body_bytes)"
-        ) from None
+def _refused(exc: GatewayError, headers: dict | None = None) -> web.Response:
+    return _error(HTTP_STATUS[exc.kind], exc.message, headers)
 
 
-BODY_REFUSED = "batchgate.body_refused"  # a response mark: the connection ends with it (``_close_refused``)
-
-
-def body_error(exc: BodyRefused, doc: dict, headers: dict | None = None) -> web.Response:
-    """``doc`` (the route's own error shape) as the answer to a refused body, closing the connection."""
-    return closing(web.json_response(doc, status=exc.status, headers=headers))
-
-
-def closing(resp: web.StreamResponse) -> web.StreamResponse:
-    """Mark ``resp`` as the last answer on its connection, with nothing more of the body read."""
-    resp.force_close()
-    resp[BODY_REFUSED] = True
-    return resp
-
-
-@web.middleware
-async def _close_refused(request: web.Request, handler):
-    """After the answer to a refused body, the connection closes at once: aiohttp would otherwise
-    keep reading and discarding the rest of the body for its lingering time (10 s), on which a
-    trickling client holds the connection."""
-    resp = await handler(request)
-    if resp.get(BODY_REFUSED):
-        await resp.prepare(request)
-        await resp.write_eof()
-        if request.transport is not None:
-            request.transport.close()  # after the answer: asyncio flushes what is written first
-    return resp
-
-
-def _metadata(req: web.Request) -> list[tuple[str, str]]:
-    """The headers the door reads, as gRPC-style metadata (lower-case keys; aiohttp's headers are
-    case-insensitive)."""
-    h = req.headers
-    keys = ("x-api-key", "authorization", *tracing.HEADERS) if tracing.TRACER is not None else _KEY_HEADERS
-    return [(k, h[k]) for k in keys if k in h]
-
-
-_KEY_HEADERS = ("x-api-key", "authorization")
-
-
-class HttpFrontend:
+class KServeRest:
     """Routes and handlers; every handler stays thin: translate, call the pipeline, translate."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, http: Http) -> None:
         self.server = server
         self.pipeline = server.pipeline
         self.plane = server.plane
-        self.metrics = server.metrics
         self.edge = server.metrics.transport("http")
-        s = server.settings
-        self.max_body = s.max_http_body_bytes or 6 * server.max_message_bytes
-        self.body_timeout_s = s.http_body_timeout_s
-
-    def app(self) -> web.Application:
-        plane = self.plane
-
-        @web.middleware
-        async def close_when_draining(request: web.Request, handler):
-            # While draining, the connection ends with this answer (Connection: close), so the
-            # client opens a new one for its next request (refused: the listener is closed) and
-            # none is left open for a later close to cut under a request. Raised answers too.
-            try:
-                resp = await handler(request)
-            except web.HTTPException as exc:
-                if plane.draining:
-                    exc.force_close()
-                raise
-            if plane.draining:
-                resp.force_close()
-            return resp
-
-        app = web.Application(
-            client_max_size=self.max_body, middlewares=[_close_refused, close_when_draining, _json_errors]
-        )
-        r = app.router
-        r.add_get("/v2/health/live", self.live)
-        r.add_get("/v2/health/ready", self.ready)
-        r.add_get("/v2", self.server_metadata)
-        r.add_get("/metrics", self.scrape)
-        r.add_post("/v2/repository/index", self.repository_index)
-        r.add_post("/v2/repository/models/{model}/load", self.repository_load)
-        r.add_post("/v2/repository/models/{model}/unload", self.repository_unload)
-        r.add_get("/v2/models/stats", self.statistics)
-        for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-            r.add_get(base, self.model_metadata)
-            r.add_get(base + "/ready", self.model_ready)
-            r.add_get(base + "/config", self.model_config)
-            r.add_get(base + "/stats", self.statistics)
-            r.add_post(base + "/infer", self.infer)
-        from batchgate.gateway.transport.embeddings import add_routes  # OpenAI /v1/embeddings, TEI /embed
-
-        add_routes(app, self.server, self.max_body, self.body_timeout_s)
-        from batchgate.gateway.transport import openapi  # GET /openapi.json, GET /docs
-
-        openapi.add_routes(app)
-        return app
+        self.door = server.door
+        self.http = http
 
     # -- the cheap checks, before any body ------------------------------------------------------
 
@@ -462,15 +346,12 @@ class HttpFrontend:
         gRPC's lower-case keys). UNAUTHENTICATED before a byte of the body is read."""
         if self.pipeline.open:
             return None
-        return self.pipeline.identify(_metadata(req))
-
-    async def _body(self, req: web.Request) -> bytes:
-        return await read_body(req, self.max_body, self.body_timeout_s)
+        return self.pipeline.identify(self.http.metadata(req))
 
     async def _json_body(self, req: web.Request) -> dict:
         if not req.can_read_body:
             return {}
-        body = await self._body(req)
+        body = await self.http.body(req)
         if not body.strip():
             return {}
         try:
@@ -490,7 +371,7 @@ class HttpFrontend:
                 self._caller(req)
             msg = make()
         except GatewayError as exc:
-            return _error(HTTP_STATUS[exc.kind], exc.message)
+            return _refused(exc)
         return web.json_response(_to_json(msg, defaults))
 
     # -- health and metadata --------------------------------------------------------------------
@@ -524,11 +405,8 @@ class HttpFrontend:
         try:
             self.plane.get(name, req.match_info.get("version", ""))
         except GatewayError as exc:
-            return _error(HTTP_STATUS[exc.kind], exc.message)
+            return _refused(exc)
         return web.json_response({"name": name, "ready": True})
-
-    async def scrape(self, _req: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # -- the repository extension --------------------------------------------------------------
 
@@ -538,12 +416,10 @@ class HttpFrontend:
             ready = (await self._json_body(req)).get("ready", False)
             if not isinstance(ready, bool):
                 raise invalid("'ready' must be true or false")
-        except BodyRefused as exc:
-            return body_error(exc, {"error": exc.message})
         except GatewayError as exc:
             if exc.kind is Kind.INVALID:
                 return _error(400, 'the request body must be a JSON object such as {"ready": true}')
-            return _error(HTTP_STATUS[exc.kind], exc.message)
+            return _refused(exc)
         resp = self.pipeline.repository_index(ready)
         return web.json_response([_to_json(m) for m in resp.models])
 
@@ -556,10 +432,8 @@ class HttpFrontend:
             if not isinstance(params, dict):
                 raise invalid("'parameters' must be an object")
             await self.pipeline.load(caller, req.match_info["model"], params)
-        except BodyRefused as exc:
-            return body_error(exc, {"error": exc.message})
         except GatewayError as exc:
-            return _error(HTTP_STATUS[exc.kind], exc.message)
+            return _refused(exc)
         return web.Response(status=200)
 
     async def repository_unload(self, req: web.Request) -> web.Response:
@@ -568,42 +442,35 @@ class HttpFrontend:
             caller = self._caller(req)
             await self._json_body(req)
             await self.pipeline.unload(caller, req.match_info["model"])
-        except BodyRefused as exc:
-            return body_error(exc, {"error": exc.message})
         except GatewayError as exc:
-            return _error(HTTP_STATUS[exc.kind], exc.message)
+            return _refused(exc)
         return web.Response(status=200)
 
     # -- inference ------------------------------------------------------------------------------
 
     async def infer(self, req: web.Request) -> web.Response:
         model, version = req.match_info["model"], req.match_info.get("version", "")
-        rid = clean_request_id(req.headers.get(REQUEST_ID_KEY))
+        rid = adopt_request_id(req.headers.get(REQUEST_ID_KEY))
         echo = {REQUEST_ID_KEY: rid} if rid else {}
-        token = REQUEST_ID.set(rid)
+        edge = self.edge
         try:
-            try:
-                # before the body: a key-less 60 MiB body is never read, nor one the gate refuses
-                pass_ = self.pipeline.door.enter(_metadata(req))
-            except GatewayError as exc:  # refused at the door: counted here
-                self.edge.failed(model, version, exc)
-                return _error(HTTP_STATUS[exc.kind], exc.message, echo)
-            try:
-                body = await self._body(req)
-                call, binary_out = build_request(model, version, body, req.headers.get(HEADER_LENGTH))
-            except GatewayError as exc:  # taken, then refused before the pipeline: counted as it ends
-                self.pipeline.failed(pass_, self.edge, model, version, exc)
-                return _error(HTTP_STATUS[exc.kind], exc.message, echo)
-            except BodyRefused as exc:
-                self.pipeline.door.leave(None, pass_)
-                return body_error(exc, {"error": exc.message}, echo)
-            try:
-                answer = await self.pipeline.infer(call, pass_, self.edge)
-                payload, header_len = build_response(answer, binary_out)
-            except GatewayError as exc:
-                return _error(HTTP_STATUS[exc.kind], exc.message, retry_headers(exc, echo))
-        finally:
-            REQUEST_ID.reset(token)
+            # before the body: a key-less 60 MiB body is never read, nor one the shedder refuses
+            pass_ = self.door.enter(self.http.metadata(req))
+        except GatewayError as exc:  # refused at the door: counted here
+            edge.failed(model, version, exc)
+            return _refused(exc, retry_headers(exc, echo))
+        try:
+            with pass_:
+                try:
+                    body = await self.http.body(req)
+                    call, binary_out = build_request(model, version, body, req.headers.get(HEADER_LENGTH))
+                except GatewayError as exc:  # taken, then refused before the pipeline: counted here
+                    edge.failed(model, version, exc)
+                    raise
+                answer = await self.pipeline.infer(call, pass_, edge)
+            payload, header_len = build_response(answer, binary_out)
+        except GatewayError as exc:
+            return _refused(exc, retry_headers(exc, echo))
         headers = dict(echo)
         if header_len is None:
             headers["Content-Type"] = JSON_TYPE
@@ -613,100 +480,24 @@ class HttpFrontend:
         return web.Response(body=payload, headers=headers)
 
 
-@web.middleware
-async def _json_errors(request: web.Request, handler):
-    """aiohttp's own refusals (no such route, wrong method, body too large) as JSON errors too."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400 or exc.content_type == JSON_TYPE:
-            raise
-        headers = (
-            {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-        )  # a 405 names the methods
-        return _error(exc.status, exc.reason if exc.status != 413 else exc.text or exc.reason, headers)
-    except Exception as exc:  # a bug: say so, keep serving
-        log.exception("HTTP %s %s failed", request.method, clip(request.path))
-        return _error(500, f"internal error: {type(exc).__name__}: {clip(exc, 512)}")
-
-
-class _Refuse(asyncio.Protocol):
-    """A connection over ``http_max_connections``: one 503 and closed, before any parsing."""
-
-    def connection_made(self, transport) -> None:
-        transport.write(
-            b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-            b'Content-Length: 49\r\n\r\n{"error": "too many connections; try again later"}'
-        )
-        transport.close()
-
-
-class Listener:
-    """A listening socket for an aiohttp runner, through public API only (the runner's protocol
-    factory and asyncio's ``create_server``), with an optional connection cap in front of the
-    factory: a connection over it gets ``_Refuse`` before any parsing."""
-
-    def __init__(self, server: asyncio.Server, cap: _Cap | None) -> None:
-        self._listening = server
-        self._cap = cap
-        self.port = (
-            server.sockets[0].getsockname()[1] if server.sockets else 0
-        )  # the real port when 0 was asked
-
-    @property
-    def refused(self) -> int:
-        return self._cap.refused if self._cap is not None else 0
-
-    @classmethod
-    async def open(
-        cls, runner: web.AppRunner, host: str, port: int, *, reuse_port: bool = False,
-        ssl_context=None, max_connections: int | None = None,
-    ) -> Listener:  # fmt: skip
-        factory = runner.server
-        if factory is None:
-            raise RuntimeError("the runner is not set up")
-        cap = _Cap(factory, max_connections) if max_connections else None
-        server = await asyncio.get_running_loop().create_server(
-            cap or factory, host, port, ssl=ssl_context, reuse_address=True, reuse_port=reuse_port or None,
-        )  # fmt: skip
-        return cls(server, cap)
-
-    def stop_accepting(self) -> None:
-        """Close the listening socket only; connections already open go on being served."""
-        self._listening.close()
-
-
-class _Cap:
-    def __init__(self, factory: web.Server, max_connections: int) -> None:
-        self.factory = factory
-        self.max_connections = max_connections
-        self.refused = 0
-
-    def __call__(self):
-        if len(self.factory.connections) >= self.max_connections:
-            self.refused += 1
-            return _Refuse()
-        return self.factory()
-
-
-async def start(server: Server) -> tuple[web.AppRunner, int]:
-    """Serve the HTTP side for ``server``; returns the runner (for cleanup) and the bound port."""
-    s = server.settings
-    # keepalive_timeout is aiohttp's one timer for a connection waiting for a request head: it
-    # runs from the connection's start and from each answer, and data arriving does not reset it
-    # (aiohttp >= 3.10), so it is the header deadline too (idle keep-alive connections close then).
-    runner = web.AppRunner(
-        HttpFrontend(server).app(), access_log=None, keepalive_timeout=s.http_header_timeout_s,
-        max_field_size=16 * 1024, max_line_size=16 * 1024,
-        # A caller that hangs up cancels its handler: its queued rows leave the queue before
-        # compute (counted as outcome "cancelled"), as a gRPC cancellation does.
-        handler_cancellation=True,
-    )  # fmt: skip
-    await runner.setup()
-    tls = getattr(server, "tls", None)
-    listener = await Listener.open(
-        runner, s.host, s.http_port, reuse_port=s.reuse_port, ssl_context=tls.ssl_context() if tls else None,
-        max_connections=s.http_max_connections,
-    )  # fmt: skip
-    server.http_site = listener
-    return runner, listener.port
+def routes(server: Server, http: Http) -> list[web.RouteDef]:
+    """KServe v2's REST routes (the HTTP listener's ``app()`` adds them)."""
+    api = KServeRest(server, http)
+    table = [
+        web.get("/v2/health/live", api.live),
+        web.get("/v2/health/ready", api.ready),
+        web.get("/v2", api.server_metadata),
+        web.post("/v2/repository/index", api.repository_index),
+        web.post("/v2/repository/models/{model}/load", api.repository_load),
+        web.post("/v2/repository/models/{model}/unload", api.repository_unload),
+        web.get("/v2/models/stats", api.statistics),
+    ]
+    for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+        table += [
+            web.get(base, api.model_metadata),
+            web.get(base + "/ready", api.model_ready),
+            web.get(base + "/config", api.model_config),
+            web.get(base + "/stats", api.statistics),
+            web.post(base + "/infer", api.infer),
+        ]
+    return table

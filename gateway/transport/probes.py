@@ -23,6 +23,8 @@ from aiohttp import web
 from grpc_health.v1 import health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from batchgate.gateway.transport.http import Listener
+
 if TYPE_CHECKING:
     from batchgate.gateway.transport.server import Server
 
@@ -35,7 +37,7 @@ class Probes:
     metrics_port: int | None = None
     _grpc: grpc.aio.Server | None = None
     _http: web.AppRunner | None = None
-    _listener: object | None = None  # rest.Listener: its socket is not the runner's to close
+    _listener: Listener | None = None  # its socket is not the runner's to close
 
     async def stop(self) -> None:
         if self._grpc is not None:
@@ -83,8 +85,6 @@ async def start(server: Server) -> Probes:
     if s.metrics_port is not None:
         runner = web.AppRunner(_app(server), access_log=None)
         await runner.setup()
-        from batchgate.gateway.transport.rest import Listener
-
         probes._http = runner
         probes._listener = await Listener.open(runner, s.host, s.metrics_port, reuse_port=s.reuse_port)
         probes.metrics_port = probes._listener.port
