@@ -54,7 +54,7 @@ serve: $(SERVE_STAMP)
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 
-# The regression guard (tests/test_instruction_guard.py, bench/instructions.py) counts instructions
+# The regression guard (tests/test_instruction_guard.py, lab/instructions.py) counts instructions
 # per row under callgrind: install valgrind when the machine lacks it.
 valgrind:
 	@command -v valgrind >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq valgrind >/dev/null)

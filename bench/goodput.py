@@ -64,8 +64,7 @@ import numpy as np
 
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
-from batchgate.bench.loadgen import free_ports, metric_samples
-from batchgate.bench.profile import thread_cpu
+from batchgate.bench.loadgen import free_ports, metric_samples, thread_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 # class -> (share of requests, budget seconds the client judges by, parameters sent)
@@ -380,7 +379,7 @@ def _settle(http_port: int, timeout_s: float = 15.0) -> float:
 
 
 def _thread_cpu(pid: int) -> Counter:
-    """CPU seconds of the server's threads so far (bench.profile's /proc reader), summed by thread
+    """CPU seconds of the server's threads so far (bench.loadgen's /proc reader), summed by thread
     name: where a point's core went. The main thread runs the event loop, the model's workers are
     ``bg:<worker>``, gRPC core's threads carry core's names."""
     out: Counter = Counter()

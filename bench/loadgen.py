@@ -23,6 +23,7 @@ import itertools
 import json
 import math
 import os
+import resource
 import signal
 import socket
 import struct
@@ -533,6 +534,37 @@ async def wait_ready(url: str, timeout_s: float = 60.0, proc: subprocess.Popen |
                 pass
             await asyncio.sleep(0.2)
     raise RuntimeError(f"{url} not ready within {timeout_s:.0f}s")
+
+
+# -- CPU time of a process and its threads, from /proc --------------------------------------------
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def _stat_cpu(path: str) -> float:
+    """utime + stime in seconds from a /proc stat file (fields 14 and 15; comm may hold spaces)."""
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * _TICK_S
+
+
+def process_cpu(pid: int) -> float:
+    return _stat_cpu(f"/proc/{pid}/stat")
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out[int(tid)] = _stat_cpu(f"/proc/{pid}/task/{tid}/stat")
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            pass
+    return out
+
+
+def self_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 # -- servers started for a run ------------------------------------------------------------------

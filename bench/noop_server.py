@@ -20,7 +20,7 @@ the bundled ``ranker`` in one worker thread, and handed back to the loop with on
 of the batch's output. A stream reads ahead as batchgate does (a task-free done-callback per
 message puts its answer on a deque that a writer drains). No auth, limits, classes, cache,
 metrics or timers: the floor that issue 15's "0.8 of the no-op" asks batchgate to reach beside
-the no-op, measured in the same run (``bench.perf_analyzer --targets noop,noop-batch,batchgate``).
+the no-op, measured in the same run (``lab.perf_analyzer --targets noop,noop-batch,batchgate``).
 
     python -m batchgate.bench.noop_server PORT [--suspend | --batch]
 """

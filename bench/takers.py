@@ -53,8 +53,7 @@ import time
 import grpc
 import numpy as np
 
-from batchgate.bench.loadgen import start_batchgate, start_noop
-from batchgate.bench.profile import process_cpu
+from batchgate.bench.loadgen import process_cpu, start_batchgate, start_noop
 
 _INFER = "/inference.GRPCInferenceService/ModelInfer"
 

@@ -1,6 +1,6 @@
 """Texts for the bench's text workload (``--model minilm``), shipped so every run sends the same
 ones: 512 sentences of mixed length (80% of 4-14 words, 15% of 25-60, 5% of 120-200), made once with
-``bench.minilm_bench.workload("mixed", n=512, seed=11)`` and frozen here (a change to that generator
+``lab.minilm_bench.workload("mixed", n=512, seed=11)`` and frozen here (a change to that generator
 does not move these figures)."""
 
 TEXTS = (

@@ -119,6 +119,10 @@ def _parser() -> argparse.ArgumentParser:
     pm.add_argument("--pooling", choices=["mean", "cls", "lasttoken"], help="override the folder's pooling")
     pm.add_argument("--normalize", action=argparse.BooleanOptionalAction,
                     help="override the folder's normalisation (default: a Normalize module, or on without modules.json)")  # fmt: skip
+    pm.add_argument("--text-pair", action=argparse.BooleanOptionalAction,
+                    help="a classifier's rows are (text, text_pair) pairs (default: as the folder says; a rerank model's always are)")  # fmt: skip
+    pm.add_argument("--token-embeddings", action="store_true",
+                    help="an embedding model also outputs every token's vector (token_embeddings: TEI's /embed_all)")  # fmt: skip
     _optimize_parser(sub)
     sub.add_parser(
         "bench",
@@ -289,11 +293,9 @@ def _missing_runtime(settings: Settings) -> str | None:
 
 
 def _bench(argv: list[str]) -> int:
-    try:
-        from batchgate.bench.__main__ import main as bench_main
-    except ImportError:  # bench/ lives in the source tree beside gateway/, not in the wheel
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from batchgate.bench.__main__ import main as bench_main
+    # The load generator ships in the wheel (batchgate.bench); imported only when asked for.
+    from batchgate.bench.__main__ import main as bench_main
+
     return bench_main(argv)
 
 
@@ -318,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "optimize":
         return _optimize(args, argv)
     if args.command == "hash-key":
-        from batchgate.gateway.tenants import generate_key, hash_key
+        from batchgate.gateway.admission.tenants import generate_key, hash_key
 
         # The key comes on stdin, not argv, so it stays out of shell history and `ps`.
         key = generate_key() if args.generate else sys.stdin.readline().strip()
@@ -356,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
 
         prepare_missing(repo, logging.getLogger("batchgate"))
     from batchgate.gateway.transport.server import serve
-    from batchgate.gateway.tenants import TenantFileError
+    from batchgate.gateway.admission.tenants import TenantFileError
 
     try:
         asyncio.run(serve(settings))

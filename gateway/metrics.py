@@ -184,8 +184,8 @@ class Metrics:
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
-        self.overload = None  # (OverloadGate, CallTakers | None), set by the server once made
-        self.usage = None  # (Usage, Admission), set by the server: per-tenant usage families
+        self.overload = None  # (LoadShedder, CallTakers | None), set by the server once made
+        self.usage = None  # (Usage, Admission), set by the server while metering: per-tenant families
         self.registry.register(_PlaneCollector(self))
 
     def transport(self, name: str) -> TransportCounters:
@@ -252,7 +252,7 @@ class _PlaneCollector:
         yield from _cache_families(plane)
         if m.usage is not None:
             usage, admission = m.usage
-            yield from usage.families(admission.unauthenticated)
+            yield from usage.families(admission, m.plane.models)
 
 
 P = "batchgate_"

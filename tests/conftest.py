@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from batchgate.bench.loadgen import free_ports
+from tests.helpers import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 REPO = ROOT / "model_repository"

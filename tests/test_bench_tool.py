@@ -88,12 +88,18 @@ def test_batchgate_bench_subcommand(server, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "module", sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem not in ("__init__", "__main__"))
+    "module",
+    [
+        f"batchgate.bench.{p.stem}"
+        for p in sorted((ROOT / "bench").glob("*.py"))
+        if p.stem not in ("__init__", "__main__")
+    ]
+    + [f"lab.{p.stem}" for p in sorted((ROOT / "lab").glob("*.py")) if p.stem != "__init__"],
 )
 def test_every_benchmark_module_imports(module):
     # The benchmarks run outside the test suite (and on a GPU machine); an import that broke in a
     # refactor would only show there. Importing runs nothing: each keeps its work under main().
-    importlib.import_module(f"batchgate.bench.{module}")
+    importlib.import_module(module)
 
 
 def test_text_workload_on_every_endpoint(server, tmp_path):

@@ -21,11 +21,10 @@ import time
 import grpc
 import numpy as np
 
-from batchgate.bench.goodput import encoder_request
-from batchgate.bench.loadgen import metric_samples
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import ROOT, start_server
+from tests.helpers import encoder_request, metric_samples
 
 TEXTS = [t for t in (ROOT / "bench" / "texts" / "mixed.txt").read_text().splitlines() if t.strip()]
 

@@ -28,7 +28,7 @@ from batchgate.client import (
     service_config,
     target_of,
 )
-from batchgate.gateway.tenants import hash_key
+from batchgate.gateway.admission.tenants import hash_key
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import REPO, start_server
@@ -144,7 +144,7 @@ def test_exceptions_say_what_went_wrong(srv, bg):
 
 
 def test_no_server_is_unavailable_after_retries():
-    from batchgate.bench.loadgen import free_ports
+    from tests.helpers import free_ports
 
     (port,) = free_ports(1)
     t0 = time.monotonic()

@@ -1,4 +1,4 @@
-"""bench/dashboard_picture.py: every query of the Helm chart's dashboard, run by a real Prometheus
+"""lab/dashboard_picture.py: every query of the Helm chart's dashboard, run by a real Prometheus
 over a live server, returns without error, and the panels the workload reaches have data."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from batchgate.bench import dashboard_picture as dp
+from lab import dashboard_picture as dp
 
 # Timing decides whether a short run has a late, shed or expired call; an empty answer is the
 # query's right answer then.

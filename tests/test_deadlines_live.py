@@ -10,9 +10,9 @@ import time
 import grpc
 import numpy as np
 
-from batchgate.bench.goodput import encoder_request
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from tests.harness import model_repo, serving, until
+from tests.helpers import encoder_request
 
 BATCH_S = 0.05  # what one fake batch costs, any size: the latency model learns it
 

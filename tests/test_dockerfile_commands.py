@@ -28,7 +28,7 @@ from pathlib import Path
 import onnxruntime as ort
 import pytest
 
-from batchgate.bench.loadgen import free_ports
+from tests.helpers import free_ports
 from tests.test_helm import ROOT, _copy_sources, parse_dockerfile
 
 DOCKERFILES = ["Dockerfile", "Dockerfile.cuda"]

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2
 
-from batchgate.gateway.tenants import hash_key
+from batchgate.gateway.admission.tenants import hash_key
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import REPO, start_server
@@ -180,7 +180,7 @@ def test_keyless_60mib_rest_body_is_refused_from_its_headers(keyed):
 def _unauthenticated(server) -> float:
     """Keyless gRPC calls the server itself refused on their metadata (the interceptor counts them
     under empty model labels): a refusal core made on the message size never reaches it."""
-    from batchgate.bench.loadgen import metric_samples
+    from tests.helpers import metric_samples
 
     return sum(
         s.value for s in metric_samples(server.http_port)

@@ -335,7 +335,7 @@ def test_fuzz_malformed_requests(fuzzed, ranker_ref):
     assert counts["valid"] >= VALID * EXAMPLES // 2
     assert seen["INVALID_ARGUMENT"] > counts["sent"] // 2
     # every model's path was fuzzed: the server itself counted answers for each of them
-    from batchgate.bench.loadgen import metric_samples
+    from tests.helpers import metric_samples
 
     answered = collections.Counter()
     for m in metric_samples(server.http_port):

@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 
-from batchgate.bench.goodput import encoder_request
+from tests.helpers import encoder_request
 from tests.harness import model_repo, serving
 
 

@@ -42,11 +42,11 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchgate.bench.loadgen import free_ports
 from batchgate.gateway.config import Settings
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import REPO, ROOT, ServerProcess, start_server
+from tests.helpers import free_ports
 from tests.test_helm import (
     CHART,
     CRD_KINDS,

@@ -1,11 +1,11 @@
-"""The CI regression guard (bench/instructions.py): instructions per row under callgrind against the
+"""The CI regression guard (lab/instructions.py): instructions per row under callgrind against the
 committed baseline; and a faked 20 % regression (the ranker run 6 times, counted as 5) is caught.
 
 Outside CI a machine the guard cannot measure or compare (no valgrind, no baseline for its key, no
 minilm) skips, saying why. In CI (env ``CI`` set, as CI services set it) each of
 those fails instead: a guard that skips there guards nothing. A CI host whose key has no baseline
 (a new ISA level under valgrind, another ORT version) fails until one is recorded on it with
-``python -m batchgate.bench.instructions --update`` and the baseline file committed.
+``python -m lab.instructions --update`` and the baseline file committed.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from batchgate.bench import instructions as guard
+from lab import instructions as guard
 
 
 def in_ci() -> bool:
@@ -50,8 +50,8 @@ def test_instructions_per_row_hold_the_baseline(figures):
     base = guard.load_baseline()
     if base is None:
         _cannot(
-            f"no baseline for {guard.machine_key()} in bench/baselines/{guard.BASELINE.name}; figures: "
-            f"{_report(figs)}; record one on this host with `.venv/bin/python -m batchgate.bench.instructions "
+            f"no baseline for {guard.machine_key()} in lab/baselines/{guard.BASELINE.name}; figures: "
+            f"{_report(figs)}; record one on this host with `.venv/bin/python -m lab.instructions "
             "--update` and commit the file"
         )
     assert set(figs) <= set(base), f"cases without a baseline: {sorted(set(figs) - set(base))}"

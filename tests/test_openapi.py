@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from batchgate.gateway.tenants import hash_key
+from batchgate.gateway.admission.tenants import hash_key
 from batchgate.gateway.transport import openapi
 from batchgate.gateway.transport.fields import LATENCY_BUDGET_HEADER
 from batchgate.gateway.transport import http
@@ -81,7 +81,7 @@ def rest_app():
     settings = SimpleNamespace(max_http_body_bytes=1 << 20, http_body_timeout_s=30.0)
     metrics = SimpleNamespace(transport=lambda _name: None)
     server = SimpleNamespace(
-        settings=settings, pipeline=None, plane=None, metrics=metrics, max_message_bytes=1 << 20
+        settings=settings, pipeline=None, plane=None, door=None, metrics=metrics, max_message_bytes=1 << 20
     )
     return http.app(server)
 
@@ -122,7 +122,8 @@ def test_every_operation_documents_its_error_shape():
     """Every operation that can refuse says with which body; the three shapes by API family."""
     doc = openapi.document()
     family = {"/v1/embeddings": "OpenAIError", "/v1/models": "OpenAIError", "/v1/models/{model}": "OpenAIError",
-              "/v1/rerank": "OpenAIError", "/embed": "TEIError", "/rerank": "TEIError"}  # fmt: skip
+              "/v1/rerank": "OpenAIError", "/v1/organization/usage/embeddings": "OpenAIError",
+              "/embed": "TEIError", "/rerank": "TEIError"}  # fmt: skip
     for path, item in doc["paths"].items():
         for method, op in item.items():
             if method == "parameters":

@@ -11,13 +11,14 @@ import sys
 import sysconfig
 import time
 import tomllib
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 
-from batchgate.bench.loadgen import free_ports
+from tests.helpers import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 TOP_LEVEL = ["gateway", "workers", "cache", "bench", "client", "proto"]
@@ -85,11 +86,22 @@ def test_wheel_serves_beside_proto_plus(tmp_path):
         [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q", str(wheel)],
         check=True, capture_output=True,
     )  # fmt: skip
+    # The wheel's benches are bench/'s and nothing of lab/; each imports from the wheel alone.
+    shipped = {
+        n.removeprefix("batchgate/bench/")
+        for n in zipfile.ZipFile(wheel).namelist()
+        if n.startswith("batchgate/bench/")
+    }
+    assert shipped == {p.name for p in (ROOT / "bench").glob("*.py")} | {"gpu_machine_packages.txt"}, shipped
     probe = subprocess.run(
         [str(py), "-c", "import proto, batchgate.gateway.transport.server as s; print(proto.__file__, hasattr(proto, 'Message'));"
-         " print(s.__file__)"],
-        cwd=tmp_path, check=True, capture_output=True, text=True,
+         " print(s.__file__); import importlib, pkgutil, batchgate.bench as b;"
+         " [importlib.import_module('batchgate.bench.' + m.name) for m in pkgutil.iter_modules(b.__path__)]"],
+        cwd=tmp_path, capture_output=True, text=True,
     )  # fmt: skip
+    assert probe.returncode == 0, (
+        f"the installed wheel cannot import its own modules:\n{probe.stderr[-3000:]}"
+    )
     proto_file, is_proto_plus, server_file = probe.stdout.split()
     # The bare name is proto-plus's (it has Message), not our folder; our server is the wheel's.
     assert is_proto_plus == "True" and Path(proto_file).parent != ROOT / "proto", probe.stdout

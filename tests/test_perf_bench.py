@@ -13,10 +13,11 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as tgrpc
-from batchgate.bench import handoff, perf_analyzer, profile, quick, reuseport
+from batchgate.bench import quick
 from batchgate.bench.loadgen import Workload, model_statistics, start_noop
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
+from lab import handoff, perf_analyzer, profile, reuseport
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +228,7 @@ def test_perf_analyzer_output_parse_and_input_data(tmp_path):
 
 @pytest.mark.skipif(
     not shutil.which("perf_analyzer") and not os.environ.get("PERF_ANALYZER_LIBS"),
-    reason="perf_analyzer not installed (python -m batchgate.bench.perf_analyzer --setup-libs DIR, then "
+    reason="perf_analyzer not installed (python -m lab.perf_analyzer --setup-libs DIR, then "
     "PERF_ANALYZER_LIBS=DIR)",
 )
 def test_perf_analyzer_runs_against_the_noop(tmp_path):

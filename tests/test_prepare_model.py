@@ -13,6 +13,7 @@ architecture by name, a missing file, a module or pooling the graph does not do.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -31,7 +32,10 @@ from batchgate.gateway.text import PAIR_SEPARATOR, TextStage
 from tests.conftest import start_server
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
-MIN_COSINE = 0.9999
+# Every family, route and checkpoint dtype measures >= 0.99999988 against transformers (float32
+# rounding); the issue's 0.9999 passes a subtly wrong graph (Qwen3 with its rotary base 1 % off:
+# 0.99990886), so the bar sits just under what is measured.
+MIN_COSINE = 0.999999
 MAX_SCORE_DIFF = 1e-4
 SCRAMBLE_STD = 0.3
 ST = "sentence_transformers.models."
@@ -202,7 +206,14 @@ def reference(folder: Path, model, pooling: str | None, normalize: bool | None, 
         out = model(**feeds)
     if pooling is None:
         return out.logits[:, 0].numpy()
-    states, mask = out.last_hidden_state, feeds["attention_mask"]
+    return st_pool(out.last_hidden_state, feeds["attention_mask"], pooling, normalize).numpy()
+
+
+def st_pool(states, mask, pooling: str, normalize: bool):
+    """sentence-transformers' Pooling (``cls``, ``mean``, ``lasttoken``) and Normalize modules
+    over torch token states [batch, seq, hidden] and their attention mask [batch, seq]."""
+    import torch
+
     if pooling == "cls":
         pooled = states[:, 0]
     elif pooling == "mean":
@@ -214,7 +225,37 @@ def reference(folder: Path, model, pooling: str | None, normalize: bool | None, 
         pooled = states[torch.arange(states.shape[0]), mask.shape[1] - indices - 1]
     if normalize:
         pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-    return pooled.numpy()
+    return pooled
+
+
+def tiny_bert(tok: Tokenizer):
+    """A scrambled TINY BertModel for ``tok``'s vocabulary (64 positions)."""
+    import transformers
+
+    cfg = transformers.BertConfig(**TINY, vocab_size=tok.get_vocab_size(), max_position_embeddings=64)
+    model = transformers.BertModel(cfg)
+    scramble(model)
+    return model.eval()
+
+
+def save_folder(model, tok: Tokenizer, d: Path, pooling: str, normalize: bool) -> Path:
+    """``model`` saved as a sentence-transformers folder: weights, tokenizer.json, modules."""
+    model.save_pretrained(d)
+    tok.save(str(d / "tokenizer.json"))
+    st_folder(d, pooling, normalize)
+    return d
+
+
+@contextlib.contextmanager
+def served_client(repo: Path, tmp: Path):
+    """A real server on loopback serving ``repo``, and a KServe gRPC client of it."""
+    srv = start_server(tmp, "--no-build-models", repo=repo, ready_timeout=120)
+    c = tc.InferenceServerClient(srv.grpc_url)
+    try:
+        yield c
+    finally:
+        c.close()
+        srv.stop()
 
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -346,13 +387,8 @@ def test_prepare_is_deterministic(folders, repo, tmp_path):
 
 @pytest.fixture(scope="module")
 def client(repo, tmp_path_factory):
-    srv = start_server(
-        tmp_path_factory.mktemp("byo-server"), "--no-build-models", repo=repo, ready_timeout=120
-    )
-    c = tc.InferenceServerClient(srv.grpc_url)
-    yield c
-    c.close()
-    srv.stop()
+    with served_client(repo, tmp_path_factory.mktemp("byo-server")) as c:
+        yield c
 
 
 def _infer(client, name: str, rows: list[str], output: str) -> np.ndarray:
@@ -389,13 +425,13 @@ def test_served_pair_model_refuses_a_row_that_is_not_a_pair(client):
 # -- refusals -----------------------------------------------------------------------------------------
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
+def prepare_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``batchgate prepare-model ARGS`` in a child process (its exit status and one-line errors
+    are what the tests read)."""
     return subprocess.run(
         [sys.executable, "-m", "batchgate", "prepare-model", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+        capture_output=True, text=True, timeout=120, env=env, cwd=cwd,
+    )  # fmt: skip
 
 
 def test_unsupported_architecture_is_refused_by_name(tmp_path):
@@ -403,7 +439,7 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path):
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
                                                    "n_embd": 32, "n_layer": 2, "n_head": 2}))  # fmt: skip
-    proc = _cli(str(gpt2), "--name", "gpt2", "--model-repository", str(tmp_path / "repo"))
+    proc = prepare_cli(str(gpt2), "--name", "gpt2", "--model-repository", str(tmp_path / "repo"))
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -430,7 +466,7 @@ def test_missing_file_is_named_in_one_line(folders, tmp_path):
     folder = tmp_path / "no-tokenizer"
     shutil.copytree(folders["bert_plain"][0], folder)
     (folder / "tokenizer.json").unlink()
-    proc = _cli(str(folder), "--name", "x", "--model-repository", str(tmp_path / "repo"))
+    proc = prepare_cli(str(folder), "--name", "x", "--model-repository", str(tmp_path / "repo"))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert f"{folder / 'tokenizer.json'} is missing" in proc.stderr
 
@@ -451,10 +487,19 @@ def test_modules_and_pooling_the_graph_does_not_do_are_refused(folders, tmp_path
         read_folder(folder)
 
 
-def test_a_classifier_with_several_labels_is_not_a_reranker(tmp_path):
+def test_a_classifier_with_several_labels_is_not_a_reranker(tmp_path, repo):
+    """Several labels make a classifier (tests/test_classify.py), one label a reranker."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.BertConfig(**TINY, vocab_size=wordpiece().get_vocab_size(), num_labels=3)
     transformers.BertForSequenceClassification(cfg).save_pretrained(tmp_path / "nli")
     wordpiece().save(str(tmp_path / "nli" / "tokenizer.json"))
-    with pytest.raises(PrepareError, match="has 3 labels; a rerank model needs one"):
-        prepare_model(tmp_path / "nli", "nli", tmp_path / "repo", log=print)
+    spec = spec_of(prepare_model(tmp_path / "nli", "nli", tmp_path / "repo", log=print))
+    assert spec.kind == "classification" and not spec.params.text_pair
+    assert [t.name for t in spec.outputs] == ["probabilities", "logits"]
+    for name in ("bert_ce", "xlmr_ce"):
+        ce = spec_of(repo / name)
+        assert (
+            ce.kind == "rerank"
+            and ce.params.text_pair
+            and [(t.name, t.dims) for t in ce.outputs] == [("score", (1,))]
+        )

@@ -6,7 +6,7 @@ from a transformers model with scrambled weights, into folders laid out as Hub r
 ``optimum-cli`` ship them, with a ``tokenizers`` WordPiece tokenizer and sentence-transformers'
 files written here. The prepared models are served by a real server and compared with
 transformers' own ``last_hidden_state`` pooled, passed through the Dense modules (torch Linear
-and activation) and normalised as sentence-transformers does: cosine >= 0.9999 per row on a
+and activation) and normalised as sentence-transformers does: cosine >= 0.999999 per row on a
 padded batch of mixed lengths. The weights route (BERT) is checked with Dense modules the same
 way. Refusals: an architecture neither route covers names the ONNX way forward; a Dense
 module's pytorch_model.bin is refused by name.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +31,21 @@ from batchgate.gateway.build.hf_model import PrepareError, prepare_model
 from batchgate.gateway.build.onnx_export import P, read_export
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
-from tests.conftest import start_server
-from tests.test_prepare_model import MIN_COSINE, ST, TEXTS, TINY, cosines, scramble, st_folder, wordpiece
+from tests.test_prepare_model import (
+    MIN_COSINE,
+    ST,
+    TEXTS,
+    TINY,
+    cosines,
+    prepare_cli,
+    save_folder,
+    scramble,
+    served_client,
+    st_folder,
+    st_pool,
+    tiny_bert,
+    wordpiece,
+)
 
 ELECTRA = dict(TINY, embedding_size=16, max_position_embeddings=64)
 # Two Dense modules chained, as modules.json orders them: 32 -> 24 (tanh) -> 16 (no bias).
@@ -82,14 +94,7 @@ def reference(
     mask = torch.tensor([e.attention_mask for e in enc])
     with torch.no_grad():
         states = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        if pooling == "cls":
-            x = states[:, 0]
-        elif pooling == "mean":
-            m = mask.unsqueeze(-1).float()
-            x = (states * m).sum(1) / m.sum(1).clamp(min=1e-9)
-        else:  # last token
-            values, indices = mask.flip(1).max(1)
-            x = states[torch.arange(len(enc)), mask.shape[1] - indices - 1]
+        x = st_pool(states, mask, pooling, normalize=False)  # the Dense modules come between
         for w, b, act in dense:
             x = torch.nn.functional.linear(x, torch.from_numpy(w), None if b is None else torch.from_numpy(b))
             x = torch.tanh(x) if act == "Tanh" else x
@@ -239,16 +244,11 @@ def electra(tmp_path_factory):
 def bert_dense(tmp_path_factory):
     """The weights route with Dense modules: a BERT folder, CLS pooling, two Dense, Normalize."""
     torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     torch.manual_seed(0)
     wp = wordpiece()
-    model = transformers.BertModel(transformers.BertConfig(**TINY, vocab_size=wp.get_vocab_size(),
-                                                           max_position_embeddings=64))  # fmt: skip
-    scramble(model)
-    d = tmp_path_factory.mktemp("bert-dense") / "bert_dense"
-    model.eval().save_pretrained(d)
-    wp.save(str(d / "tokenizer.json"))
-    st_folder(d, "cls", True)
+    model = tiny_bert(wp)
+    d = save_folder(model, wp, tmp_path_factory.mktemp("bert-dense") / "bert_dense", "cls", True)
     return d, model, "cls", add_dense(d, seed=2), True
 
 
@@ -256,11 +256,9 @@ def bert_dense(tmp_path_factory):
 def repo(electra, bert_dense, tmp_path_factory):
     repo = tmp_path_factory.mktemp("onnx-repo")
     # One through the command line, with the route chosen by itself (ELECTRA is unknown to the builder).
-    proc = subprocess.run(
-        [sys.executable, "-m", "batchgate", "prepare-model", str(electra["electra_dense"][0]),
-         "--name", "electra_dense", "--model-repository", str(repo)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = prepare_cli(
+        str(electra["electra_dense"][0]), "--name", "electra_dense", "--model-repository", str(repo)
+    )
     assert proc.returncode == 0, proc.stderr
     assert "ONNX export, embedding, mean pooling, 2 Dense, normalised, 16 dims" in proc.stdout, proc.stdout
     for name, (folder, *_rest) in electra.items():
@@ -326,13 +324,8 @@ def test_config_follows_the_graph(repo):
 
 @pytest.fixture(scope="module")
 def client(repo, tmp_path_factory):
-    srv = start_server(
-        tmp_path_factory.mktemp("onnx-server"), "--no-build-models", repo=repo, ready_timeout=120
-    )
-    c = tc.InferenceServerClient(srv.grpc_url)
-    yield c
-    c.close()
-    srv.stop()
+    with served_client(repo, tmp_path_factory.mktemp("onnx-server")) as c:
+        yield c
 
 
 @pytest.mark.parametrize("name", ["electra_dense", "electra_plain", "deberta_cls", "bert_dense"])
@@ -373,11 +366,7 @@ def test_onnx_path_names_the_export_to_serve(electra, tmp_path):
     shutil.copy(electra["electra_last"][0] / "onnx" / "model.onnx", folder / "exports" / "last.onnx")
 
     def cli(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "batchgate", "prepare-model", str(folder), "--name", "x",
-             "--model-repository", str(tmp_path / "repo"), *extra],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        return prepare_cli(str(folder), "--name", "x", "--model-repository", str(tmp_path / "repo"), *extra)
 
     proc = cli("--onnx", "exports/last.onnx")
     assert proc.returncode == 0, proc.stderr
@@ -393,11 +382,7 @@ def test_an_architecture_neither_route_covers_names_the_onnx_way(electra, tmp_pa
     folder = tmp_path / "no-export"
     shutil.copytree(electra["electra_plain"][0], folder)
     (folder / "model.onnx").unlink()
-    proc = subprocess.run(
-        [sys.executable, "-m", "batchgate", "prepare-model", str(folder), "--name", "x",
-         "--model-repository", str(tmp_path / "repo")],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    proc = prepare_cli(str(folder), "--name", "x", "--model-repository", str(tmp_path / "repo"))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "unsupported architecture ElectraModel (model_type 'electra')" in proc.stderr
     assert "or provide an ONNX export (onnx/model.onnx)" in proc.stderr

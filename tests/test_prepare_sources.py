@@ -20,7 +20,7 @@ import pytest
 from batchgate.gateway.build import sources
 from batchgate.gateway.build.hf_model import PrepareError, prepare_model
 from tests.conftest import free_ports
-from tests.test_prepare_model import TINY, scramble, st_folder, wordpiece
+from tests.test_prepare_model import prepare_cli, save_folder, tiny_bert, wordpiece
 
 REPO_ID = "acme/tiny-bert"
 MAIN = "a" * 40
@@ -48,21 +48,12 @@ def cache_layout(cache: Path, repo_id: str, folder: Path, commit: str, refs: tup
 def folders(tmp_path_factory):
     """Two revisions of one tiny BERT: main pools the mean, v1 the CLS token."""
     torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("hub-folders")
     wp = wordpiece()
-    model = transformers.BertModel(transformers.BertConfig(**TINY, vocab_size=wp.get_vocab_size(),
-                                                           max_position_embeddings=64))  # fmt: skip
-    scramble(model)
-    out = {}
-    for name, pooling in (("mean", "mean"), ("cls", "cls")):
-        d = root / name
-        model.eval().save_pretrained(d)
-        wp.save(str(d / "tokenizer.json"))
-        st_folder(d, pooling, True)
-        out[name] = d
-    return out
+    model = tiny_bert(wp)
+    return {pooling: save_folder(model, wp, root / pooling, pooling, True) for pooling in ("mean", "cls")}
 
 
 @pytest.fixture
@@ -137,11 +128,9 @@ def test_without_huggingface_hub_the_cache_alone_answers(cache, monkeypatch, tmp
 
 def test_a_model_missing_offline_is_one_line_naming_the_cache(cache, tmp_path):
     env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "batchgate", "prepare-model", "acme/absent", "--name", "x",
-         "--model-repository", str(tmp_path / "repo")],
-        capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,
-    )  # fmt: skip
+    proc = prepare_cli(
+        "acme/absent", "--name", "x", "--model-repository", str(tmp_path / "repo"), env=env, cwd=tmp_path
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "acme/absent: not a local folder" in proc.stderr
     assert f"the Hugging Face cache {cache} " in proc.stderr
@@ -171,10 +160,8 @@ def test_online_with_huggingface_hub_a_failed_download_falls_back_to_the_cache(c
     code = "from batchgate.gateway.build.sources import resolve; print(resolve('acme/tiny-bert'))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 0 and proc.stdout.strip().endswith(MAIN), proc.stderr
-    proc = subprocess.run(
-        [sys.executable, "-m", "batchgate", "prepare-model", "acme/absent", "--name", "x",
-         "--model-repository", str(tmp_path / "repo")],
-        capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,
-    )  # fmt: skip
+    proc = prepare_cli(
+        "acme/absent", "--name", "x", "--model-repository", str(tmp_path / "repo"), env=env, cwd=tmp_path
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert f"the Hugging Face cache {cache} " in proc.stderr and "(the download failed: " in proc.stderr

@@ -21,7 +21,7 @@ from tritonclient.utils import InferenceServerException
 
 from batchgate.gateway.admission import Admission
 from batchgate.gateway.config import Settings
-from batchgate.gateway.tenants import (
+from batchgate.gateway.admission.tenants import (
     TenantFileError,
     generate_key,
     hash_key,
@@ -404,7 +404,7 @@ tenants:
     assert computed == [1, 1, 2, 2, 2], computed
     assert len(set(answers.values())) == 1  # the same model, the same answer
     # a's default class is bulk, b has none: the server's default (standard)
-    assert classes == {"bulk": 1, "standard": 1}, classes
+    assert classes == {"realtime": 0, "bulk": 1, "standard": 1}, classes  # every class is exported
 
 
 async def test_a_revoked_key_is_refused_within_seconds_without_a_restart(tmp_path, caplog):

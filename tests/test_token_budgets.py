@@ -19,7 +19,7 @@ import pytest
 
 from batchgate.gateway.admission import Admission, Limited
 from batchgate.gateway.errors import Kind
-from batchgate.gateway.tenants import hash_key, parse_tenants
+from batchgate.gateway.admission.tenants import hash_key, parse_tenants
 from tests.conftest import REPO, RedisServer, start_server
 from tests.harness import serving
 
@@ -49,12 +49,12 @@ async def test_estimate_charged_then_settled_to_the_exact_count():
     adm = _admission({"tokens_per_minute": 600, "tokens_burst": 100}, clock)  # 10 tokens/s
     acct = adm.identify(_md())
     ticket = await adm.admit(acct, "m", 1, 30)
-    gate = acct.default
-    assert gate.tokens.tokens(clock()) == pytest.approx(70)
+    quota = acct.default
+    assert quota.tokens.tokens(clock()) == pytest.approx(70)
     ticket.settle(50, clock())  # the exact count was 50: 20 more
-    assert gate.tokens.tokens(clock()) == pytest.approx(50)
+    assert quota.tokens.tokens(clock()) == pytest.approx(50)
     ticket.settle(40, clock())  # settling again moves to the new count, not by it
-    assert gate.tokens.tokens(clock()) == pytest.approx(60)
+    assert quota.tokens.tokens(clock()) == pytest.approx(60)
     ticket.release()
     headers = dict(ticket.headers(clock()))
     assert headers == {
@@ -102,10 +102,12 @@ async def test_reload_changes_the_budget_and_keeps_what_was_used(tmp_path):
     import os
 
     os.utime(path, ns=(time.time_ns(), time.time_ns() + 1_000_000))
-    assert adm.reload_if_changed()
-    gate = adm.identify(_md()).default
-    assert gate.tokens.burst == 1200
-    assert gate.tokens.tokens(clock()) == pytest.approx(800)  # 400 used this minute stay used
+    tenants = adm._read_if_changed()  # what the file watch does, off its timer
+    assert tenants is not None
+    adm._swap(tenants)
+    quota = adm.identify(_md()).default
+    assert quota.tokens.burst == 1200
+    assert quota.tokens.tokens(clock()) == pytest.approx(800)  # 400 used this minute stay used
 
 
 # -- through the server: OpenAI's SDK and its retries ---------------------------------------------
@@ -183,7 +185,8 @@ def offer(urls: list[str], seconds: float, texts_per_call: int = 2, threads: int
                 n += 1
                 r = http.post(
                     url + "/v1/embeddings", headers={"Authorization": f"Bearer {KEY}"},
-                    json={"model": "minilm", "input": [f"{n} {LONG}"] * texts_per_call},
+                    # bulk: its 10 s keeps a loaded machine's deadline drops out of a budget check
+                    json={"model": "minilm", "input": [f"{n} {LONG}"] * texts_per_call, "latency_class": "bulk"},
                 )  # fmt: skip
                 with lock:
                     calls[0] += 1
@@ -203,7 +206,10 @@ def offer(urls: list[str], seconds: float, texts_per_call: int = 2, threads: int
         "accepted": accepted[0],
         "refused": refused[0],
         "calls": calls[0],
-        "seconds": time.monotonic() - t0,
+        # the window admissions were made in: a call still being answered after it was charged
+        # inside it, so the slow answers of a loaded machine must not widen what the budget allows
+        "seconds": seconds,
+        "elapsed": time.monotonic() - t0,
     }
 
 
@@ -235,13 +241,15 @@ def check(result: dict, limits: dict) -> float:
 
 
 def test_a_token_budget_holds_across_two_replicas_sharing_redis(tmp_path):
-    # 60,000 tokens a minute (1,000 a second) for 20 s: ~40 long-text calls, the callers offering
-    # several times that. Within 5 % of burst + rate x time.
-    limits = {"tokens_per_minute": 60_000, "tokens_burst": 2_000}
+    # 18,000 tokens a minute (300 a second) for 20 s: ~38 calls of one long text (183 tokens), the
+    # callers offering several times that even when other work loads the two cores (a budget the
+    # replicas could not compute would measure the machine, not the budget). Within 5 % of
+    # burst + rate x time, two calls' worth.
+    limits = {"tokens_per_minute": 18_000, "tokens_burst": 1_000}
     redis = RedisServer(tmp_path).start()
     gws = replicas(tmp_path, redis.url, limits)
     try:
-        result = offer([f"http://127.0.0.1:{g.http_port}" for g in gws], 20.0)
+        result = offer([f"http://127.0.0.1:{g.http_port}" for g in gws], 20.0, texts_per_call=1)
     finally:
         for g in gws:
             g.stop()

@@ -15,10 +15,9 @@ import grpc
 import numpy as np
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
-from batchgate.bench.goodput import encoder_request
-from batchgate.bench.loadgen import free_ports
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import REPO, start_server
+from tests.helpers import encoder_request, free_ports
 
 
 class Receiver:

@@ -24,9 +24,9 @@ Engine modes (``EngineOptions.mode``):
   override, so ORT plans memory and folds shape arithmetic ahead of time (which CUDA graphs
   need: no shape nodes left to run on the CPU). Costs a weight copy and a session per bucket;
   on CPU the sessions share one arena (see sessions.py).
-* ``auto`` — static on a GPU with CUDA graphs on, shared otherwise. Measured on CPU (bundled
-  encoder, ORT 1.32, 1 thread): a static session is 0.9-1.0x the speed of the dynamic one at the
-  same shape, so there the sessions per bucket only cost memory.
+* ``auto`` — static on a GPU with CUDA graphs on, shared otherwise: on CPU a static session is
+  no faster than the dynamic one at the same shape, so there the sessions per bucket only cost
+  memory (docs/performance.md, "Figures the code cites").
 """
 
 from __future__ import annotations
@@ -369,12 +369,38 @@ class Engine:
         timing.input_ns += pre_ns
         if not batched or len(parts) == 1:
             return outputs, timing
+        own = self._own_lengths(feeds, rows)
         split = []
         start = 0
-        for n in rows:  # views: the arrays are this batch's own (never a pooled buffer)
-            split.append({name: arr[start : start + n] for name, arr in outputs[0].items()})
+        for i, n in enumerate(rows):  # views: the arrays are this batch's own (never a pooled buffer)
+            out = {}
+            for name, arr in outputs[0].items():
+                piece = arr[start : start + n]
+                if own is not None and self.plan.output_axes(name):
+                    piece = piece[_trim(piece.ndim, self.plan.output_axes(name), own[i])]
+                out[name] = piece
+            split.append(out)
             start += n
         return split, timing
+
+    def _own_lengths(self, feeds: dict[str, np.ndarray], rows: list[int]) -> list[tuple[int, ...]] | None:
+        """Each request's longest real row, read from the mask, where an output has a per-token
+        dim: the preprocessed batch is padded to its longest row, and a request batched with
+        longer rows gets its per-token outputs back at its own length (its answer's shape never
+        depends on whose rows it shared a batch with). None where no output needs it."""
+        plan = self.plan
+        if plan is None or len(plan.groups) != 1 or not any(plan.output_axes(t.name) for t in plan.outputs):
+            return None
+        mask = feeds.get(plan.mask_input) if plan.mask_input else None
+        if mask is None or mask.ndim != 2:
+            return None
+        # last real position + 1 (the text stage pads on the right; a left-padded row keeps its width)
+        real = np.where(mask.any(1), mask.shape[1] - np.argmax(mask[:, ::-1] != 0, axis=1), 0)
+        own, start = [], 0
+        for n in rows:
+            own.append((int(real[start : start + n].max()),))
+            start += n
+        return own
 
     def _run_pooled(self, parts, rows, lengths, seqs) -> tuple[list[dict[str, np.ndarray]], BatchTiming]:
         plan = self.plan
@@ -607,10 +633,8 @@ class Engine:
 # The gateway carries BYTES tensors as object arrays of ``bytes``, any bytes (NULs, empty strings,
 # bytes that are not UTF-8). A model whose graph has a string input or output runs through ORT's
 # C API (ort_capi.py), which takes and returns each element at its exact length: nothing is
-# converted, so every byte arrives and leaves as sent. Measured in process (ORT 1.32, one thread,
-# identity over 16 strings of 1-63 bytes): a call costs 1.33x the instructions of the Python
-# binding's UTF-8 path (callgrind) and 1.7x its CPU time (``python -m tests.test_ort_capi``),
-# the price of a dozen ctypes calls per run (docs/engines.md, docs/performance.md).
+# converted, so every byte arrives and leaves as sent. A call costs more than the Python binding's
+# UTF-8 path, the price of a dozen ctypes calls per run (docs/performance.md, "Figures the code cites").
 #
 # The Python binding remains the road only where the C library cannot be used (ort_capi.load()
 # logs why). It (measured, ORT 1.32) turns each element of an object array into a std::string by type:
@@ -634,7 +658,7 @@ def to_ort_strings(name: str, arr: np.ndarray) -> np.ndarray:
     """An object array of bytes (or str) as the object array of str onnxruntime reads byte for byte."""
     out = np.empty(arr.shape, dtype=object)
     flat = arr.reshape(-1)
-    try:  # one comprehension: about twice as fast as filling the array element by element
+    try:  # one comprehension: faster than filling the array element by element (docs/performance.md)
         out.reshape(-1)[:] = [v.decode("utf-8") if type(v) is bytes else _as_str(v) for v in flat]
     except (UnicodeDecodeError, TypeError):
         i, why = next((i, why) for i, v in enumerate(flat) if (why := _not_str(v)))

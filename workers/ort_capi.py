@@ -299,10 +299,6 @@ class Session:
                 api.ReleaseTypeInfo(info)
         return names, types
 
-    @property
-    def has_strings(self) -> bool:
-        return _STRING in self.input_types or _STRING in self.output_types
-
     def run(self, output_names: list[str] | None, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """As ``InferenceSession.run``; string outputs come back as object arrays of ``bytes``."""
         api = self.api

@@ -32,11 +32,9 @@ import numpy as np
 
 from batchgate.workers.buckets import BucketConfig, ShapePlan, read_model_io
 from batchgate.workers.devices import Device
-from batchgate.workers.engine import BatchTiming, Engine, EngineOptions
+from batchgate.workers.engine import Engine, EngineOptions
 
 log = logging.getLogger(__name__)
-
-BatchResult = tuple[list[dict[str, np.ndarray]], BatchTiming]
 
 # Test-only fault injection (tests/test_faults.py, docs/faults.md): with N > 0 the first worker
 # thread to take its (N+1)-th batch dies holding it, outside the per-batch guard, the way a thread

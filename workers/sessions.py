@@ -21,7 +21,7 @@ from pathlib import Path
 import onnxruntime as ort
 
 from batchgate.workers.devices import Device, cpu_flags
-from batchgate.workers.fingerprint import file_fingerprint
+from batchgate.workers.fingerprint import external_files, file_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,14 @@ class SessionFactory:
         self.cache_dir = cache_dir if cache_dir is not None and usable_dir(cache_dir) else None
         if cache_dir is not None and self.cache_dir is None:
             log.warning("engine cache dir %s is not writable; optimised models are not cached", cache_dir)
+        if self.cache_dir is not None and external_files(self.model_path):
+            # ORT saves an optimised graph as one protobuf: a model past 2 GiB cannot be saved,
+            # and a smaller one would copy its weights into the cache (per shape, in static
+            # mode). Optimising at load costs what docs/embeddings.md measures instead.
+            log.info(
+                "%s keeps its weights in external data; optimised models are not cached", self.model_path
+            )
+            self.cache_dir = None
         self.cuda_graphs = cuda_graphs
         self.hits = 0
         self.misses = 0

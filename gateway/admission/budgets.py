@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 from batchgate.gateway.errors import GatewayError, Kind
 
 if TYPE_CHECKING:
-    from batchgate.gateway.admission.limits import Account, Gate, Limited, Ticket
-    from batchgate.gateway.ratelimit import Bucket, GlobalSpec
+    from batchgate.gateway.admission.limits import Account, Quota, Limited, Ticket
+    from batchgate.gateway.admission.ratelimit import Bucket, GlobalSpec
 
 
 def estimate(stage, texts: list[bytes]) -> int:
@@ -41,13 +41,13 @@ def estimate(stage, texts: list[bytes]) -> int:
 def settle(ticket: Ticket, tokens: int, now: float) -> None:
     """Charge the difference between the exact ``tokens`` and what admission charged."""
     delta = tokens - ticket.charged
-    gate = ticket.gate
-    if not delta or gate is None:
+    quota = ticket.quota
+    if not delta or quota is None:
         return
     ticket.charged = tokens
-    if gate.tokens is not None:
-        gate.tokens.settle(delta, now)
-    spec = gate.spec
+    if quota.tokens is not None:
+        quota.tokens.settle(delta, now)
+    spec = quota.spec
     if spec is not None and spec.tokens is not None and ticket.limiter is not None:
         ticket.limiter.settle(spec, delta)
 
@@ -60,11 +60,11 @@ def too_large(tenant: str, model: str, tokens: int, most: int) -> GatewayError:
     )
 
 
-def limited(tenant: str, gate: Gate, wait_s: float, now: float) -> Limited:
+def limited(tenant: str, quota: Quota, wait_s: float, now: float) -> Limited:
     from batchgate.gateway.admission.limits import Limited
 
-    rate = gate.tokens.rate_per_s * 60
-    return Limited(f"tenant '{tenant}' is over {rate:g} tokens/min", wait_s, "tokens", headers(gate, now))
+    rate = quota.tokens.rate_per_s * 60
+    return Limited(f"tenant '{tenant}' is over {rate:g} tokens/min", wait_s, "tokens", headers(quota, now))
 
 
 # -- where a tenant stands: OpenAI's headers --------------------------------------------------------
@@ -103,11 +103,11 @@ def _tightest(states) -> tuple[float, float, float] | None:
     return min(states, key=lambda s: s[1]) if states else None
 
 
-def headers(gate: Gate, now: float) -> tuple[tuple[str, str], ...]:
-    """OpenAI's rate-limit headers for the buckets ``gate`` holds (none for what is not limited)."""
-    spec = gate.spec
+def headers(quota: Quota, now: float) -> tuple[tuple[str, str], ...]:
+    """OpenAI's rate-limit headers for the buckets ``quota`` holds (none for what is not limited)."""
+    spec = quota.spec
     out: list[tuple[str, str]] = []
-    for what, local, which in (("requests", gate.requests, 0), ("tokens", gate.tokens, 2)):
+    for what, local, which in (("requests", quota.requests, 0), ("tokens", quota.tokens, 2)):
         glob = None
         if spec is not None and (spec.requests, spec.rows, spec.tokens)[which] is not None:
             glob = _global(spec, which, now)
@@ -138,11 +138,11 @@ def carry_over(old: Account, new: Account, now: float) -> None:
     """``new`` (the tenant's entry changed in the tenant file) starts from what ``old`` used:
     each bucket holds what the old one used (in tokens, rows, requests), and the counters go on."""
     new.stats = old.stats
-    for model, gate in ((None, new.default), *new.gates.items()):
+    for model, quota in ((None, new.default), *new.gates.items()):
         before = old.default if model is None else old.gates.get(model, old.default)
         for name in ("requests", "rows", "tokens"):
-            _carry(getattr(before, name), getattr(gate, name), now)
-        if gate.spec is not None and before.spec is not None:
+            _carry(getattr(before, name), getattr(quota, name), now)
+        if quota.spec is not None and before.spec is not None:
             for name in ("share_requests", "share_rows", "share_tokens"):
-                _carry(getattr(before.spec, name), getattr(gate.spec, name), now)
-            gate.spec.ahead = before.spec.ahead
+                _carry(getattr(before.spec, name), getattr(quota.spec, name), now)
+            quota.spec.ahead = before.spec.ahead

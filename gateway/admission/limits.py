@@ -24,10 +24,18 @@ import os
 import time
 from collections.abc import Callable, Iterable
 
+from batchgate.cache import RedisLink
 from batchgate.gateway.admission import budgets
 from batchgate.gateway.errors import GatewayError, Kind
-from batchgate.gateway.ratelimit import Bucket, GlobalLimiter, GlobalSpec, RedisLimiter
-from batchgate.gateway.tenants import ANONYMOUS, Directory, Limits, Tenant, TenantFileError, load_tenants
+from batchgate.gateway.admission.ratelimit import Bucket, GlobalLimiter, GlobalSpec, RedisLimiter
+from batchgate.gateway.admission.tenants import (
+    ANONYMOUS,
+    Directory,
+    Limits,
+    Tenant,
+    TenantFileError,
+    load_tenants,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +79,7 @@ class TenantStats:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
-class Gate:
+class Quota:
     """The limits one (tenant, model) pair is held to; models without overrides share the tenant's."""
 
     __slots__ = (
@@ -106,7 +114,7 @@ class Account:
 
     __slots__ = ("default", "gates", "models", "stats", "tenant")
 
-    def __init__(self, tenant: Tenant, default: Gate, gates: dict[str, Gate]) -> None:
+    def __init__(self, tenant: Tenant, default: Quota, gates: dict[str, Quota]) -> None:
         self.tenant = tenant
         self.models = tenant.models
         self.default = default
@@ -122,12 +130,12 @@ class Ticket:
     """An admitted request; ``release`` frees its in-flight slot (idempotent). ``settle`` charges
     the exact token count against the estimate ``charged`` at admission."""
 
-    __slots__ = ("_gate", "charged", "gate", "limiter", "tenant")
+    __slots__ = ("_gate", "charged", "limiter", "quota", "tenant")
 
-    def __init__(self, tenant: Tenant, gate: Gate | None, charged: int = 0, limiter=None) -> None:
+    def __init__(self, tenant: Tenant, gate: Quota | None, charged: int = 0, limiter=None) -> None:
         self.tenant = tenant
         self._gate = gate
-        self.gate = gate  # kept after release: the settlement and the headers need it
+        self.quota = gate  # kept after release: the settlement and the headers need it
         self.charged = charged
         self.limiter = limiter
 
@@ -135,7 +143,7 @@ class Ticket:
         budgets.settle(self, tokens, now)
 
     def headers(self, now: float) -> tuple[tuple[str, str], ...]:
-        return budgets.headers(self.gate, now) if self.gate is not None else ()
+        return budgets.headers(self.quota, now) if self.quota is not None else ()
 
     def release(self) -> None:
         gate = self._gate
@@ -186,7 +194,7 @@ class Admission:
         self.accounts: dict[str, Account] = {}
         has_global = False
         for t in self.directory.tenants.values():
-            gates: dict[str, Gate] = {}
+            gates: dict[str, Quota] = {}
             for model in (None, *t.model_limits):
                 local, glob = t.limits_for(model) if model else (t.limits, t.global_limits)
                 spec = None
@@ -202,7 +210,7 @@ class Admission:
                     spec = GlobalSpec(
                         f"{t.name}/{scope}", keys, glob.requests, glob.rows, local_share, glob.tokens
                     )
-                gates[model or ""] = Gate(f"{t.name}/{model or '*'}", local, spec, glob)
+                gates[model or ""] = Quota(f"{t.name}/{model or '*'}", local, spec, glob)
             default = gates.pop("")
             self.accounts[t.name] = Account(t, default, gates)
         self._by_hash = {h: self.accounts[t.name] for h, t in self.directory.by_hash.items()}
@@ -224,8 +232,6 @@ class Admission:
         )
         limiter: GlobalLimiter | None = None
         if has_global and settings.redis_url:
-            from batchgate.cache import RedisLink
-
             limiter = RedisLimiter(
                 redis or RedisLink.from_settings(settings),
                 timeout_s=settings.ratelimit_redis_timeout_ms / 1e3,
@@ -271,17 +277,6 @@ class Admission:
                     self._swap(tenants)  # on the loop: a call sees the old tenants or the new ones whole
             except Exception:  # a bug here must not stop the checks, nor the server
                 log.exception("tenant file check failed")
-
-    def reload_if_changed(self) -> bool:
-        """Re-read the tenant file if it changed since it was read (a Kubernetes Secret's update,
-        an edit): new keys work and revoked ones are refused from then on, without a restart. A
-        file that no longer parses is refused with its reason and the tenants read before stay.
-        Tenants whose entry did not change keep their counters (in flight, buckets)."""
-        tenants = self._read_if_changed()
-        if tenants is None:
-            return False
-        self._swap(tenants)
-        return True
 
     def _read_if_changed(self) -> list[Tenant] | None:
         settings, state = self._source
@@ -417,7 +412,7 @@ class Admission:
         return Ticket(account.tenant, gate, tokens, self.limiter)
 
     @staticmethod
-    def _refund(gate: Gate, rows: int, tokens: int = 0) -> None:
+    def _refund(gate: Quota, rows: int, tokens: int = 0) -> None:
         if gate.requests is not None:
             gate.requests.refund(1)
         if gate.rows is not None and rows:

@@ -168,8 +168,23 @@ class Usage:
 
     # -- /metrics ------------------------------------------------------------------------------
 
-    def families(self, unauthenticated: int = 0) -> Iterator:
+    def families(self, admission=None, models: Iterable[str] = ()) -> Iterator:
+        """The usage families; every (tenant, model) pair ``admission``'s tenants may call among
+        the served ``models`` has zero-valued series from the first scrape (a new server's panels
+        read 0): bounded by the tenant file, as the labels are."""
         from prometheus_client.core import CounterMetricFamily
+
+        totals = self.totals
+        if admission is not None:
+            tenants = [(a.tenant.name, a.models) for a in admission.accounts.values()] or [
+                ("anonymous", None)
+            ]
+            quiet = [
+                (t, m) for t, allowed in tenants for m in models
+                if (t, m) not in totals and (allowed is None or m in allowed)
+            ]  # fmt: skip
+            if quiet:
+                totals = {**totals, **{pair: (0, 0, 0, 0, 0.0) for pair in quiet}}
 
         p, labels = "batchgate_usage_", ["tenant", "model"]
         helps = {
@@ -183,7 +198,7 @@ class Usage:
             fam = CounterMetricFamily(
                 p + (name if name != "compute_s" else "compute_seconds"), helps[name], labels=labels
             )
-            for (tenant, model), t in self.totals.items():
+            for (tenant, model), t in totals.items():
                 fam.add_metric([tenant, model], t[i])
             yield fam
         fam = CounterMetricFamily(
@@ -192,7 +207,9 @@ class Usage:
         )  # fmt: skip
         for (tenant, model, cause), n in self.refusals.items():
             fam.add_metric([tenant, model, cause], n)
-        fam.add_metric(["(unknown key)", "", "unauthenticated"], unauthenticated)
+        fam.add_metric(
+            ["(unknown key)", "", "unauthenticated"], admission.unauthenticated if admission else 0
+        )
         yield fam
 
 

@@ -4,8 +4,9 @@ encoder sits under ``distilbert.``) from its safetensors weights, as transformer
 Its block is BERT's post-LN block under other names (``q_lin``, ``sa_layer_norm``, ``ffn.lin1``,
 ``output_layer_norm``), so the graph is ``encoder.py``'s with the weights renamed; the
 embeddings have no token types and start positions at 0. Sinusoidal position embeddings
-(``sinusoidal_pos_embds``) are stored in the checkpoint like learned ones; a checkpoint without
-the table gets transformers' formula. LayerNorm epsilon is DistilBERT's fixed 1e-12.
+(``sinusoidal_pos_embds``) are stored in the checkpoint like learned ones (transformers saves
+the table it computed), so they are read as learned ones. LayerNorm epsilon is DistilBERT's
+fixed 1e-12.
 """
 
 from __future__ import annotations
@@ -13,17 +14,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from batchgate.gateway.build.encoder import (
-    EncoderConfig,
-    Head,
-    _embeddings,
-    _Graph,
-    renamed,
-    _layer,
-    finish_head,
-    key_padding_bias,
-    standard_constants,
-)
+from batchgate.gateway.build import encoder
+from batchgate.gateway.build.encoder import EncoderConfig, Head, renamed
 
 STEM = "DistilBert"
 ARCHS = ("Model", "ForMaskedLM")
@@ -70,13 +62,4 @@ def build_model(weights: dict[str, np.ndarray], cfg: EncoderConfig, head: Head, 
                 producer: str) -> onnx.ModelProto:  # fmt: skip
     """input_ids, attention_mask (INT64 [batch, seq]) -> ``embedding`` (FP32 [batch, hidden]).
     ``weights`` are named as in a bare ``DistilBertModel`` (no ``distilbert.`` prefix)."""
-    w = renamed(weights, _RENAMES)
-    g = _Graph()
-    standard_constants(g, cfg)
-    x = _embeddings(g, w, cfg)
-    mask, key_bias = key_padding_bias(g)
-    for i in range(cfg.layers):
-        x = _layer(g, i, x, key_bias, w, cfg)
-    return finish_head(
-        g, x, mask, head, cfg.hidden, ["input_ids", "attention_mask"], name=name, producer=producer
-    )
+    return encoder.build_model(renamed(weights, _RENAMES), cfg, head, name=name, producer=producer)

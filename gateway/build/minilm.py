@@ -292,7 +292,7 @@ def render_text_config(
                 "    kind: KIND_CPU",
                 "  }",
                 "]",
-                '# Text stage (gateway/preprocess.py). seq_buckets "none": batches run at their own longest',
+                '# Text stage (gateway/text.py). seq_buckets "none": batches run at their own longest',
                 "# length, not padded up to a static bucket (on CPU a padded token costs what a real one",
                 "# does); on a GPU delete that line to get the static bucket engines and CUDA graphs.",
                 *(f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}' for k, v in params.items()),

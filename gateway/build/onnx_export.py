@@ -35,7 +35,13 @@ from batchgate.gateway.build.hf_model import (
     render_config,
     text_settings,
 )
-from batchgate.gateway.build.onnx_graph import GraphBuilder, write_atomic
+from batchgate.gateway.build.onnx_graph import (
+    PROTOBUF_LIMIT,
+    GraphBuilder,
+    model_bytes,
+    write_atomic,
+    write_model,
+)
 
 ONNX_FILES = ("onnx/model.onnx", "model.onnx")
 EXPORT_HINT = "or provide an ONNX export (onnx/model.onnx)"
@@ -51,8 +57,6 @@ MIN_OPSET = 13
 _OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "mpnet", "longformer")
 # Every name the head adds starts with this, so none can collide with the export's own.
 P = "batchgate.head/"
-# A protobuf message cannot pass 2 GiB; larger exports keep their weights as external data.
-_MAX_BYTES = 2**31 - 2**24
 
 
 def find_onnx(*folders: Path) -> Path | None:
@@ -365,12 +369,17 @@ def _prune(graph: onnx.GraphProto) -> None:
 
 
 def build_export(plan: ExportPlan, name: str) -> onnx.ModelProto:
-    model = onnx.load(str(plan.onnx_file))
+    try:
+        # The weights too, also those an export past 2 GiB keeps beside it (optimum writes
+        # model.onnx_data); write_model stores them again, beside the served graph when large.
+        model = onnx.load(str(plan.onnx_file))
+    except (OSError, ValueError, onnx.checker.ValidationError) as exc:
+        raise PrepareError(f"{plan.onnx_file}: cannot read the export's weights: {exc}") from None
     graph = model.graph
     taken = {v.name for v in (*graph.input, *graph.output, *graph.value_info, *graph.initializer)}
-    taken |= {o for n in graph.node for o in n.output}
+    taken |= {o for n in graph.node for o in n.output} | {n.name for n in graph.node}
     if "embedding" in taken or any(t.startswith(P) for t in taken):
-        raise PrepareError(f"{plan.onnx_file}: already has a tensor named embedding or {P}*")
+        raise PrepareError(f"{plan.onnx_file}: already has a tensor or node named embedding or {P}*")
     h = _Head(_opset(model))
     (out,) = [o for o in graph.output if o.name == plan.output]
     states = out.name
@@ -386,11 +395,8 @@ def build_export(plan: ExportPlan, name: str) -> onnx.ModelProto:
     model.doc_string = (
         f"{plan.onnx_file.name} with batchgate's head ({P}*: pooling, Dense, Normalize) as {name}"
     )
-    if model.ByteSize() > _MAX_BYTES:
-        raise PrepareError(
-            f"{plan.onnx_file}: the export is over 2 GB; served exports keep their weights in one file for now"
-        )
-    onnx.checker.check_model(model)
+    if model_bytes(model) < PROTOBUF_LIMIT:
+        onnx.checker.check_model(model)  # else write_model checks the file it writes
     return model
 
 
@@ -409,7 +415,7 @@ def prepare_export(source: Path, name: str, repo: Path, *, onnx_file: Path | Non
     plan = read_export(source, onnx_file=onnx_file, pooling=pooling, normalize=normalize)
     model = build_export(plan, name)
     out = Path(repo) / name
-    write_atomic(out / VERSION / "model.onnx", model.SerializeToString(deterministic=True))
+    write_model(out / VERSION / "model.onnx", model)
     write_atomic(out / "tokenizer.json", plan.tokenizer.read_bytes())
     # Config last, so a repository scan never finds a config whose other files are missing.
     write_atomic(out / "config.pbtxt", render_config(name, plan).encode())

@@ -14,18 +14,27 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+from onnx.external_data_helper import set_external_data, write_external_data_tensors
 
 # Pinned rather than taken from the installed onnx, whose defaults move between releases and
 # would change the bytes (and could exceed what the deployed onnxruntime accepts).
 OPSET = 17
 IR_VERSION = 9
 PRODUCER = "batchgate.bundled_models"  # written into the files: part of their bytes
+# One protobuf message cannot pass 2 GiB, so a model past it keeps its weights in a second file.
+PROTOBUF_LIMIT = 2**31
+EXTERNAL_BYTES_ENV = "BATCHGATE_ONNX_EXTERNAL_BYTES"
+# A little under the limit: serialising a message near it already fails.
+DEFAULT_EXTERNAL_BYTES = 2**31 - 64 * 2**20
+# Every tensor past this size goes to the data file; smaller ones (shapes, scalars) stay inline.
+_EXTERNAL_TENSOR_BYTES = 1024
 
 
 class GraphBuilder:
@@ -69,16 +78,83 @@ def finish_model(
     outputs: list[onnx.ValueInfoProto],
     producer: str = PRODUCER,
 ) -> onnx.ModelProto:
-    """The graph as a checked model at batchgate's opset and IR version."""
+    """The graph as a checked model at batchgate's opset and IR version. The builder's
+    initializers move into the model (the builder is left without them)."""
     model = helper.make_model(
-        helper.make_graph(graph.nodes, name, inputs, outputs, graph.initializers),
+        helper.make_graph(graph.nodes, name, inputs, outputs),
         opset_imports=[helper.make_opsetid("", OPSET)],
         producer_name=producer,
         producer_version="1",
     )
+    # One tensor at a time, in order: make_graph and make_model would each copy them all, which
+    # for Qwen3-Embedding-0.6B (2.4 GB of weights) held three copies at once.
+    tensors, graph.initializers = graph.initializers, []
+    for i, tensor in enumerate(tensors):
+        model.graph.initializer.append(tensor)
+        tensors[i] = None
     model.ir_version = IR_VERSION
-    onnx.checker.check_model(model, full_check=True)
+    if model_bytes(model) < PROTOBUF_LIMIT:
+        onnx.checker.check_model(model, full_check=True)
+    # else the checker refuses the message in memory; write_model checks the written file.
     return model
+
+
+def model_bytes(model: onnx.ModelProto) -> int:
+    """About the serialised size of ``model`` (its initializers and nodes, the rest is small),
+    measured part by part: protobuf's ByteSize serialises the whole message to measure it,
+    which for Qwen3-Embedding-0.6B (2.4 GB) held 10 GB more at once."""
+    graph = model.graph
+    return sum(t.ByteSize() for t in graph.initializer) + sum(n.ByteSize() for n in graph.node)
+
+
+def external_bytes() -> int:
+    """The model size past which write_model stores the weights beside the graph: the env
+    setting ``BATCHGATE_ONNX_EXTERNAL_BYTES`` (so a test can send a tiny model down that path),
+    else just under protobuf's 2 GiB."""
+    raw = os.environ.get(EXTERNAL_BYTES_ENV, "").strip()
+    if not raw:
+        return DEFAULT_EXTERNAL_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= DEFAULT_EXTERNAL_BYTES:
+        raise ValueError(
+            f"{EXTERNAL_BYTES_ENV}={raw!r}: expected a byte count from 0 to {DEFAULT_EXTERNAL_BYTES}"
+        )
+    return value
+
+
+def external_data_path(model_file: Path) -> Path:
+    """Where write_model puts a large model's weights: ``model.onnx`` -> ``model.onnx.data``."""
+    return model_file.with_name(model_file.name + ".data")
+
+
+def write_model(path: Path, model: onnx.ModelProto) -> None:
+    """Write ``model`` to ``path`` atomically: one file, or past external_bytes() the graph in
+    ``path`` and every tensor over 1 KiB in ``<path>.data`` beside it (ONNX external data, which
+    ONNX Runtime and OpenVINO read from beside the graph). The external write moves the weights
+    out of ``model``'s tensors: the caller is done with it."""
+    data = external_data_path(path)
+    if model_bytes(model) <= external_bytes():
+        write_atomic(path, model.SerializeToString(deterministic=True))
+        data.unlink(missing_ok=True)  # a previous large build's weights, read by nothing now
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
+        staged = Path(tmp) / path.name
+        # What onnx.save_model(save_as_external_data=True) does, less its check that no file of
+        # the data file's name exists in the *working* directory (it refuses one that does).
+        for tensor in model.graph.initializer:
+            if tensor.HasField("raw_data") and len(tensor.raw_data) >= _EXTERNAL_TENSOR_BYTES:
+                set_external_data(tensor, data.name)
+        write_external_data_tensors(model, tmp)
+        staged.write_bytes(model.SerializeToString(deterministic=True))
+        onnx.checker.check_model(str(staged))  # the data file is where the graph says, and long enough
+        # Weights first, the graph that names them last: a load between the two renames (a
+        # model reloaded while it is being prepared) pairs the old graph with the new weights.
+        os.replace(Path(tmp) / data.name, data)
+        os.replace(staged, path)
 
 
 def write_atomic(path: Path, data: bytes) -> None:

@@ -64,6 +64,7 @@ import numpy as np
 import onnx
 
 from batchgate.workers.devices import cpu_class
+from batchgate.workers.fingerprint import external_files
 
 from batchgate.gateway.build.thresholds import METHODS, NN_TIE, SCALES, Thresholds
 from batchgate.gateway.repository import (
@@ -1131,13 +1132,22 @@ def _spec(model_dir: Path, version: str | None) -> ModelSpec:
     except ConfigError as exc:
         raise OptimizeError(str(exc)) from None
     by_version = {s.version: s for s in specs}
-    if version is None:
-        return specs[-1]
-    if version not in by_version:
+    if version is not None and version not in by_version:
         raise OptimizeError(
             f"model '{model_dir.name}' serves no version {version} (it serves {sorted(by_version)})"
         )
-    return by_version[version]
+    spec = specs[-1] if version is None else by_version[version]
+    data = external_files(spec.path)
+    if data:
+        # Each variant and its gate report name one file (the report's sha256 is the staleness
+        # check); a variant of a model past 2 GiB would need its own weights file beside it.
+        raise OptimizeError(
+            f"model '{spec.name}' version {spec.version}: {spec.path.name} keeps its weights in "
+            f"{', '.join(d.name for d in data)} (ONNX external data, as a model past 2 GiB must), and "
+            "`batchgate optimize` builds variants of single-file models only; serve the original "
+            "(parameters engine 'openvino' and precision 'bf16' run it through OpenVINO without a variant)"
+        )
+    return spec
 
 
 def _check_options(opts: Options) -> None:

@@ -22,8 +22,8 @@ from batchgate.gateway.errors import GatewayError, Kind, invalid, not_found, ret
 from batchgate.gateway.transport.fields import (
     cut_to,
     dimensions_for,
-    ends_its_pass,
-    entered_body,
+    TextRoutes,
+    json_object,
     flag,
     latency_of,
     prompt_name_of,
@@ -75,42 +75,38 @@ def _model_card(name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "batchgate"}
 
 
-class OpenAI:
-    def __init__(self, server: Server, http: Http) -> None:
-        self.server = server
-        self.http = http
-        self.edge = server.metrics.transport("http")
-
-    @ends_its_pass
+class OpenAI(TextRoutes):
     async def embeddings(self, request: web.Request) -> web.Response:
         echo = request_echo(request)
         try:
-            pass_, doc = await entered_body(self.server, self.http, request)
-            if not isinstance(doc, dict):
-                raise invalid("the request body must be a JSON object with 'model' and 'input'")
-            unknown = sorted(set(doc) - _OPENAI_FIELDS)
-            if unknown:
-                raise invalid(f"unrecognized request argument(s): {unknown}", unknown[0])
-            model = doc.get("model")
-            if not isinstance(model, str) or not model:
-                raise invalid("'model' is required: the name of a text model", "model")
-            if "input" not in doc:
-                raise invalid("'input' is required: a string or a list of strings", "input")
-            texts = texts_of(doc["input"], "input")
-            fmt = doc.get("encoding_format") or "float"
-            if fmt not in ("float", "base64"):
-                raise invalid(
-                    f"'encoding_format' must be 'float' or 'base64', not {fmt!r}", "encoding_format"
+            with self.door.enter(self.http.metadata(request)) as pass_:
+                doc = await json_object(
+                    self.http,
+                    request,
+                    _OPENAI_FIELDS,
+                    "'model' and 'input'",
+                    "unrecognized request argument(s)",
                 )
-            if "user" in doc and not isinstance(doc["user"], str):
-                raise invalid("'user' must be a string", "user")
-            params = latency_of(request, doc)
-            size = dimensions_for(self.server, model, doc.get("dimensions"))
-            truncate = flag(doc, "truncate", False)
-            answer = await self.server.pipeline.texts(
-                pass_, self.edge, model, texts, params, prompt_name=prompt_name_of(doc),
-                exact_limit=not truncate, cut=truncate,
-            )  # fmt: skip
+                model = doc.get("model")
+                if not isinstance(model, str) or not model:
+                    raise invalid("'model' is required: the name of a text model", "model")
+                if "input" not in doc:
+                    raise invalid("'input' is required: a string or a list of strings", "input")
+                texts = texts_of(doc["input"], "input")
+                fmt = doc.get("encoding_format") or "float"
+                if fmt not in ("float", "base64"):
+                    raise invalid(
+                        f"'encoding_format' must be 'float' or 'base64', not {fmt!r}", "encoding_format"
+                    )
+                if "user" in doc and not isinstance(doc["user"], str):
+                    raise invalid("'user' must be a string", "user")
+                params = latency_of(request, doc)
+                size = dimensions_for(self.server, model, doc.get("dimensions"))
+                truncate = flag(doc, "truncate", False)
+                answer = await self.server.pipeline.texts(
+                    pass_, self.edge, model, texts, params, prompt_name=prompt_name_of(doc),
+                    exact_limit=not truncate, cut=truncate,
+                )  # fmt: skip
         except GatewayError as exc:
             return openai_error(exc, echo)
         total = sum(answer.tokens)
@@ -133,11 +129,12 @@ class OpenAI:
         tenant only its own figures (this replica's; docs/tenants.md)."""
         try:
             account = self.server.pipeline.identify(self.http.metadata(request))
+            usage = self.server.usage
             only = None if account is None or account.tenant.admin else account.tenant.name
             query: dict[str, list[str]] = {}
             for key, value in request.query.items():
                 query.setdefault(key, []).append(value)
-            page = self.server.pipeline.usage.page(query, only)
+            page = usage.page(query, only)
         except GatewayError as exc:
             return openai_error(exc)
         return web.json_response(page)

@@ -174,6 +174,26 @@ _HEADER = {
 }  # fmt: skip
 
 
+def _query(name: str, schema: dict, description: str, required: bool = False) -> dict:
+    return {"name": name, "in": "query", "required": required, "schema": schema, "description": description}
+
+
+_NAMES = {"type": "array", "items": _STR}
+_USAGE_QUERY = [
+    _query("start_time", {"type": "integer", "minimum": 0}, "Unix seconds: the first bucket's start.", True),
+    _query("end_time", {"type": "integer", "minimum": 0}, "Unix seconds: the end (default now)."),
+    _query("bucket_width", {"type": "string", "enum": ["1m", "1h", "1d"], "default": "1d"}, "A bucket's width."),
+    _query("limit", {"type": "integer", "minimum": 1}, "Buckets per page (1m: 1440, 1h: 168, 1d: 31 at most)."),
+    _query("page", {"type": "integer", "minimum": 0}, "The previous page's `next_page`."),
+    _query(
+        "group_by", {"type": "array", "items": {"type": "string", "enum": ["project_id", "model"]}},
+        "Group by tenant (`project_id`) and/or model.",
+    ),
+    _query("models", _NAMES, "Only these models."),
+    _query("project_ids", _NAMES, "Only these tenants."),
+]  # fmt: skip
+
+
 def _op(
     op_id: str, tag: str, summary: str, responses: dict, *, params: tuple[str, ...] = (),
     headers: tuple[str, ...] = (), body: dict | None = None, security: list | None = None,
@@ -447,6 +467,39 @@ SCHEMAS: dict[str, dict] = {
     ),
     "ModelList": _obj(
         {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}, ("object", "data")
+    ),
+    "UsageResult": _obj(
+        {
+            "object": {"const": "organization.usage.embeddings.result"},
+            "input_tokens": _COUNTER,
+            "num_model_requests": _COUNTER,
+            "project_id": {
+                "type": ["string", "null"],
+                "description": "The tenant (with group_by project_id).",
+            },
+            "user_id": {"type": "null"},
+            "api_key_id": {"type": "null"},
+            "model": {"type": ["string", "null"], "description": "The model (with group_by model)."},
+        },
+        ("object", "input_tokens", "num_model_requests", "project_id", "model"),
+    ),
+    "UsageBucket": _obj(
+        {
+            "object": {"const": "bucket"},
+            "start_time": _INT,
+            "end_time": _INT,
+            "results": {"type": "array", "items": _ref("UsageResult")},
+        },
+        ("object", "start_time", "end_time", "results"),
+    ),
+    "UsagePage": _obj(
+        {
+            "object": {"const": "page"},
+            "data": {"type": "array", "items": _ref("UsageBucket")},
+            "has_more": _BOOL,
+            "next_page": {"type": ["string", "null"], "description": "The `page` of the next buckets."},
+        },
+        ("object", "data", "has_more", "next_page"),
     ),
     # -- TEI
     "EmbedRequest": _obj(
@@ -722,6 +775,20 @@ def _paths() -> dict[str, dict]:
                 {"200": _ok("The model.", _ref("Model")), **_errors("openai", (401, 404))},
                 params=("model",),
             )
+        },
+        "/v1/organization/usage/embeddings": {
+            "get": {
+                **_op(
+                    "usageEmbeddings", "OpenAI", "Embeddings usage (OpenAI's usage API)",
+                    {"200": _ok("Buckets of input tokens and calls.", _ref("UsagePage")),
+                     **_errors("openai", (400, 401),
+                               {400: "A query parameter is missing, malformed or out of range (`param` names it)."}),
+                     **_errors("openai", (501,), {501: "Usage metering is off on this server (`usage_metering`)."})},
+                    description="This replica's figures. A tenant marked admin sees every tenant; another "
+                    "tenant only its own. `project_id` is the tenant.",
+                ),
+                "parameters": _USAGE_QUERY,
+            }
         },
         # -- TEI
         "/embed": {

@@ -20,8 +20,8 @@ from batchgate.gateway.errors import GatewayError, Kind, invalid, retry_headers
 from batchgate.gateway.text import PAIR_SEPARATOR
 from batchgate.gateway.transport.fields import (
     dimensions_for,
-    ends_its_pass,
-    entered_body,
+    TextRoutes,
+    json_object,
     flag,
     latency_of,
     prompt_name_of,
@@ -119,40 +119,30 @@ def _right(doc: dict) -> None:
         raise invalid("'truncation_direction' must be 'Right': texts keep their first tokens")
 
 
-class Tei:
-    def __init__(self, server: Server, http: Http) -> None:
-        self.server = server
-        self.http = http
-        self.edge = server.metrics.transport("http")
-
-    @ends_its_pass
+class Tei(TextRoutes):
     async def embed(self, request: web.Request) -> web.Response:
         echo = request_echo(request)
         try:
-            pass_, doc = await entered_body(self.server, self.http, request)
-            if not isinstance(doc, dict):
-                raise invalid("the request body must be a JSON object with 'inputs'")
-            unknown = sorted(set(doc) - _TEI_FIELDS)
-            if unknown:
-                raise invalid(f"unknown field(s): {unknown}", unknown[0])
-            if "inputs" not in doc:
-                raise invalid("'inputs' is required: a string or a list of strings", "inputs")
-            if doc["inputs"] == []:
-                raise invalid(EMPTY, "inputs")
-            texts = texts_of(doc["inputs"], "inputs")
-            normalize = flag(doc, "normalize", True)
-            truncate = flag(doc, "truncate", False)
-            _right(doc)
-            prompt_name = prompt_name_of(doc)
-            model = doc.get("model", DEFAULT_MODEL)
-            if not isinstance(model, str):
-                raise invalid("'model' must be the name of a text model")
-            params = latency_of(request, doc)
-            size = dimensions_for(self.server, model, doc.get("dimensions"))
-            answer = await self.server.pipeline.texts(
-                pass_, self.edge, model, texts, params, exact_limit=not truncate, prompt_name=prompt_name,
-                cut=truncate,
-            )  # fmt: skip
+            with self.door.enter(self.http.metadata(request)) as pass_:
+                doc = await json_object(self.http, request, _TEI_FIELDS, "'inputs'", "unknown field(s)")
+                if "inputs" not in doc:
+                    raise invalid("'inputs' is required: a string or a list of strings", "inputs")
+                if doc["inputs"] == []:
+                    raise invalid(EMPTY, "inputs")
+                texts = texts_of(doc["inputs"], "inputs")
+                normalize = flag(doc, "normalize", True)
+                truncate = flag(doc, "truncate", False)
+                _right(doc)
+                prompt_name = prompt_name_of(doc)
+                model = doc.get("model", DEFAULT_MODEL)
+                if not isinstance(model, str):
+                    raise invalid("'model' must be the name of a text model")
+                params = latency_of(request, doc)
+                size = dimensions_for(self.server, model, doc.get("dimensions"))
+                answer = await self.server.pipeline.texts(
+                    pass_, self.edge, model, texts, params, exact_limit=not truncate, prompt_name=prompt_name,
+                    cut=truncate,
+                )  # fmt: skip
         except GatewayError as exc:
             return tei_error(exc, echo)
         vectors = answer.outputs[0].array
@@ -191,28 +181,25 @@ class Tei:
         )
         return answer.outputs[0].array[:, 0].copy(), answer
 
-    @ends_its_pass
     async def rerank(self, request: web.Request) -> web.Response:
         """TEI's ``POST /rerank``: ``[{index, score, text?}]`` sorted by score, highest first;
         scores through a sigmoid unless ``raw_scores`` (what TEI answers for a one-label model)."""
         echo = request_echo(request)
         try:
-            pass_, doc = await entered_body(self.server, self.http, request)
-            if not isinstance(doc, dict):
-                raise invalid("the request body must be a JSON object with 'query' and 'texts'")
-            unknown = sorted(set(doc) - _TEI_RERANK_FIELDS)
-            if unknown:
-                raise invalid(f"unknown field(s): {unknown}", unknown[0])
-            if doc.get("texts") == []:
-                raise invalid(EMPTY, "texts")
-            texts = texts_of(doc.get("texts"), "texts")
-            truncate = flag(doc, "truncate", False)
-            raw = flag(doc, "raw_scores", False)
-            return_text = flag(doc, "return_text", False)
-            _right(doc)
-            scores, answer = await self._rerank(
-                request, pass_, doc, texts, exact_limit=not truncate, cut=truncate
-            )
+            with self.door.enter(self.http.metadata(request)) as pass_:
+                doc = await json_object(
+                    self.http, request, _TEI_RERANK_FIELDS, "'query' and 'texts'", "unknown field(s)"
+                )
+                if doc.get("texts") == []:
+                    raise invalid(EMPTY, "texts")
+                texts = texts_of(doc.get("texts"), "texts")
+                truncate = flag(doc, "truncate", False)
+                raw = flag(doc, "raw_scores", False)
+                return_text = flag(doc, "return_text", False)
+                _right(doc)
+                scores, answer = await self._rerank(
+                    request, pass_, doc, texts, exact_limit=not truncate, cut=truncate
+                )
         except GatewayError as exc:
             return tei_error(exc, echo)
         if not raw:
@@ -229,26 +216,27 @@ class Tei:
             headers={**echo, "x-compute-tokens": str(sum(answer.tokens))},
         )  # fmt: skip
 
-    @ends_its_pass
     async def v1_rerank(self, request: web.Request) -> web.Response:
         """Cohere's / Jina's ``POST /v1/rerank``: ``{results: [{index, relevance_score,
         document?}]}`` sorted by relevance, the first ``top_n``; relevance through a sigmoid."""
         echo = request_echo(request)
         try:
-            pass_, doc = await entered_body(self.server, self.http, request)
-            if not isinstance(doc, dict):
-                raise invalid("the request body must be a JSON object with 'query' and 'documents'")
-            unknown = sorted(set(doc) - _V1_RERANK_FIELDS)
-            if unknown:
-                raise invalid(f"unrecognized request argument(s): {unknown}", unknown[0])
-            if "documents" not in doc:
-                raise invalid("'documents' is required: a list of texts", "documents")
-            texts = _documents(doc["documents"])
-            top_n = doc.get("top_n")
-            if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
-                raise invalid("'top_n' must be a positive integer", "top_n")
-            return_documents = flag(doc, "return_documents", False)
-            scores, answer = await self._rerank(request, pass_, doc, texts, exact_limit=False)
+            with self.door.enter(self.http.metadata(request)) as pass_:
+                doc = await json_object(
+                    self.http,
+                    request,
+                    _V1_RERANK_FIELDS,
+                    "'query' and 'documents'",
+                    "unrecognized request argument(s)",
+                )
+                if "documents" not in doc:
+                    raise invalid("'documents' is required: a list of texts", "documents")
+                texts = _documents(doc["documents"])
+                top_n = doc.get("top_n")
+                if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
+                    raise invalid("'top_n' must be a positive integer", "top_n")
+                return_documents = flag(doc, "return_documents", False)
+                scores, answer = await self._rerank(request, pass_, doc, texts, exact_limit=False)
         except GatewayError as exc:
             return openai_error(exc, echo)
         relevance = _sigmoid(scores)

@@ -13,7 +13,7 @@ no answer was malformed, no INTERNAL/UNKNOWN status, the server exits 0 on SIGTE
 at the end is at most ``start × 1.25 + 50 MiB``, where start is read after a warm-up period
 (``--warmup-s``: arenas, buckets and caches fill in the first seconds and are not a leak).
 
-    .venv/bin/python -m batchgate.bench.soak [--seconds 180] [--concurrency 8] [--json out/soak.json]
+    .venv/bin/python -m lab.soak [--seconds 180] [--concurrency 8] [--json out/soak.json]
 """
 
 from __future__ import annotations

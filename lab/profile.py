@@ -13,7 +13,7 @@ transport, ``codec.py`` → codec, ``scheduler.py`` → scheduler, ...), or, wit
 library it is in (the asyncio loop with the grpc.aio Cython beneath it, the grpc poller thread).
 Threads without Python frames (ONNX Runtime's) keep their /proc figure as one row.
 
-    .venv/bin/python -m batchgate.bench.profile [--targets noop,batchgate] [--apis unary,stream]
+    .venv/bin/python -m lab.profile [--targets noop,batchgate] [--apis unary,stream]
         [--calls 20000] [--concurrency 64] [--no-py-spy] [--pin-server 0 --pin-client 1] [--json F]
 
 py-spy is in the ``dev`` extra (``pip install py-spy``); it needs ptrace rights over the server
@@ -27,7 +27,6 @@ import asyncio
 import itertools
 import json
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -39,39 +38,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from batchgate.bench.loadgen import Started, Workload, _Stream, start_target
+from batchgate.bench.loadgen import (
+    Started,
+    Workload,
+    _Stream,
+    process_cpu,
+    self_cpu,
+    start_target,
+    thread_cpu,
+)
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
-
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
-
-# -- CPU time from /proc --------------------------------------------------------------------------
-
-
-def _stat_cpu(path: str) -> float:
-    """utime + stime in seconds from a /proc stat file (fields 14 and 15; comm may hold spaces)."""
-    with open(path) as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * _TICK_S
-
-
-def process_cpu(pid: int) -> float:
-    return _stat_cpu(f"/proc/{pid}/stat")
-
-
-def thread_cpu(pid: int) -> dict[int, float]:
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            out[int(tid)] = _stat_cpu(f"/proc/{pid}/task/{tid}/stat")
-        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
-            pass
-    return out
-
-
-def _self_cpu() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
 
 # -- stages ---------------------------------------------------------------------------------------
 
@@ -210,7 +186,7 @@ async def _drive(send, concurrency: int, calls: int) -> tuple[int, int]:
 
 
 async def read_loop_counts(pid: int, path: str, timeout_s: float = 5.0) -> dict:
-    """Ask the server (run under bench/loopcount.py) for its loop counts so far."""
+    """Ask the server (run under lab/loopcount.py) for its loop counts so far."""
     before = json.loads(Path(path).read_text())["signals"] if os.path.exists(path) else 0
     os.kill(pid, signal.SIGUSR1)
     deadline = time.monotonic() + timeout_s
@@ -220,20 +196,18 @@ async def read_loop_counts(pid: int, path: str, timeout_s: float = 5.0) -> dict:
             counts = json.loads(Path(path).read_text())
             if counts["signals"] > before:
                 return counts
-    raise RuntimeError(f"no loop counts in {path}: is the server running under bench/loopcount.py?")
+    raise RuntimeError(f"no loop counts in {path}: is the server running under lab/loopcount.py?")
 
 
 def start_server(target: str, serve_args: list[str], loop_counts: str | None) -> Started:
-    """The target, started plainly or under bench/loopcount.py."""
+    """The target, started plainly or under lab/loopcount.py."""
     server = start_target(target, *serve_args)
     if not loop_counts:
         return server
     server.proc.kill()  # only its command line was wanted: start it again under the counter
     server.proc.wait()
     cmd = server.proc.args
-    return Started(
-        server.name, [cmd[0], "-m", "batchgate.bench.loopcount", loop_counts, *cmd[1:]], server.url
-    )
+    return Started(server.name, [cmd[0], "-m", "lab.loopcount", loop_counts, *cmd[1:]], server.url)
 
 
 def _pyspy() -> str | None:
@@ -270,7 +244,7 @@ async def measure(
     loop_counts: str | None = None,
 ) -> list[Window]:
     """Warm up, then one window without the profiler and (``py_spy``) one with it. With
-    ``loop_counts`` (the file bench/loopcount.py writes) the first window also counts loop turns."""
+    ``loop_counts`` (the file lab/loopcount.py writes) the first window also counts loop turns."""
     pid = server.proc.pid
     chans = [
         grpc.aio.insecure_channel(server.url, options=[("grpc.use_local_subchannel_pool", 1)])
@@ -294,9 +268,9 @@ async def measure(
                 await _drive(send, concurrency, 300)  # while py-spy attaches
             w = Window()
             lc0 = await read_loop_counts(pid, loop_counts) if loop_counts and not profiled else None
-            t0, c0, s0, th0 = time.perf_counter(), _self_cpu(), process_cpu(pid), thread_cpu(pid)
+            t0, c0, s0, th0 = time.perf_counter(), self_cpu(), process_cpu(pid), thread_cpu(pid)
             w.calls, w.errors = await _drive(send, concurrency, calls)
-            t1, c1, s1, th1 = time.perf_counter(), _self_cpu(), process_cpu(pid), thread_cpu(pid)
+            t1, c1, s1, th1 = time.perf_counter(), self_cpu(), process_cpu(pid), thread_cpu(pid)
             if lc0 is not None:
                 lc1 = await read_loop_counts(pid, loop_counts)
                 w.loop = {k: (lc1[k] - lc0[k]) / max(w.calls, 1) for k in ("turns", "callbacks")}
@@ -378,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--loop-turns",
         action="store_true",
-        help="run the servers under bench/loopcount.py and count event-loop turns and callbacks per "
+        help="run the servers under lab/loopcount.py and count event-loop turns and callbacks per "
         "call (the counters cost CPU: take CPU figures from a run without this)",
     )
     ap.add_argument("--json", help="write the figures to this file too")
@@ -441,7 +415,7 @@ def _print_point(target: str, api: str, windows: list[Window], names: dict[int, 
     if w.loop:
         print(
             f"event loop: {w.loop['turns']:.2f} turns and {w.loop['callbacks']:.2f} callbacks per call "
-            "(counted under bench/loopcount.py: CPU figures of this run include its counters)"
+            "(counted under lab/loopcount.py: CPU figures of this run include its counters)"
         )
     print(f"{'thread':<28} {'µs/call':>8}")
     for tid, cpu in sorted(w.threads_s.items(), key=lambda kv: -kv[1]):

@@ -12,7 +12,7 @@ The overload gate's door refuses a share of every new call on the service port b
 is known (docs/overload.md), health checks included. That is why the chart's probes use the
 health port.
 
-    .venv/bin/python -m batchgate.bench.health_overload [--rate 5000] [--seconds 8]
+    .venv/bin/python -m lab.health_overload [--rate 5000] [--seconds 8]
 """
 
 from __future__ import annotations

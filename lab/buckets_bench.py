@@ -15,7 +15,7 @@ distribution: lognormal with median ``--median`` tokens, clipped to [``--min-len
 requests are short and a few are long. The modes run in alternating short rounds so that a
 shared machine's background load falls on all of them alike.
 
-    .venv/bin/python -m batchgate.bench.buckets_bench [--seconds 3] [--rounds 2] [--concurrency 64] [--workers 2]
+    .venv/bin/python -m lab.buckets_bench [--seconds 3] [--rounds 2] [--concurrency 64] [--workers 2]
 """
 
 from __future__ import annotations

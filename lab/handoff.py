@@ -15,7 +15,7 @@ is the crossing, not a model) and answers with the same 16 bytes. Three ways of 
 For each it prints wall µs per hand-off (a loaded machine: indicative) and the CPU µs per hand-off
 of the front and of the engine (utime + stime from /proc: robust), at 1 and 64 rows.
 
-    .venv/bin/python -m batchgate.bench.handoff [--n 20000] [--rows 1,64] [--inflight 4]
+    .venv/bin/python -m lab.handoff [--n 20000] [--rows 1,64] [--inflight 4]
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import resource
 import socket
 import struct
 import sys
@@ -34,21 +33,11 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
+from batchgate.bench.loadgen import process_cpu, self_cpu
+
 _MSG = struct.Struct("<IIQ")  # slot, rows, sequence number
 _ROW_IN = 64 * 4 + 8 * 8  # the ranker's row: dense FP32[64] + sparse_ids INT64[8]
 _ROW_OUT = 4  # one FP32 score
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_of(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * _TICK_S
-
-
-def _self_cpu() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
 
 
 class Slots:
@@ -137,7 +126,7 @@ def pingpong(n: int, rows: int) -> dict:
     try:
         for warm in (True, False):
             count = n // 10 if warm else n
-            t0, f0, e0 = time.perf_counter(), _self_cpu(), _cpu_of(pid)
+            t0, f0, e0 = time.perf_counter(), self_cpu(), process_cpu(pid)
             for seq in range(count):
                 d, i = slots.inputs(0, rows)
                 d[...] = dense  # the front's copy: request bytes into the slot
@@ -145,7 +134,7 @@ def pingpong(n: int, rows: int) -> dict:
                 sock.send(_MSG.pack(0, rows, seq))
                 sock.recv_into(buf)
                 slots.outputs(0, rows).tobytes()  # the front's copy out, into its answer
-            t1, f1, e1 = time.perf_counter(), _self_cpu(), _cpu_of(pid)
+            t1, f1, e1 = time.perf_counter(), self_cpu(), process_cpu(pid)
         _check(slots.outputs(0, rows), dense)
         return _result("pingpong", rows, n, t1 - t0, f1 - f0, e1 - e0)
     finally:
@@ -199,9 +188,9 @@ async def _asyncio_front(
     try:
         for warm in (True, False):
             count = n // 10 if warm else n
-            t0, f0, e0 = time.perf_counter(), _self_cpu(), _cpu_of(pid)
+            t0, f0, e0 = time.perf_counter(), self_cpu(), process_cpu(pid)
             await asyncio.gather(*(sender(count // inflight) for _ in range(inflight)))
-            t1, f1, e1 = time.perf_counter(), _self_cpu(), _cpu_of(pid)
+            t1, f1, e1 = time.perf_counter(), self_cpu(), process_cpu(pid)
         _check(last[0], dense)
         done = (n // inflight) * inflight
         return _result(f"asyncio x{inflight}", rows, done, t1 - t0, f1 - f0, e1 - e0)
@@ -243,9 +232,9 @@ def thread_mode(n: int, rows: int, inflight: int) -> dict:
         try:
             for warm in (True, False):
                 count = n // 10 if warm else n
-                t0, c0 = time.perf_counter(), _self_cpu()
+                t0, c0 = time.perf_counter(), self_cpu()
                 await asyncio.gather(*(sender(count // inflight) for _ in range(inflight)))
-                t1, c1 = time.perf_counter(), _self_cpu()
+                t1, c1 = time.perf_counter(), self_cpu()
             done = (n // inflight) * inflight
             return _result(f"thread x{inflight}", rows, done, t1 - t0, c1 - c0, 0.0)
         finally:

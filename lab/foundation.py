@@ -7,7 +7,7 @@ server (bench/noop_server.py) speaking the same API. Prints calls/s, rows/s, lat
 percentiles, the mean requests and rows per executed batch (from ModelStatistics), and the ratios
 batchgate / no-op per API. The load generator is bench/loadgen.py's, on 4 connections.
 
-    .venv/bin/python -m batchgate.bench.foundation [--concurrency 64] [--rows 4] [--seconds 8]
+    .venv/bin/python -m lab.foundation [--concurrency 64] [--rows 4] [--seconds 8]
         [--apis unary,stream] [--json]
 """
 

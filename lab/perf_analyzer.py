@@ -15,8 +15,8 @@ and unpacks them under DIR. ``--libs DIR`` then runs the binary through that gli
 ``DIR/root/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2 --library-path ...:/lib/x86_64-linux-gnu
 perf_analyzer ...``.
 
-    .venv/bin/python -m batchgate.bench.perf_analyzer --setup-libs /tmp/pa-libs   # once
-    .venv/bin/python -m batchgate.bench.perf_analyzer --libs /tmp/pa-libs (or PERF_ANALYZER_LIBS=/tmp/pa-libs)
+    .venv/bin/python -m lab.perf_analyzer --setup-libs /tmp/pa-libs   # once
+    .venv/bin/python -m lab.perf_analyzer --libs /tmp/pa-libs (or PERF_ANALYZER_LIBS=/tmp/pa-libs)
         [--perf-analyzer PATH] [--targets noop,batchgate] [--apis unary,stream] [--concurrency 64]
 
 ``--targets`` takes any of bench.loadgen's targets: ``noop``, ``noop-suspend``, ``noop-batch`` (the
@@ -40,8 +40,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from batchgate.bench.loadgen import model_statistics, start_target
-from batchgate.bench.profile import process_cpu
+from batchgate.bench.loadgen import model_statistics, process_cpu, start_target
 
 _MULTIARCH = "usr/lib/x86_64-linux-gnu"
 _PACKAGES = ("libc6", "libstdc++6", "libgcc-s1")

@@ -1,6 +1,6 @@
 """A picture of the Helm chart's Grafana dashboard, drawn from a live server through Prometheus.
 
-    python -m batchgate.bench.dashboard_picture --out docs/dashboard.png [--seconds 60]
+    python -m lab.dashboard_picture --out docs/dashboard.png [--seconds 60]
 
 1. Serves the bundled ``ranker`` and ``encoder`` (both with their result cache on) on loopback.
 2. Runs Prometheus (``--prometheus``, Debian's ``prometheus`` package) scraping ``/metrics`` every
@@ -522,7 +522,7 @@ def collect(args: argparse.Namespace) -> dict:
     stamp = dt.datetime.fromtimestamp(end, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     heading = [
         f"batchgate dashboard — queries evaluated by Prometheus {prom.version} over a live server, "
-        "drawn by bench/dashboard_picture.py (not Grafana)",
+        "drawn by lab/dashboard_picture.py (not Grafana)",
         f"{stamp} · {machine} · {args.seconds:g} s mixed gRPC workload: ranker and encoder, several sizes, classes "
         f"standard / realtime / bulk, repeated inputs (cache hits),",
         f"unknown-model and malformed calls (also REST), and a {args.burst_seconds:g} s open-loop burst of "

@@ -1,6 +1,6 @@
 """What batching can buy MiniLM on this machine: ONNX Runtime alone, no server, in one run.
 
-The goals of bench/minilm_bench.py rest on two properties of the hardware, measured here:
+The goals of lab/minilm_bench.py rest on two properties of the hardware, measured here:
 
 * batching gain per length: time per row at batch sizes 1..32 for each sequence length, relative
   to batch 1 (what one call per text pays). A batched server cannot beat one call per text by
@@ -11,7 +11,7 @@ The goals of bench/minilm_bench.py rest on two properties of the hardware, measu
 Each figure is for one session with ``--threads`` intra-op threads (1: as each of the server's
 workers runs it).
 
-    .venv/bin/python -m batchgate.bench.minilm_ort [--threads 1] [--seconds 0.5]
+    .venv/bin/python -m lab.minilm_ort [--threads 1] [--seconds 0.5]
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def main() -> int:
         per_row = [_time(session, _feeds(session, b, seq, rng), args.seconds) / b * 1e3 for b in sizes]
         print(f"{seq:>6} " + " ".join(f"{ms:>7.2f} (x{per_row[0] / ms:.2f})" for ms in per_row))
 
-    from batchgate.bench.minilm_bench import workload
+    from lab.minilm_bench import workload
 
     tok = None
     tokenizer = args.model.parent.parent / "tokenizer.json"

@@ -7,7 +7,7 @@ single-row ``ranker`` calls (unary or streamed) from C callers on K connections 
 (from a loaded, shared machine: indicative only), the CPU µs per call of all server processes
 together and of this load generator (robust), and how the calls' CPU split over the processes.
 
-    .venv/bin/python -m batchgate.bench.reuseport [--kind noop|batchgate] [--procs 1,2]
+    .venv/bin/python -m lab.reuseport [--kind noop|batchgate] [--procs 1,2]
         [--apis unary,stream] [--calls 20000] [--concurrency 64] [--connections 16]
 """
 
@@ -19,8 +19,8 @@ import sys
 import time
 
 import grpc
-from batchgate.bench.loadgen import Started, free_ports
-from batchgate.bench.profile import _drive, _self_cpu, process_cpu, ranker_sender
+from batchgate.bench.loadgen import Started, free_ports, process_cpu, self_cpu
+from lab.profile import _drive, ranker_sender
 
 
 def start(kind: str, n: int) -> list[Started]:
@@ -50,9 +50,9 @@ async def measure(
 
     try:
         await _drive(send, concurrency, max(calls // 10, 500))
-        t0, c0, s0 = time.perf_counter(), _self_cpu(), [process_cpu(p) for p in pids]
+        t0, c0, s0 = time.perf_counter(), self_cpu(), [process_cpu(p) for p in pids]
         ok, errors = await _drive(send, concurrency, calls)
-        t1, c1, s1 = time.perf_counter(), _self_cpu(), [process_cpu(p) for p in pids]
+        t1, c1, s1 = time.perf_counter(), self_cpu(), [process_cpu(p) for p in pids]
     finally:
         for s in streams:
             await s.close()

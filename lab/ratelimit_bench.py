@@ -12,7 +12,7 @@ a global-limit decision (a Redis round trip) adds over a local one.
 Limits in 1 and 2 are set far above the offered load, so every decision admits and only the
 decision's cost is measured. It starts its own redis-server and gateway processes.
 
-    .venv/bin/python -m batchgate.bench.ratelimit_bench [--decisions 5000] [--concurrency 16] [--seconds 3]
+    .venv/bin/python -m lab.ratelimit_bench [--decisions 5000] [--concurrency 16] [--seconds 3]
                                               [--limit 50] [--accuracy-seconds 8] [--json]
 """
 
@@ -34,8 +34,8 @@ import grpc
 import numpy as np
 
 from batchgate.gateway.admission import Admission
-from batchgate.gateway.ratelimit import Rate, RedisLimiter
-from batchgate.gateway.tenants import Limits, Tenant, hash_key
+from batchgate.gateway.admission.ratelimit import Rate, RedisLimiter
+from batchgate.gateway.admission.tenants import Limits, Tenant, hash_key
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from batchgate.bench.loadgen import free_ports, wait_ready

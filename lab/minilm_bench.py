@@ -19,7 +19,7 @@ shared machine's load drift hits all alike). Workloads: ``mixed`` (80% texts of 
 25-60, 5% of 120-200) and ``short`` (all 4-14 words). Prints texts/s, p50/p99, mean rows per
 execution, and the ratios to (a) and (b).
 
-    .venv/bin/python -m batchgate.bench.minilm_bench [--concurrency 64] [--seconds 24] [--rounds 4] [--json]
+    .venv/bin/python -m lab.minilm_bench [--concurrency 64] [--seconds 24] [--rounds 4] [--json]
 
 Needs model_repository/minilm (``batchgate prepare-minilm``), or builds it into a temporary
 repository.

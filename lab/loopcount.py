@@ -1,7 +1,7 @@
-"""Run a server with its asyncio event loop's turns and callbacks counted (bench/profile.py's
+"""Run a server with its asyncio event loop's turns and callbacks counted (lab/profile.py's
 ``--loop-turns``): how many times the loop wakes and how many callbacks it runs per call.
 
-    python -m batchgate.bench.loopcount OUT.json -m MODULE [ARGS...]
+    python -m lab.loopcount OUT.json -m MODULE [ARGS...]
 
 runs ``python -m MODULE ARGS`` with ``BaseEventLoop._run_once`` (one loop turn: a select, then
 the callbacks that are ready) and ``Handle._run`` (one callback: a task step, a future's done

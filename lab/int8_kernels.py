@@ -13,7 +13,7 @@ in int64: where the CPU has no VNNI, ORT's UINT8 x INT8 kernel multiplies with V
 16-bit pairwise sums saturate, and the error shows here. The activations are the worst case that
 kernel meets: every row's largest value quantises to 255, and so do many others.
 
-    .venv/bin/python -m batchgate.bench.int8_kernels [--repeats 200]
+    .venv/bin/python -m lab.int8_kernels [--repeats 200]
 """
 
 from __future__ import annotations

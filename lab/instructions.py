@@ -9,13 +9,13 @@ session creation (``--instr-atstart=no``, switched on by ``callgrind_control`` o
 it is ready) and collection only inside a libc ``qsort`` whose comparator runs the rows
 (``--toggle-collect``): the count is the rows' work, not the interpreter's start.
 
-The baseline (``bench/baselines/instructions.json``) is kept per CPU as the counted code sees it
+The baseline (``lab/baselines/instructions.json``) is kept per CPU as the counted code sees it
 (``machine_key``: under valgrind, an ISA level) and ONNX Runtime version; where none matches, the
 figures are printed and nothing is compared (the test fails instead when ``CI`` is set: a CI host
 whose key has no baseline, a new ISA level or ORT version, fails until one is recorded there with
 ``--update`` and committed). A figure more than ``TOLERANCE`` above its baseline fails.
 
-    .venv/bin/python -m batchgate.bench.instructions [--update]
+    .venv/bin/python -m lab.instructions [--update]
 """
 
 from __future__ import annotations

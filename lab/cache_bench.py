@@ -13,7 +13,7 @@ cache off, in memory, and in Redis; the goal is that Redis adds at most 1 ms p50
 cache_miss.ns / cache_miss.count, the mean time a missing request spent in the cache (keys,
 memory, the Redis MGET, storing), compute excluded.
 
-    .venv/bin/python -m batchgate.bench.cache_bench [--seconds 8] [--concurrency 16] [--configs off,memory,redis]
+    .venv/bin/python -m lab.cache_bench [--seconds 8] [--concurrency 16] [--configs off,memory,redis]
 
 Starts its own redis-server and one batchgate server per configuration, all at once (a temporary
 copy of the bundled ranker with `response_cache { enable: true }`). The machine is shared: compare ratios
