@@ -159,6 +159,11 @@ class Settings(BaseSettings):
         description="while Redis cannot answer: open = enforce this replica's local share of each "
         "global limit; closed = refuse requests under a global limit",
     )
+    usage_metering: bool = Field(
+        True,
+        description="count what each tenant used (/metrics batchgate_usage_*, the usage API, the sink); "
+        "off: no usage accounting at all (no usage families, no usage API, usage_sink unused)",
+    )
     usage_sink: str | None = Field(
         None,
         description="where one usage record per call goes: a file path (JSON lines, appended), or "

@@ -164,3 +164,13 @@ def test_usage_buckets_and_pages():
     assert [r["input_tokens"] for b in only["data"] for r in b["results"]] == [7]
     with pytest.raises(GatewayError):
         u.page({"start_time": ["-1"]}, None)
+
+
+async def test_metering_off_counts_nothing_and_says_so(tmp_path):
+    async with serving(_repo(tmp_path), api_keys_file=_tenants(tmp_path), usage_metering=False) as gw:
+        status, body, _ = await _embed(gw, BLUE, TEXTS)
+        assert status == 200 and body["usage"]["prompt_tokens"] > 0  # the answer still counts
+        assert (await _embed(gw, BLUE, [""]))[0] == 400
+        assert not [s for s in await gw.metrics() if s.name.startswith("batchgate_usage_")]
+        status, body = await _usage(gw, ADMIN, "start_time=0")
+        assert status == 501 and "usage_metering" in body["error"]["message"], body

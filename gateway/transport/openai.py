@@ -130,6 +130,11 @@ class OpenAI(TextRoutes):
         try:
             account = self.server.pipeline.identify(self.http.metadata(request))
             usage = self.server.usage
+            if usage is None:
+                raise GatewayError(
+                    Kind.UNSUPPORTED,
+                    "usage metering is off on this server (usage_metering, BATCHGATE_USAGE_METERING)",
+                )
             only = None if account is None or account.tenant.admin else account.tenant.name
             query: dict[str, list[str]] = {}
             for key, value in request.query.items():

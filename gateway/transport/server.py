@@ -211,9 +211,12 @@ class Server:
             self.admission, self.shedder,
             StreamSlots(settings.max_streams_per_tenant, settings.max_streams_per_connection),
         )  # fmt: skip
-        # what each tenant used; its sink, if any
-        self.usage = Usage(Sink.from_settings(settings, self.redis))
-        self.metrics.usage = (self.usage, self.admission)
+        # what each tenant used (None: usage_metering off, nothing counted); its sink, if any
+        self.usage = Usage(Sink.from_settings(settings, self.redis)) if settings.usage_metering else None
+        if self.usage is None and settings.usage_sink:
+            log.warning("usage_sink %s is unused: usage_metering is off", settings.usage_sink)
+        if self.usage is not None:
+            self.metrics.usage = (self.usage, self.admission)
         self.pipeline = Pipeline(self.plane, self.door, self.usage)
         self.servicer = InferenceServicer(self.pipeline, self.metrics)
         self.health = health_aio.HealthServicer()
