@@ -264,13 +264,13 @@ class _Stream:
     Requests are serialised here, with their id set just before (no await in between), so one
     request object can serve every sender; gRPC then passes the bytes through."""
 
-    def __init__(self, channel: grpc.aio.Channel, timeout_s: float) -> None:
+    def __init__(self, channel: grpc.aio.Channel, timeout_s: float, metadata: tuple = ()) -> None:
         method = channel.stream_stream(
             _STREAM_METHOD,
             request_serializer=lambda b: b,
             response_deserializer=pb.ModelStreamInferResponse.FromString,
         )
-        self.call = method()
+        self.call = method(metadata=metadata or None)
         self.pending: dict[str, asyncio.Future] = {}
         self.lock = asyncio.Lock()  # grpc.aio allows one write at a time per call
         self.reader = asyncio.create_task(self._read())
@@ -357,8 +357,10 @@ async def run_point(
     progress: Progress | None = None,
     seed: int = 0,
     http_url: str = "127.0.0.1:8000",
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> Point:
-    """Measure one point: ``level`` is the concurrency (closed) or the rate in requests/s (open)."""
+    """Measure one point: ``level`` is the concurrency (closed) or the rate in requests/s (open).
+    ``metadata``: sent with every gRPC call or stream (an API key: ``authorization``)."""
     if mode not in ("closed", "open") or api not in APIS:
         raise ValueError(f"mode must be closed|open and api one of {APIS}, not {mode}/{api}")
     if level <= 0:
@@ -369,7 +371,7 @@ async def run_point(
         for _ in range(channels)
     ]
     stubs = [pb_grpc.GRPCInferenceServiceStub(ch) for ch in chans]
-    streams = [_Stream(ch, timeout_s) for ch in chans] if api == "stream" else []
+    streams = [_Stream(ch, timeout_s, metadata) for ch in chans] if api == "stream" else []
     rec = _Recorder()
     ids = itertools.count()
     clock = time.perf_counter
@@ -397,7 +399,7 @@ async def run_point(
         req = pool[k % n_pool]
         try:
             if api == "unary":
-                await stubs[slot % channels].ModelInfer(req, timeout=timeout_s)
+                await stubs[slot % channels].ModelInfer(req, timeout=timeout_s, metadata=metadata or None)
             elif api == "stream":
                 await streams[slot % channels].infer(req, str(next(ids)))
             else:

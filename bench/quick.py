@@ -9,13 +9,17 @@ unseen while the noise of a shared CI machine does not fail builds. The pairs ar
 in every round, a burst of someone else's load on a shared machine seldom does.
 
     .venv/bin/python -m batchgate.bench.quick [--concurrency 32] [--seconds 2.5] [--rounds 2]
-        [--min-ratio 0.3] [--apis unary,stream]
+        [--min-ratio 0.3] [--apis unary,stream] [--serve "--api-keys-file t.yaml ..."] [--api-key KEY]
+
+``--serve`` passes flags to the batchgate server, ``--api-key`` sends a key with every call (a
+server with a tenant file): e.g. the cost of usage metering, alternated with ``--no-usage-metering``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import shlex
 import sys
 
 from batchgate.bench.loadgen import (
@@ -44,12 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--min-ratio", type=float, default=0.3, help="fail below this batchgate/noop request rate"
     )
+    ap.add_argument("--serve", default="", help="flags for the batchgate server, as one string")
+    ap.add_argument("--api-key", default="", help="sent to batchgate as 'authorization: Bearer KEY'")
     args = ap.parse_args(argv)
     apis = args.apis.split(",")
     if not set(apis) <= {"unary", "stream"}:
         ap.error("--apis takes unary and/or stream")
 
-    servers = [start_noop(), start_batchgate()]
+    servers = [start_noop(), start_batchgate(*shlex.split(args.serve))]
+    key = (("authorization", f"Bearer {args.api_key}"),) if args.api_key else ()
     workload = Workload("ranker", rows=1)
     rounds: list[dict[tuple[str, str], dict]] = []
     try:
@@ -63,8 +70,15 @@ def main(argv: list[str] | None = None) -> int:
                     before = asyncio.run(model_statistics(srv.url, "ranker")) if stats else None
                     point = asyncio.run(
                         run_point(
-                            srv.url, workload, "closed", api, args.concurrency, args.seconds, args.warmup
-                        )
+                            srv.url,
+                            workload,
+                            "closed",
+                            api,
+                            args.concurrency,
+                            args.seconds,
+                            args.warmup,
+                            metadata=key if stats else (),
+                        )  # fmt: skip
                     )
                     if before is not None:
                         point.server = batching(before, asyncio.run(model_statistics(srv.url, "ranker")))
