@@ -15,7 +15,8 @@ threads, from /proc, divided by the calls answered: robust on a shared machine, 
 
     .venv/bin/python -m batchgate.bench.takers [--calls 300] [--callers 64] [--pin] [--open-loop 5000]
 
-``--pin`` puts the servers on CPU 0 and the client on CPU 1. ``--open-loop RATE`` measures the
+``--pin`` puts the servers on CPU 0 and the client on CPU 1. batchgate takes its settings from
+the environment (``BATCHGATE_*``); ``--api-key`` sends a key to it with every call (a tenant file). ``--open-loop RATE`` measures the
 refusals again under the C++ open-loop client (bench/openloop, as bench.goodput's overload points
 use it) at RATE calls/s for 5 s, each call with a 1 s deadline: calls that arrive one by one, as
 an overload's do, are dearer than a closed loop's bursts (core wakes for each).
@@ -71,7 +72,7 @@ def _ranker_request() -> bytes:
 
 
 async def drive(
-    url: str, method: str, request: bytes, calls: int, callers: int, timeout: float = 30
+    url: str, method: str, request: bytes, calls: int, callers: int, timeout: float = 30, metadata: tuple = ()
 ) -> collections.Counter:
     channels = [grpc.aio.insecure_channel(url) for _ in range(2)]
     methods = [ch.unary_unary(method) for ch in channels]
@@ -80,7 +81,7 @@ async def drive(
     async def caller(i: int) -> None:
         for _ in range(calls):
             try:
-                await methods[i % 2](request, timeout=timeout)
+                await methods[i % 2](request, timeout=timeout, metadata=metadata or None)
                 out["OK"] += 1
             except grpc.aio.AioRpcError as exc:
                 out[exc.code().name] += 1
@@ -92,11 +93,18 @@ async def drive(
 
 
 def measure(
-    pid: int, url: str, method: str, request: bytes, calls: int, callers: int, timeout: float = 30
+    pid: int,
+    url: str,
+    method: str,
+    request: bytes,
+    calls: int,
+    callers: int,
+    timeout: float = 30,
+    metadata: tuple = (),
 ) -> tuple[float, float, dict]:
-    asyncio.run(drive(url, method, request, max(20, calls // 6), callers, timeout))  # warm-up
+    asyncio.run(drive(url, method, request, max(20, calls // 6), callers, timeout, metadata))  # warm-up
     c0, t0 = process_cpu(pid), time.perf_counter()
-    seen = asyncio.run(drive(url, method, request, calls, callers, timeout))
+    seen = asyncio.run(drive(url, method, request, calls, callers, timeout, metadata))
     wall, cpu = time.perf_counter() - t0, process_cpu(pid) - c0
     n = sum(seen.values())
     return n / wall, 1e6 * cpu / n, dict(seen)
@@ -231,7 +239,10 @@ def main() -> int:
         help="only: the compute lost per refusal beside a compute thread, at each rate (e.g. 700,3000)",
     )
     ap.add_argument("--repeat", type=int, default=3, help="--beside-compute: runs of each server, alternated")  # fmt: skip
+    ap.add_argument("--api-key", default="",
+                    help="sent to batchgate as 'authorization: Bearer KEY' (its tenant file: BATCHGATE_API_KEYS_FILE)")  # fmt: skip
     args = ap.parse_args()
+    key = (("authorization", f"Bearer {args.api_key}"),) if args.api_key else ()
     server_cpus = "0" if args.pin else ""
     if args.pin:
         os.sched_setaffinity(0, {1})
@@ -269,7 +280,12 @@ def main() -> int:
                     ["taskset", "-a", "-p", "-c", server_cpus, str(srv.proc.pid)], capture_output=True
                 )
             srv.ready()
-            rows.append((name, *measure(srv.proc.pid, srv.url, _INFER, request, args.calls, args.callers)))
+            rows.append(
+                (
+                    name,
+                    *measure(srv.proc.pid, srv.url, _INFER, request, args.calls, args.callers, metadata=key),
+                )
+            )
         finally:
             srv.stop()
     os.environ.pop("BATCHGATE_GRPC_TAKERS", None)
