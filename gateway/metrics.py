@@ -58,6 +58,7 @@ OUTCOME_BY_KIND = {
     Kind.FAILED: "error",
 }
 TRANSPORTS = ("grpc", "grpc_stream", "http")
+_EMPTY = Histogram(LATENCY_BUCKETS)  # never observed: the zero-valued series of a quiet label set
 
 
 def outcome_of(exc: BaseException) -> str:
@@ -297,15 +298,16 @@ def _edge_families(m: Metrics) -> Iterator:
     inflight = GaugeMetricFamily(
         P + "inflight_requests", "inference requests being served now", labels=["transport"]
     )
+    served = [(rt.spec.name, rt.spec.version) for rt in m.plane.runtimes()]
     for t in m.transports.values():
         inflight.add_metric([t.name], t.inflight)
+        for model, version in served:  # zero-valued from the start: a new server's panels read 0
+            t._edge(model, version)
         for e in t.edges():
-            if e.success:
-                requests.add_metric([e.model, e.version, t.name, "success"], e.success)
+            requests.add_metric([e.model, e.version, t.name, "success"], e.success)
             for outcome, n in e.outcomes.items():
                 requests.add_metric([e.model, e.version, t.name, outcome], n)
-            if e.latency.count:
-                duration.add_metric([e.model, e.version, t.name], e.latency.buckets(), e.latency.sum)
+            duration.add_metric([e.model, e.version, t.name], e.latency.buckets(), e.latency.sum)
     yield from (requests, duration, inflight)
 
 
@@ -330,7 +332,7 @@ def _batch_families(m: Metrics) -> Iterator:
     for (name, ver), obs in m.observers.items():
         for attr, fam in fams.items():
             h: Histogram = getattr(obs, attr)
-            if h.count or attr in ("queue", "compute", "rows"):
+            if attr != "tokens" or obs.token_input is not None:  # tokens: models with -1 dims only
                 fam.add_metric([name, ver], h.buckets(), h.sum)
     yield from fams.values()
 
@@ -407,10 +409,15 @@ def _scheduler_families(snaps) -> Iterator:
         rejected.add_metric(lv, st.rejected_full)
         dropped.add_metric(lv, st.dropped)
         abandoned.add_metric(lv, st.abandoned_rows)
-        for cls, outcomes in st.by_class.items():
-            for outcome, n in outcomes.items():
+        # every class from the start, answered or not, so a new server's panels read 0
+        for cls in {
+            **dict.fromkeys(sched.queued_by_class),
+            **dict.fromkeys(st.by_class),
+            **dict.fromkeys(st.class_seconds),
+        }:
+            for outcome, n in ({"success": 0} | st.by_class.get(cls, {})).items():
                 by_class.add_metric(lv + [cls, outcome], n)
-        for cls, h in st.class_seconds.items():
+            h = st.class_seconds.get(cls, _EMPTY)
             class_time.add_metric(lv + [cls], h.buckets(), h.sum)
         if sched.estimate_ratio is not None:
             n, mean, dev = sched.estimate_ratio
@@ -513,7 +520,7 @@ def _cache_families(plane) -> Iterator:
     """The result cache (absent until the cache is configured)."""
     lookups = CounterMetricFamily(
         P + "cache_lookups",
-        "result cache lookups in rows, by tier and result (hit, miss)",
+        "result cache lookups in rows, by tier and result (hit, miss); tier none: the model has no cache (0)",
         labels=["model", "version", "tier", "result"],
     )
     other = GaugeMetricFamily(
@@ -528,12 +535,19 @@ def _cache_families(plane) -> Iterator:
             log.debug("cache stats() failed", exc_info=True)
             continue
         for tier, figures in tiers.items():
+            for key, result in (("hits", "hit"), ("misses", "miss")):  # both from the start
+                lookups.add_metric([model, version, tier, result], figures.get(key, 0))
             for key, value in figures.items():
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                if (
+                    key in ("hits", "misses")
+                    or isinstance(value, bool)
+                    or not isinstance(value, (int, float))
+                ):
                     continue  # e.g. breaker_state "closed": its numeric twin is exported
-                if key in ("hits", "misses"):
-                    lookups.add_metric([model, version, tier, "hit" if key == "hits" else "miss"], value)
-                else:
-                    other.add_metric([model, version, tier, str(key)], value)
+                other.add_metric([model, version, tier, str(key)], value)
+    for rt in plane.runtimes():
+        if rt.cache is None:  # tier "none": a model without a result cache looks nothing up
+            for result in ("hit", "miss"):
+                lookups.add_metric([rt.spec.name, rt.spec.version, "none", result], 0)
     yield lookups
     yield other

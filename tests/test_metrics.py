@@ -12,6 +12,7 @@ import asyncio
 import io
 import json
 import logging
+import re
 import shutil
 import signal
 import urllib.request
@@ -28,7 +29,7 @@ from batchgate.gateway.errors import GatewayError, Kind, invalid
 from batchgate.gateway.metrics import BatchObserver, Histogram, Metrics, outcome_of
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
-from tests.conftest import REPO, start_server
+from tests.conftest import REPO, ROOT, start_server
 
 
 def scrape(server) -> dict[tuple[str, tuple], float]:
@@ -67,6 +68,7 @@ def obs_server(tmp_path_factory):
     with (repo / "ranker" / "config.pbtxt").open("a") as f:
         f.write("\nresponse_cache { enable: true }\n")
     srv = start_server(tmp, "--log-format", "json", repo=repo)
+    srv.first_scrape = scrape(srv)  # before any call, whichever test runs first
     yield srv
     srv.stop()
 
@@ -174,6 +176,28 @@ def test_scrape_counts_the_workload(workload):
     assert value(s, "batchgate_server_ready") == 1
     assert any(name == "batchgate_queue_depth" for name, _ in s)
     assert any(name == "process_cpu_seconds_total" for name, _ in s)  # the per-process registry has them too
+
+
+def test_every_family_the_dashboard_queries_exists_before_the_first_call(obs_server):
+    """A new server's panels read 0, not "no data": each family a dashboard query names has
+    zero-valued series for the served models from the first scrape."""
+    dashboard = (ROOT / "helm" / "batchgate" / "dashboards" / "batchgate.json").read_text()
+    queried = set(re.findall(r"batchgate_[a-z_]+", dashboard))
+    first = obs_server.first_scrape
+    exposed = {name for name, _ in first}
+    assert queried - exposed == set()
+    for model in ("ranker", "encoder"):
+        ok = {"model": model, "version": "1", "transport": "grpc", "outcome": "success"}
+        assert ("batchgate_requests_total", tuple(sorted(ok.items()))) in first and value(
+            first, "batchgate_requests_total", **ok
+        ) == 0
+        labels = {"model": model, "version": "1", "class": "bulk", "outcome": "success"}
+        assert ("batchgate_class_requests_total", tuple(sorted(labels.items()))) in first and value(
+            first, "batchgate_class_requests_total", **labels
+        ) == 0
+    tiers = {dict(labels)["tier"] for name, labels in first if name == "batchgate_cache_lookups_total"}
+    # the shared memory tier, the ranker's own view of it, the encoder's absence of a cache
+    assert tiers == {"memory", "all", "none"}
 
 
 def test_time_to_answer_is_exported_by_class(workload):

@@ -89,7 +89,8 @@ def test_fp32_session_matches_onnx_runtime_and_bf16_is_what_it_says():
         got = np.concatenate([bf16.run(None, _feed(ids))[0] for ids in _rows(0)])
         ref = np.concatenate([ort_sess.run(None, _feed(ids))[0] for ids in _rows(0)])
         cos = _cos(ref, got)
-        assert cos.min() >= 0.999 and np.abs(got - ref).max() > 1e-6  # BF16 really ran
+        # measured min 0.999991 on this encoder (Xeon with AMX): the bar keeps an order of margin
+        assert cos.min() >= 0.9999 and np.abs(got - ref).max() > 1e-6  # BF16 really ran
 
 
 @pytest.mark.parametrize(
