@@ -30,6 +30,10 @@ from batchgate.workers.buckets import DEFAULT_MASK_INPUT, BucketConfig
 VARIANTS = ("fp32", "optimized", "fp16", "int8", "openvino-fp32", "openvino-bf16", "openvino-int8")
 
 DEFAULT_MAX_TEXT_BYTES = 32768
+# What a text model serves (gateway/build/encoder.py KINDS); each kind's outputs are fixed by name
+# (ModelSpec.kind, gateway/repository.py).
+KINDS = ("embedding", "rerank", "classification", "sparse_embedding")
+PROBLEM_TYPES = ("single_label_classification", "multi_label_classification")
 
 
 class ParameterError(ValueError):
@@ -192,6 +196,20 @@ DECLARED: tuple[Declared, ...] = (
              _choice("mean", "cls", "lasttoken"), "pooling"),
     Declared("normalize", "bool", "none", "true/false (1/0, yes/no, on/off)", "nothing (recorded)",
              "whether the graph L2-normalises the embedding", _bool, "normalize"),
+    Declared("kind", "'embedding', 'rerank', 'classification' or 'sparse_embedding'",
+             "by outputs: 'score' rerank, 'embedding' embedding", "one of the four; the kind's outputs present",
+             "repository, routes", "what the model serves, so a route knows which outputs to read: "
+             "embedding (embedding, optional token_embeddings), rerank (score), classification "
+             "(probabilities, logits), sparse_embedding (sparse_embedding, vocabulary-sized)",
+             _choice(*KINDS), "kind"),
+    Declared("problem_type", "'single_label_classification' or 'multi_label_classification'",
+             "single_label_classification", "one of the two; kind classification only", "routes",
+             "transformers' problem_type: probabilities are the softmax over the labels, or each "
+             "label's sigmoid (the graph computes them; this says which)", _choice(*PROBLEM_TYPES),
+             "problem_type"),
+    Declared("label.<index>", "text", "none", "indices 0..n-1, all of them; kind classification only",
+             "routes", "a classifier's label names (its id2label): the name of output index <index>",
+             str, "labels"),
     Declared("prompt.<name>", "text", "none", "any text, empty included", "prompts",
              "a prompt the model was trained with (sentence-transformers' prompts): prepended to a "
              "text whose call names it", str, "prompts"),
@@ -297,6 +315,9 @@ class ModelParameters:
     engine: str | None = None  # None: the variant's (onnxruntime unless an openvino-* variant)
     precision: str = "auto"
     text_pair: bool = False
+    kind: str | None = None  # None: by the outputs (ModelSpec.kind)
+    problem_type: str | None = None  # None: single_label_classification for a classifier
+    labels: tuple[str, ...] = ()  # label.<index>, in index order
     pooling: str | None = None  # recorded: the graph pools
     normalize: bool | None = None  # recorded: the graph normalises
     prompts: Mapping[str, str] = field(default_factory=dict)  # prompt name -> text
@@ -393,7 +414,23 @@ def parse(
             f"parameter 'default_prompt_name' names no prompt '{default_prompt}'; the model's: "
             f"{sorted(families.get('prompts', {}))} (parameters prompt.<name>)"
         )
+    if "labels" in families:
+        families["labels"] = _labels(families["labels"])
     return ModelParameters(**values, **families, given=frozenset(raw)), ignored
+
+
+def _labels(by_index: Mapping[str, str]) -> tuple[str, ...]:
+    """label.<index> keys -> the names in index order; every index 0..n-1 exactly once."""
+    try:
+        indexed = {int(k): v for k, v in by_index.items() if k.isdigit()}
+    except ValueError:
+        indexed = {}
+    if len(indexed) != len(by_index) or sorted(indexed) != list(range(len(indexed))):
+        keys = ", ".join(f"label.{k}" for k in sorted(by_index))
+        raise ParameterError(
+            f"parameters label.<index> must number the labels 0..{len(by_index) - 1}, each once; got {keys}"
+        )
+    return tuple(indexed[i] for i in range(len(indexed)))
 
 
 def bucket_config(raw: Mapping[str, str], max_batch: int, preferred: tuple[int, ...] = ()) -> BucketConfig:

@@ -49,6 +49,16 @@ VARIANT_PRECISION = {
 assert tuple(VARIANT_PRECISION) == VARIANTS
 # OpenVINO variants that run model.onnx itself (the precision is a compile setting, not a file).
 SAME_FILE_VARIANTS = ("openvino-fp32", "openvino-bf16")
+# Each kind's outputs (parameter `kind`, gateway/parameters.py): name -> the dims a route relies
+# on ("labels", "any" or a fixed size). A model may have more outputs; these must be there.
+KIND_OUTPUTS = {
+    "embedding": {"embedding": ("any",)},
+    "rerank": {"score": (1,)},
+    "classification": {"probabilities": ("labels",), "logits": ("labels",)},
+    "sparse_embedding": {"sparse_embedding": ("any",)},
+}
+# An embedding model's optional per-token output: [tokens, hidden], zero past each row's tokens.
+TOKEN_OUTPUT = "token_embeddings"
 
 # Dotted field paths of ModelConfig that batchgate implements.
 SUPPORTED = {
@@ -133,6 +143,29 @@ class ModelSpec:
         if self.engine == "openvino" and self.variant != "openvino-int8":
             return self.compute.upper()
         return VARIANT_PRECISION.get(self.variant, "FP32")
+
+    @property
+    def kind(self) -> str | None:
+        """What the model serves (parameter ``kind``); a text model without one is known by its
+        output: ``score`` a rerank model, ``embedding`` an embedding model. None: a tensor model."""
+        if self.params.kind is not None:
+            return self.params.kind
+        if not self.params.tokenizer:
+            return None
+        names = {t.name for t in self.outputs}
+        return "rerank" if "score" in names else "embedding" if "embedding" in names else None
+
+    def output(self, name: str) -> TensorSpec | None:
+        return next((t for t in self.outputs if t.name == name), None)
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """A classifier's label names by output index (parameters ``label.<index>``, else LABEL_i)."""
+        if self.kind != "classification":
+            return ()
+        if self.params.labels:
+            return self.params.labels
+        return tuple(f"LABEL_{i}" for i in range(self.output("probabilities").dims[0]))
 
     @property
     def max_batch_size(self) -> int:
@@ -555,6 +588,7 @@ def load_model(
         buckets = replace(buckets, reshape_inputs=_reshapes(cfg.input, False),
                           reshape_outputs=_reshapes(cfg.output, True))  # fmt: skip
         ignored = ignored + [f"parameters.{k}" for k in hints if f"parameters.{k}" not in ignored]
+        check_kind(cfg, params)
         if variant is not None:
             params = replace(params, variant=variant)
         engine, compute = resolve_engine(cfg, params)
@@ -589,6 +623,39 @@ def load_model(
             )
         )
     return specs
+
+
+def check_kind(cfg: mc.ModelConfig, params: ModelParameters) -> None:
+    """ConfigError unless the outputs are what parameter ``kind`` promises the routes (and the
+    classification parameters belong to a classifier whose outputs they number)."""
+    where = f"model '{cfg.name}'"
+    kind = params.kind
+    if kind != "classification" and (params.labels or params.problem_type):
+        key = "label.<index>" if params.labels else "problem_type"
+        raise ConfigError(f"{where}: parameter {key} is for kind 'classification', not '{kind}'")
+    if kind is None:
+        return
+    outputs = {t.name: t for t in cfg.output}
+    for name, dims in KIND_OUTPUTS[kind].items():
+        t = outputs.get(name)
+        got = list(t.dims) if t is not None else None
+        ok = t is not None and dtypes.from_config(t.data_type) == "FP32" and len(got) == len(dims)
+        ok = ok and all(want in ("any", "labels") or g == want for g, want in zip(got, dims))
+        if ok and "labels" in dims:
+            ok = got[0] > 0 and (not params.labels or got[0] == len(params.labels))
+        if not ok:
+            shape = "[labels]" if "labels" in dims else str([-1 if d == "any" else d for d in dims])
+            counted = f" ({len(params.labels)} labels: parameters label.<index>)" if params.labels else ""
+            have = f"{dtypes.from_config(t.data_type)} {got}" if t is not None else "no such output"
+            raise ConfigError(
+                f"{where}: parameter kind '{kind}' needs output '{name}' FP32 {shape}{counted}; the model's: {have}"
+            )
+    token = outputs.get(TOKEN_OUTPUT)
+    if token is not None and (kind != "embedding" or len(token.dims) != 2 or token.dims[0] != -1):
+        raise ConfigError(
+            f"{where}: output '{TOKEN_OUTPUT}' is an embedding model's [-1, hidden] (tokens of the row); "
+            f"this one is {list(token.dims)} on kind '{kind}'"
+        )
 
 
 def resolve_engine(cfg: mc.ModelConfig, params: ModelParameters) -> tuple[str, str]:

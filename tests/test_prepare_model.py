@@ -451,10 +451,19 @@ def test_modules_and_pooling_the_graph_does_not_do_are_refused(folders, tmp_path
         read_folder(folder)
 
 
-def test_a_classifier_with_several_labels_is_not_a_reranker(tmp_path):
+def test_a_classifier_with_several_labels_is_not_a_reranker(tmp_path, repo):
+    """Several labels make a classifier (tests/test_classify.py), one label a reranker."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.BertConfig(**TINY, vocab_size=wordpiece().get_vocab_size(), num_labels=3)
     transformers.BertForSequenceClassification(cfg).save_pretrained(tmp_path / "nli")
     wordpiece().save(str(tmp_path / "nli" / "tokenizer.json"))
-    with pytest.raises(PrepareError, match="has 3 labels; a rerank model needs one"):
-        prepare_model(tmp_path / "nli", "nli", tmp_path / "repo", log=print)
+    spec = spec_of(prepare_model(tmp_path / "nli", "nli", tmp_path / "repo", log=print))
+    assert spec.kind == "classification" and not spec.params.text_pair
+    assert [t.name for t in spec.outputs] == ["probabilities", "logits"]
+    for name in ("bert_ce", "xlmr_ce"):
+        ce = spec_of(repo / name)
+        assert (
+            ce.kind == "rerank"
+            and ce.params.text_pair
+            and [(t.name, t.dims) for t in ce.outputs] == [("score", (1,))]
+        )

@@ -369,12 +369,38 @@ class Engine:
         timing.input_ns += pre_ns
         if not batched or len(parts) == 1:
             return outputs, timing
+        own = self._own_lengths(feeds, rows)
         split = []
         start = 0
-        for n in rows:  # views: the arrays are this batch's own (never a pooled buffer)
-            split.append({name: arr[start : start + n] for name, arr in outputs[0].items()})
+        for i, n in enumerate(rows):  # views: the arrays are this batch's own (never a pooled buffer)
+            out = {}
+            for name, arr in outputs[0].items():
+                piece = arr[start : start + n]
+                if own is not None and self.plan.output_axes(name):
+                    piece = piece[_trim(piece.ndim, self.plan.output_axes(name), own[i])]
+                out[name] = piece
+            split.append(out)
             start += n
         return split, timing
+
+    def _own_lengths(self, feeds: dict[str, np.ndarray], rows: list[int]) -> list[tuple[int, ...]] | None:
+        """Each request's longest real row, read from the mask, where an output has a per-token
+        dim: the preprocessed batch is padded to its longest row, and a request batched with
+        longer rows gets its per-token outputs back at its own length (its answer's shape never
+        depends on whose rows it shared a batch with). None where no output needs it."""
+        plan = self.plan
+        if plan is None or len(plan.groups) != 1 or not any(plan.output_axes(t.name) for t in plan.outputs):
+            return None
+        mask = feeds.get(plan.mask_input) if plan.mask_input else None
+        if mask is None or mask.ndim != 2:
+            return None
+        # last real position + 1 (the text stage pads on the right; a left-padded row keeps its width)
+        real = np.where(mask.any(1), mask.shape[1] - np.argmax(mask[:, ::-1] != 0, axis=1), 0)
+        own, start = [], 0
+        for n in rows:
+            own.append((int(real[start : start + n].max()),))
+            start += n
+        return own
 
     def _run_pooled(self, parts, rows, lengths, seqs) -> tuple[list[dict[str, np.ndarray]], BatchTiming]:
         plan = self.plan

@@ -1,7 +1,9 @@
 """The BERT-family encoder spelled out with ``onnx.helper``: BERT, RoBERTa and XLM-RoBERTa
 blocks from their safetensors weights, then one of the heads a served model ends in —
 sentence-transformers' pooling (mean, CLS, last token), its Dense modules and optional L2
-normalisation, or a ``*ForSequenceClassification`` head's logit (a cross-encoder's score).
+normalisation (and, when asked, every token's state); a ``*ForSequenceClassification`` head's
+logit (a cross-encoder's score) or its logits and probabilities (a classifier); or a masked-LM
+head pooled as SPLADE pools it (a sparse encoder).
 
 The arithmetic is Hugging Face's ``BertModel`` / ``RobertaModel`` (post-LN blocks, erf GELU);
 the two families differ only in their embeddings: RoBERTa's positions count from
@@ -71,24 +73,77 @@ class Dense:
         return int(self.weight.shape[0])
 
 
+@dataclass(frozen=True, eq=False)
+class MaskedLM:
+    """A masked-LM head (BERT's ``cls.predictions``, RoBERTa's ``lm_head``, DistilBERT's
+    ``vocab_*``): dense, erf GELU, LayerNorm, then the vocabulary projection, pooled as
+    sentence-transformers' ``SpladePooling`` does: ``log(1 + relu(logits))`` (``log1p_relu``
+    takes log1p once more), padding masked, then max (or sum) over the tokens."""
+
+    dense_weight: np.ndarray  # [hidden, hidden], torch Linear's layout
+    dense_bias: np.ndarray
+    norm_weight: np.ndarray
+    norm_bias: np.ndarray
+    norm_epsilon: float
+    decoder_weight: np.ndarray  # [vocab, hidden]: the word embeddings when tied
+    decoder_bias: np.ndarray  # [vocab]
+    activation: str = "relu"  # SpladePooling's activation_function: "relu" or "log1p_relu"
+    pooling: str = "max"  # SpladePooling's pooling_strategy: "max" or "sum"
+
+    @property
+    def vocab(self) -> int:
+        return int(self.decoder_weight.shape[0])
+
+
 @dataclass(frozen=True)
 class Head:
     """What follows the encoder: ``pooling``, then ``dense`` (sentence-transformers' Dense
-    modules, in order), then ``normalize`` (an embedding); or ``classifier`` (a cross-encoder's
-    score: "bert" pooler + classifier, "roberta" classification head)."""
+    modules, in order), then ``normalize`` (an embedding; ``token_states`` adds every token's
+    state); or ``classifier`` ("bert" pooler + classifier, "roberta" classification head) with
+    ``labels`` logits: one is a cross-encoder's score, more a classifier's, whose probabilities
+    are their softmax (sigmoid each with ``multi_label``); or ``mlm``, a sparse encoder."""
 
     pooling: str = "mean"
     normalize: bool = True
     classifier: str | None = None
     dense: tuple[Dense, ...] = ()
+    labels: int = 1
+    multi_label: bool = False
+    mlm: MaskedLM | None = None
+    token_states: bool = False
+
+    @property
+    def kind(self) -> str:
+        """Parameter ``kind`` (gateway/parameters.py KINDS): which outputs the model has."""
+        if self.mlm is not None:
+            return "sparse_embedding"
+        if self.classifier:
+            return "rerank" if self.labels == 1 else "classification"
+        return "embedding"
 
     @property
     def output(self) -> str:
-        return "score" if self.classifier else "embedding"
+        """The main output's name (the first of ``outputs``)."""
+        return {"rerank": "score", "classification": "probabilities"}.get(self.kind, self.kind)
 
     def dim(self, hidden: int) -> int:
-        """The served vector's length: the last Dense's out_features, else the hidden size."""
-        return 1 if self.classifier else self.dense[-1].out_features if self.dense else hidden
+        """The main output's length: the labels, the vocabulary, the last Dense's out_features,
+        else the hidden size."""
+        if self.classifier:
+            return self.labels
+        if self.mlm is not None:
+            return self.mlm.vocab
+        return self.dense[-1].out_features if self.dense else hidden
+
+    def outputs(self, hidden: int) -> list[tuple[str, list[int | str]]]:
+        """(name, dims after the batch dim) of every output, the main one first; "seq" is the
+        input's length (the engines trim it back to each request's own)."""
+        main = [(self.output, [self.dim(hidden)])]
+        if self.kind == "classification":
+            return main + [("logits", [self.labels])]
+        if self.token_states:
+            return main + [("token_embeddings", ["seq", hidden])]
+        return main
 
 
 class _Graph(GraphBuilder):
@@ -296,8 +351,8 @@ def add_dense(g: GraphBuilder, x: str, layers: tuple[Dense, ...], prefix: str = 
     return x
 
 
-def _classify(g: _Graph, x: str, weights: dict[str, np.ndarray], kind: str) -> str:
-    """The sequence-classification head on the first token's state -> [batch, num_labels]."""
+def _classify(g: _Graph, x: str, weights: dict[str, np.ndarray], kind: str, out: str = "score") -> str:
+    """The sequence-classification head on the first token's state -> ``out``, [batch, num_labels]."""
     first = g.op("Gather", [x, g.scalar("first_token", np.array(0, np.int64))], "first_state", axis=1)
     if kind == "bert":  # BertPooler (dense + tanh), then the classifier
         pooled = g.op(
@@ -305,13 +360,11 @@ def _classify(g: _Graph, x: str, weights: dict[str, np.ndarray], kind: str) -> s
             [_linear(g, "pooler", first, weights["pooler.dense.weight"], weights["pooler.dense.bias"])],
             "pooler_out",
         )
-        return _linear(g, "score", pooled, weights["classifier.weight"], weights["classifier.bias"])
+        return _linear(g, out, pooled, weights["classifier.weight"], weights["classifier.bias"])
     # RobertaClassificationHead: dense + tanh + out_proj (dropout is off in inference)
     dense = _linear(g, "head", first, weights["classifier.dense.weight"], weights["classifier.dense.bias"])
     hidden = g.op("Tanh", [dense], "head_out")
-    return _linear(
-        g, "score", hidden, weights["classifier.out_proj.weight"], weights["classifier.out_proj.bias"]
-    )
+    return _linear(g, out, hidden, weights["classifier.out_proj.weight"], weights["classifier.out_proj.bias"])
 
 
 def build_model(
@@ -323,10 +376,10 @@ def build_model(
     producer: str,
     head_weights: dict[str, np.ndarray] | None = None,
 ) -> onnx.ModelProto:
-    """input_ids, attention_mask[, token_type_ids] (INT64 [batch, seq]) -> ``embedding`` (FP32
-    [batch, hidden]) or ``score`` (FP32 [batch, 1]). ``weights`` are the encoder's, named as in
-    a bare ``BertModel`` (no ``bert.``/``roberta.`` prefix); ``head_weights`` hold the
-    classifier's (and BERT's pooler, prefix stripped)."""
+    """input_ids, attention_mask[, token_type_ids] (INT64 [batch, seq]) -> the head's outputs
+    (``Head.outputs``). ``weights`` are the encoder's, named as in a bare ``BertModel`` (no
+    ``bert.``/``roberta.`` prefix); ``head_weights`` hold the classifier's (and BERT's pooler,
+    prefix stripped)."""
     g = _Graph()
     standard_constants(g, cfg)
     x = _embeddings(g, weights, cfg)
@@ -336,8 +389,9 @@ def build_model(
 
     names = ["input_ids", "attention_mask"] + (["token_type_ids"] if cfg.token_types else [])
     if head.classifier:
-        _classify(g, x, head_weights or weights, head.classifier)
-        return finish_head(g, None, mask, head, 1, names, name=name, producer=producer)
+        out = "logits" if head.kind == "classification" else "score"
+        _classify(g, x, head_weights or weights, head.classifier, out)
+        return finish_head(g, None, mask, head, cfg.hidden, names, name=name, producer=producer)
     return finish_head(g, x, mask, head, cfg.hidden, names, name=name, producer=producer)
 
 
@@ -368,12 +422,19 @@ def finish_head(
     name: str,
     producer: str,
 ) -> onnx.ModelProto:
-    """The pooled (and normalised) ``embedding`` of the final states ``x``, or, for a classifier
-    whose ``score`` node is already built (``x`` None), just that; then the finished model with
+    """The head's outputs from the final states ``x`` (hidden size ``width``): the pooled (and
+    normalised) ``embedding``, a sparse encoder's ``sparse_embedding``, or, for a classifier whose
+    logits node is already built (``x`` None), its probabilities; then the finished model with
     INT64 [batch, seq] inputs ``input_names``. Shared by every family's graph."""
-    if head.classifier:
-        out_dims = ["batch", width]
-    else:
+    if head.kind == "classification":
+        # transformers' problem_type: softmax over the labels, or each label's own sigmoid.
+        if head.multi_label:
+            g.op("Sigmoid", ["logits"], "probabilities")
+        else:
+            g.op("Softmax", ["logits"], "probabilities", axis=-1)
+    elif head.mlm is not None:
+        _splade(g, x, mask, head.mlm, width)
+    elif not head.classifier:
         pooled = add_dense(g, _pool(g, x, mask, head.pooling), head.dense)
         if head.normalize:
             # ReduceL2 still takes axes as an attribute at opset 17 (ReduceSum moved them to an input).
@@ -384,9 +445,50 @@ def finish_head(
             g.op("Div", [pooled, norm], "embedding")
         else:
             g.op("Identity", [pooled], "embedding")
-        out_dims = ["batch", head.dim(width)]
+        if head.token_states:
+            # Padding positions are zeros, so a row padded to a longer batch says where it ends.
+            token_mask = g.op("Unsqueeze", [mask, g.const("token_mask_axes", np.array([2], np.int64))],
+                              "token_mask_3d")  # fmt: skip
+            g.op("Mul", [x, token_mask], "token_embeddings")
 
     ids = ["batch", "seq"]
     inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, ids) for n in input_names]
-    outputs = [helper.make_tensor_value_info(head.output, TensorProto.FLOAT, out_dims)]
+    outputs = [
+        helper.make_tensor_value_info(out, TensorProto.FLOAT, ["batch", *dims])
+        for out, dims in head.outputs(width)
+    ]
     return finish_model(g, name, inputs, outputs, producer=producer)
+
+
+def _splade(g: GraphBuilder, x: str, mask: str, mlm: MaskedLM, width: int) -> str:
+    """[batch, seq, hidden] -> ``sparse_embedding`` [batch, vocab]: the masked-LM logits of every
+    token, then log(1 + relu) with padding zeroed, pooled over the tokens."""
+    t = g.op(
+        "MatMul",
+        [x, g.const("mlm.dense.weight", np.ascontiguousarray(mlm.dense_weight.T))],
+        "mlm.dense.matmul",
+    )
+    t = g.op("Add", [t, g.const("mlm.dense.bias", mlm.dense_bias)], "mlm.dense")
+    t = gelu(g, "mlm.gelu", t, one=g.const("mlm.one", np.array(1.0, np.float32)))
+    t = g.op(
+        "LayerNormalization",
+        [t, g.const("mlm.norm.scale", mlm.norm_weight), g.const("mlm.norm.bias", mlm.norm_bias)],
+        "mlm.norm", axis=-1, epsilon=mlm.norm_epsilon,
+    )  # fmt: skip
+    decoder = g.const("mlm.decoder.weight", np.ascontiguousarray(mlm.decoder_weight.T))
+    logits = g.op("Add", [g.op("MatMul", [t, decoder], "mlm.decoder.matmul"),
+                          g.const("mlm.decoder.bias", mlm.decoder_bias)], "mlm.logits")  # fmt: skip
+    # relu(x) * mask is relu(x * mask) for a 0/1 mask: padding scores 0, the least any token
+    # scores, so neither max nor sum pooling sees it.
+    mask_3d = g.op("Unsqueeze", [mask, g.const("mlm.mask_axes", np.array([2], np.int64))], "mlm.mask_3d")
+    scores = g.op("Mul", [g.op("Relu", [logits], "mlm.relu"), mask_3d], "mlm.masked")
+    one = g.const("mlm.log_one", np.array(1.0, np.float32))
+    scores = g.op("Log", [g.op("Add", [scores, one], "mlm.one_plus")], "mlm.log1p")
+    if mlm.activation == "log1p_relu":
+        scores = g.op("Log", [g.op("Add", [scores, one], "mlm.one_plus2")], "mlm.log1p2")
+    op = "ReduceMax" if mlm.pooling == "max" else "ReduceSum"
+    if op == "ReduceMax":  # still an attribute at opset 17
+        return g.op(op, [scores], "sparse_embedding", axes=[1], keepdims=0)
+    return g.op(
+        op, [scores, g.const("mlm.seq_axes", np.array([1], np.int64))], "sparse_embedding", keepdims=0
+    )

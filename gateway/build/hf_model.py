@@ -2,7 +2,7 @@
 
 ``batchgate prepare-model SOURCE --name NAME [--model-repository DIR]`` writes::
 
-    <repo>/NAME/config.pbtxt      text (BYTES) in; embedding (FP32 [hidden]) or score (FP32 [1]) out
+    <repo>/NAME/config.pbtxt      text (BYTES) in; the head's outputs (by kind, below) out
     <repo>/NAME/tokenizer.json    the folder's tokenizer, unchanged
     <repo>/NAME/1/model.onnx      the encoder and its head (gateway/build/encoder.py)
 
@@ -18,10 +18,17 @@ export (``onnx/model.onnx`` or ``model.onnx``) with the head appended (``onnx_ex
 What it decides, and where from (docs/embeddings.md, "Bringing your own model"):
 
 * architecture: BERT, RoBERTa or XLM-RoBERTa (``model_type``; encoder.py), MPNet, DistilBERT,
-  ModernBERT or Qwen3 (one module each: mpnet.py, distilbert.py, modernbert.py, qwen3.py); a
-  BERT/RoBERTa ``*ForSequenceClassification`` with one label becomes a rerank model whose rows
-  are pairs (parameter ``text_pair``) and whose output is the raw logit. Anything else is
-  refused by name (``PrepareError``, exit 2).
+  ModernBERT or Qwen3 (one module each: mpnet.py, distilbert.py, modernbert.py, qwen3.py).
+  Anything else is refused by name (``PrepareError``, exit 2).
+* kind (parameter ``kind``; each kind's outputs fixed by name, so a route reads them): an
+  ``embedding`` (FP32 [dim]; ``token_embeddings`` FP32 [-1, hidden] beside it when asked); a
+  BERT/RoBERTa ``*ForSequenceClassification`` with one label, a ``rerank`` model whose rows are
+  pairs (parameter ``text_pair``) and whose ``score`` is the raw logit; with more labels, a
+  ``classification`` model: ``probabilities`` (softmax, or each label's sigmoid for
+  ``problem_type`` multi_label_classification) and ``logits``, FP32 [labels], its ``id2label``
+  recorded as parameters ``label.<index>``; a masked-LM folder that modules.json declares a
+  sentence-transformers sparse encoder (``MLMTransformer`` then ``SpladePooling``), a
+  ``sparse_embedding`` model: FP32 [vocab], log(1 + relu) of the MLM logits pooled over tokens.
 * max length: sentence-transformers' ``max_seq_length``, else the tokenizer's
   ``model_max_length``, never more than the position table allows (RoBERTa's loses
   ``padding_idx + 1`` rows to its offset).
@@ -45,12 +52,12 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from batchgate.gateway.build.encoder import ACTIVATIONS, POOLINGS, Dense, EncoderConfig, Head
+from batchgate.gateway.build.encoder import ACTIVATIONS, POOLINGS, Dense, EncoderConfig, Head, MaskedLM
 
 Log = Callable[[str], object]
 
@@ -75,10 +82,27 @@ _ENCODER_ARCHS = ("Model", "ForMaskedLM", "ForPreTraining")
 SUPPORTED = (
     "BERT, RoBERTa and XLM-RoBERTa encoders (model_type bert, roberta, xlm-roberta; "
     "architectures *Model, *ForMaskedLM, *ForPreTraining) and their *ForSequenceClassification "
-    "cross-encoders with one label; MPNet, DistilBERT and ModernBERT encoders (model_type mpnet, "
-    "distilbert, modernbert; *Model, *ForMaskedLM); Qwen3 embedders (model_type qwen3; Qwen3Model, "
-    "Qwen3ForCausalLM)"
+    "(one label: cross-encoders; more: classifiers); MPNet, DistilBERT and ModernBERT encoders "
+    "(model_type mpnet, distilbert, modernbert; *Model, *ForMaskedLM); Qwen3 embedders (model_type "
+    "qwen3; Qwen3Model, Qwen3ForCausalLM)"
 )
+# transformers' problem_type values a classifier is served with (probabilities by softmax, or by
+# each label's sigmoid); "regression" has no probabilities.
+PROBLEM_TYPES = ("single_label_classification", "multi_label_classification")
+# The masked-LM head of each family a sparse encoder is built on: (dense, LayerNorm, decoder
+# weight, decoder bias names). A tied decoder (transformers' default) is the word embeddings,
+# and save_pretrained leaves it out of the file.
+_MLM_HEADS = {
+    "bert": ("cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm",
+             "cls.predictions.decoder.weight", ("cls.predictions.bias", "cls.predictions.decoder.bias")),
+    "roberta": ("lm_head.dense", "lm_head.layer_norm", "lm_head.decoder.weight",
+                ("lm_head.bias", "lm_head.decoder.bias")),
+    "mpnet": ("lm_head.dense", "lm_head.layer_norm", "lm_head.decoder.weight",
+              ("lm_head.bias", "lm_head.decoder.bias")),
+    "distilbert": ("vocab_transform", "vocab_layer_norm", "vocab_projector.weight", ("vocab_projector.bias",)),
+}  # fmt: skip
+SPLADE_ACTIVATIONS = ("relu", "log1p_relu")
+SPLADE_POOLINGS = ("max", "sum")
 
 
 def _family_module(family: str):
@@ -122,10 +146,15 @@ class Plan:
     max_tokens: int
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
+    label_names: tuple[str, ...] = ()  # a classifier's id2label, in index order
+    text_pair: bool = False  # rows are pairs (a cross-encoder's, or a pair classifier's)
+    # A sparse encoder's SpladePooling (activation, pooling); the MLM head itself is read with
+    # the weights (``_mlm_head``).
+    splade: tuple[str, str] | None = None
 
     @property
     def rerank(self) -> bool:
-        return self.head.classifier is not None
+        return self.head.kind == "rerank"
 
     @property
     def dim(self) -> int:
@@ -156,12 +185,16 @@ class Modules:
     """sentence-transformers' pipeline, as modules.json lists it."""
 
     transformer: Path
-    pooling: Path
+    pooling: Path | None  # None for a sparse encoder
     dense: tuple[Path, ...]
     normalize: bool
+    splade: Path | None = None  # a sparse encoder's SpladePooling folder
 
 
-_PIPELINE = "supported: Transformer, then Pooling, then any Dense, then optionally Normalize"
+_PIPELINE = (
+    "supported: Transformer, then Pooling, then any Dense, then optionally Normalize; or a sparse "
+    "encoder's MLMTransformer then SpladePooling"
+)
 
 
 def _modules(source: Path) -> Modules | None:
@@ -170,6 +203,9 @@ def _modules(source: Path) -> Modules | None:
     if modules is None:
         return None
     kinds = [(str(m.get("type", "")).rsplit(".", 1)[-1], str(m.get("path", ""))) for m in modules]
+    if [k for k, _ in kinds] in (["MLMTransformer", "SpladePooling"], ["Transformer", "SpladePooling"]):
+        return Modules(transformer=source / kinds[0][1], pooling=None, dense=(), normalize=False,
+                       splade=source / kinds[1][1])  # fmt: skip
     for kind, path in kinds:
         if kind not in ("Transformer", "Pooling", "Dense", "Normalize"):
             raise PrepareError(
@@ -278,10 +314,48 @@ def _architecture(config: dict, where: Path) -> tuple[str, str, bool]:
     return arch or f"{stem}Model", model_type, tail == "ForSequenceClassification"
 
 
+def _splade(folder: Path) -> tuple[str, str]:
+    """SpladePooling's config.json: (activation_function, pooling_strategy)."""
+    cfg = _json(folder / "config.json", required=False) or {}
+    act, pool = cfg.get("activation_function", "relu"), cfg.get("pooling_strategy", "max")
+    if act not in SPLADE_ACTIVATIONS or pool not in SPLADE_POOLINGS:
+        raise PrepareError(
+            f"{folder / 'config.json'}: SpladePooling activation_function '{act}', pooling_strategy "
+            f"'{pool}'; supported: activation {' or '.join(SPLADE_ACTIVATIONS)}, pooling "
+            f"{' or '.join(SPLADE_POOLINGS)}"
+        )
+    return act, pool
+
+
+def _labels(config: dict, where: Path) -> tuple[tuple[str, ...], bool]:
+    """A classifier's (label names in index order, multi-label), from config.json's id2label and
+    problem_type."""
+    id2label = config.get("id2label") or {}
+    n = len(id2label) or int(config.get("num_labels") or 2)
+    try:
+        names = {int(k): str(v) for k, v in id2label.items()}
+    except (TypeError, ValueError):
+        names = {}
+    if n > 1 and id2label and sorted(names) != list(range(n)):
+        raise PrepareError(f"{where}: id2label keys {sorted(id2label)}; expected 0..{n - 1}")
+    problem = config.get("problem_type") or "single_label_classification"
+    if n > 1 and problem not in PROBLEM_TYPES:
+        raise PrepareError(
+            f"{where}: problem_type '{problem}' with {n} labels is not supported; supported: "
+            f"{', '.join(PROBLEM_TYPES)} (one label: a rerank model)"
+        )
+    return tuple(names.get(i, f"LABEL_{i}") for i in range(n)), problem == "multi_label_classification"
+
+
 def _embedding_head(source: Path, modules: Modules | None, hidden: int, prompts: dict[str, str],
                     pooling: str | None, normalize: bool | None, default_pooling: str = "mean") -> Head:  # fmt: skip
     """Pooling, Dense modules (chained: each takes the previous one's vector) and Normalize as
     ``modules.json`` declares them; a plain folder gets mean pooling and unit vectors."""
+    if modules and modules.splade is not None:
+        raise PrepareError(
+            f"{source / 'modules.json'}: a sparse encoder (SpladePooling) is built from its safetensors "
+            "weights (the masked-LM head included), not from an ONNX export"
+        )
     if modules:
         found_pooling = _pooling(modules.pooling, hidden, any(prompts.values()))
         found_normalize = modules.normalize
@@ -343,9 +417,13 @@ def text_settings(
     return dict(prompts), default_prompt
 
 
-def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | None = None) -> Plan:
+def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | None = None,
+                text_pair: bool | None = None, token_embeddings: bool = False) -> Plan:  # fmt: skip
     """Read and check ``source``; PrepareError (one line) on anything the build would not serve
-    as the folder's own library would."""
+    as the folder's own library would. ``text_pair``: a classifier's rows are pairs (default: a
+    rerank model's always are; a classifier's when config.json says sentence-transformers saved
+    it as a CrossEncoder, which scores pairs). ``token_embeddings``: an embedding model also
+    outputs every token's state."""
     source = Path(source)
     if not source.is_dir():
         raise PrepareError(
@@ -355,7 +433,7 @@ def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | N
     model_dir = modules.transformer if modules else source
     # The architecture first: a folder of another kind is refused by name, not for a file it lacks.
     config = _json(model_dir / "config.json")
-    arch, model_type, rerank = _architecture(config, model_dir / "config.json")
+    arch, model_type, classifier = _architecture(config, model_dir / "config.json")
     family = FAMILIES[model_type]
     for name in ("model.safetensors", "tokenizer.json"):
         if not (model_dir / name).is_file():
@@ -390,16 +468,37 @@ def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | N
     # when the folder names none of its own.
     prompts, default_prompt = text_settings(source, model_dir, dict(getattr(module, "DEFAULT_PROMPTS", {})))
 
-    if rerank:
-        if pooling is not None or normalize is not None:
+    labels: tuple[str, ...] = ()
+    splade = None
+    if classifier or (modules and modules.splade is not None):
+        what = "a sparse encoder (SpladePooling)" if not classifier else f"{arch}, a sequence classifier"
+        if pooling is not None or normalize is not None or token_embeddings:
             raise PrepareError(
-                f"{source}: --pooling and --normalize are for embedding models; {arch} is a cross-encoder"
+                f"{source}: --pooling, --normalize and token embeddings are for embedding models; "
+                f"{source.name} is {what}"
             )
-        head = Head(classifier=family)
+    if classifier:
+        labels, multi_label = _labels(config, model_dir / "config.json")
+        head = Head(classifier=family, labels=len(labels), multi_label=multi_label)
+        if head.kind == "rerank":
+            labels, text_pair = (), True  # a cross-encoder: its rows are always pairs
+        elif text_pair is None:
+            text_pair = isinstance(config.get("sentence_transformers"), dict)
+    elif modules and modules.splade is not None:
+        if family not in _MLM_HEADS or not arch.endswith("ForMaskedLM"):
+            raise PrepareError(
+                f"{model_dir / 'config.json'}: a sparse encoder needs a masked-LM checkpoint "
+                f"({', '.join(sorted(_MLM_HEADS))}; *ForMaskedLM), not {arch}"
+            )
+        splade = _splade(modules.splade)
+        head = Head(pooling="max", normalize=False)  # the MLM head is added with the weights
     else:
         head = _embedding_head(
             source, modules, hidden, prompts, pooling, normalize, getattr(module, "DEFAULT_POOLING", "mean")
         )
+        head = replace(head, token_states=token_embeddings)
+    if text_pair and not classifier:
+        raise PrepareError(f"{source}: text pairs are for cross-encoders and classifiers; {arch} is neither")
     return Plan(
         source=source,
         model_dir=model_dir,
@@ -411,6 +510,9 @@ def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | N
         max_tokens=cfg.max_seq_length,
         prompts=prompts,
         default_prompt_name=default_prompt,
+        label_names=labels,
+        text_pair=bool(text_pair),
+        splade=splade,
     )
 
 
@@ -459,13 +561,41 @@ def _split_weights(
         )
     if head:
         labels = head[names[2]].shape[0]
-        if labels != 1:
-            # Several labels make a classifier (NLI, sentiment), not a relevance score.
+        if labels != plan.head.labels:
             raise PrepareError(
-                f"{plan.model_dir / 'config.json'}: {plan.architecture} has {labels} labels; a rerank model "
-                "needs one (its logit is the score)"
+                f"{plan.model_dir / 'model.safetensors'}: {names[2]} has {labels} labels; config.json's "
+                f"id2label names {plan.head.labels}"
             )
     return encoder, head
+
+
+def _mlm_head(plan: Plan, weights: dict[str, np.ndarray], encoder: dict[str, np.ndarray]) -> MaskedLM:
+    """A sparse encoder's masked-LM head from the checkpoint, outside the encoder's prefix."""
+    dense, norm, decoder, biases = _MLM_HEADS[FAMILIES[plan.model_type]]
+    where = plan.model_dir / "model.safetensors"
+    config = _json(plan.model_dir / "config.json")
+    word = encoder["embeddings.word_embeddings.weight"]
+    decoder_weight = weights.get(decoder)
+    if decoder_weight is None and config.get("tie_word_embeddings", True):
+        decoder_weight = word
+    bias = next((weights[b] for b in biases if b in weights), None)
+    needed = {f"{dense}.weight": weights.get(f"{dense}.weight"), f"{dense}.bias": weights.get(f"{dense}.bias"),
+              f"{norm}.weight": weights.get(f"{norm}.weight"), f"{norm}.bias": weights.get(f"{norm}.bias"),
+              decoder: decoder_weight, biases[0]: bias}  # fmt: skip
+    missing = [n for n, v in needed.items() if v is None]
+    if missing:
+        raise PrepareError(f"{where} has no tensor {missing[0]} (the masked-LM head a sparse encoder pools)")
+    if decoder_weight.shape != word.shape or bias.shape != (word.shape[0],):
+        raise PrepareError(
+            f"{where}: {decoder} {list(decoder_weight.shape)} and bias {list(bias.shape)}; the vocabulary "
+            f"is {word.shape[0]} x {word.shape[1]}"
+        )
+    activation, pooling = plan.splade
+    return MaskedLM(
+        dense_weight=needed[f"{dense}.weight"], dense_bias=needed[f"{dense}.bias"],
+        norm_weight=needed[f"{norm}.weight"], norm_bias=needed[f"{norm}.bias"], norm_epsilon=plan.cfg.ln_epsilon,
+        decoder_weight=decoder_weight, decoder_bias=bias, activation=activation, pooling=pooling,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -483,14 +613,30 @@ def render_config(name: str, plan) -> str:
     from batchgate.gateway.build.minilm import render_text_config, text_parameters
 
     params = text_parameters(plan.max_tokens)
-    kind = "rerank: pairs in, the classifier's logit out" if plan.rerank else "embedding"
-    notes = [f"Source: {plan.summary}; {kind}."]
-    if plan.rerank:
+    head = plan.head
+    kind = head.kind
+    described = {
+        "rerank": "rerank: pairs in, the classifier's logit out",
+        "classification": f"classification: {head.labels} labels, "
+        + ("each label's sigmoid" if head.multi_label else "softmax")
+        + " (probabilities) and logits",
+        "sparse_embedding": "sparse embedding: log(1 + relu) of the masked-LM logits, "
+        + (f"{plan.splade[1]}-pooled over tokens" if plan.splade else "pooled over tokens"),
+    }.get(kind, "embedding")
+    notes = [f"Source: {plan.summary}; {described}."]
+    params["kind"] = kind
+    if getattr(plan, "text_pair", False):
         notes.append(
             "Each row is a pair: query and document joined by U+001F (gateway/text.py PAIR_SEPARATOR)."
         )
         params["text_pair"] = "true"
-    else:
+    if kind == "classification":
+        params["problem_type"] = PROBLEM_TYPES[head.multi_label]
+        for i, label in enumerate(plan.label_names):
+            params[f"label.{i}"] = _escape(label)
+    elif kind == "sparse_embedding":
+        notes.append("sparse_embedding is vocabulary-sized: index i scores tokenizer.json's token id i.")
+    elif kind == "embedding":
         notes.append(
             "pooling and normalize record what the graph does; prompt.<name> are the folder's prompts."
         )
@@ -501,18 +647,28 @@ def render_config(name: str, plan) -> str:
         params["normalize"] = "true" if plan.head.normalize else "false"
         if plan.head.pooling == "lasttoken":
             notes.append(_last_token_note(plan.tokenizer))
+        if plan.head.token_states:
+            notes.append(
+                "token_embeddings: each token's final state, zero past the row's own tokens (a row comes "
+                "back padded to the longest row of its answer)."
+            )
     for prompt, text in sorted(plan.prompts.items()):
         params[f"prompt.{_escape(prompt)}"] = _escape(text)
     if plan.default_prompt_name is not None:
         params["default_prompt_name"] = _escape(plan.default_prompt_name)
-    return render_text_config(
-        name,
-        "gateway/build/hf_model.py (batchgate prepare-model)",
-        plan.head.output,
-        plan.dim,
-        params,
-        notes,
+    first, *more = head.outputs(plan.cfg.hidden if hasattr(plan, "cfg") else plan.hidden)
+    text = render_text_config(
+        name, "gateway/build/hf_model.py (batchgate prepare-model)", first[0], plan.dim, params, notes
     )
+    if more:  # render_text_config writes one output; the others follow it in the same list
+        block = f"    dims: [ {plan.dim} ]\n  }}\n]\n"
+        assert text.count(block) == 1
+        extra = "".join(
+            f'  {{\n    name: "{n}"\n    data_type: TYPE_FP32\n    dims: [ {", ".join(str(-1 if d == "seq" else d) for d in dims)} ]\n  }}\n'
+            for n, dims in more
+        )
+        text = text.replace(block, f"    dims: [ {plan.dim} ]\n  }},\n{extra}]\n")
+    return text
 
 
 def _last_token_note(tokenizer: Path) -> str:
@@ -534,7 +690,8 @@ def _last_token_note(tokenizer: Path) -> str:
 
 def prepare_model(source: str | Path, name: str, repo: Path, *, pooling: str | None = None,
                   normalize: bool | None = None, revision: str | None = None, from_onnx: bool = False,
-                  onnx_file: Path | None = None, log: Log = print) -> Path:  # fmt: skip
+                  onnx_file: Path | None = None, text_pair: bool | None = None,
+                  token_embeddings: bool = False, log: Log = print) -> Path:  # fmt: skip
     """Write ``<repo>/<name>`` from ``source`` (a folder, or a Hugging Face model ID resolved
     through the hub cache: gateway/build/sources.py); returns the model directory. The weights
     are built into a graph when the builder knows the architecture; a folder carrying an ONNX
@@ -558,10 +715,19 @@ def prepare_model(source: str | Path, name: str, repo: Path, *, pooling: str | N
         return prepare_export(
             source, name, repo, onnx_file=onnx_file, pooling=pooling, normalize=normalize, log=log, t0=t0
         )
-    plan = read_folder(source, pooling=pooling, normalize=normalize)
-    encoder, head = _split_weights(_read_safetensors(plan.model_dir / "model.safetensors"), plan)
+    plan = read_folder(source, pooling=pooling, normalize=normalize, text_pair=text_pair,
+                       token_embeddings=token_embeddings)  # fmt: skip
+    weights = _read_safetensors(plan.model_dir / "model.safetensors")
+    encoder, head = _split_weights(weights, plan)
     _check_vocab(plan, encoder)
-    size = sum(v.nbytes for v in (*encoder.values(), *head.values()))
+    if plan.splade is not None:
+        plan = replace(plan, head=replace(plan.head, mlm=_mlm_head(plan, weights, encoder)))
+    del weights
+    mlm = plan.head.mlm
+    # (a tied decoder is stored twice in the graph: gathered as embeddings, multiplied as the decoder)
+    size = sum(v.nbytes for v in (*encoder.values(), *head.values())) + (
+        mlm.decoder_weight.nbytes if mlm else 0
+    )
     if size > ONNX_WEIGHT_LIMIT:
         # Refused before the graph is built: protobuf would refuse it after minutes of work.
         raise PrepareError(
@@ -584,10 +750,16 @@ def prepare_model(source: str | Path, name: str, repo: Path, *, pooling: str | N
     # Config last, so a repository scan never finds a config whose other files are missing.
     write_atomic(out / "config.pbtxt", render_config(name, plan).encode())
     dense = f", {len(plan.head.dense)} Dense to {plan.dim} dims" if plan.head.dense else ""
-    what = (
-        "rerank, raw logit"
-        if plan.rerank
-        else f"embedding, {plan.head.pooling} pooling{dense}{', normalised' if plan.head.normalize else ''}"
+    what = {
+        "rerank": "rerank, raw logit",
+        "classification": f"classification, {plan.head.labels} labels"
+        + (", multi-label" if plan.head.multi_label else "")
+        + (", pairs" if plan.text_pair else ""),
+        "sparse_embedding": f"sparse embedding, {plan.dim} terms",
+    }.get(
+        plan.head.kind,
+        f"embedding, {plan.head.pooling} pooling{dense}{', normalised' if plan.head.normalize else ''}"
+        + (", token embeddings" if plan.head.token_states else ""),
     )
     log(
         f"{name}: wrote {out} from {plan.source} ({plan.architecture}, {what}, max {plan.max_tokens} tokens"
@@ -643,6 +815,9 @@ def run(args: argparse.Namespace) -> int:
             revision=args.revision,
             from_onnx=args.from_onnx,
             onnx_file=args.onnx,
+            # (flags cli.py may not offer yet)
+            text_pair=getattr(args, "text_pair", None),
+            token_embeddings=bool(getattr(args, "token_embeddings", False)),
         )
     except PrepareError as exc:
         print(f"batchgate prepare-model: {str(exc).replace(chr(10), ' ')}", file=sys.stderr)

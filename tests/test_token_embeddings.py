@@ -1,0 +1,163 @@
+"""Token vectors (TEI's ``/embed_all``): ``batchgate prepare-model ... token_embeddings`` adds an
+output ``token_embeddings`` FP32 [-1, hidden] to an embedding model, each token's final state.
+
+The length dim is the input's ``seq`` (the same ONNX dim_param), so it travels as any per-token
+output does: the engine trims a batch to its own longest row, the runtime pads a call whose rows
+ran in batches of different lengths to the longest of them (gateway/runtime.py ``_assemble``), and
+KServe answers [rows, longest, hidden]. The graph zeroes every position past a row's tokens, so a
+row's own vectors are its first ``len(tokens)``, and the rest are exactly 0. Checked here against
+transformers' ``last_hidden_state`` on texts of mixed lengths (several length buckets in one call,
+and past the model's limit), and the pooled embedding beside it is unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import tritonclient.grpc as tc
+from tokenizers import Tokenizer
+
+from batchgate.gateway.build.hf_model import prepare_model, read_folder
+from batchgate.gateway.repository import load_model
+from batchgate.gateway.text import TextStage
+from batchgate.workers import EngineOptions, WorkerPool, discover
+from tests.conftest import start_server
+from tests.test_prepare_model import TEXTS, TINY, cosines, scramble, st_folder, unigram, wordpiece
+
+MAX_DIFF = 1e-4
+MIN_COSINE = 0.9999
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("token-folders")
+    torch.manual_seed(3)
+    wp, ug = wordpiece(), unigram()
+    made = {
+        "bert_tokens": (transformers.BertModel(transformers.BertConfig(
+            **TINY, vocab_size=wp.get_vocab_size(), max_position_embeddings=64)), wp, "mean", True),
+        "xlmr_tokens": (transformers.XLMRobertaModel(transformers.XLMRobertaConfig(
+            **TINY, vocab_size=ug.get_vocab_size(), max_position_embeddings=40, type_vocab_size=1,
+            pad_token_id=1, bos_token_id=0, eos_token_id=2, layer_norm_eps=1e-5)), ug, "cls", False),
+    }  # fmt: skip
+    out = {}
+    for name, (model, tok, pooling, normalize) in made.items():
+        scramble(model)
+        d = root / name
+        model.eval().save_pretrained(d)
+        tok.save(str(d / "tokenizer.json"))
+        st_folder(d, pooling, normalize, **{"sentence_bert_config.json": {"max_seq_length": 36}})
+        out[name] = (d, model, pooling, normalize)
+    return out
+
+
+@pytest.fixture(scope="module")
+def repo(folders, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("token-repo")
+    for name, (folder, *_rest) in folders.items():
+        prepare_model(folder, name, repo, token_embeddings=True, log=print)
+        prepare_model(folder, name + "_plain", repo, log=print)
+    return repo
+
+
+def reference(folder, model, rows: list[str]) -> tuple[np.ndarray, list[int]]:
+    """(transformers' last_hidden_state for the padded batch, each row's token count)."""
+    import torch
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    pad = "[PAD]" if tok.token_to_id("[PAD]") is not None else "<pad>"
+    tok.enable_padding(pad_id=tok.token_to_id(pad), pad_token=pad)
+    tok.enable_truncation(read_folder(folder).max_tokens)
+    enc = tok.encode_batch(rows)
+    feeds = {"input_ids": torch.tensor([e.ids for e in enc]),
+             "attention_mask": torch.tensor([e.attention_mask for e in enc])}  # fmt: skip
+    if model.config.model_type == "bert":
+        feeds["token_type_ids"] = torch.tensor([e.type_ids for e in enc])
+    with torch.no_grad():
+        states = model(**feeds).last_hidden_state.numpy()
+    return states, [sum(e.attention_mask) for e in enc]
+
+
+def check_rows(got: np.ndarray, want: np.ndarray, counts: list[int], name: str) -> None:
+    """Each row's first ``count`` vectors are transformers'; every vector past them is 0."""
+    assert got.shape[0] == len(counts) and got.shape[2] == want.shape[2]
+    assert got.shape[1] == max(counts)  # padded to the longest row of the answer, no further
+    worst = 0.0
+    for i, n in enumerate(counts):
+        np.testing.assert_allclose(got[i, :n], want[i, :n], atol=MAX_DIFF, rtol=0)
+        worst = max(worst, float(np.abs(got[i, :n] - want[i, :n]).max()))
+        assert not got[i, n:].any(), f"row {i}: padding positions are not zero"
+    print(f"{name}: token counts {counts}, max |diff| {worst:.2e}")
+
+
+def test_config_adds_the_output_beside_the_embedding(repo):
+    spec = load_model(repo / "bert_tokens")[0]
+    assert spec.kind == "embedding"
+    assert [(t.name, t.dims) for t in spec.outputs] == [("embedding", (32,)), ("token_embeddings", (-1, 32))]
+    assert [t.name for t in load_model(repo / "bert_tokens_plain")[0].outputs] == ["embedding"]
+
+
+@pytest.mark.parametrize("name", ["bert_tokens", "xlmr_tokens"])
+def test_graph_matches_transformers(name, folders, repo):
+    folder, model, *_ = folders[name]
+    spec = load_model(repo / name)[0]
+    feeds = TextStage(spec)({"text": np.array([t.encode() for t in TEXTS], dtype=object).reshape(-1, 1)})
+    (got,) = ort.InferenceSession(str(repo / name / "1" / "model.onnx")).run(["token_embeddings"], feeds)
+    check_rows(got, *reference(folder, model, TEXTS), name)
+
+
+def test_a_request_batched_with_longer_rows_gets_its_own_length(folders, repo):
+    """Two callers' rows in one engine run: the batch is tokenised and padded to its longest row,
+    and each request's token vectors come back at its own longest row (the shape of an answer
+    never depends on whose rows shared its batch), equal to the request run alone."""
+    folder, model, *_ = folders["bert_tokens"]
+    spec = load_model(repo / "bert_tokens")[0]
+    pool = WorkerPool("tokens", spec.path, discover("cpu")[:1], 1, EngineOptions(preprocess=TextStage(spec)),
+                      spec.buckets)  # fmt: skip
+    pool.start()
+    try:
+        short, long = [TEXTS[0], TEXTS[4]], [TEXTS[5]]
+        parts = [{"text": np.array([[t.encode()] for t in rows], dtype=object)} for rows in (short, long)]
+        (a, b), timing = pool.submit(parts, [2, 1], True).result(timeout=60)
+        alone = pool.submit(parts[:1], [2], True).result(timeout=60)[0][0]
+    finally:
+        pool.close()
+    assert timing.runs == 1  # one run: the short rows were padded to the long one's length
+    states, counts = reference(folder, model, short)
+    check_rows(a["token_embeddings"], states, counts, "short rows batched with a long one")
+    np.testing.assert_array_equal(a["token_embeddings"].shape, alone["token_embeddings"].shape)
+    np.testing.assert_allclose(a["token_embeddings"], alone["token_embeddings"], atol=1e-5, rtol=0)
+    check_rows(b["token_embeddings"], *reference(folder, model, long), "the long row")
+
+
+@pytest.fixture(scope="module")
+def client(repo, tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("token-server"), "--no-build-models", repo=repo,
+                       ready_timeout=120)  # fmt: skip
+    c = tc.InferenceServerClient(srv.grpc_url)
+    yield c
+    c.close()
+    srv.stop()
+
+
+def _infer(client, name: str, rows: list[str], outputs: list[str]):
+    inp = tc.InferInput("text", [len(rows), 1], "BYTES")
+    inp.set_data_from_numpy(np.array([r.encode() for r in rows], dtype=object).reshape(-1, 1))
+    return client.infer(name, [inp], outputs=[tc.InferRequestedOutput(o) for o in outputs], client_timeout=60)
+
+
+@pytest.mark.parametrize("name", ["bert_tokens", "xlmr_tokens"])
+def test_served_token_vectors_across_length_buckets(name, folders, client):
+    """One call whose rows fall in several length buckets (so they run as separate requests and
+    come back from batches of different lengths), then calls of short rows alone."""
+    folder, model, *_ = folders[name]
+    got = _infer(client, name, TEXTS, ["token_embeddings", "embedding"])
+    check_rows(got.as_numpy("token_embeddings"), *reference(folder, model, TEXTS), name)
+    plain = _infer(client, name + "_plain", TEXTS, ["embedding"]).as_numpy("embedding")
+    assert cosines(got.as_numpy("embedding"), plain).min() >= MIN_COSINE  # the extra output changes nothing
+    short = TEXTS[:2]
+    got = _infer(client, name, short, ["token_embeddings"]).as_numpy("token_embeddings")
+    check_rows(got, *reference(folder, model, short), name)
