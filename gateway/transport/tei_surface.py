@@ -99,7 +99,7 @@ class TeiSurface:
         self.http = http
         self.edge = server.metrics.transport("http")
 
-    async def _texts(self, request, pass_, doc, model, value, *, output, field="inputs", params=None):
+    async def _texts(self, request, pass_, doc, model, value, *, output, field="inputs", params=None, pairs=False):
         """One pipeline call for the route's texts (or token ids) with the model's truncate default
         and the call's direction; the answer and its texts."""
         server = self.server
@@ -110,6 +110,7 @@ class TeiSurface:
         answer = await server.pipeline.texts(
             pass_, self.edge, model, texts, latency_of(request, doc), prompt_name=prompt_name_of(params),
             exact_limit=not truncate, cut=truncate and given is None, output=output, left=left, encodings=given,
+            pairs=pairs,
         )  # fmt: skip
         return answer, texts
 
@@ -288,7 +289,7 @@ class TeiSurface:
                 raise invalid(f"'{field}[{i}]': the first text may not hold U+001F (the pair separator)", field)
         texts = [PAIR_SEPARATOR.join(r) for r in rows]
         answer, _ = await self._texts(
-            request, pass_, doc, model, texts, output="logits" if raw else "probabilities", field=field
+            request, pass_, doc, model, texts, output="logits" if raw else "probabilities", field=field, pairs=pairs
         )
         return answer, rt.spec.labels
 
