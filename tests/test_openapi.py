@@ -41,7 +41,7 @@ tenants:
 """
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SEED = int(os.environ.get("BATCHGATE_FUZZ_SEED", "20261203"))  # fixed; the variable explores others
-EXAMPLES = 20  # per operation and generation mode (positive, negative)
+EXAMPLES = int(os.environ.get("BATCHGATE_FUZZ_EXAMPLES", "20"))  # per operation and generation mode (positive, negative)
 MiB = 1 << 20
 # A generated latency budget may be 5e-324 ms: the server then answers 504 (the budget cannot be
 # met), which is the contract, not a server error. Only 504s of calls asking less than this count so.
@@ -78,7 +78,7 @@ def drift(app, doc: dict) -> dict[str, list]:
 
 def rest_app():
     """The REST listener's real app, over a stand-in server (routes are all this reads)."""
-    settings = SimpleNamespace(max_http_body_bytes=1 << 20, http_body_timeout_s=30.0)
+    settings = SimpleNamespace(max_http_body_bytes=1 << 20, http_body_timeout_s=30.0, cors_allowed_origins=None)
     metrics = SimpleNamespace(transport=lambda _name: None)
     server = SimpleNamespace(
         settings=settings, pipeline=None, plane=None, metrics=metrics, max_message_bytes=1 << 20
@@ -122,7 +122,11 @@ def test_every_operation_documents_its_error_shape():
     """Every operation that can refuse says with which body; the three shapes by API family."""
     doc = openapi.document()
     family = {"/v1/embeddings": "OpenAIError", "/v1/models": "OpenAIError", "/v1/models/{model}": "OpenAIError",
-              "/v1/rerank": "OpenAIError", "/embed": "TEIError", "/rerank": "TEIError"}  # fmt: skip
+              "/v1/rerank": "OpenAIError", "/classify": "OpenAIError", "/v1/classify": "OpenAIError"}  # fmt: skip
+    tei = ("/embed", "/rerank", "/info", "/health", "/tokenize", "/decode", "/similarity", "/predict",
+           "/embed_sparse", "/embed_all")  # fmt: skip
+    family.update({p: "TEIError" for p in tei})
+    family.update({"/tei/{model}" + p: "TEIError" for p in tei})
     for path, item in doc["paths"].items():
         for method, op in item.items():
             if method == "parameters":
