@@ -18,14 +18,12 @@ import re
 import numpy as np
 import onnxruntime as ort
 import pytest
-import tritonclient.grpc as tc
-from tokenizers import Tokenizer
 
 from batchgate.gateway.build.hf_model import PrepareError, prepare_model, read_folder
 from batchgate.gateway.repository import ConfigError, load_model
 from batchgate.gateway.text import PAIR_SEPARATOR, TextStage
-from tests.conftest import start_server
-from tests.test_prepare_model import PAIRS, TEXTS, TINY, scramble, unigram, wordpiece
+from tests.prepared import client, kserve_grpc, kserve_rest, server, tiny_configs, torch_feeds  # noqa: F401  (fixtures)
+from tests.test_prepare_model import PAIRS, TEXTS, scramble
 
 MAX_PROB_DIFF = 1e-5  # the acceptance bound against torch's softmax / sigmoid
 MAX_LOGIT_DIFF = 1e-4
@@ -36,14 +34,8 @@ TOPICS = {0: "sport", 1: "music", 2: "food", 3: 'odd "quoted" \\ label'}
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """name -> (folder, transformers model, multi_label, pairs)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    transformers, bert, xlmr, wp, ug = tiny_configs(1)
     root = tmp_path_factory.mktemp("classifiers")
-    torch.manual_seed(1)
-    wp, ug = wordpiece(), unigram()
-    bert = dict(TINY, vocab_size=wp.get_vocab_size(), max_position_embeddings=64)
-    xlmr = dict(TINY, vocab_size=ug.get_vocab_size(), max_position_embeddings=40, type_vocab_size=1,
-                pad_token_id=1, bos_token_id=0, eos_token_id=2, layer_norm_eps=1e-5)  # fmt: skip
     made = {
         # three labels, softmax, single texts
         "sentiment": (transformers.BertForSequenceClassification(
@@ -82,21 +74,10 @@ def rows_of(name: str, folders) -> list:
 
 
 def reference(folder, model, rows: list, multi: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(probabilities, logits) from transformers, one padded batch tokenised by the folder's
-    tokenizer as transformers' tokenizer would (its pad token, the model's max length)."""
+    """(probabilities, logits) from transformers, one padded batch."""
     import torch
 
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    pad = "[PAD]" if tok.token_to_id("[PAD]") is not None else "<pad>"
-    tok.enable_padding(pad_id=tok.token_to_id(pad), pad_token=pad)
-    tok.enable_truncation(read_folder(folder).max_tokens)
-    enc = tok.encode_batch(rows)
-    feeds = {
-        "input_ids": torch.tensor([e.ids for e in enc]),
-        "attention_mask": torch.tensor([e.attention_mask for e in enc]),
-    }
-    if model.config.model_type == "bert":
-        feeds["token_type_ids"] = torch.tensor([e.type_ids for e in enc])
+    feeds = torch_feeds(folder, model, rows)
     with torch.no_grad():
         logits = model(**feeds).logits
     probs = torch.sigmoid(logits) if multi else torch.softmax(logits, dim=-1)
@@ -153,42 +134,34 @@ def test_graph_matches_transformers(name, folders, repo):
 # -- over the wire ----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def client(repo, tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("classify-server"), "--no-build-models", repo=repo,
-                       ready_timeout=120)  # fmt: skip
-    c = tc.InferenceServerClient(srv.grpc_url)
-    yield c
-    c.close()
-    srv.stop()
-
-
-def _infer(client, name: str, rows: list[str], outputs: list[str] | None = None):
-    inp = tc.InferInput("text", [len(rows), 1], "BYTES")
-    inp.set_data_from_numpy(np.array([r.encode() for r in rows], dtype=object).reshape(-1, 1))
-    wanted = [tc.InferRequestedOutput(o) for o in outputs] if outputs else None
-    return client.infer(name, [inp], outputs=wanted, client_timeout=60)
-
-
 @pytest.mark.parametrize("name", ["sentiment", "topics", "nli"])
-def test_served_probabilities_and_logits_match_transformers(name, folders, client):
+def test_served_probabilities_and_logits_match_transformers(name, folders, client):  # noqa: F811
     folder, model, multi, _pairs = folders[name]
     rows = rows_of(name, folders)
     want_p, want_l = reference(folder, model, rows, multi)
-    got = _infer(client, name, _wire(rows))
+    got = kserve_grpc(client, name, _wire(rows))
     np.testing.assert_allclose(got.as_numpy("probabilities"), want_p, atol=MAX_PROB_DIFF, rtol=0)
     np.testing.assert_allclose(got.as_numpy("logits"), want_l, atol=MAX_LOGIT_DIFF, rtol=0)
     # one output asked for: that one alone, the same numbers
-    only = _infer(client, name, _wire(rows), ["logits"])
+    only = kserve_grpc(client, name, _wire(rows), ["logits"])
     assert only.as_numpy("probabilities") is None
     np.testing.assert_allclose(only.as_numpy("logits"), want_l, atol=MAX_LOGIT_DIFF, rtol=0)
 
 
-def test_served_classifier_row_shapes(client):
+def test_served_over_kserve_rest(folders, server):  # noqa: F811
+    folder, model, multi, _pairs = folders["topics"]
+    want_p, want_l = reference(folder, model, TEXTS, multi)
+    got = kserve_rest(server, "topics", TEXTS)
+    assert sorted(got) == ["logits", "probabilities"]
+    np.testing.assert_allclose(got["probabilities"], want_p, atol=MAX_PROB_DIFF, rtol=0)
+    np.testing.assert_allclose(got["logits"], want_l, atol=MAX_LOGIT_DIFF, rtol=0)
+
+
+def test_served_classifier_row_shapes(client):  # noqa: F811
     """A pair model refuses a single text by row; a single-text model reads a pair's separator as
     text (no refusal), so the route must send what the model's text_pair says."""
     with pytest.raises(Exception, match="INVALID_ARGUMENT.*row 1.*U\\+001F"):
-        _infer(client, "nli", ["a dog\x1fa cat", "no separator here"])
+        kserve_grpc(client, "nli", ["a dog\x1fa cat", "no separator here"])
     meta = client.get_model_metadata("sentiment", as_json=True)
     assert [(o["name"], o["shape"]) for o in meta["outputs"]] == [
         ("probabilities", ["-1", "3"]),

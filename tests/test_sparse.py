@@ -16,14 +16,12 @@ import shutil
 import numpy as np
 import onnxruntime as ort
 import pytest
-import tritonclient.grpc as tc
-from tokenizers import Tokenizer
 
 from batchgate.gateway.build.hf_model import PrepareError, prepare_model, read_folder
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
-from tests.conftest import start_server
-from tests.test_prepare_model import TEXTS, TINY, scramble, unigram, wordpiece
+from tests.prepared import client, kserve_grpc, kserve_rest, server, tiny_configs, torch_feeds  # noqa: F401  (fixtures)
+from tests.test_prepare_model import TEXTS, TINY, scramble, wordpiece
 
 MAX_DIFF = 1e-4  # the acceptance bound
 ST = "sentence_transformers.sparse_encoder.models."
@@ -52,14 +50,8 @@ def splade_folder(
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """name -> (folder, transformers masked LM, activation, pooling)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    transformers, bert, xlmr, wp, ug = tiny_configs(2)
     root = tmp_path_factory.mktemp("splade")
-    torch.manual_seed(2)
-    wp, ug = wordpiece(), unigram()
-    bert = dict(TINY, vocab_size=wp.get_vocab_size(), max_position_embeddings=64)
-    xlmr = dict(TINY, vocab_size=ug.get_vocab_size(), max_position_embeddings=40, type_vocab_size=1,
-                pad_token_id=1, bos_token_id=0, eos_token_id=2, layer_norm_eps=1e-5)  # fmt: skip
     distil = dict(vocab_size=wp.get_vocab_size(), dim=32, n_layers=2, n_heads=2, hidden_dim=64,
                   max_position_embeddings=64)  # fmt: skip
     made = {
@@ -92,15 +84,8 @@ def reference(folder, model, activation: str, pooling: str, rows: list[str]) -> 
     """SpladePooling over transformers' masked-LM logits, one padded batch."""
     import torch
 
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    pad = "[PAD]" if tok.token_to_id("[PAD]") is not None else "<pad>"
-    tok.enable_padding(pad_id=tok.token_to_id(pad), pad_token=pad)
-    tok.enable_truncation(read_folder(folder).max_tokens)
-    enc = tok.encode_batch(rows)
-    mask = torch.tensor([e.attention_mask for e in enc])
-    feeds = {"input_ids": torch.tensor([e.ids for e in enc]), "attention_mask": mask}
-    if model.config.model_type == "bert":
-        feeds["token_type_ids"] = torch.tensor([e.type_ids for e in enc])
+    feeds = torch_feeds(folder, model, rows)
+    mask = feeds["attention_mask"]
     with torch.no_grad():
         logits = model(**feeds).logits
     scores = torch.log1p(torch.relu(logits * mask.unsqueeze(-1)))
@@ -138,23 +123,17 @@ def test_graph_matches_transformers(name, folders, repo):
     check_sparse(got, reference(folder, model, activation, pooling, TEXTS), name)
 
 
-@pytest.fixture(scope="module")
-def client(repo, tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("splade-server"), "--no-build-models", repo=repo,
-                       ready_timeout=120)  # fmt: skip
-    c = tc.InferenceServerClient(srv.grpc_url)
-    yield c
-    c.close()
-    srv.stop()
-
-
 @pytest.mark.parametrize("name", ["bert_splade", "xlmr_splade"])
-def test_served_sparse_vectors_match_transformers(name, folders, client):
+def test_served_sparse_vectors_match_transformers(name, folders, client):  # noqa: F811
     folder, model, activation, pooling = folders[name]
-    inp = tc.InferInput("text", [len(TEXTS), 1], "BYTES")
-    inp.set_data_from_numpy(np.array([t.encode() for t in TEXTS], dtype=object).reshape(-1, 1))
-    got = client.infer(name, [inp], client_timeout=60).as_numpy("sparse_embedding")
+    got = kserve_grpc(client, name, TEXTS).as_numpy("sparse_embedding")
     check_sparse(got, reference(folder, model, activation, pooling, TEXTS), name)
+
+
+def test_served_over_kserve_rest(folders, server):  # noqa: F811
+    folder, model, activation, pooling = folders["distil_splade"]
+    got = kserve_rest(server, "distil_splade", TEXTS, ["sparse_embedding"])["sparse_embedding"]
+    check_sparse(got, reference(folder, model, activation, pooling, TEXTS), "distil_splade over REST")
 
 
 def test_what_a_sparse_encoder_cannot_be_is_refused(folders, tmp_path):

@@ -15,15 +15,13 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
-import tritonclient.grpc as tc
-from tokenizers import Tokenizer
 
-from batchgate.gateway.build.hf_model import prepare_model, read_folder
+from batchgate.gateway.build.hf_model import prepare_model
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
 from batchgate.workers import EngineOptions, WorkerPool, discover
-from tests.conftest import start_server
-from tests.test_prepare_model import TEXTS, TINY, cosines, scramble, st_folder, unigram, wordpiece
+from tests.prepared import client, kserve_grpc, kserve_rest, server, tiny_configs, torch_feeds  # noqa: F401  (fixtures)
+from tests.test_prepare_model import TEXTS, cosines, scramble, st_folder
 
 MAX_DIFF = 1e-4
 MIN_COSINE = 0.9999
@@ -31,18 +29,17 @@ MIN_COSINE = 0.9999
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    transformers, bert, xlmr, wp, ug = tiny_configs(3)
     root = tmp_path_factory.mktemp("token-folders")
-    torch.manual_seed(3)
-    wp, ug = wordpiece(), unigram()
     made = {
-        "bert_tokens": (transformers.BertModel(transformers.BertConfig(
-            **TINY, vocab_size=wp.get_vocab_size(), max_position_embeddings=64)), wp, "mean", True),
-        "xlmr_tokens": (transformers.XLMRobertaModel(transformers.XLMRobertaConfig(
-            **TINY, vocab_size=ug.get_vocab_size(), max_position_embeddings=40, type_vocab_size=1,
-            pad_token_id=1, bos_token_id=0, eos_token_id=2, layer_norm_eps=1e-5)), ug, "cls", False),
-    }  # fmt: skip
+        "bert_tokens": (transformers.BertModel(transformers.BertConfig(**bert)), wp, "mean", True),
+        "xlmr_tokens": (
+            transformers.XLMRobertaModel(transformers.XLMRobertaConfig(**xlmr)),
+            ug,
+            "cls",
+            False,
+        ),
+    }
     out = {}
     for name, (model, tok, pooling, normalize) in made.items():
         scramble(model)
@@ -67,18 +64,10 @@ def reference(folder, model, rows: list[str]) -> tuple[np.ndarray, list[int]]:
     """(transformers' last_hidden_state for the padded batch, each row's token count)."""
     import torch
 
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    pad = "[PAD]" if tok.token_to_id("[PAD]") is not None else "<pad>"
-    tok.enable_padding(pad_id=tok.token_to_id(pad), pad_token=pad)
-    tok.enable_truncation(read_folder(folder).max_tokens)
-    enc = tok.encode_batch(rows)
-    feeds = {"input_ids": torch.tensor([e.ids for e in enc]),
-             "attention_mask": torch.tensor([e.attention_mask for e in enc])}  # fmt: skip
-    if model.config.model_type == "bert":
-        feeds["token_type_ids"] = torch.tensor([e.type_ids for e in enc])
+    feeds = torch_feeds(folder, model, rows)
     with torch.no_grad():
         states = model(**feeds).last_hidden_state.numpy()
-    return states, [sum(e.attention_mask) for e in enc]
+    return states, [int(n) for n in feeds["attention_mask"].sum(1)]
 
 
 def check_rows(got: np.ndarray, want: np.ndarray, counts: list[int], name: str) -> None:
@@ -133,31 +122,21 @@ def test_a_request_batched_with_longer_rows_gets_its_own_length(folders, repo):
     check_rows(b["token_embeddings"], *reference(folder, model, long), "the long row")
 
 
-@pytest.fixture(scope="module")
-def client(repo, tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("token-server"), "--no-build-models", repo=repo,
-                       ready_timeout=120)  # fmt: skip
-    c = tc.InferenceServerClient(srv.grpc_url)
-    yield c
-    c.close()
-    srv.stop()
-
-
-def _infer(client, name: str, rows: list[str], outputs: list[str]):
-    inp = tc.InferInput("text", [len(rows), 1], "BYTES")
-    inp.set_data_from_numpy(np.array([r.encode() for r in rows], dtype=object).reshape(-1, 1))
-    return client.infer(name, [inp], outputs=[tc.InferRequestedOutput(o) for o in outputs], client_timeout=60)
-
-
 @pytest.mark.parametrize("name", ["bert_tokens", "xlmr_tokens"])
-def test_served_token_vectors_across_length_buckets(name, folders, client):
+def test_served_token_vectors_across_length_buckets(name, folders, client):  # noqa: F811
     """One call whose rows fall in several length buckets (so they run as separate requests and
     come back from batches of different lengths), then calls of short rows alone."""
     folder, model, *_ = folders[name]
-    got = _infer(client, name, TEXTS, ["token_embeddings", "embedding"])
+    got = kserve_grpc(client, name, TEXTS, ["token_embeddings", "embedding"])
     check_rows(got.as_numpy("token_embeddings"), *reference(folder, model, TEXTS), name)
-    plain = _infer(client, name + "_plain", TEXTS, ["embedding"]).as_numpy("embedding")
+    plain = kserve_grpc(client, name + "_plain", TEXTS, ["embedding"]).as_numpy("embedding")
     assert cosines(got.as_numpy("embedding"), plain).min() >= MIN_COSINE  # the extra output changes nothing
     short = TEXTS[:2]
-    got = _infer(client, name, short, ["token_embeddings"]).as_numpy("token_embeddings")
+    got = kserve_grpc(client, name, short, ["token_embeddings"]).as_numpy("token_embeddings")
     check_rows(got, *reference(folder, model, short), name)
+
+
+def test_served_over_kserve_rest(folders, server):  # noqa: F811
+    folder, model, *_ = folders["xlmr_tokens"]
+    got = kserve_rest(server, "xlmr_tokens", TEXTS, ["token_embeddings"])["token_embeddings"]
+    check_rows(got, *reference(folder, model, TEXTS), "xlmr_tokens over REST")

@@ -615,13 +615,15 @@ def render_config(name: str, plan) -> str:
     params = text_parameters(plan.max_tokens)
     head = plan.head
     kind = head.kind
+    # (an ONNX export's plan, onnx_export.ExportPlan, is always an embedding: it has no splade)
     described = {
         "rerank": "rerank: pairs in, the classifier's logit out",
         "classification": f"classification: {head.labels} labels, "
         + ("each label's sigmoid" if head.multi_label else "softmax")
         + " (probabilities) and logits",
         "sparse_embedding": "sparse embedding: log(1 + relu) of the masked-LM logits, "
-        + (f"{plan.splade[1]}-pooled over tokens" if plan.splade else "pooled over tokens"),
+        + ("max" if head.mlm is None else head.mlm.pooling)
+        + "-pooled over tokens",
     }.get(kind, "embedding")
     notes = [f"Source: {plan.summary}; {described}."]
     params["kind"] = kind
