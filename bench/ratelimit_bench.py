@@ -34,8 +34,8 @@ import grpc
 import numpy as np
 
 from batchgate.gateway.admission import Admission
-from batchgate.gateway.ratelimit import Rate, RedisLimiter
-from batchgate.gateway.tenants import Limits, Tenant, hash_key
+from batchgate.gateway.admission.ratelimit import Rate, RedisLimiter
+from batchgate.gateway.admission.tenants import Limits, Tenant, hash_key
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from batchgate.bench.loadgen import free_ports, wait_ready

@@ -1,7 +1,7 @@
 """The process's one Redis client and its one circuit breaker.
 
 The result cache's Redis tier (``cache/redis_tier.py``) and the global rate limiter
-(``gateway/ratelimit.py``) talk to the same Redis, so they share one view of whether it is up:
+(``gateway/admission/ratelimit.py``) talk to the same Redis, so they share one view of whether it is up:
 when it fails both go without it (the cache misses and skips its writes; the limiter decides
 with this replica's local share, or refuses when fail-closed), and one probe task brings both
 back at once. Each user still bounds its own calls with its own timeout (a lookup's, a

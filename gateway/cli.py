@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "optimize":
         return _optimize(args, argv)
     if args.command == "hash-key":
-        from batchgate.gateway.tenants import generate_key, hash_key
+        from batchgate.gateway.admission.tenants import generate_key, hash_key
 
         # The key comes on stdin, not argv, so it stays out of shell history and `ps`.
         key = generate_key() if args.generate else sys.stdin.readline().strip()
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
 
         prepare_missing(repo, logging.getLogger("batchgate"))
     from batchgate.gateway.transport.server import serve
-    from batchgate.gateway.tenants import TenantFileError
+    from batchgate.gateway.admission.tenants import TenantFileError
 
     try:
         asyncio.run(serve(settings))

@@ -3,14 +3,16 @@ admit → decode → runtime → encode.
 
 The transports (gateway/transport/) translate their wire format to a ``Call`` and an ``Answer``
 back (gateway/call.py: plain types, no protobuf) and map ``GatewayError`` kinds to their own
-status codes, each in one table. A list of texts (OpenAI, TEI) comes in through ``texts``. Who is calling
-and whether the server takes the call now is the door's (gateway/admission/door.py), asked once
-by each transport before any body is read. Here:
+status codes, each in one table. Who is calling and whether the server takes the call now is the
+door's (gateway/admission/door.py, built by the server and given to the pipeline and every
+transport), entered once by each transport before any body is read. Here:
 
 - ``check_call``: client strings bounded before anything echoes or keys on them;
-- ``infer``: the tenant's limits before decoding (unless the call was admitted whole already),
-  then the runtime; one accounting wrapper (in flight, ok, failed, and how the call ended for the
-  door's overload gate) for unary gRPC, each stream message and REST alike;
+- ``infer``: the tenant's limits before decoding, then the runtime; one accounting wrapper (in
+  flight, ok, failed, and the door's pass left as the call ends) for unary gRPC, each stream
+  message and REST alike;
+- ``texts``: a list of texts (OpenAI, TEI, rerank) as one call: the model looked up and checked
+  once, the prompt, the cut, the text limits, then admission and the runtime's text path;
 - model control (load/unload) behind ``model_control`` and the tenant file's ``admin`` flag, the
   name checked before any state is made for it;
 - the metadata, statistics and repository index answers, as protobuf messages the transports
@@ -29,9 +31,8 @@ import numpy as np
 
 from batchgate.gateway import tokens, tracing
 from batchgate.gateway.call import Answer, Call, Output
-from batchgate.gateway.admission import Account, Admission, Ticket
-from batchgate.gateway.admission.door import Door, Pass, StreamSlots
-from batchgate.gateway.admission.gate import OverloadGate
+from batchgate.gateway.admission import Account, Ticket
+from batchgate.gateway.admission.door import Door, Pass
 from batchgate.gateway.scheduling.request import resolve as resolve_budget
 from batchgate.gateway.dataplane import DataPlane, ReloadFailed
 from batchgate.gateway.errors import ECHO_MAX, GatewayError, Kind, clip, invalid, not_found, too_large
@@ -157,16 +158,17 @@ async def _cut_left_or_given(stage, texts, long, encodings, left, given) -> tupl
 class Pipeline:
     """What a call goes through, whichever transport it came on, once the door has taken it."""
 
-    def __init__(self, plane: DataPlane, admission: Admission | None = None) -> None:
+    def __init__(self, plane: DataPlane, door: Door) -> None:
         self.plane = plane
-        self.admission = admission or Admission()  # no tenants: open
+        self.door = door  # built by the server, which gives the same door to every transport
+        self.admission = door.admission
         self.settings = plane.settings
-        self.inflight = 0  # calls inside ``infer``, all transports
-        s = self.settings
-        self.gate = OverloadGate(self, s.overload_lag_ms / 1000, s.overload_min_in_flight)
-        self.door = Door(
-            self.admission, self.gate, StreamSlots(s.max_streams_per_tenant, s.max_streams_per_connection)
-        )
+        self.inflight = 0  # calls inside ``infer`` and ``texts``, all transports (the shedder's ``Load``)
+
+    @property
+    def lag(self):
+        """The event loop's lag monitor (the shedder's ``Load``)."""
+        return self.plane.lag
 
     @property
     def open(self) -> bool:
@@ -177,47 +179,35 @@ class Pipeline:
 
     # -- inference ------------------------------------------------------------------------------
 
-    async def infer(
-        self, call: Call, pass_: Pass, edge: TransportCounters, ticket: Ticket | None = None
-    ) -> Answer:
+    async def infer(self, call: Call, pass_: Pass, edge: TransportCounters) -> Answer:
         """The call the door took as ``pass_``, counted at ``edge`` and at the door (``_counted``).
-        ``ticket``: the tenant's limits were already charged for these rows. Raises
-        ``GatewayError`` for everything the client should hear about; other exceptions are bugs."""
-        return await self._counted(pass_, edge, call.model, call.version, self._infer(call, pass_, ticket))
+        Raises ``GatewayError`` for everything the client should hear about; other exceptions are bugs."""
+        return await self._counted(pass_, edge, call.model, call.version, self._infer(call, pass_))
 
     async def _counted(self, pass_: Pass, edge: TransportCounters, model: str, version: str, work) -> Answer:
         """One accounting wrapper for every call: in flight, then ok or failed with its outcome at
-        ``edge``, and how it ended at the door (for its overload gate)."""
+        ``edge``; the pass is left here, as the call ends (its transport's own exit is then a no-op)."""
         t0 = _clock()
         edge.inflight += 1
         self.inflight += 1
         span = tracing.begin_call(model, pass_, edge.name) if tracing.TRACER is not None else None
-        try:
-            answer = await work
-        except BaseException as exc:
-            edge.failed(model, version, exc)
-            self.door.leave(exc, pass_)
-            if span is not None:
-                tracing.end_call(span, exc)
-            raise
-        finally:
-            edge.inflight -= 1
-            self.inflight -= 1
+        with pass_:
+            try:
+                answer = await work
+            except BaseException as exc:
+                edge.failed(model, version, exc)
+                if span is not None:
+                    tracing.end_call(span, exc)
+                raise
+            finally:
+                edge.inflight -= 1
+                self.inflight -= 1
         edge.ok(answer.model, answer.version, _clock() - t0)
-        self.door.leave(None, pass_)
         if span is not None:
             tracing.end_call(span)
         return answer
 
-    def failed(
-        self, pass_: Pass, edge: TransportCounters, model: str, version: str, exc: GatewayError
-    ) -> None:
-        """A call the door took that its transport refused before the pipeline (its wire form was
-        wrong): counted at ``edge`` and at the door as ``infer`` counts a failed call."""
-        edge.failed(model, version, exc)
-        self.door.leave(exc, pass_)
-
-    async def _infer(self, call: Call, pass_: Pass, ticket: Ticket | None) -> Answer:
+    async def _infer(self, call: Call, pass_: Pass) -> Answer:
         check_call(call)
         plane = self.plane
         if plane.draining:
@@ -227,8 +217,6 @@ class Pipeline:
         if caller is None:
             return await self._run(rt, call, pass_.time_left, None, None)
         tenant = caller.tenant
-        if ticket is not None:
-            return await self._run(rt, call, pass_.time_left, tenant.default_class, tenant.cache_namespace)
         # Admission runs before any decoding: the row count is read off the first input's shape.
         rows = call.rows if rt.spec.batched else 1
         ticket = await self._admit(pass_, call.model, rows)

@@ -41,6 +41,16 @@ def clean_request_id(value: str | bytes | None) -> str:
     return value
 
 
+def adopt_request_id(value: str | bytes | None) -> str:
+    """The caller's ``x-request-id`` (cleaned) as the id of every line logged for this call from
+    here on, returned for the transport to echo. Every transport adopts it here, at the call's
+    start; with none sent the id is cleared, so a stale one never outlives its call."""
+    rid = clean_request_id(value)
+    if rid or REQUEST_ID.get():
+        REQUEST_ID.set(rid)
+    return rid
+
+
 def mask_secrets(text: str) -> str:
     return _CREDENTIALS.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
 

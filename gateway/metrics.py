@@ -184,7 +184,7 @@ class Metrics:
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
-        self.overload = None  # (OverloadGate, CallTakers | None), set by the server once made
+        self.overload = None  # (LoadShedder, CallTakers | None), set by the server once made
         self.registry.register(_PlaneCollector(self))
 
     def transport(self, name: str) -> TransportCounters:

@@ -8,8 +8,8 @@ split so the event loop never tokenizes on the common path:
 * on the event loop, per call (``TextStage.check``): check every text (UTF-8, not empty, not
   over ``max_text_bytes``; over ``max_tokens`` when ``truncate`` is ``reject``) and give each
   row its own batching key, the length bucket of that text *estimated* from its words. Exact
-  counts need a tokenizer pass (~65 us for a short text here, ~1 ms for a long one), too dear
-  for a loop that answers thousands of calls a second; the estimate only decides which rows
+  counts need a tokenizer pass, too dear for a loop that answers thousands of calls a second
+  (docs/performance.md, "Figures the code cites"); the estimate only decides which rows
   share a batch, and a batch is still padded by its real token counts. The runtime queues a
   call's rows by bucket, so a call of mixed lengths never pays padding to its longest text.
 * in the worker thread, per batch (``TextStage.__call__``, handed to the engine as its
@@ -65,11 +65,10 @@ _PUNCT = re.compile(rb"[!-/:-@\[-`{-~]")
 
 
 def estimate_tokens(text: bytes, specials: int) -> int:
-    """Token count of ``text`` guessed in ~3 us (short text) without tokenizing: a token per
-    word and per punctuation mark, more for long (rarer) words, and for non-ASCII text at least
-    one per 3 bytes (CJK characters are a token each). Measured against the minilm tokenizer on
-    prose, the benchmark's texts and the tests' sentences: median ratio 1.00, 80% within
-    0.98-1.06, mean |log ratio| 0.024; a byte-length rule (4 bytes a token) scored 0.16."""
+    """Token count of ``text`` guessed without tokenizing: a token per word and per punctuation
+    mark, more for long (rarer) words, and for non-ASCII text at least one per 3 bytes (CJK
+    characters are a token each). Close to the tokenizer's count, far closer than a byte-length
+    rule (docs/performance.md, "Figures the code cites")."""
     words = text.split()
     n = specials + len(words) + len(_PUNCT.findall(text)) + sum(len(w) // 5 for w in words if len(w) > 9)
     if not text.isascii():

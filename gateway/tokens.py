@@ -57,7 +57,9 @@ def tokenize(stage: TextStage, texts: list[str], add_special_tokens: bool) -> li
             if special:
                 row.append({"id": tid, "text": token, "special": True, "start": None, "stop": None})
             else:
-                row.append({"id": tid, "text": text[start:stop], "special": False, "start": start, "stop": stop})
+                row.append(
+                    {"id": tid, "text": text[start:stop], "special": False, "start": start, "stop": stop}
+                )
         out.append(row)
     return out
 

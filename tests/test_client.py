@@ -28,7 +28,7 @@ from batchgate.client import (
     service_config,
     target_of,
 )
-from batchgate.gateway.tenants import hash_key
+from batchgate.gateway.admission.tenants import hash_key
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import REPO, start_server

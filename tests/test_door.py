@@ -136,7 +136,7 @@ async def test_every_call_the_door_takes_is_counted_once_when_it_ends(tmp_path, 
     repo = model_repo(tmp_path, {})
     (repo / "minilm").symlink_to(minilm_dir, target_is_directory=True)
     async with serving(repo) as gw:
-        gate = gw.server.pipeline.door.gate
+        gate = gw.server.door.shedder
         gate.stop()
         calls = [
             ("/v1/embeddings", {"model": "minilm", "input": "x", "temperature": 1}, 400),

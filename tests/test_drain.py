@@ -6,7 +6,7 @@ Two kinds of caller, three rounds each:
 - one that does what a caller of several replicas does: on UNAVAILABLE, 503 or a refused
   connection it goes to another replica (here: stops calling this one);
 - one that keeps retrying the draining server itself, at once, until well after the process has
-  exited. Before DrainGate (gateway/transport/server.py) this caller saw 1-7 CANCELLED per round:
+  exited. Before DrainHold (gateway/transport/server.py) this caller saw 1-7 CANCELLED per round:
   gRPC core's shutdown cancels the calls it has received but not handed to Python, and those that
   reach it before the client has read the GOAWAY, and such a caller always has one on the way
   (docs/security.md, "Drain").

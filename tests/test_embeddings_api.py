@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 
 from batchgate.gateway.text import TextStage
 from batchgate.gateway.repository import load_model
-from batchgate.gateway.tenants import hash_key
+from batchgate.gateway.admission.tenants import hash_key
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import REPO, start_server

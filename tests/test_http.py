@@ -335,7 +335,7 @@ def test_parameters_pass_through_typed():
 
 
 def test_auth_and_rate_limits_over_rest(tmp_path):
-    from batchgate.gateway.tenants import hash_key
+    from batchgate.gateway.admission.tenants import hash_key
     from tests.conftest import start_server
     from tests.test_metrics import scrape, value
 

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from batchgate.gateway.tenants import hash_key
+from batchgate.gateway.admission.tenants import hash_key
 from batchgate.gateway.transport import openapi
 from batchgate.gateway.transport.fields import LATENCY_BUDGET_HEADER
 from batchgate.gateway.transport import http
@@ -81,7 +81,7 @@ def rest_app():
     settings = SimpleNamespace(max_http_body_bytes=1 << 20, http_body_timeout_s=30.0, cors_allowed_origins=None)
     metrics = SimpleNamespace(transport=lambda _name: None)
     server = SimpleNamespace(
-        settings=settings, pipeline=None, plane=None, metrics=metrics, max_message_bytes=1 << 20
+        settings=settings, pipeline=None, plane=None, door=None, metrics=metrics, max_message_bytes=1 << 20
     )
     return http.app(server)
 

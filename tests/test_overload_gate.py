@@ -1,4 +1,4 @@
-"""The overload gate (gateway/infer.py) as a state machine: no sockets; the lag, the in-flight
+"""The load shedder (gateway/admission/gate.py) as a state machine: no sockets; the lag, the in-flight
 count, the clock and the calls' endings set by the test."""
 
 from __future__ import annotations
@@ -10,19 +10,19 @@ import pytest
 
 from batchgate.gateway.errors import GatewayError, Kind
 from batchgate.gateway.admission.door import Door, Pass
-from batchgate.gateway.admission.gate import OverloadGate, _wasted, bucket
+from batchgate.gateway.admission.gate import LoadShedder, bucket, wasted
 
 
-def _gate(lag_s: float, inflight: int) -> tuple[OverloadGate, SimpleNamespace, list[float]]:
-    pipeline = SimpleNamespace(plane=SimpleNamespace(lag=SimpleNamespace(s=lag_s)), inflight=inflight)
-    gate = OverloadGate(pipeline, lag_target_s=0.02, min_in_flight=32)
+def _gate(lag_s: float, inflight: int) -> tuple[LoadShedder, SimpleNamespace, list[float]]:
+    pipeline = SimpleNamespace(lag=SimpleNamespace(s=lag_s), inflight=inflight)
+    gate = LoadShedder(lag_target_s=0.02, min_in_flight=32, load=pipeline)
     clock = [0.0]
     gate._loop = SimpleNamespace(call_later=lambda *a: None, time=lambda: clock[0])
     return gate, pipeline, clock
 
 
 def _ticks(
-    gate: OverloadGate, clock: list[float], n: int, ended: int = 0, dropped: int = 0, arrived: int = 0
+    gate: LoadShedder, clock: list[float], n: int, ended: int = 0, dropped: int = 0, arrived: int = 0
 ) -> None:
     for _ in range(n):
         gate.arrived += arrived
@@ -43,9 +43,9 @@ def test_a_lag_burst_is_no_overload_a_standing_lag_is():
     # 20 calls end per look, 1 of them lost: under the wasted-call threshold, over the lag's
     _ticks(gate, clock, 9, ended=20, dropped=1)  # 90 ms over the target: a burst
     assert not gate.shedding
-    p.plane.lag.s = 0.001
+    p.lag.s = 0.001
     _ticks(gate, clock, 1, ended=20, dropped=1)
-    p.plane.lag.s = 0.1
+    p.lag.s = 0.1
     _ticks(gate, clock, 9, ended=20, dropped=1)
     assert not gate.shedding  # the burst clock restarted when the lag fell
     _ticks(gate, clock, 2, ended=20, dropped=1)  # now over the target for a whole 100 ms
@@ -96,12 +96,12 @@ def test_a_few_endings_are_no_evidence():
 
 
 def test_what_counts_as_wasted():
-    assert _wasted(asyncio.CancelledError())  # the caller gave up
-    assert _wasted(GatewayError(Kind.DEADLINE, "shed", outcome="shed"))
-    assert _wasted(GatewayError(Kind.UNAVAILABLE, "queue full"))
-    assert not _wasted(GatewayError(Kind.UNAVAILABLE, "overloaded", outcome="overloaded"))  # the gate's own
-    assert not _wasted(GatewayError(Kind.INVALID, "bad input"))
-    assert not _wasted(GatewayError(Kind.EXHAUSTED, "rate limited"))
+    assert wasted(asyncio.CancelledError())  # the caller gave up
+    assert wasted(GatewayError(Kind.DEADLINE, "shed", outcome="shed"))
+    assert wasted(GatewayError(Kind.UNAVAILABLE, "queue full"))
+    assert not wasted(GatewayError(Kind.UNAVAILABLE, "overloaded", outcome="overloaded"))  # the gate's own
+    assert not wasted(GatewayError(Kind.INVALID, "bad input"))
+    assert not wasted(GatewayError(Kind.EXHAUSTED, "rate limited"))
 
 
 def test_one_callers_hopeless_deadlines_on_an_idle_server_shed_nobody():
@@ -197,8 +197,8 @@ def test_the_gate_looks_on_the_lag_monitors_heartbeat():
     async def main() -> tuple[int, int, bool]:
         lag = LoopLag()
         lag.start()
-        pipeline = SimpleNamespace(plane=SimpleNamespace(lag=lag), inflight=0)
-        gate = OverloadGate(pipeline, lag_target_s=0.02, min_in_flight=32)
+        pipeline = SimpleNamespace(lag=lag, inflight=0)
+        gate = LoadShedder(lag_target_s=0.02, min_in_flight=32, load=pipeline)
         looks: list[float] = []
         look = gate._look
         gate._look = lambda now: (looks.append(now), look(now))  # the subscription sees this one
@@ -275,3 +275,19 @@ def test_a_time_left_refused_for_long_is_tried_again():
     assert gate.weight[bucket(0.04)] < 0.05 * gate.BOOST
     _ticks(gate, clock, 500)  # 5 s: 200 endings decayed to under one
     assert gate.weight[bucket(0.04)] == pytest.approx(gate.BOOST, rel=0.05)
+
+
+def test_a_pass_is_left_once_however_many_exits_see_it():
+    """A transport's ``with door.enter(...) as pass_`` wraps the pipeline's own ``with pass_``:
+    the call ends at the door once, with how it failed, whichever exit sees it first."""
+    gate, _, _ = _gate(lag_s=0.001, inflight=0)
+    door = Door(None, gate, None)
+    with pytest.raises(GatewayError):
+        with Pass(door, time_left=0.2) as outer:
+            with outer:
+                raise GatewayError(Kind.DEADLINE, "expired", outcome="expired")
+    assert outer.ended and gate.ended == 1 and gate.dropped == 1
+    assert gate.outcomes[bucket(0.2)] == [1, 0]
+    with Pass(door) as answered:
+        pass
+    assert answered.ended and gate.ended == 2 and gate.dropped == 1

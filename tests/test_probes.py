@@ -1,4 +1,4 @@
-"""Plaintext health and metrics ports beside TLS service ports (gateway/probes.py).
+"""Plaintext health and metrics ports beside TLS service ports (gateway/transport/probes.py).
 
 A TLS server (certificates made by tests/test_tls.py's helpers) with ``--health-port`` and
 ``--metrics-port``: Kubernetes-style plaintext gRPC health checks and HTTP probes, and a Prometheus

@@ -7,8 +7,8 @@ import pytest
 
 from batchgate.gateway.admission import OPEN_TICKET, Admission, Limited
 from batchgate.gateway.errors import GatewayError, Kind
-from batchgate.gateway.ratelimit import Bucket, GlobalLimiter, GlobalSpec, Rate
-from batchgate.gateway.tenants import ANONYMOUS, Limits, Tenant, hash_key
+from batchgate.gateway.admission.ratelimit import Bucket, GlobalLimiter, GlobalSpec, Rate
+from batchgate.gateway.admission.tenants import ANONYMOUS, Limits, Tenant, hash_key
 
 
 class Clock:

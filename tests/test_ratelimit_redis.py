@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import redis
 
-from batchgate.gateway.ratelimit import GCRA_LUA, GCRA_SHA, GlobalSpec, Rate, RedisLimiter
+from batchgate.gateway.admission.ratelimit import GCRA_LUA, GCRA_SHA, GlobalSpec, Rate, RedisLimiter
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import start_server
@@ -238,7 +238,7 @@ LIMIT, BURST = 50.0, 10
 
 
 def _tenant_file(tmp: Path) -> Path:
-    from batchgate.gateway.tenants import hash_key
+    from batchgate.gateway.admission.tenants import hash_key
 
     path = tmp / "tenants.json"
     import json

@@ -30,7 +30,7 @@ KEY = "restart-test-key"
 def global_tenants(root: Path, key: str = KEY) -> Path:
     """A tenant file of one tenant (``key``) under a global limit far above what a test sends:
     every decision goes to Redis and is admitted."""
-    from batchgate.gateway.tenants import hash_key
+    from batchgate.gateway.admission.tenants import hash_key
 
     path = root / "tenants.json"
     tenant = {"name": "t", "key_hashes": [hash_key(key)], "models": "*",

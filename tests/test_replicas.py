@@ -61,7 +61,7 @@ def _repo(root: Path) -> Path:
 
 
 def _tenants(root: Path) -> Path:
-    from batchgate.gateway.tenants import hash_key
+    from batchgate.gateway.admission.tenants import hash_key
 
     path = root / "tenants.json"
     tenants = [

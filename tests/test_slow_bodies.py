@@ -1,6 +1,6 @@
 """Keyed POSTs whose bodies trickle in, on every REST route that reads a body: the server answers
 408 in the route's own error shape at the body deadline and closes the connection, so slow
-callers cannot hold the REST port (one body reader for all of them: gateway/transport/rest.py)."""
+callers cannot hold the REST port (one body reader for all of them: gateway/transport/http.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from batchgate.gateway.tenants import hash_key
+from batchgate.gateway.admission.tenants import hash_key
 from tests.conftest import REPO, start_server
 
 KEY = "slow-" + "k" * 40

@@ -10,12 +10,12 @@ import asyncio
 import grpc
 import pytest
 
-from batchgate.gateway.admission.door import ASKED
+from batchgate.gateway.admission.door import PRIOR
 from batchgate.gateway.transport import takers
 from batchgate.gateway.transport.takers import CallTakers
 
 _METHOD = "/t.Echo/Call"
-GATED_SEEN: list[bool] = []  # ASKED as each handler saw it
+GATED_SEEN: list[bool] = []  # PRIOR.asked as each handler saw it
 
 
 def test_the_installed_grpcio_has_what_the_takers_use():
@@ -61,7 +61,7 @@ async def _serve(n: int, take, cap: int = 1000, hold: asyncio.Event | None = Non
 
     async def call(request: bytes, context) -> bytes:
         handled.append(request)
-        gated.append(ASKED.get())
+        gated.append(PRIOR.get().asked)
         await asyncio.sleep(0.001)  # suspends, as a batching handler does
         if hold is not None and request == b"hold":
             await hold.wait()
@@ -94,7 +94,7 @@ def test_every_call_is_served_by_the_same_handlers_and_interceptors(n):
         assert len(handled) == 300 and seen.methods == [_METHOD] * 300
         if n:
             assert door.taken > 0 and door.refused == 0  # the takers did take calls
-        # the calls a taker took carry ASKED (the pipeline does not ask the gate twice); the
+        # the calls a taker took carry PRIOR.asked (the pipeline does not ask the gate twice); the
         # calls grpc.aio's own loop took do not
         assert GATED_SEEN[-300:].count(True) == door.taken
         await server.stop(1)

@@ -24,7 +24,7 @@ import tritonclient.grpc as tc
 from tokenizers import Tokenizer
 
 from batchgate.gateway.build.hf_model import prepare_model
-from tests.conftest import REPO, start_server
+from tests.conftest import start_server
 from tests.test_classify import SENTIMENT, TOPICS
 from tests.test_classify import reference as classifier_reference
 from tests.test_prepare_model import PAIRS, TEXTS, TINY, scramble, st_folder, unigram, wordpiece
@@ -106,7 +106,9 @@ def base(srv) -> str:
 
 def call(url: str, body=None, headers: dict | None = None) -> tuple[int, object, dict]:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             raw = r.read()
@@ -173,7 +175,9 @@ def test_tokenize_equals_the_tokenizer(base, minilm_dir, folders, special):
         status, body, _ = call(url + "/tokenize", {"inputs": texts, "add_special_tokens": special})
         assert status == 200, body
         tok = tokenizer_of(folder)
-        for text, got, e in zip(texts, body, tok.encode_batch(texts, add_special_tokens=special), strict=True):
+        for text, got, e in zip(
+            texts, body, tok.encode_batch(texts, add_special_tokens=special), strict=True
+        ):
             assert [t["id"] for t in got] == e.ids
             assert [t["special"] for t in got] == [bool(m) for m in e.special_tokens_mask]
             assert any(t["special"] for t in got) is special
@@ -207,7 +211,9 @@ def test_decode_equals_the_tokenizer(base, minilm_dir):
 
 def test_similarity_is_the_cosine_of_the_served_embeddings(base):
     source, sentences = "A man is eating food.", ["A man is eating bread.", "A car drives fast.", LONG]
-    status, got, _ = call(base + "/similarity", {"inputs": {"source_sentence": source, "sentences": sentences}})
+    status, got, _ = call(
+        base + "/similarity", {"inputs": {"source_sentence": source, "sentences": sentences}}
+    )
     assert status == 200, got
     _, vectors, _ = call(base + "/embed", {"inputs": [source, *sentences]})
     v = np.array(vectors, dtype=np.float64)
@@ -320,7 +326,9 @@ def test_left_truncation_keeps_the_last_tokens(base, minilm_dir):
     assert len(ids) == 256 and ids[0] == 101 and ids[-1] == 102
     status, want, _ = call(base + "/v1/embeddings", {"model": "minilm", "input": [ids]})
     assert status == 200 and want["usage"]["total_tokens"] == 256, want
-    status, got, _ = call(base + "/embed", {"inputs": LONG + " and the final words here", "truncation_direction": "Left"})
+    status, got, _ = call(
+        base + "/embed", {"inputs": LONG + " and the final words here", "truncation_direction": "Left"}
+    )
     assert status == 200, got
     np.testing.assert_allclose(np.float32(got[0]), want["data"][0]["embedding"], atol=1e-6)
     _, right, _ = call(base + "/embed", {"inputs": LONG + " and the final words here"})
@@ -339,7 +347,9 @@ def test_token_ids_on_v1_embeddings(base, minilm_dir):
     np.testing.assert_allclose([d["embedding"] for d in by_ids["data"]],
                                [d["embedding"] for d in by_text["data"]], atol=1e-6)  # fmt: skip
     assert by_ids["usage"]["prompt_tokens"] == sum(map(len, rows)) == by_text["usage"]["prompt_tokens"]
-    status, one, _ = call(base + "/v1/embeddings", {"model": "minilm", "input": rows[1]})  # a flat list: one row
+    status, one, _ = call(
+        base + "/v1/embeddings", {"model": "minilm", "input": rows[1]}
+    )  # a flat list: one row
     assert status == 200 and len(one["data"]) == 1
     np.testing.assert_allclose(one["data"][0]["embedding"], by_text["data"][1]["embedding"], atol=1e-6)
     size = tok.get_vocab_size()
@@ -408,7 +418,9 @@ def test_the_real_tei_client_at_the_root_and_per_model(base, folders, minilm_dir
 
     ranker = tei_client.HttpClient(base + "/tei/ce", timeout=60)
     assert ranker.info().server_model_type.value == "reranker"
-    ranks = ranker.rerank("what is the man eating", ["the man is eating bread", "a small red cat"], return_text=True)
+    ranks = ranker.rerank(
+        "what is the man eating", ["the man is eating bread", "a small red cat"], return_text=True
+    )
     _, want, _ = call(base + "/tei/ce/rerank", {"query": "what is the man eating",
                                                 "texts": ["the man is eating bread", "a small red cat"]})  # fmt: skip
     ranked = ranks.ranks if hasattr(ranks, "ranks") else ranks

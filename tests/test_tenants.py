@@ -21,7 +21,7 @@ from tritonclient.utils import InferenceServerException
 
 from batchgate.gateway.admission import Admission
 from batchgate.gateway.config import Settings
-from batchgate.gateway.tenants import (
+from batchgate.gateway.admission.tenants import (
     TenantFileError,
     generate_key,
     hash_key,

@@ -485,7 +485,7 @@ def test_redis_over_tls_with_auth(redis_tls):
 
     from batchgate.cache.breaker import Breaker
     from batchgate.cache.redis_tier import RedisTier
-    from batchgate.gateway.ratelimit import GlobalSpec, Rate, RedisLimiter
+    from batchgate.gateway.admission.ratelimit import GlobalSpec, Rate, RedisLimiter
 
     async def run():
         tier = RedisTier(

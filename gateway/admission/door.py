@@ -1,15 +1,16 @@
 """The door: the one place a call is taken or refused before its body is read, for every
-transport. It owns who is calling (the API key), the overload gate (every transport's arrivals
-and ends are counted here), stream slots, and the tenant's limits once the call's rows are known.
+transport. It owns who is calling (the API key), the overload shedder (every transport's arrivals
+and ends are counted there), stream slots, and the tenant's limits once the call's rows are known.
+Every transport enters and leaves it the same way:
 
-    pass_ = door.enter(metadata, time_left)     identity, then the gate: UNAUTHENTICATED, UNAVAILABLE
-    ...read the body...
-    ticket = await door.admit(pass_, model, rows)  the tenant's limits: PERMISSION_DENIED, RESOURCE_EXHAUSTED
-    ...compute...
-    ticket.release(); door.leave(exc)             in a finally: the gate counts how the call ended
+    with door.enter(metadata, time_left) as pass_:     identity, then the shedder: UNAUTHENTICATED, UNAVAILABLE
+        ...read the body...
+        ticket = await door.admit(pass_, model, rows)   the tenant's limits: PERMISSION_DENIED, RESOURCE_EXHAUSTED
+        ...compute...; ticket.release()
+                                                        the exit leaves once: the shedder counts how the call ended
 
-gRPC's call takers (gateway/transport/takers.py) ask the gate for the calls they take, before any
-handler runs, through ``take``; ``ASKED`` marks those calls so that ``enter`` does not ask twice.
+What a gRPC call has learned about its pass before its handler runs (a call taker asked the
+shedder for it; the auth interceptor identified the caller) travels in one contextvar, ``PRIOR``.
 """
 
 from __future__ import annotations
@@ -18,28 +19,49 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 from batchgate.gateway import tracing
-from batchgate.gateway.admission.gate import OverloadGate, _wasted, bucket
+from batchgate.gateway.admission.gate import LoadShedder, bucket, wasted
 from batchgate.gateway.admission.limits import OPEN_TICKET, Account, Admission, Ticket
 from batchgate.gateway.errors import GatewayError, Kind
 
-ASKED: ContextVar[bool] = ContextVar("batchgate_asked", default=False)  # a call taker asked the gate
+
+@dataclass(frozen=True, slots=True)
+class Prior:
+    """A gRPC call's pass as far as it is known before the handler: the shedder asked (by a call
+    taker), the caller identified (by the auth interceptor; None: not yet, or an open server)."""
+
+    asked: bool = False
+    caller: Account | None = None
+
+
+NONE_PRIOR = Prior()
+ASKED = Prior(asked=True)
+PRIOR: ContextVar[Prior] = ContextVar("batchgate_prior", default=NONE_PRIOR)
 
 
 @dataclass(slots=True)
 class Pass:
     """A call the door took: who is calling (None on an open server) and the time it had left
-    when it came in (a gRPC deadline; None when the caller set none)."""
+    when it came in (a gRPC deadline; None when the caller set none). A context manager: its exit
+    leaves the door once, however the call ended (nested exits are no-ops)."""
 
+    door: Door | None = None
     caller: Account | None = None
     time_left: float | None = None
     trace: object | None = None  # the caller's trace context while tracing is on (gateway/tracing.py)
-    ended: bool = False  # set by Door.leave: a route that ends its pass on every path can tell
+    ended: bool = False  # set by Door.leave
+
+    def __enter__(self) -> Pass:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if not self.ended:
+            self.door.leave(exc, self)
 
 
 class Door:
-    def __init__(self, admission: Admission, gate: OverloadGate, streams: StreamSlots) -> None:
+    def __init__(self, admission: Admission, shedder: LoadShedder, streams: StreamSlots) -> None:
         self.admission = admission
-        self.gate = gate
+        self.shedder = shedder
         self.streams = streams
 
     @property
@@ -54,30 +76,16 @@ class Door:
         return self.admission.identify(metadata)
 
     def enter(self, metadata, time_left: float | None = None, caller: Account | None = None) -> Pass:
-        """Identity (unless ``caller`` is known already), then the gate (unless a call taker asked
-        it for this call). Raises ``GatewayError``."""
+        """Identity (unless ``caller`` or ``PRIOR`` knows it already), then the shedder (unless a
+        call taker asked it for this call). Raises ``GatewayError``."""
+        prior = PRIOR.get()
         if caller is None:
-            caller = self.identify(metadata)
-        if not ASKED.get():
-            self.gate.check(time_left)
+            caller = prior.caller if prior.caller is not None else self.identify(metadata)
+        if not prior.asked:
+            self.shedder.check(time_left)
         if tracing.TRACER is not None:
-            return Pass(caller, time_left, tracing.extract(metadata))
-        return Pass(caller, time_left)
-
-    # -- for a caller that answers a refusal itself (the call takers, in core) ---------------------
-
-    @property
-    def shedding(self) -> bool:
-        return self.gate.shedding
-
-    def take(self, time_left: float | None) -> bool:
-        return self.gate.take(time_left)
-
-    def message(self) -> str:
-        return self.gate.message()
-
-    def trailing(self) -> tuple:
-        return self.gate.trailing()
+            return Pass(self, caller, time_left, tracing.extract(metadata))
+        return Pass(self, caller, time_left)
 
     async def admit(self, pass_: Pass, model: str, rows: int) -> Ticket:
         """The tenant's limits for ``rows`` rows of ``model`` (an open server: nothing to check)."""
@@ -87,16 +95,16 @@ class Door:
 
     def leave(self, exc: BaseException | None = None, pass_: Pass | None = None) -> None:
         """A call the door took as ``pass_`` has ended (``exc``: how it failed, if it did)."""
-        gate = self.gate
-        gate.ended += 1
-        wasted = exc is not None and _wasted(exc)
-        if wasted:
-            gate.dropped += 1
+        shedder = self.shedder
+        shedder.ended += 1
+        dropped = exc is not None and wasted(exc)
+        if dropped:
+            shedder.dropped += 1
         if pass_ is not None:
             pass_.ended = True
-            counts = gate.outcomes[bucket(pass_.time_left)]
+            counts = shedder.outcomes[bucket(pass_.time_left)]
             counts[0] += 1
-            if not wasted:
+            if not dropped:
                 counts[1] += 1
 
 

@@ -1,25 +1,34 @@
-"""The overload gate: the share of new calls taken while the process is past its ceiling, set
-from what the calls that ended lately wasted. Asked only by the door (``door.py``), which counts
-every transport's arrivals and ends here."""
+"""The load shedder: the share of new calls taken while the process is past its ceiling, set
+from what the calls that ended lately wasted. Asked by the door (``door.py``), which counts every
+transport's arrivals and ends here, and by gRPC's call takers for the calls they take."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from batchgate.gateway.errors import GatewayError, Kind
 
 if TYPE_CHECKING:
-    from batchgate.gateway.infer import Pipeline
+    from batchgate.gateway.scheduling.latency import LoopLag
+
+
+class Load(Protocol):
+    """What the shedder reads of the process's load (the pipeline gives it)."""
+
+    inflight: int  # calls inside the pipeline now, every transport
+
+    @property
+    def lag(self) -> LoopLag: ...  # the event loop's lag monitor (its beat is the shedder's timer)
 
 
 RETRY_S = 0.05  # the overload refusal's retry hint
 _RETRY_TRAILERS = (("grpc-retry-pushback-ms", "50"), ("retry-after-ms", "50"))
 
 
-class OverloadGate:
+class LoadShedder:
     """Refuses a share of new calls, before any decoding, while the process is past its ceiling.
 
     Past its ceiling a server that takes every call spends its time on calls that then miss their
@@ -34,10 +43,9 @@ class OverloadGate:
       dies now was taken up to its budget ago, so cutting by a step per look for as long as drops
       go on would overshoot to nothing and refuse at 1x. Saturated: the loop's thread busy, or the
       process's CPU at the cores it may use, for ``SATURATED`` of the time lately. Without it a
-      sudden 4x on an idle server went unseen: the calls waited in gRPC core, reached Python with
-      their deadlines spent and were shed at once, so never more than a few were inside, while core
-      let the rest expire (bench.goodput --mix one-class --loads 4: 159 of 40,317 calls answered
-      in 8 s, the gate taking all);
+      sudden spike on an idle server goes unseen: the calls wait in gRPC core and reach Python
+      with their deadlines spent, so few are ever inside (docs/performance.md, "Figures the code
+      cites");
     - **a standing queue on the loop** (CoDel's idea): the event loop's lag has stayed over the
       target for a whole ``STANDING_S`` while more than ``min_in_flight`` calls are inside (a lag
       burst, a big batch's answers, is no overload) and calls are being lost (over ``LAG_WASTE``
@@ -61,12 +69,10 @@ class OverloadGate:
     refusals are spread evenly over arrivals (a credit counter, no randomness). A call pays a
     counter while not shedding, and its end two more in ``Door.leave``.
 
-    The odds are what keep a spike from feeding on itself. A 4x spike that leaves a backlog in
-    gRPC core makes every call reach Python with little left: one 250 ms class then looks like a
-    tight one, and by time left alone the door took the oldest calls eight times as often, nearly
-    all of which were then dropped, and that work kept the backlog from draining (bench.goodput
-    --mix one-class --loads 4 at 6,000 calls/s: 5,200-6,600 of the calls taken dropped against
-    200-830 answered; docs/overload.md)."""
+    The odds are what keep a spike from feeding on itself: a spike's backlog in gRPC core makes
+    every call reach Python with little left, so by time left alone the door would take the oldest
+    calls most often, nearly all of which are then dropped (docs/performance.md, "Figures the
+    code cites")."""
 
     TICK_S = 0.010
     WASTE = 0.10  # share of ended calls that were dropped, above which the door sheds
@@ -83,8 +89,8 @@ class OverloadGate:
     NO_DEADLINE = 11
     ODDS_DECAY = 0.98  # per look, for each bucket's calls ended and answered (~0.5 s of memory)
 
-    def __init__(self, pipeline: Pipeline, lag_target_s: float, min_in_flight: int) -> None:
-        self.pipeline = pipeline
+    def __init__(self, lag_target_s: float, min_in_flight: int, load: Load | None = None) -> None:
+        self.load = load  # given by ``start`` when not here (the pipeline, made after the door)
         self.target_s = lag_target_s
         self.min_in_flight = min_in_flight
         self.admit = 1.0  # share of new calls taken
@@ -104,7 +110,7 @@ class OverloadGate:
         self._credit = [0.0] * self.BUCKETS
         self._lag_low_at = 0.0  # the last time the loop's lag was under the target
         self._handle: asyncio.TimerHandle | None = None
-        self._beat = None  # the LoopLag whose timer this gate looks on, when it runs
+        self._beat = None  # the LoopLag whose timer this shedder looks on, when it runs
         self._looked_at = 0.0
         self.saturation = 0.0  # share of the time busy lately (decaying)
         self._cpu_times = _cpu_times  # (the loop thread's, the process's) CPU seconds
@@ -113,14 +119,16 @@ class OverloadGate:
         )
         self._cpu_at = (0.0, 0.0, 0.0)
 
-    def start(self) -> None:
+    def start(self, load: Load | None = None) -> None:
+        if load is not None:
+            self.load = load
         if self.target_s > 0 and self._handle is None and self._beat is None:
             self._loop = asyncio.get_running_loop()
             self._lag_low_at = self._loop.time()
             self._cpu_at = (self._lag_low_at, *self._cpu_times())
-            lag = self.pipeline.plane.lag
+            lag = self.load.lag
             if getattr(lag, "running", False) and lag.interval_s <= self.TICK_S:
-                self._beat = lag  # look on the lag monitor's timer: no timer of the gate's own
+                self._beat = lag  # look on the lag monitor's timer: no timer of the shedder's own
                 self._looked_at = self._lag_low_at
                 lag.listeners.append(self._on_beat)
             else:
@@ -140,7 +148,7 @@ class OverloadGate:
         self._set_admit(1.0)
 
     def _tick(self) -> None:
-        """A look on the gate's own timer (when no lag monitor runs to beat for it)."""
+        """A look on the shedder's own timer (when no lag monitor runs to beat for it)."""
         self._look(self._loop.time())
         self._handle = self._loop.call_later(self.TICK_S, self._tick)
 
@@ -159,9 +167,9 @@ class OverloadGate:
             self.saturation = self.saturation * self.DECAY + (1 - self.DECAY) * min(used, 1.0)
         self._cpu_at = (now, thread_cpu, process_cpu)
         # (a busy server only: one caller's run of hopeless deadlines must not shed everyone's calls)
-        self.busy = max(self.busy * self.DECAY, self.pipeline.inflight)
+        self.busy = max(self.busy * self.DECAY, self.load.inflight)
         busy = self.busy > self.min_in_flight or self.saturation >= self.SATURATED
-        if self.pipeline.plane.lag.s <= self.target_s or not busy:
+        if self.load.lag.s <= self.target_s or not busy:
             self._lag_low_at = now
         wasting = busy and self.ended >= 16
         if wasting and self.dropped > self.WASTE * self.ended:
@@ -235,7 +243,7 @@ class OverloadGate:
         return self._message
 
     def trailing(self) -> tuple:
-        """The refusal's retry hint: five looks of the gate (gRPC's retry pushback)."""
+        """The refusal's retry hint: five looks of the shedder (gRPC's retry pushback)."""
         return _RETRY_TRAILERS
 
     def check(self, remaining: float | None = None) -> None:
@@ -254,30 +262,30 @@ def bucket(remaining: float | None) -> int:
     """A call's bucket by the time it had left at the door: the bit length of its whole
     milliseconds (<1 ms: 0, 1 ms: 1, 2-3 ms: 2, ..., 512 ms and more: 10); no deadline: 11."""
     if remaining is None:
-        return OverloadGate.NO_DEADLINE
+        return LoadShedder.NO_DEADLINE
     return min(int(remaining * 1000.0).bit_length(), 10) if remaining > 0 else 0
 
 
 def _boost(b: int) -> float:
     """A bucket's boost for tight calls: ``TIGHT_S`` over the least time left in it, 1 to BOOST."""
-    if b == OverloadGate.NO_DEADLINE:
+    if b == LoadShedder.NO_DEADLINE:
         return 1.0
     if b == 0:  # under a millisecond left
-        return float(OverloadGate.BOOST)
+        return float(LoadShedder.BOOST)
     least = (1 << (b - 1)) / 1000.0  # bucket b holds [2**(b-1), 2**b) ms
-    return float(max(1, min(OverloadGate.BOOST, int(OverloadGate.TIGHT_S / least))))
+    return float(max(1, min(LoadShedder.BOOST, int(LoadShedder.TIGHT_S / least))))
 
 
-BOOSTS = tuple(_boost(b) for b in range(OverloadGate.BUCKETS))
+BOOSTS = tuple(_boost(b) for b in range(LoadShedder.BUCKETS))
 
 
 def _cpu_times() -> tuple[float, float]:
     return time.thread_time(), time.process_time()
 
 
-def _wasted(exc: BaseException) -> bool:
+def wasted(exc: BaseException) -> bool:
     """A call taken and then dropped for want of time or room (not the client's error, nor the
-    gate's own refusal): what the gate sheds to avoid. A refusal by the admission estimate counts:
+    shedder's own refusal): what the shedder sheds to avoid. A refusal by the admission estimate counts:
     the estimate is calibrated against what happened (gateway/scheduling/deadline.py), so it
     refuses only calls that would miss, and a closed loop at capacity meets none."""
     if isinstance(exc, asyncio.CancelledError):  # the caller gave up (its deadline, usually)

@@ -24,9 +24,17 @@ import os
 import time
 from collections.abc import Callable, Iterable
 
+from batchgate.cache import RedisLink
 from batchgate.gateway.errors import GatewayError, Kind
-from batchgate.gateway.ratelimit import Bucket, GlobalLimiter, GlobalSpec, RedisLimiter
-from batchgate.gateway.tenants import ANONYMOUS, Directory, Limits, Tenant, TenantFileError, load_tenants
+from batchgate.gateway.admission.ratelimit import Bucket, GlobalLimiter, GlobalSpec, RedisLimiter
+from batchgate.gateway.admission.tenants import (
+    ANONYMOUS,
+    Directory,
+    Limits,
+    Tenant,
+    TenantFileError,
+    load_tenants,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +74,7 @@ class TenantStats:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
-class Gate:
+class Quota:
     """The limits one (tenant, model) pair is held to; models without overrides share the tenant's."""
 
     __slots__ = ("in_flight", "label", "max_in_flight", "max_rows", "requests", "rows", "spec")
@@ -88,7 +96,7 @@ class Account:
 
     __slots__ = ("default", "gates", "models", "stats", "tenant")
 
-    def __init__(self, tenant: Tenant, default: Gate, gates: dict[str, Gate]) -> None:
+    def __init__(self, tenant: Tenant, default: Quota, gates: dict[str, Quota]) -> None:
         self.tenant = tenant
         self.models = tenant.models
         self.default = default
@@ -101,7 +109,7 @@ class Ticket:
 
     __slots__ = ("_gate", "tenant")
 
-    def __init__(self, tenant: Tenant, gate: Gate | None) -> None:
+    def __init__(self, tenant: Tenant, gate: Quota | None) -> None:
         self.tenant = tenant
         self._gate = gate
 
@@ -154,7 +162,7 @@ class Admission:
         self.accounts: dict[str, Account] = {}
         has_global = False
         for t in self.directory.tenants.values():
-            gates: dict[str, Gate] = {}
+            gates: dict[str, Quota] = {}
             for model in (None, *t.model_limits):
                 local, glob = t.limits_for(model) if model else (t.limits, t.global_limits)
                 spec = None
@@ -167,7 +175,7 @@ class Admission:
                         for what, r in (("req", glob.requests), ("rows", glob.rows)) if r is not None
                     )  # fmt: skip
                     spec = GlobalSpec(f"{t.name}/{scope}", keys, glob.requests, glob.rows, local_share)
-                gates[model or ""] = Gate(f"{t.name}/{model or '*'}", local, spec, glob)
+                gates[model or ""] = Quota(f"{t.name}/{model or '*'}", local, spec, glob)
             default = gates.pop("")
             self.accounts[t.name] = Account(t, default, gates)
         self._by_hash = {h: self.accounts[t.name] for h, t in self.directory.by_hash.items()}
@@ -189,8 +197,6 @@ class Admission:
         )
         limiter: GlobalLimiter | None = None
         if has_global and settings.redis_url:
-            from batchgate.cache import RedisLink
-
             limiter = RedisLimiter(
                 redis or RedisLink.from_settings(settings),
                 timeout_s=settings.ratelimit_redis_timeout_ms / 1e3,
@@ -236,17 +242,6 @@ class Admission:
                     self._swap(tenants)  # on the loop: a call sees the old tenants or the new ones whole
             except Exception:  # a bug here must not stop the checks, nor the server
                 log.exception("tenant file check failed")
-
-    def reload_if_changed(self) -> bool:
-        """Re-read the tenant file if it changed since it was read (a Kubernetes Secret's update,
-        an edit): new keys work and revoked ones are refused from then on, without a restart. A
-        file that no longer parses is refused with its reason and the tenants read before stay.
-        Tenants whose entry did not change keep their counters (in flight, buckets)."""
-        tenants = self._read_if_changed()
-        if tenants is None:
-            return False
-        self._swap(tenants)
-        return True
 
     def _read_if_changed(self) -> list[Tenant] | None:
         settings, state = self._source
@@ -353,7 +348,7 @@ class Admission:
         return Ticket(account.tenant, gate)
 
     @staticmethod
-    def _refund(gate: Gate, rows: int) -> None:
+    def _refund(gate: Quota, rows: int) -> None:
         if gate.requests is not None:
             gate.requests.refund(1)
         if gate.rows is not None and rows:

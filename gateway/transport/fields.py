@@ -1,5 +1,5 @@
 """The JSON fields the text APIs share (OpenAI embeddings, TEI embed and rerank, Cohere/Jina
-rerank), read once each, and the door pass every text route holds while its call runs.
+rerank), read once each.
 
 Each reader refuses with a ``GatewayError`` naming the field (OpenAI's ``param``); each wire's
 error table turns it into that wire's shape.
@@ -7,7 +7,6 @@ error table turns it into that wire's shape.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from typing import TYPE_CHECKING, Any
@@ -16,11 +15,10 @@ import numpy as np
 from aiohttp import web
 
 from batchgate.gateway.errors import GatewayError, invalid, too_large
-from batchgate.gateway.logs import REQUEST_ID_KEY, clean_request_id
+from batchgate.gateway.logs import REQUEST_ID_KEY, adopt_request_id
 from batchgate.gateway.scheduling.request import MIN_BUDGET_MS
 
 if TYPE_CHECKING:
-    from batchgate.gateway.admission.door import Pass
     from batchgate.gateway.transport.http import Http
     from batchgate.gateway.transport.server import Server
 
@@ -28,35 +26,39 @@ MAX_INPUTS = 2048  # texts per request: OpenAI's own limit; larger bodies are re
 LATENCY_CLASS_HEADER = "X-Latency-Class"
 LATENCY_BUDGET_HEADER = "X-Latency-Budget-Ms"
 
-_PASS = "batchgate.pass"  # the request's door pass, ended by ``ends_its_pass`` if nothing else did
 
-
-def ends_its_pass(route):
-    """A route that takes a door pass: however the call ends (a field refused before the pipeline,
-    a body that never came), the door counts its end once, so the overload gate's ended calls
-    match the calls it took."""
-
-    @functools.wraps(route)
-    async def wrapped(self, request: web.Request) -> web.StreamResponse:
-        try:
-            return await route(self, request)
-        finally:
-            pass_ = request.get(_PASS)
-            if pass_ is not None and not pass_.ended:
-                self.server.pipeline.door.leave(None, pass_)
-
-    return wrapped
-
-
-async def entered_body(server: Server, http: Http, request: web.Request) -> tuple[Pass, Any]:
-    """The door's pass and the JSON body, read only once the door has taken the call (a key-less
-    caller costs its headers, not its body), by the listener's one body reader."""
-    pass_ = request[_PASS] = server.pipeline.door.enter(http.metadata(request))
+async def json_body(http: Http, request: web.Request) -> Any:
+    """The request's JSON body, by the listener's one body reader (read only once the door has
+    taken the call: a key-less caller costs its headers, not its body)."""
     raw = await http.body(request)
     try:
-        return pass_, json.loads(raw)
+        return json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise invalid(f"the request body is not valid JSON: {exc}") from None
+
+
+async def json_object(
+    http: Http, request: web.Request, allowed: set[str], shape: str, unknown_words: str
+) -> dict:
+    """``json_body``, which must be an object (``shape``: what it must hold) of ``allowed`` fields
+    only (an unknown one is refused with the API's own ``unknown_words``, naming it)."""
+    doc = await json_body(http, request)
+    if not isinstance(doc, dict):
+        raise invalid(f"the request body must be a JSON object with {shape}")
+    unknown = sorted(set(doc) - allowed)
+    if unknown:
+        raise invalid(f"{unknown_words}: {unknown}", unknown[0])
+    return doc
+
+
+class TextRoutes:
+    """What a text API's handlers hold: the server's door and pipeline, the body reader, their edge."""
+
+    def __init__(self, server: Server, http: Http) -> None:
+        self.server = server
+        self.http = http
+        self.door = server.door
+        self.edge = server.metrics.transport("http")
 
 
 def texts_of(value: Any, field: str) -> list[str]:
@@ -168,6 +170,6 @@ def dimensions_for(server: Server, model: str, value: Any) -> int | None:
 
 
 def request_echo(request: web.Request) -> dict:
-    """The caller's x-request-id to send back (none when it sent none)."""
-    rid = clean_request_id(request.headers.get(REQUEST_ID_KEY))
+    """The caller's x-request-id, adopted for the call's log lines, as headers to send back."""
+    rid = adopt_request_id(request.headers.get(REQUEST_ID_KEY))
     return {REQUEST_ID_KEY: rid} if rid else {}

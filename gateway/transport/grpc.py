@@ -11,7 +11,6 @@ HTTP/2 flow control instead of growing the server.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 from collections import deque
 from functools import partial
@@ -24,9 +23,9 @@ from batchgate.gateway.call import Answer, Call, Tensor, Wanted
 from batchgate.gateway import codec
 from batchgate.gateway.codec import serialize_bytes
 from batchgate.gateway.errors import GatewayError, Kind, clip, invalid
-from batchgate.gateway.admission.door import ASKED
+from batchgate.gateway.admission.door import NONE_PRIOR, PRIOR, Door, Prior
 from batchgate.gateway.infer import Pipeline
-from batchgate.gateway.logs import REQUEST_ID, REQUEST_ID_KEY, clean_request_id
+from batchgate.gateway.logs import REQUEST_ID_KEY, adopt_request_id
 from batchgate.gateway.metrics import Metrics
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
@@ -56,10 +55,6 @@ OPEN_METHODS = frozenset(
     for m in ("ServerLive", "ServerReady", "ServerMetadata", "ModelReady", "ModelMetadata", "ModelConfig")
 )
 _PREFIX = f"/{SERVICE_NAME}/"
-
-# The caller the interceptor identified, read by the servicer: the interceptor and the handler
-# run in the same task (grpc.aio awaits the interceptors, then the handler, in one coroutine).
-CALLER: contextvars.ContextVar[Account | None] = contextvars.ContextVar("caller", default=None)
 
 
 def parameters_of(params) -> dict:
@@ -142,18 +137,12 @@ def message_of(answer: Answer) -> pb.ModelInferResponse:
 
 
 def _request_id(context) -> str:
-    """Adopt the caller's ``x-request-id`` for this call's log lines and echo it back (trailing
-    metadata). Each RPC runs in its own task, but a stale id must never outlive its call."""
-    for key, value in context.invocation_metadata() or ():
-        if key == REQUEST_ID_KEY:
-            rid = clean_request_id(value)
-            REQUEST_ID.set(rid)
-            if rid:
-                context.set_trailing_metadata(((REQUEST_ID_KEY, rid),))
-            return rid
-    if REQUEST_ID.get():
-        REQUEST_ID.set("")
-    return ""
+    """Adopt the caller's ``x-request-id`` and echo it back (trailing metadata)."""
+    md = context.invocation_metadata() or ()
+    rid = adopt_request_id(next((value for key, value in md if key == REQUEST_ID_KEY), None))
+    if rid:
+        context.set_trailing_metadata(((REQUEST_ID_KEY, rid),))
+    return rid
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
@@ -161,8 +150,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     refusal is a stream handler that never reads, so a key-less 60 MiB message costs its headers.
     Installed only when there is a tenant file (an open server pays nothing)."""
 
-    def __init__(self, pipeline: Pipeline, metrics: Metrics) -> None:
-        self.pipeline = pipeline
+    def __init__(self, door: Door, metrics: Metrics) -> None:
+        self.door = door
         self._edges = {
             f"{_PREFIX}ModelInfer": metrics.transport("grpc"),
             f"{_PREFIX}ModelStreamInfer": metrics.transport("grpc_stream"),
@@ -173,13 +162,15 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if not method.startswith(_PREFIX) or method in OPEN_METHODS:
             return await continuation(details)
         try:
-            caller = self.pipeline.door.identify(details.invocation_metadata)
+            caller = self.door.identify(details.invocation_metadata)
         except GatewayError as exc:
             edge = self._edges.get(method)
             if edge is not None:
                 edge.failed("", "", exc)  # no model read: counted under empty labels
             return _refusal(STATUS[exc.kind], exc.message)
-        CALLER.set(caller)
+        # Read by the servicer: the interceptor and the handler run in the same task (grpc.aio
+        # awaits the interceptors, then the handler, in one coroutine).
+        PRIOR.set(Prior(PRIOR.get().asked, caller))
         return await continuation(details)
 
 
@@ -211,7 +202,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def _caller(self, context) -> Account | None:
         if self.pipeline.open:
             return None
-        caller = CALLER.get()
+        caller = PRIOR.get().caller
         # The interceptor has identified every keyed call; this is the fallback for a servicer
         # mounted without it (tests), and it refuses the same way.
         return caller if caller is not None else self.door.identify(context.invocation_metadata())
@@ -278,19 +269,22 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         rid = _request_id(context)
+        edge = self._unary_edge
         try:
             try:
                 md = context.invocation_metadata() if tracing.TRACER is not None else ()  # traceparent
                 pass_ = self.door.enter(md, context.time_remaining(), self._caller(context))
             except GatewayError as exc:
-                self._unary_edge.failed(request.model_name, request.model_version, exc)
+                edge.failed(request.model_name, request.model_version, exc)
                 raise
-            try:
-                call = call_of(request)
-            except GatewayError as exc:
-                self.pipeline.failed(pass_, self._unary_edge, request.model_name, request.model_version, exc)
-                raise
-            return message_of(await self.pipeline.infer(call, pass_, self._unary_edge))
+            with pass_:
+                try:
+                    call = call_of(request)
+                except GatewayError as exc:  # taken, then refused before the pipeline: counted here
+                    edge.failed(request.model_name, request.model_version, exc)
+                    raise
+                answer = await self.pipeline.infer(call, pass_, edge)
+            return message_of(answer)
         except GatewayError as exc:
             await self._abort(context, exc, rid)
         except Exception as exc:  # a bug, not the client's fault: say so, keep serving
@@ -305,9 +299,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         At most ``stream_window`` requests are in flight: the next message is read only when one of
         them has been written back, so a client that never reads its answers stops being read."""
-        ASKED.set(False)  # a call taker took the stream; each of its messages asks the gate itself
         try:
             caller = self._caller(context)
+            PRIOR.set(NONE_PRIOR)  # a call taker may have taken the stream; each message asks the shedder
             tenant = caller.tenant.name if caller is not None else ""
             peer = context.peer() or ""
             self.streams.take(tenant, peer)
@@ -377,18 +371,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                         client_done = True
                         break
                     unwritten += 1
+                    pass_ = None
                     try:
                         pass_ = door.enter((), None, caller)  # each message is a call at the door
+                        call = call_of(request)
                     except GatewayError as exc:
+                        if pass_ is not None:  # taken, then refused before the pipeline
+                            door.leave(exc, pass_)
                         edge.failed(request.model_name, request.model_version, exc)
                         push(self._stream_error(request, exc.message))
                         continue
-                    try:
-                        call = call_of(request)
-                    except GatewayError as exc:
-                        pipeline.failed(pass_, edge, request.model_name, request.model_version, exc)
-                        push(self._stream_error(request, exc.message))
-                        continue
+                    # the pipeline leaves the pass as the message's call ends (one task, no wrapper)
                     t = loop.create_task(pipeline.infer(call, pass_, edge))
                     tasks.add(t)
                     t.add_done_callback(partial(finished, request))

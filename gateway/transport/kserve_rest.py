@@ -25,7 +25,7 @@ from batchgate.gateway import dtypes
 from batchgate.gateway.call import Answer, Call, Output, Tensor, Wanted
 from batchgate.gateway.codec import serialize_bytes
 from batchgate.gateway.errors import GatewayError, Kind, clip, invalid, retry_headers
-from batchgate.gateway.logs import REQUEST_ID, REQUEST_ID_KEY, clean_request_id
+from batchgate.gateway.logs import REQUEST_ID_KEY, adopt_request_id
 
 if TYPE_CHECKING:
     from batchgate.gateway.admission import Account
@@ -336,6 +336,7 @@ class KServeRest:
         self.pipeline = server.pipeline
         self.plane = server.plane
         self.edge = server.metrics.transport("http")
+        self.door = server.door
         self.http = http
 
     # -- the cheap checks, before any body ------------------------------------------------------
@@ -449,29 +450,27 @@ class KServeRest:
 
     async def infer(self, req: web.Request) -> web.Response:
         model, version = req.match_info["model"], req.match_info.get("version", "")
-        rid = clean_request_id(req.headers.get(REQUEST_ID_KEY))
+        rid = adopt_request_id(req.headers.get(REQUEST_ID_KEY))
         echo = {REQUEST_ID_KEY: rid} if rid else {}
-        token = REQUEST_ID.set(rid)
+        edge = self.edge
         try:
-            try:
-                # before the body: a key-less 60 MiB body is never read, nor one the gate refuses
-                pass_ = self.pipeline.door.enter(self.http.metadata(req))
-            except GatewayError as exc:  # refused at the door: counted here
-                self.edge.failed(model, version, exc)
-                return _refused(exc, echo)
-            try:
-                body = await self.http.body(req)
-                call, binary_out = build_request(model, version, body, req.headers.get(HEADER_LENGTH))
-            except GatewayError as exc:  # taken, then refused before the pipeline: counted as it ends
-                self.pipeline.failed(pass_, self.edge, model, version, exc)
-                return _refused(exc, echo)
-            try:
-                answer = await self.pipeline.infer(call, pass_, self.edge)
-                payload, header_len = build_response(answer, binary_out)
-            except GatewayError as exc:
-                return _refused(exc, retry_headers(exc, echo))
-        finally:
-            REQUEST_ID.reset(token)
+            # before the body: a key-less 60 MiB body is never read, nor one the shedder refuses
+            pass_ = self.door.enter(self.http.metadata(req))
+        except GatewayError as exc:  # refused at the door: counted here
+            edge.failed(model, version, exc)
+            return _refused(exc, retry_headers(exc, echo))
+        try:
+            with pass_:
+                try:
+                    body = await self.http.body(req)
+                    call, binary_out = build_request(model, version, body, req.headers.get(HEADER_LENGTH))
+                except GatewayError as exc:  # taken, then refused before the pipeline: counted here
+                    edge.failed(model, version, exc)
+                    raise
+                answer = await self.pipeline.infer(call, pass_, edge)
+            payload, header_len = build_response(answer, binary_out)
+        except GatewayError as exc:
+            return _refused(exc, retry_headers(exc, echo))
         headers = dict(echo)
         if header_len is None:
             headers["Content-Type"] = JSON_TYPE

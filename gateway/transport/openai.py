@@ -23,8 +23,8 @@ from batchgate.gateway.transport import tei_models
 from batchgate.gateway.transport.fields import (
     cut_to,
     dimensions_for,
-    ends_its_pass,
-    entered_body,
+    TextRoutes,
+    json_object,
     flag,
     latency_of,
     prompt_name_of,
@@ -75,43 +75,41 @@ def _model_card(name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "batchgate"}
 
 
-class OpenAI:
-    def __init__(self, server: Server, http: Http) -> None:
-        self.server = server
-        self.http = http
-        self.edge = server.metrics.transport("http")
-
-    @ends_its_pass
+class OpenAI(TextRoutes):
     async def embeddings(self, request: web.Request) -> web.Response:
         echo = request_echo(request)
         try:
-            pass_, doc = await entered_body(self.server, self.http, request)
-            if not isinstance(doc, dict):
-                raise invalid("the request body must be a JSON object with 'model' and 'input'")
-            unknown = sorted(set(doc) - _OPENAI_FIELDS)
-            if unknown:
-                raise invalid(f"unrecognized request argument(s): {unknown}", unknown[0])
-            model = doc.get("model")
-            if not isinstance(model, str) or not model:
-                raise invalid("'model' is required: the name of a text model", "model")
-            if "input" not in doc:
-                raise invalid("'input' is required: a string or a list of strings", "input")
-            # the model's own truncate setting unless the call says (OpenAI itself refuses)
-            truncate = flag(doc, "truncate", tei_models.truncates(self.server, model))
-            texts, given = tei_models.inputs_of(self.server, model, doc["input"], "input", truncate, False)
-            fmt = doc.get("encoding_format") or "float"
-            if fmt not in ("float", "base64"):
-                raise invalid(
-                    f"'encoding_format' must be 'float' or 'base64', not {fmt!r}", "encoding_format"
+            with self.door.enter(self.http.metadata(request)) as pass_:
+                doc = await json_object(
+                    self.http,
+                    request,
+                    _OPENAI_FIELDS,
+                    "'model' and 'input'",
+                    "unrecognized request argument(s)",
                 )
-            if "user" in doc and not isinstance(doc["user"], str):
-                raise invalid("'user' must be a string", "user")
-            params = latency_of(request, doc)
-            size = dimensions_for(self.server, model, doc.get("dimensions"))
-            answer = await self.server.pipeline.texts(
-                pass_, self.edge, model, texts, params, prompt_name=prompt_name_of(doc),
-                exact_limit=not truncate, cut=truncate and given is None, encodings=given,
-            )  # fmt: skip
+                model = doc.get("model")
+                if not isinstance(model, str) or not model:
+                    raise invalid("'model' is required: the name of a text model", "model")
+                if "input" not in doc:
+                    raise invalid("'input' is required: a string or a list of strings", "input")
+                # the model's own truncate setting unless the call says (OpenAI itself refuses)
+                truncate = flag(doc, "truncate", tei_models.truncates(self.server, model))
+                texts, given = tei_models.inputs_of(
+                    self.server, model, doc["input"], "input", truncate, False
+                )
+                fmt = doc.get("encoding_format") or "float"
+                if fmt not in ("float", "base64"):
+                    raise invalid(
+                        f"'encoding_format' must be 'float' or 'base64', not {fmt!r}", "encoding_format"
+                    )
+                if "user" in doc and not isinstance(doc["user"], str):
+                    raise invalid("'user' must be a string", "user")
+                params = latency_of(request, doc)
+                size = dimensions_for(self.server, model, doc.get("dimensions"))
+                answer = await self.server.pipeline.texts(
+                    pass_, self.edge, model, texts, params, prompt_name=prompt_name_of(doc),
+                    exact_limit=not truncate, cut=truncate and given is None, encodings=given,
+                )  # fmt: skip
         except GatewayError as exc:
             return openai_error(exc, echo)
         total = sum(answer.tokens)

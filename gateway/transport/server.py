@@ -26,6 +26,8 @@ from batchgate import proto
 from batchgate.cache import RedisLink
 from batchgate.gateway import dtypes, tracing
 from batchgate.gateway.admission import Admission
+from batchgate.gateway.admission.door import Door, StreamSlots
+from batchgate.gateway.admission.gate import LoadShedder
 from batchgate.gateway.codec import Limits, set_limits
 from batchgate.gateway.config import Settings
 from batchgate.gateway.dataplane import DataPlane
@@ -41,7 +43,7 @@ from batchgate.gateway.transport.tls import CertStore
 log = logging.getLogger(__name__)
 
 MiB = 2**20
-# The last step of a drain (DrainGate): hold calls until none has arrived for HOLD_QUIET_S (at most
+# The last step of a drain (DrainHold): hold calls until none has arrived for HOLD_QUIET_S (at most
 # HOLD_MAX_S), then stop gRPC, and answer the held calls GOAWAY_S later. The quiet period is longer
 # than a loaded client's stall (a shorter one can end the hold just before a burst of calls).
 HOLD_QUIET_S = 0.25
@@ -143,7 +145,7 @@ def address_in_use(host: str, port: int, what: str) -> OSError:
     )
 
 
-class DrainGate(grpc.GenericRpcHandler):
+class DrainHold(grpc.GenericRpcHandler):
     """Holds every gRPC call that arrives in the last moment before gRPC core shuts down, so that
     none is cancelled.
 
@@ -202,7 +204,13 @@ class Server:
         # reads the tenant file; errors stop the start
         self.admission = Admission.from_settings(settings, self.redis)
         self.metrics = Metrics(self.plane, VERSION)  # this process's own registry, read at scrape time
-        self.pipeline = Pipeline(self.plane, self.admission)
+        # The door, built once here and given to the pipeline, the call takers and every transport.
+        self.shedder = LoadShedder(settings.overload_lag_ms / 1000, settings.overload_min_in_flight)
+        self.door = Door(
+            self.admission, self.shedder,
+            StreamSlots(settings.max_streams_per_tenant, settings.max_streams_per_connection),
+        )  # fmt: skip
+        self.pipeline = Pipeline(self.plane, self.door)
         self.servicer = InferenceServicer(self.pipeline, self.metrics)
         self.health = health_aio.HealthServicer()
         self.tls = CertStore.from_settings(settings)  # reads the certificate files; errors stop the start
@@ -216,7 +224,7 @@ class Server:
         self.http_site: http.Listener | None = None
         self.probes: probes.Probes | None = None
         self.takers: CallTakers | None = None
-        self.gate = DrainGate()
+        self.hold = DrainHold()
 
     async def start(self) -> None:
         s = self.settings
@@ -242,18 +250,17 @@ class Server:
                 ("grpc.max_connection_age_grace_ms", int(s.drain_timeout_s * 1000)),
             ]
         # Authentication on metadata, before the message is read; an open server has no interceptor.
-        interceptors = () if self.admission.open else (AuthInterceptor(self.pipeline, self.metrics),)
-        gate = self.pipeline.gate
-        self.takers = CallTakers(s.grpc_takers, s.max_concurrent_rpcs, self.pipeline.door)
+        interceptors = () if self.admission.open else (AuthInterceptor(self.door, self.metrics),)
+        self.takers = CallTakers(s.grpc_takers, s.max_concurrent_rpcs, self.shedder)
         server = grpc.aio.server(
             options=options, interceptors=self.takers.interceptors_for(interceptors),
             maximum_concurrent_rpcs=self.takers.grpc_cap,
         )  # fmt: skip
         self.takers.attach(server)
-        self.metrics.overload = (gate, self.takers)
+        self.metrics.overload = (self.shedder, self.takers)
         tracing.setup(s)  # on only with otel_endpoint
         await self.admission.start()  # Redis for global limits, if any; being down is not fatal
-        server.add_generic_rpc_handlers((self.gate,))  # first: while holding it answers every call
+        server.add_generic_rpc_handlers((self.hold,))  # first: while holding it answers every call
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         _register_for_reflection()
@@ -293,7 +300,7 @@ class Server:
             self.max_message_bytes, "" if s.max_message_bytes else " (derived from the models)",
         )  # fmt: skip
         await self.plane.load(repo)
-        self.pipeline.gate.start()
+        self.shedder.start(self.pipeline)  # the load it watches: the pipeline's calls, the loop's lag
         self.metrics.attach()
         await self._set_health()
         for rt in self.plane.runtimes():
@@ -326,10 +333,10 @@ class Server:
             return
         log.info("draining: readiness false; new requests get UNAVAILABLE", extra={"event": "drain"})
         self.plane.draining = True
-        # The overload gate stands down: every call now gets the drain's own answers (UNAVAILABLE,
+        # The load shedder stands down: every call now gets the drain's own answers (UNAVAILABLE,
         # then the hold), and a call refused at the door would leave its caller's retry in flight
-        # when gRPC stops (and draining refusals would read to the gate as wasted calls).
-        self.pipeline.gate.stand_down()
+        # when gRPC stops (and draining refusals would read to the shedder as wasted calls).
+        self.shedder.stand_down()
         # The quiet period of _linger counts from here: callers that have not yet sent their next
         # request (so none was refused) must still get the chance to be told UNAVAILABLE.
         self.plane.last_refused = time.monotonic()
@@ -354,7 +361,7 @@ class Server:
             self.http_site.stop_accepting()  # (again, if a drain closed it: a no-op)
         if self._http is not None:
             await self._http.cleanup()
-        self.pipeline.gate.stop()
+        self.shedder.stop()
         await self.plane.close()
         for rt in self.plane.runtimes():
             log.info(
@@ -384,19 +391,19 @@ class Server:
 
     async def _stop_grpc(self) -> None:
         """Stop gRPC without a CANCELLED call: hold what arrives until callers are all waiting,
-        stop (GOAWAY), then answer the held calls (see DrainGate)."""
+        stop (GOAWAY), then answer the held calls (see DrainHold)."""
         assert self._grpc is not None
-        gate = self.gate
-        gate.hold()
-        await gate.quiet(HOLD_QUIET_S, HOLD_MAX_S)
+        hold = self.hold
+        hold.hold()
+        await hold.quiet(HOLD_QUIET_S, HOLD_MAX_S)
         stopping = asyncio.create_task(self._grpc.stop(grace=2.0))
         await asyncio.sleep(0)  # the task's first step calls grpc_server_shutdown_and_notify
         # The GOAWAY is queued on each connection before the held answers, so a client reads it
         # first (measured: no CANCELLED with no pause either); the pause is a margin for the core
         # sending it from its own threads.
         await asyncio.sleep(GOAWAY_S)
-        log.info("gRPC stopping (GOAWAY sent); answering %d held call(s) UNAVAILABLE", gate.held)
-        gate.release()
+        log.info("gRPC stopping (GOAWAY sent); answering %d held call(s) UNAVAILABLE", hold.held)
+        hold.release()
         await stopping
 
 

@@ -12,7 +12,7 @@ docs/performance.md, "Overload").
 ``CallTakers`` keeps ``n`` more requests for calls outstanding in core beside grpc.aio's own, so a
 burst of pending calls is taken in one turn and core's queue stays short. Each call taken here
 either goes down grpc.aio's own path (``_handle_rpc`` with the same handlers and interceptors,
-inside ``_schedule_rpc_coro``, exactly what the main loop does) or, while the overload gate sheds,
+inside ``_schedule_rpc_coro``, exactly what the main loop does) or, while the load shedder sheds,
 is answered UNAVAILABLE on the spot: one status batch, no handler, no message read, no task for
 the call — measured ~4x cheaper than a refusal from a handler (docs/performance.md).
 
@@ -32,7 +32,7 @@ import logging
 
 import grpc
 
-from batchgate.gateway.admission.door import ASKED
+from batchgate.gateway.admission.door import ASKED, PRIOR
 
 log = logging.getLogger(__name__)
 
@@ -83,18 +83,18 @@ class CallTakers:
     ``maximum_concurrent_rpcs=self.grpc_cap``, ``attach`` it before any handler is added (it records
     them as they are), ``start`` it after ``server.start()``.
 
-    ``gate`` is the door to the overload gate (``shedding``, ``take(time_left)``, ``message()``,
-    ``trailing()``): ``take`` is asked once per call taken here, before anything else, with the
-    call's time left (read only while the gate sheds); False answers the call UNAVAILABLE with
+    ``shedder`` is the load shedder (gateway/admission/gate.py: ``shedding``, ``take(time_left)``,
+    ``message()``, ``trailing()``): ``take`` is asked once per call taken here, before anything
+    else, with the call's time left (read only while it sheds); False answers the call UNAVAILABLE with
     ``message()`` and ``trailing()`` at once. It is blind to the method (core has not told Python
     which one yet), so probes belong on the health port when shedding matters."""
 
-    def __init__(self, n: int, cap: int, gate) -> None:
+    def __init__(self, n: int, cap: int, shedder) -> None:
         self.n = n
         self.cap = cap
         self.handlers: list = []
         self.interceptors: tuple = ()
-        self.gate = gate
+        self.shedder = shedder
         self.taken = 0  # calls taken here (not by grpc.aio's own loop)
         self.refused = 0  # of which answered UNAVAILABLE at the door
         self.in_progress = 0  # calls of both loops, once the takers run
@@ -156,9 +156,9 @@ class CallTakers:
         handle_rpc, schedule = cygrpc._handle_rpc, cygrpc._schedule_rpc_coro
         send_error, initial_md = cygrpc._send_error_status_from_server, cygrpc.SendInitialMetadataOperation
         context_of = cygrpc._ServicerContext
-        tasks, done, gate = self._tasks, self._done, self.gate
+        tasks, done, shedder = self._tasks, self._done, self.shedder
         taken = contextvars.copy_context()
-        taken.run(ASKED.set, True)  # the door does not ask the gate again for these calls
+        taken.run(PRIOR.set, ASKED)  # the door does not ask the shedder again for these calls
         while aio.is_running():
             try:
                 state = await aio._request_call()
@@ -172,17 +172,19 @@ class CallTakers:
                     send_error(state, _RESOURCE_EXHAUSTED, CAP_DETAILS, (), initial_md((), 0), loop)
                 )
             # the time left is read only while shedding (a context object per call otherwise)
-            elif not gate.take(
-                context_of(state, None, None, loop).time_remaining() if gate.shedding else None
+            elif not shedder.take(
+                context_of(state, None, None, loop).time_remaining() if shedder.shedding else None
             ):
                 self.refused += 1
                 coro = _refuse(
-                    send_error(state, _UNAVAILABLE, gate.message(), gate.trailing(), initial_md((), 0), loop)
+                    send_error(
+                        state, _UNAVAILABLE, shedder.message(), shedder.trailing(), initial_md((), 0), loop
+                    )
                 )
             else:
                 coro = schedule(handle_rpc(self.handlers, self.interceptors, state, loop, False), state, loop)
             self.in_progress += 1
-            task = loop.create_task(coro, context=taken.copy())  # its own copy, ASKED=True in it
+            task = loop.create_task(coro, context=taken.copy())  # its own copy, PRIOR=ASKED in it
             tasks.add(task)
             task.add_done_callback(done)
 

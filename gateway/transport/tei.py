@@ -21,8 +21,8 @@ from batchgate.gateway.text import PAIR_SEPARATOR
 from batchgate.gateway.transport import tei_models
 from batchgate.gateway.transport.fields import (
     dimensions_for,
-    ends_its_pass,
-    entered_body,
+    TextRoutes,
+    json_object,
     flag,
     latency_of,
     prompt_name_of,
@@ -114,39 +114,33 @@ def _documents(value: Any) -> list[str]:
     return texts_of(out, "documents")
 
 
-class Tei:
-    def __init__(self, server: Server, http: Http) -> None:
-        self.server = server
-        self.http = http
-        self.edge = server.metrics.transport("http")
-
-    @ends_its_pass
+class Tei(TextRoutes):
     async def embed(self, request: web.Request) -> web.Response:
         echo = request_echo(request)
         try:
-            pass_, doc = await entered_body(self.server, self.http, request)
-            if not isinstance(doc, dict):
-                raise invalid("the request body must be a JSON object with 'inputs'")
-            unknown = sorted(set(doc) - _TEI_FIELDS)
-            if unknown:
-                raise invalid(f"unknown field(s): {unknown}", unknown[0])
-            if "inputs" not in doc:
-                raise invalid("'inputs' is required: a string or a list of strings", "inputs")
-            if doc["inputs"] == []:
-                raise invalid(EMPTY, "inputs")
-            normalize = flag(doc, "normalize", True)
-            model = tei_models.model_for(self.server, request, doc, ("embedding",))
-            tei_models.runtime_of(self.server, model, ("embedding",))
-            truncate = flag(doc, "truncate", tei_models.truncates(self.server, model))  # the model's by default
-            left = tei_models.left_of(doc)
-            texts, given = tei_models.inputs_of(self.server, model, doc["inputs"], "inputs", truncate, left)
-            prompt_name = prompt_name_of(doc)
-            params = latency_of(request, doc)
-            size = dimensions_for(self.server, model, doc.get("dimensions"))
-            answer = await self.server.pipeline.texts(
-                pass_, self.edge, model, texts, params, exact_limit=not truncate, prompt_name=prompt_name,
-                cut=truncate and given is None, left=left, encodings=given,
-            )  # fmt: skip
+            with self.door.enter(self.http.metadata(request)) as pass_:
+                doc = await json_object(self.http, request, _TEI_FIELDS, "'inputs'", "unknown field(s)")
+                if "inputs" not in doc:
+                    raise invalid("'inputs' is required: a string or a list of strings", "inputs")
+                if doc["inputs"] == []:
+                    raise invalid(EMPTY, "inputs")
+                normalize = flag(doc, "normalize", True)
+                model = tei_models.model_for(self.server, request, doc, ("embedding",))
+                tei_models.runtime_of(self.server, model, ("embedding",))
+                truncate = flag(
+                    doc, "truncate", tei_models.truncates(self.server, model)
+                )  # the model's by default
+                left = tei_models.left_of(doc)
+                texts, given = tei_models.inputs_of(
+                    self.server, model, doc["inputs"], "inputs", truncate, left
+                )
+                prompt_name = prompt_name_of(doc)
+                params = latency_of(request, doc)
+                size = dimensions_for(self.server, model, doc.get("dimensions"))
+                answer = await self.server.pipeline.texts(
+                    pass_, self.edge, model, texts, params, exact_limit=not truncate, prompt_name=prompt_name,
+                    cut=truncate and given is None, left=left, encodings=given,
+                )  # fmt: skip
         except GatewayError as exc:
             return tei_error(exc, echo)
         vectors = answer.outputs[0].array
@@ -166,8 +160,9 @@ class Tei:
         )
 
     async def _rerank(self, request: web.Request, pass_: Pass, doc: dict, texts: list[str],
-                      exact_limit: bool, cut: bool = False, left: bool = False) -> tuple[np.ndarray, Answer]:  # fmt: skip
-        """The raw scores of (query, text) for each text, in the caller's order."""
+                      exact_limit: bool, cut: bool | None = False, left: bool = False) -> tuple[np.ndarray, Answer]:  # fmt: skip
+        """The raw scores of (query, text) for each text, in the caller's order; ``cut`` None: the
+        model's own truncate setting."""
         pipeline = self.server.pipeline
         model = request.match_info.get("model") or doc.get("model")
         if model is None:
@@ -180,7 +175,7 @@ class Tei:
         query = _query(doc)
         params = latency_of(request, doc)
         rows = [query + PAIR_SEPARATOR + t for t in texts]
-        if cut is None:  # the call said nothing: the model's own truncate setting
+        if cut is None:
             cut = tei_models.truncates(self.server, model)
             exact_limit = not cut
         answer = await pipeline.texts(
@@ -188,30 +183,25 @@ class Tei:
         )
         return answer.outputs[0].array[:, 0].copy(), answer
 
-    @ends_its_pass
     async def rerank(self, request: web.Request) -> web.Response:
         """TEI's ``POST /rerank``: ``[{index, score, text?}]`` sorted by score, highest first;
         scores through a sigmoid unless ``raw_scores`` (what TEI answers for a one-label model)."""
         echo = request_echo(request)
         try:
-            pass_, doc = await entered_body(self.server, self.http, request)
-            if not isinstance(doc, dict):
-                raise invalid("the request body must be a JSON object with 'query' and 'texts'")
-            unknown = sorted(set(doc) - _TEI_RERANK_FIELDS)
-            if unknown:
-                raise invalid(f"unknown field(s): {unknown}", unknown[0])
-            if doc.get("texts") == []:
-                raise invalid(EMPTY, "texts")
-            texts = texts_of(doc.get("texts"), "texts")
-            truncate = doc.get("truncate")
-            if truncate is not None:
-                truncate = flag(doc, "truncate", False)
-            raw = flag(doc, "raw_scores", False)
-            return_text = flag(doc, "return_text", False)
-            left = tei_models.left_of(doc)
-            scores, answer = await self._rerank(
-                request, pass_, doc, texts, exact_limit=not truncate, cut=truncate, left=left
-            )
+            with self.door.enter(self.http.metadata(request)) as pass_:
+                doc = await json_object(
+                    self.http, request, _TEI_RERANK_FIELDS, "'query' and 'texts'", "unknown field(s)"
+                )
+                if doc.get("texts") == []:
+                    raise invalid(EMPTY, "texts")
+                texts = texts_of(doc.get("texts"), "texts")
+                truncate = flag(doc, "truncate", False) if doc.get("truncate") is not None else None
+                raw = flag(doc, "raw_scores", False)
+                return_text = flag(doc, "return_text", False)
+                left = tei_models.left_of(doc)
+                scores, answer = await self._rerank(
+                    request, pass_, doc, texts, exact_limit=not truncate, cut=truncate, left=left
+                )
         except GatewayError as exc:
             return tei_error(exc, echo)
         if not raw:
@@ -228,26 +218,27 @@ class Tei:
             headers={**echo, "x-compute-tokens": str(sum(answer.tokens))},
         )  # fmt: skip
 
-    @ends_its_pass
     async def v1_rerank(self, request: web.Request) -> web.Response:
         """Cohere's / Jina's ``POST /v1/rerank``: ``{results: [{index, relevance_score,
         document?}]}`` sorted by relevance, the first ``top_n``; relevance through a sigmoid."""
         echo = request_echo(request)
         try:
-            pass_, doc = await entered_body(self.server, self.http, request)
-            if not isinstance(doc, dict):
-                raise invalid("the request body must be a JSON object with 'query' and 'documents'")
-            unknown = sorted(set(doc) - _V1_RERANK_FIELDS)
-            if unknown:
-                raise invalid(f"unrecognized request argument(s): {unknown}", unknown[0])
-            if "documents" not in doc:
-                raise invalid("'documents' is required: a list of texts", "documents")
-            texts = _documents(doc["documents"])
-            top_n = doc.get("top_n")
-            if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
-                raise invalid("'top_n' must be a positive integer", "top_n")
-            return_documents = flag(doc, "return_documents", False)
-            scores, answer = await self._rerank(request, pass_, doc, texts, exact_limit=False)
+            with self.door.enter(self.http.metadata(request)) as pass_:
+                doc = await json_object(
+                    self.http,
+                    request,
+                    _V1_RERANK_FIELDS,
+                    "'query' and 'documents'",
+                    "unrecognized request argument(s)",
+                )
+                if "documents" not in doc:
+                    raise invalid("'documents' is required: a list of texts", "documents")
+                texts = _documents(doc["documents"])
+                top_n = doc.get("top_n")
+                if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
+                    raise invalid("'top_n' must be a positive integer", "top_n")
+                return_documents = flag(doc, "return_documents", False)
+                scores, answer = await self._rerank(request, pass_, doc, texts, exact_limit=False)
         except GatewayError as exc:
             return openai_error(exc, echo)
         relevance = _sigmoid(scores)

@@ -87,7 +87,9 @@ def runtime_of(server: Server, model: str, kinds: tuple[str, ...] | None = None)
         raise
     kind = rt.spec.kind if rt.text is not None else None
     if kind is None:
-        raise invalid(f"model '{model}' does not take text; text models: {sorted(text_models(server))}", "model")
+        raise invalid(
+            f"model '{model}' does not take text; text models: {sorted(text_models(server))}", "model"
+        )
     if kinds is not None and kind not in kinds:
         raise invalid(
             f"model '{model}' is a {kind.replace('_', ' ')} model, not {' or '.join(kinds)}: "
@@ -152,7 +154,9 @@ def left_of(doc: dict) -> bool:
         return False
     if value in ("Left", "left"):
         return True
-    raise invalid(f"'truncation_direction' must be 'Left' or 'Right', not {clip(value)!r}", "truncation_direction")
+    raise invalid(
+        f"'truncation_direction' must be 'Left' or 'Right', not {clip(value)!r}", "truncation_direction"
+    )
 
 
 def is_ids(value: Any) -> bool:
@@ -173,7 +177,9 @@ def inputs_of(server: Server, model: str, value: Any, field: str, truncate: bool
     stage = rt.text
     rows = value if isinstance(value[0], list) else [value]
     if len(rows) > MAX_INPUTS:
-        raise invalid(f"'{field}' holds {len(rows)} rows of token ids; at most {MAX_INPUTS} per request", field)
+        raise invalid(
+            f"'{field}' holds {len(rows)} rows of token ids; at most {MAX_INPUTS} per request", field
+        )
     if stage.settings.pair:
         raise invalid(f"model '{model}' takes pairs of texts, not token ids", field)
     rows = tokens.ids_of(rows, field, tokens.vocabulary_size(stage))

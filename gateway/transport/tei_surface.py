@@ -28,9 +28,9 @@ from batchgate.gateway.text import PAIR_SEPARATOR
 from batchgate.gateway.transport import tei_models as tm
 from batchgate.gateway.transport.fields import (
     MAX_INPUTS,
-    ends_its_pass,
-    entered_body,
+    TextRoutes,
     flag,
+    json_object,
     latency_of,
     prompt_name_of,
     request_echo,
@@ -63,15 +63,6 @@ def _json(body: Any, headers: dict | None = None) -> web.Response:
     )
 
 
-def _object(doc: Any, route: str, needs: str) -> dict:
-    if not isinstance(doc, dict):
-        raise invalid(f"the request body must be a JSON object with {needs}")
-    unknown = sorted(set(doc) - _FIELDS[route])
-    if unknown:
-        raise invalid(f"unknown field(s): {unknown}", unknown[0])
-    return doc
-
-
 def _headers(echo: dict, answer: Answer) -> dict:
     return {**echo, "x-compute-tokens": str(sum(answer.tokens))}
 
@@ -84,7 +75,9 @@ def _predict_rows(value: Any) -> tuple[list[list[str]], bool]:
     if isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value):
         return [value], False
     if not isinstance(value, list) or not value:
-        raise invalid("'inputs' must be a text, a pair [text, text], or a batch of [text] or [text, text]", "inputs")
+        raise invalid(
+            "'inputs' must be a text, a pair [text, text], or a batch of [text] or [text, text]", "inputs"
+        )
     if len(value) > MAX_INPUTS:
         raise invalid(f"'inputs' holds {len(value)} rows; at most {MAX_INPUTS} per request", "inputs")
     for i, row in enumerate(value):
@@ -93,13 +86,13 @@ def _predict_rows(value: Any) -> tuple[list[list[str]], bool]:
     return value, True
 
 
-class TeiSurface:
-    def __init__(self, server: Server, http: Http) -> None:
-        self.server = server
-        self.http = http
-        self.edge = server.metrics.transport("http")
+class TeiSurface(TextRoutes):
+    async def _body(self, request: web.Request, route: str, needs: str) -> dict:
+        return await json_object(self.http, request, _FIELDS[route], needs, "unknown field(s)")
 
-    async def _texts(self, request, pass_, doc, model, value, *, output, field="inputs", params=None, pairs=False):
+    async def _texts(
+        self, request, pass_, doc, model, value, *, output, field="inputs", params=None, pairs=False
+    ):
         """One pipeline call for the route's texts (or token ids) with the model's truncate default
         and the call's direction; the answer and its texts."""
         server = self.server
@@ -142,97 +135,104 @@ class TeiSurface:
 
     # -- tokens ---------------------------------------------------------------------------------
 
-    @ends_its_pass
     async def tokenize(self, request: web.Request) -> web.Response:
         echo = request_echo(request)
         try:
-            _pass, doc = await entered_body(self.server, self.http, request)
-            doc = _object(doc, "tokenize", "'inputs'")
-            model = tm.model_for(self.server, request, doc, tuple(tm.TEI_TYPE))
-            rt = tm.runtime_of(self.server, model)
-            self._visible(request, model)
-            if doc.get("inputs") == []:
-                raise invalid(EMPTY, "inputs")
-            texts = texts_of(doc.get("inputs"), "inputs")
-            special = flag(doc, "add_special_tokens", True)
-            name = prompt_name_of(doc)
-            if name is not None and name not in rt.spec.params.prompts:
-                prompts = ", ".join(json.dumps(p) for p in sorted(rt.spec.params.prompts))
-                raise invalid(f"Prompt name '{clip(name)}' was not found. Available prompts: [{prompts}]", "prompt_name")
-            prompt = prompt_of(rt.spec, name)
-            limit = rt.text.settings.max_text_bytes
-            for i, t in enumerate(texts):
-                if len(t.encode()) > limit:
-                    raise invalid(f"inputs {i}: text is over {limit} bytes (parameter max_text_bytes)", "inputs")
-            body = await asyncio.to_thread(tokens.tokenize, rt.text, [prompt + t for t in texts], special)
+            with self.door.enter(self.http.metadata(request)) as _pass:
+                doc = await self._body(request, "tokenize", "'inputs'")
+                model = tm.model_for(self.server, request, doc, tuple(tm.TEI_TYPE))
+                rt = tm.runtime_of(self.server, model)
+                self._visible(request, model)
+                if doc.get("inputs") == []:
+                    raise invalid(EMPTY, "inputs")
+                texts = texts_of(doc.get("inputs"), "inputs")
+                special = flag(doc, "add_special_tokens", True)
+                name = prompt_name_of(doc)
+                if name is not None and name not in rt.spec.params.prompts:
+                    prompts = ", ".join(json.dumps(p) for p in sorted(rt.spec.params.prompts))
+                    raise invalid(
+                        f"Prompt name '{clip(name)}' was not found. Available prompts: [{prompts}]",
+                        "prompt_name",
+                    )
+                prompt = prompt_of(rt.spec, name)
+                limit = rt.text.settings.max_text_bytes
+                for i, t in enumerate(texts):
+                    if len(t.encode()) > limit:
+                        raise invalid(
+                            f"inputs {i}: text is over {limit} bytes (parameter max_text_bytes)", "inputs"
+                        )
+                body = await asyncio.to_thread(tokens.tokenize, rt.text, [prompt + t for t in texts], special)
         except GatewayError as exc:
             return tei_error(exc, echo)
         return _json(body, echo)
 
-    @ends_its_pass
     async def decode(self, request: web.Request) -> web.Response:
         echo = request_echo(request)
         try:
-            _pass, doc = await entered_body(self.server, self.http, request)
-            doc = _object(doc, "decode", "'ids'")
-            model = tm.model_for(self.server, request, doc, tuple(tm.TEI_TYPE))
-            rt = tm.runtime_of(self.server, model)
-            self._visible(request, model)
-            ids = doc.get("ids")
-            if not tm.is_ids(ids):
-                raise invalid("'ids' must be a list of token ids or a list of such lists", "ids")
-            rows = ids if isinstance(ids[0], list) else [ids]
-            if len(rows) > MAX_INPUTS:
-                raise invalid(f"'ids' holds {len(rows)} rows; at most {MAX_INPUTS} per request", "ids")
-            rows = tokens.ids_of(rows, "ids", tokens.vocabulary_size(rt.text))
-            skip = flag(doc, "skip_special_tokens", True)
-            body = await asyncio.to_thread(tokens.decode, rt.text, rows, skip)
+            with self.door.enter(self.http.metadata(request)) as _pass:
+                doc = await self._body(request, "decode", "'ids'")
+                model = tm.model_for(self.server, request, doc, tuple(tm.TEI_TYPE))
+                rt = tm.runtime_of(self.server, model)
+                self._visible(request, model)
+                ids = doc.get("ids")
+                if not tm.is_ids(ids):
+                    raise invalid("'ids' must be a list of token ids or a list of such lists", "ids")
+                rows = ids if isinstance(ids[0], list) else [ids]
+                if len(rows) > MAX_INPUTS:
+                    raise invalid(f"'ids' holds {len(rows)} rows; at most {MAX_INPUTS} per request", "ids")
+                rows = tokens.ids_of(rows, "ids", tokens.vocabulary_size(rt.text))
+                skip = flag(doc, "skip_special_tokens", True)
+                body = await asyncio.to_thread(tokens.decode, rt.text, rows, skip)
         except GatewayError as exc:
             return tei_error(exc, echo)
         return _json(body, echo)
 
     # -- vectors --------------------------------------------------------------------------------
 
-    @ends_its_pass
     async def embed_all(self, request: web.Request) -> web.Response:
         """Every token's vector of each text (its own tokens, special ones included)."""
         echo = request_echo(request)
         try:
-            pass_, doc = await entered_body(self.server, self.http, request)
-            doc = _object(doc, "embed_all", "'inputs'")
-            if doc.get("inputs") == []:
-                raise invalid(EMPTY, "inputs")
-            flag(doc, "normalize", True)  # sent by TEI's clients; TEI does not normalise token vectors
-            model = tm.model_for(self.server, request, doc, ("embedding",))
-            rt = tm.runtime_of(self.server, model, ("embedding",))
-            if rt.spec.output(TOKEN_OUTPUT) is None:
-                raise invalid(
-                    f"model '{model}' has no per-token output '{TOKEN_OUTPUT}' (batchgate prepare-model "
-                    "... token_embeddings adds it)", "model",
-                )  # fmt: skip
-            answer, _ = await self._texts(request, pass_, doc, model, doc.get("inputs"), output=TOKEN_OUTPUT)
+            with self.door.enter(self.http.metadata(request)) as pass_:
+                doc = await self._body(request, "embed_all", "'inputs'")
+                if doc.get("inputs") == []:
+                    raise invalid(EMPTY, "inputs")
+                flag(doc, "normalize", True)  # sent by TEI's clients; TEI does not normalise token vectors
+                model = tm.model_for(self.server, request, doc, ("embedding",))
+                rt = tm.runtime_of(self.server, model, ("embedding",))
+                if rt.spec.output(TOKEN_OUTPUT) is None:
+                    raise invalid(
+                        f"model '{model}' has no per-token output '{TOKEN_OUTPUT}' (batchgate prepare-model "
+                        "... token_embeddings adds it)", "model",
+                    )  # fmt: skip
+                answer, _ = await self._texts(
+                    request, pass_, doc, model, doc.get("inputs"), output=TOKEN_OUTPUT
+                )
         except GatewayError as exc:
             return tei_error(exc, echo)
         vectors = answer.outputs[0].array
         body = [vectors[i, :n].tolist() for i, n in enumerate(answer.tokens)]
         return _json(body, _headers(echo, answer))
 
-    @ends_its_pass
     async def embed_sparse(self, request: web.Request) -> web.Response:
         """Each text's non-zero vocabulary weights as ``{index, value}`` by index; ``top_k``
         (an extension) keeps the k largest."""
         echo = request_echo(request)
         try:
-            pass_, doc = await entered_body(self.server, self.http, request)
-            doc = _object(doc, "embed_sparse", "'inputs'")
-            if doc.get("inputs") == []:
-                raise invalid(EMPTY, "inputs")
-            top_k = doc.get("top_k")
-            if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-                raise invalid("'top_k' must be a positive integer: the number of largest weights kept", "top_k")
-            model = tm.model_for(self.server, request, doc, ("sparse_embedding",))
-            tm.runtime_of(self.server, model, ("sparse_embedding",))
-            answer, _ = await self._texts(request, pass_, doc, model, doc.get("inputs"), output="sparse_embedding")
+            with self.door.enter(self.http.metadata(request)) as pass_:
+                doc = await self._body(request, "embed_sparse", "'inputs'")
+                if doc.get("inputs") == []:
+                    raise invalid(EMPTY, "inputs")
+                top_k = doc.get("top_k")
+                if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+                    raise invalid(
+                        "'top_k' must be a positive integer: the number of largest weights kept", "top_k"
+                    )
+                model = tm.model_for(self.server, request, doc, ("sparse_embedding",))
+                tm.runtime_of(self.server, model, ("sparse_embedding",))
+                answer, _ = await self._texts(
+                    request, pass_, doc, model, doc.get("inputs"), output="sparse_embedding"
+                )
         except GatewayError as exc:
             return tei_error(exc, echo)
         body = []
@@ -243,33 +243,38 @@ class TeiSurface:
             body.append([{"index": int(i), "value": float(row[i])} for i in index])
         return _json(body, _headers(echo, answer))
 
-    @ends_its_pass
     async def similarity(self, request: web.Request) -> web.Response:
         """The cosine of ``source_sentence``'s embedding with each of ``sentences``'."""
         echo = request_echo(request)
         try:
-            pass_, doc = await entered_body(self.server, self.http, request)
-            doc = _object(doc, "similarity", "'inputs': {'source_sentence', 'sentences'}")
-            inputs = doc.get("inputs")
-            if not isinstance(inputs, dict) or set(inputs) - {"source_sentence", "sentences"}:
-                raise invalid("'inputs' must be an object {'source_sentence': text, 'sentences': [text]}", "inputs")
-            source = inputs.get("source_sentence")
-            if not isinstance(source, str):
-                raise invalid("'inputs.source_sentence' must be a text", "inputs")
-            sentences = inputs.get("sentences")
-            if sentences == []:
-                raise invalid(EMPTY, "inputs")
-            sentences = texts_of(sentences, "inputs")
-            if len(sentences) >= MAX_INPUTS:
-                raise invalid(f"'inputs.sentences' holds {len(sentences)} texts; at most {MAX_INPUTS - 1}", "inputs")
-            params = doc.get("parameters") or {}
-            if not isinstance(params, dict) or set(params) - _SIMILARITY_PARAMETERS:
-                raise invalid(f"'parameters' must be an object with {sorted(_SIMILARITY_PARAMETERS)}", "parameters")
-            model = tm.model_for(self.server, request, doc, ("embedding",))
-            tm.runtime_of(self.server, model, ("embedding",))
-            answer, _ = await self._texts(
-                request, pass_, doc, model, [source, *sentences], output="embedding", params=params
-            )
+            with self.door.enter(self.http.metadata(request)) as pass_:
+                doc = await self._body(request, "similarity", "'inputs': {'source_sentence', 'sentences'}")
+                inputs = doc.get("inputs")
+                if not isinstance(inputs, dict) or set(inputs) - {"source_sentence", "sentences"}:
+                    raise invalid(
+                        "'inputs' must be an object {'source_sentence': text, 'sentences': [text]}", "inputs"
+                    )
+                source = inputs.get("source_sentence")
+                if not isinstance(source, str):
+                    raise invalid("'inputs.source_sentence' must be a text", "inputs")
+                sentences = inputs.get("sentences")
+                if sentences == []:
+                    raise invalid(EMPTY, "inputs")
+                sentences = texts_of(sentences, "inputs")
+                if len(sentences) >= MAX_INPUTS:
+                    raise invalid(
+                        f"'inputs.sentences' holds {len(sentences)} texts; at most {MAX_INPUTS - 1}", "inputs"
+                    )
+                params = doc.get("parameters") or {}
+                if not isinstance(params, dict) or set(params) - _SIMILARITY_PARAMETERS:
+                    raise invalid(
+                        f"'parameters' must be an object with {sorted(_SIMILARITY_PARAMETERS)}", "parameters"
+                    )
+                model = tm.model_for(self.server, request, doc, ("embedding",))
+                tm.runtime_of(self.server, model, ("embedding",))
+                answer, _ = await self._texts(
+                    request, pass_, doc, model, [source, *sentences], output="embedding", params=params
+                )
         except GatewayError as exc:
             return tei_error(exc, echo)
         v = answer.outputs[0].array.astype(np.float64)
@@ -286,27 +291,35 @@ class TeiSurface:
                 want = "a pair [text, text]" if pairs else "a single text"
                 raise invalid(f"'{field}[{i}]': model '{model}' classifies {want} per row", field)
             if pairs and PAIR_SEPARATOR in row[0]:
-                raise invalid(f"'{field}[{i}]': the first text may not hold U+001F (the pair separator)", field)
+                raise invalid(
+                    f"'{field}[{i}]': the first text may not hold U+001F (the pair separator)", field
+                )
         texts = [PAIR_SEPARATOR.join(r) for r in rows]
         answer, _ = await self._texts(
-            request, pass_, doc, model, texts, output="logits" if raw else "probabilities", field=field, pairs=pairs
+            request,
+            pass_,
+            doc,
+            model,
+            texts,
+            output="logits" if raw else "probabilities",
+            field=field,
+            pairs=pairs,
         )
         return answer, rt.spec.labels
 
-    @ends_its_pass
     async def predict(self, request: web.Request) -> web.Response:
         """TEI's ``POST /predict``: per row every label's score, highest first; probabilities
         (softmax, or each label's sigmoid for a multi-label model) unless ``raw_scores``."""
         echo = request_echo(request)
         try:
-            pass_, doc = await entered_body(self.server, self.http, request)
-            doc = _object(doc, "predict", "'inputs'")
-            if doc.get("inputs") == []:
-                raise invalid(EMPTY, "inputs")
-            rows, batch = _predict_rows(doc.get("inputs"))
-            raw = flag(doc, "raw_scores", False)
-            model = tm.model_for(self.server, request, doc, ("classification",))
-            answer, labels = await self._classify(request, pass_, doc, model, rows, raw, "inputs")
+            with self.door.enter(self.http.metadata(request)) as pass_:
+                doc = await self._body(request, "predict", "'inputs'")
+                if doc.get("inputs") == []:
+                    raise invalid(EMPTY, "inputs")
+                rows, batch = _predict_rows(doc.get("inputs"))
+                raw = flag(doc, "raw_scores", False)
+                model = tm.model_for(self.server, request, doc, ("classification",))
+                answer, labels = await self._classify(request, pass_, doc, model, rows, raw, "inputs")
         except GatewayError as exc:
             return tei_error(exc, echo)
         out = []
@@ -315,25 +328,24 @@ class TeiSurface:
             out.append([{"score": float(row[j]), "label": labels[j]} for j in order])
         return _json(out if batch else out[0], _headers(echo, answer))
 
-    @ends_its_pass
     async def classify(self, request: web.Request) -> web.Response:
         """vLLM's (and SGLang's) ``POST /classify``: ``{data: [{index, label, probs,
         num_classes}], usage}``, the label being the most probable one."""
         echo = request_echo(request)
         try:
-            pass_, doc = await entered_body(self.server, self.http, request)
-            doc = _object(doc, "classify", "'input'")
-            if "input" not in doc:
-                raise invalid("'input' is required: a text or a list of texts", "input")
-            if "user" in doc and not isinstance(doc["user"], str):
-                raise invalid("'user' must be a string", "user")
-            value = doc["input"]
-            if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
-                rows, _ = _predict_rows(value)  # rows of [text] or [text, text], as TEI's batch
-            else:
-                rows = [[t] for t in texts_of(value, "input")]
-            model = tm.model_for(self.server, request, doc, ("classification",))
-            answer, labels = await self._classify(request, pass_, doc, model, rows, False, "input")
+            with self.door.enter(self.http.metadata(request)) as pass_:
+                doc = await self._body(request, "classify", "'input'")
+                if "input" not in doc:
+                    raise invalid("'input' is required: a text or a list of texts", "input")
+                if "user" in doc and not isinstance(doc["user"], str):
+                    raise invalid("'user' must be a string", "user")
+                value = doc["input"]
+                if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
+                    rows, _ = _predict_rows(value)  # rows of [text] or [text, text], as TEI's batch
+                else:
+                    rows = [[t] for t in texts_of(value, "input")]
+                model = tm.model_for(self.server, request, doc, ("classification",))
+                answer, labels = await self._classify(request, pass_, doc, model, rows, False, "input")
         except GatewayError as exc:
             return openai_error(exc, echo)
         data = []

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from batchgate.cache import Breaker, RedisLink
+
 log = logging.getLogger(__name__)
 
 # Rounding slack: a burst of exactly `burst` unit requests at one instant sums `burst` intervals in
@@ -307,8 +309,6 @@ class RedisLimiter(GlobalLimiter):
     ) -> RedisLimiter:
         """A limiter on a ``RedisLink`` of its own (closed with it); the server passes its one
         link to the constructor instead."""
-        from batchgate.cache import Breaker, RedisLink
-
         link = RedisLink(
             url,
             breaker=Breaker(open_s=probe_max_s),  # a decision's failure trips it: the count is moot

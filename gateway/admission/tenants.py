@@ -46,7 +46,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from batchgate.gateway.errors import GatewayError, Kind
-from batchgate.gateway.ratelimit import Rate
+from batchgate.gateway.admission.ratelimit import Rate
 
 HASH_PREFIX = "sha256:"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
