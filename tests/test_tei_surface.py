@@ -425,3 +425,42 @@ def test_the_real_tei_client_at_the_root_and_per_model(base, folders, minilm_dir
                                                 "texts": ["the man is eating bread", "a small red cat"]})  # fmt: skip
     ranked = ranks.ranks if hasattr(ranks, "ranks") else ranks
     assert [(r.index, r.score) for r in ranked] == [(w["index"], w["score"]) for w in want]
+
+
+# -- batchgate's own client (gRPC) ---------------------------------------------------------------
+
+
+def test_the_batchgate_client_classifies_and_gives_sparse_and_token_vectors(srv, folders):
+    from batchgate.client import AsyncClient, Client
+
+    folder, model = folders["sentiment"]
+    probs, logits = classifier_reference(folder, model, TEXTS, False)
+    with Client(srv.grpc_url, timeout=60) as bg:
+        np.testing.assert_allclose(bg.classify(TEXTS, model="sentiment"), probs, atol=MAX_PROB_DIFF)
+        np.testing.assert_allclose(
+            bg.classify(TEXTS, model="sentiment", raw_scores=True), logits, atol=MAX_DIFF
+        )
+        folder, model = folders["splade"]
+        want = sparse_reference(folder, model, "relu", "max", TEXTS)
+        rows = bg.embed_sparse(TEXTS, model="splade")
+        got = np.zeros_like(want)
+        for i, row in enumerate(rows):
+            got[i, list(row)] = list(row.values())
+        check_sparse(got, want, "splade (client)")
+        assert list(bg.embed_sparse(TEXTS[:1], model="splade", top_k=2)[0]) == sorted(
+            np.argsort(-want[0], kind="stable")[:2].tolist()
+        )
+        folder, model = folders["tokens"]
+        states, counts = token_reference(folder, model, TEXTS)
+        for i, vectors in enumerate(bg.embed_all(TEXTS, model="tokens")):
+            assert vectors.shape == (counts[i], states.shape[2])
+            np.testing.assert_allclose(vectors, states[i, : counts[i]], atol=MAX_DIFF, rtol=0)
+
+    async def run():
+        async with AsyncClient(srv.grpc_url, timeout=60) as bg:
+            return await bg.classify(TEXTS[:3], model="sentiment")
+
+    import asyncio
+
+    np.testing.assert_allclose(asyncio.run(run()), classifier_reference(*folders["sentiment"], TEXTS[:3], False)[0],
+                               atol=MAX_PROB_DIFF)  # fmt: skip
