@@ -84,28 +84,26 @@ def request(url: str, method: str, headers: dict) -> tuple[int, dict]:
         return e.code, dict(e.headers)
 
 
-def test_a_page_on_an_allowed_origin_calls_the_api_from_chromium(srv, page_port, tmp_path):
-    api = f"http://127.0.0.1:{srv.http_port}"
-    server = serve_page(tmp_path, page_port, api)
+def page_in_chromium(srv, port: int, tmp_path: Path) -> str:
+    """The page served from ``localhost:port``, as Chromium leaves its DOM after running it."""
+    server = serve_page(tmp_path, port, f"http://127.0.0.1:{srv.http_port}")
     try:
-        out = chromium(tmp_path, "--dump-dom", f"http://localhost:{page_port}/index.html")
+        out = chromium(tmp_path, "--dump-dom", f"http://localhost:{port}/index.html")
     finally:
         server.shutdown()
         server.server_close()
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "status 200 dims 384 id " in out.stdout, out.stdout[-2000:]
+    return out.stdout
+
+
+def test_a_page_on_an_allowed_origin_calls_the_api_from_chromium(srv, page_port, tmp_path):
+    dom = page_in_chromium(srv, page_port, tmp_path)
+    assert "status 200 dims 384 id " in dom, dom[-2000:]
 
 
 def test_a_page_on_another_origin_is_refused_by_the_browser(srv, tmp_path):
-    other = free_ports(1)[0]  # not in cors_allowed_origins
-    server = serve_page(tmp_path, other, f"http://127.0.0.1:{srv.http_port}")
-    try:
-        out = chromium(tmp_path, "--dump-dom", f"http://localhost:{other}/index.html")
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "blocked TypeError" in out.stdout, out.stdout[-2000:]
+    dom = page_in_chromium(srv, free_ports(1)[0], tmp_path)  # an origin not in cors_allowed_origins
+    assert "blocked TypeError" in dom, dom[-2000:]
 
 
 def test_every_documented_route_answers_a_preflight(srv):

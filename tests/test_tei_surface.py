@@ -24,10 +24,10 @@ import tritonclient.grpc as tc
 from tokenizers import Tokenizer
 
 from batchgate.gateway.build.hf_model import prepare_model
-from tests.conftest import start_server
 from tests.test_classify import SENTIMENT, TOPICS
 from tests.test_classify import reference as classifier_reference
-from tests.test_prepare_model import PAIRS, TEXTS, TINY, scramble, st_folder, unigram, wordpiece
+from tests.prepared import server, tiny_configs  # noqa: F401  (server: a module fixture over repo)
+from tests.test_prepare_model import PAIRS, TEXTS, scramble, st_folder
 from tests.test_sparse import check_sparse, splade_folder
 from tests.test_sparse import reference as sparse_reference
 from tests.test_token_embeddings import reference as token_reference
@@ -40,14 +40,8 @@ LONG = " ".join(["the quick brown fox jumps over the lazy dog near the river ban
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """name -> (folder, transformers model)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    transformers, bert, xlmr, wp, ug = tiny_configs(4)
     root = tmp_path_factory.mktemp("tei-folders")
-    torch.manual_seed(4)
-    wp, ug = wordpiece(), unigram()
-    bert = dict(TINY, vocab_size=wp.get_vocab_size(), max_position_embeddings=64)
-    xlmr = dict(TINY, vocab_size=ug.get_vocab_size(), max_position_embeddings=40, type_vocab_size=1,
-                pad_token_id=1, bos_token_id=0, eos_token_id=2, layer_norm_eps=1e-5)  # fmt: skip
     made = {
         "sentiment": (transformers.BertForSequenceClassification(
             transformers.BertConfig(**bert, id2label=SENTIMENT)), wp),
@@ -93,10 +87,8 @@ def repo(folders, minilm_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def srv(repo, tmp_path_factory):
-    s = start_server(tmp_path_factory.mktemp("tei-server"), "--no-build-models", repo=repo, ready_timeout=180)
-    yield s
-    s.stop()
+def srv(server):  # noqa: F811
+    return server
 
 
 @pytest.fixture(scope="module")

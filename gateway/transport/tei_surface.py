@@ -135,14 +135,20 @@ class TeiSurface(TextRoutes):
 
     # -- tokens ---------------------------------------------------------------------------------
 
+    async def _tokenizer_call(self, request: web.Request, route: str, needs: str):
+        """The body of a call that only tokenises (no pass to the pipeline) and its model's runtime,
+        which the caller must be allowed to call."""
+        doc = await self._body(request, route, needs)
+        model = tm.model_for(self.server, request, doc, tuple(tm.TEI_TYPE))
+        rt = tm.runtime_of(self.server, model)
+        self._visible(request, model)
+        return doc, rt
+
     async def tokenize(self, request: web.Request) -> web.Response:
         echo = request_echo(request)
         try:
-            with self.door.enter(self.http.metadata(request)) as _pass:
-                doc = await self._body(request, "tokenize", "'inputs'")
-                model = tm.model_for(self.server, request, doc, tuple(tm.TEI_TYPE))
-                rt = tm.runtime_of(self.server, model)
-                self._visible(request, model)
+            with self.door.enter(self.http.metadata(request)):
+                doc, rt = await self._tokenizer_call(request, "tokenize", "'inputs'")
                 if doc.get("inputs") == []:
                     raise invalid(EMPTY, "inputs")
                 texts = texts_of(doc.get("inputs"), "inputs")
@@ -169,11 +175,8 @@ class TeiSurface(TextRoutes):
     async def decode(self, request: web.Request) -> web.Response:
         echo = request_echo(request)
         try:
-            with self.door.enter(self.http.metadata(request)) as _pass:
-                doc = await self._body(request, "decode", "'ids'")
-                model = tm.model_for(self.server, request, doc, tuple(tm.TEI_TYPE))
-                rt = tm.runtime_of(self.server, model)
-                self._visible(request, model)
+            with self.door.enter(self.http.metadata(request)):
+                doc, rt = await self._tokenizer_call(request, "decode", "'ids'")
                 ids = doc.get("ids")
                 if not tm.is_ids(ids):
                     raise invalid("'ids' must be a list of token ids or a list of such lists", "ids")
