@@ -331,6 +331,7 @@ class Settings(BaseSettings):
         description="origins whose browser pages may call the REST API: comma-separated "
         "(https://app.example.com,http://localhost:3000), or * for any; unset: no CORS answers, "
         "so browsers refuse pages of other origins (docs/api.md, CORS)",
+        examples=["https://app.example.com,http://localhost:3000"],
     )
     tei_default_model: str | None = Field(
         None,
