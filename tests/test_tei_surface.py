@@ -24,6 +24,7 @@ import tritonclient.grpc as tc
 from tokenizers import Tokenizer
 
 from batchgate.gateway.build.hf_model import prepare_model
+from tests.conftest import REPO, start_server
 from tests.test_classify import SENTIMENT, TOPICS
 from tests.test_classify import reference as classifier_reference
 from tests.prepared import server, tiny_configs  # noqa: F401  (server: a module fixture over repo)
@@ -456,3 +457,19 @@ def test_the_batchgate_client_classifies_and_gives_sparse_and_token_vectors(srv,
 
     np.testing.assert_allclose(asyncio.run(run()), classifier_reference(*folders["sentiment"], TEXTS[:3], False)[0],
                                atol=MAX_PROB_DIFF)  # fmt: skip
+
+
+def test_a_server_without_text_models_says_so_on_teis_routes(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "ranker").symlink_to(REPO / "ranker")  # a tensor model only
+    s = start_server(tmp_path, "--no-build-models", repo=repo)
+    try:
+        base = f"http://127.0.0.1:{s.http_port}"
+        for url, body in ((base + "/info", None), (base + "/embed", {"inputs": "x"})):
+            status, got, _ = call(url, body)
+            assert status == 404 and "serves no text model" in got["error"], got
+        status, got, _ = call(base + "/tei/ranker/info")
+        assert status == 422 and "does not take text" in got["error"], got
+    finally:
+        s.stop()

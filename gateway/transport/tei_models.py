@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from batchgate.gateway import tokens
-from batchgate.gateway.errors import GatewayError, clip, invalid
+from batchgate.gateway.errors import GatewayError, clip, invalid, not_found
 from batchgate.gateway.infer import VERSION
 from batchgate.gateway.transport.fields import MAX_INPUTS, texts_of
 
@@ -66,6 +66,8 @@ def model_for(server: Server, request: web.Request, doc: Any, kinds: tuple[str, 
     if named is not None:
         return named
     served = text_models(server)
+    if not served:
+        raise not_found("this server serves no text model: TEI's routes have nothing to serve")
     default = default_model(server)
     if default is not None and served.get(default, kinds[0]) in kinds:
         return default
