@@ -473,3 +473,19 @@ def test_a_server_without_text_models_says_so_on_teis_routes(tmp_path):
         assert status == 422 and "does not take text" in got["error"], got
     finally:
         s.stop()
+
+
+def test_the_default_model_is_a_setting(repo, folders, tmp_path):
+    tei_client = pytest.importorskip("tei_client")
+    s = start_server(
+        tmp_path, "--no-build-models", "--tei-default-model", "tokens", repo=repo, ready_timeout=180
+    )
+    try:
+        root = tei_client.HttpClient(f"http://127.0.0.1:{s.http_port}", timeout=60)
+        assert root.info().server_model_id == "tokens"
+        folder, model = folders["tokens"]
+        states, counts = token_reference(folder, model, TEXTS[:3])
+        for i, got in enumerate(root.embed_all(TEXTS[:3])):
+            np.testing.assert_allclose(np.float32(got), states[i, : counts[i]], atol=MAX_DIFF, rtol=0)
+    finally:
+        s.stop()
