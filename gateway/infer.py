@@ -314,7 +314,9 @@ class Pipeline:
             raise invalid(message, "model")
         return rt
 
-    async def _texts(self, pass_, model, texts, parameters, exact_limit, pairs, prompt_name, cut, extra) -> Answer:
+    async def _texts(
+        self, pass_, model, texts, parameters, exact_limit, pairs, prompt_name, cut, extra
+    ) -> Answer:
         wanted, left, given = extra
         rt = self._text_runtime(model, pairs)
         stage, spec = rt.text, rt.spec

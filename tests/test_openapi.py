@@ -43,7 +43,9 @@ tenants:
 """
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SEED = int(os.environ.get("BATCHGATE_FUZZ_SEED", "20261203"))  # fixed; the variable explores others
-EXAMPLES = int(os.environ.get("BATCHGATE_FUZZ_EXAMPLES", "20"))  # per operation and generation mode (positive, negative)
+EXAMPLES = int(
+    os.environ.get("BATCHGATE_FUZZ_EXAMPLES", "20")
+)  # per operation and generation mode (positive, negative)
 MiB = 1 << 20
 # A generated latency budget may be 2 ms: the server then answers 504 (the budget cannot be met),
 # which is the contract, not a server error (under 1 ms it is 400). Only 504s of calls asking less
@@ -82,7 +84,9 @@ def drift(app, doc: dict) -> dict[str, list]:
 
 def rest_app():
     """The REST listener's real app, over a stand-in server (routes are all this reads)."""
-    settings = SimpleNamespace(max_http_body_bytes=1 << 20, http_body_timeout_s=30.0, cors_allowed_origins=None)
+    settings = SimpleNamespace(
+        max_http_body_bytes=1 << 20, http_body_timeout_s=30.0, cors_allowed_origins=None
+    )
     metrics = SimpleNamespace(transport=lambda _name: None)
     server = SimpleNamespace(
         settings=settings, pipeline=None, plane=None, door=None, metrics=metrics, max_message_bytes=1 << 20
@@ -287,7 +291,9 @@ def test_schemathesis_finds_no_5xx_and_no_undocumented_answer(srv):
             max_examples=examples, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
             suppress_health_check=list(HealthCheck),
         )  # fmt: skip
-        @hypothesis.given(case=strategy, model=st.sampled_from([None, None, "minilm", "ranker", *FUZZ_MODELS]))
+        @hypothesis.given(
+            case=strategy, model=st.sampled_from([None, None, "minilm", "ranker", *FUZZ_MODELS])
+        )
         def run(case, model) -> None:
             nonlocal tried
             if model is not None:  # half the calls name a served model, so they get past the lookup

@@ -573,7 +573,11 @@ def _json_body(name: str, required: bool = True) -> dict:
     return {"required": required, "content": _json(_ref(name))}
 
 
-_MODEL_FIELD = {"type": "string", "minLength": 1, "description": "An extension: default, the server's default model."}
+_MODEL_FIELD = {
+    "type": "string",
+    "minLength": 1,
+    "description": "An extension: default, the server's default model.",
+}
 _PROMPT = {"type": ["string", "null"], "minLength": 1, "description": "One of the model's prompts."}
 _TOKEN = _obj(
     {"id": _COUNTER, "text": _STR, "special": {"type": "boolean"},
@@ -683,14 +687,25 @@ def tei_paths() -> dict[str, dict]:
     for base in ("", "/tei/{model}"):
         s = "Model" if base else ""
         params = ("model",) if base else ()
-        out[base + "/info"] = {"get": _op(
-            f"info{s}", "TEI", "The model's TEI info (what TEI's clients read first)",
-            {"200": _ok("The model.", _ref("Info")), **_errors("tei", (401, 404, 422, 503))}, params=params,
-        )}
-        out[base + "/health"] = {"get": _op(
-            f"health{s}", "TEI", "Whether the model is loaded and the server not draining",
-            {"200": _ok("Healthy."), **_errors("tei", (404, 422, 503))}, params=params, security=_OPEN,
-        )}
+        out[base + "/info"] = {
+            "get": _op(
+                f"info{s}",
+                "TEI",
+                "The model's TEI info (what TEI's clients read first)",
+                {"200": _ok("The model.", _ref("Info")), **_errors("tei", (401, 404, 422, 503))},
+                params=params,
+            )
+        }
+        out[base + "/health"] = {
+            "get": _op(
+                f"health{s}",
+                "TEI",
+                "Whether the model is loaded and the server not draining",
+                {"200": _ok("Healthy."), **_errors("tei", (404, 422, 503))},
+                params=params,
+                security=_OPEN,
+            )
+        }
         routes = (
             ("tokenize", "Tokens of each text, with their offsets", "Per text, its tokens.", "Tokenize"),
             ("decode", "Texts of token ids", "Per row of ids, its text.", "Decode"),
@@ -704,23 +719,47 @@ def tei_paths() -> dict[str, dict]:
              "The labels by score (a list per row for a batch).", "Predict"),
         )  # fmt: skip
         for name, summary, ok, schema in routes:
-            out[f"{base}/{name}"] = {"post": _tei_call(
-                name + s, summary, ok, schema + "Request", schema + "Response", base)}
+            out[f"{base}/{name}"] = {
+                "post": _tei_call(name + s, summary, ok, schema + "Request", schema + "Response", base)
+            }
         if base:
-            out[base + "/embed"] = {"post": _tei_call(
-                "embedModel", "Embeddings of this model", "One vector per input, in order.", "EmbedRequest",
-                "EmbedResponse", base)}
-            out[base + "/rerank"] = {"post": _tei_call(
-                "rerankModel", "Rerank texts with this model", "Scores, highest first.", "RerankRequest",
-                "RerankResponse", base)}
+            out[base + "/embed"] = {
+                "post": _tei_call(
+                    "embedModel",
+                    "Embeddings of this model",
+                    "One vector per input, in order.",
+                    "EmbedRequest",
+                    "EmbedResponse",
+                    base,
+                )
+            }
+            out[base + "/rerank"] = {
+                "post": _tei_call(
+                    "rerankModel",
+                    "Rerank texts with this model",
+                    "Scores, highest first.",
+                    "RerankRequest",
+                    "RerankResponse",
+                    base,
+                )
+            }
     for path, op_id in (("/classify", "classify"), ("/v1/classify", "v1Classify")):
-        out[path] = {"post": _op(
-            op_id, "vLLM", "Sequence classification (vLLM's / SGLang's API)",
-            {"200": _ok("Per input, the most probable label and every label's probability.",
-                        _ref("ClassifyResponse")),
-             **_errors("openai", (400, 401, 403, 404, 408, 413, 429, 500, 501, 503, 504))},
-            headers=("request_id", "latency_class", "latency_budget"), body=_json_body("ClassifyRequest"),
-        )}
+        out[path] = {
+            "post": _op(
+                op_id,
+                "vLLM",
+                "Sequence classification (vLLM's / SGLang's API)",
+                {
+                    "200": _ok(
+                        "Per input, the most probable label and every label's probability.",
+                        _ref("ClassifyResponse"),
+                    ),
+                    **_errors("openai", (400, 401, 403, 404, 408, 413, 429, 500, 501, 503, 504)),
+                },
+                headers=("request_id", "latency_class", "latency_budget"),
+                body=_json_body("ClassifyRequest"),
+            )
+        }
     return out
 
 
