@@ -29,7 +29,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import numpy as np
 
-from batchgate.gateway import tracing
+from batchgate.gateway import tokens, tracing
 from batchgate.gateway.call import Answer, Call, Output
 from batchgate.gateway.admission import Account, Ticket
 from batchgate.gateway.admission.door import Door, Pass
@@ -90,11 +90,13 @@ def _check_parameters(params: dict) -> None:
             raise invalid(f"parameter '{key}' is {len(value)} characters; at most {ECHO_MAX} are accepted")
 
 
-def _cut_text(text: str, max_bytes: int) -> str:
+def _cut_text(text: str, max_bytes: int, left: bool = False) -> str:
     raw = text.encode()
     if len(raw) <= max_bytes:
         return text
-    return raw[: max(max_bytes, 0)].decode("utf-8", "ignore")  # (a character cut in two is dropped)
+    keep = max(max_bytes, 0)
+    raw = raw[len(raw) - keep :] if left else raw[:keep]
+    return raw.decode("utf-8", "ignore")  # (a character cut in two is dropped)
 
 
 def prompt_of(spec, name: str | None) -> str:
@@ -130,6 +132,27 @@ def apply_prompt(rt, arrays: dict, parameters) -> dict:
     for i, b in enumerate(flat):
         dst[i] = head + b if isinstance(b, bytes) else b  # (not bytes: the text stage refuses it by name)
     return {**arrays, rt.text.input: out}
+
+
+async def _cut_left_or_given(stage, texts, long, encodings, left, given) -> tuple[list | None, str]:
+    """The call's encodings with the rows made elsewhere put in: token ids given (``given``), and
+    with ``left`` the texts that may be over the model's length (``long``) tokenised keeping
+    their last tokens. Also the cache tag such rows are kept apart under ("" when none)."""
+    if given is None and not (left and long):
+        return encodings, ""
+    out = list(encodings) if encodings is not None else [None] * len(texts)
+    tag = ""
+    if left and long:
+        made = await asyncio.to_thread(tokens.encode_left, stage, [texts[i] for i in long])
+        for i, e in zip(long, made, strict=True):
+            out[i] = e
+        tag = "left"
+    if given is not None and any(e is not None for e in given):
+        for i, e in enumerate(given):
+            if e is not None:
+                out[i] = e
+        tag += "ids"
+    return out, tag
 
 
 class Pipeline:
@@ -244,6 +267,7 @@ class Pipeline:
     async def texts(
         self, pass_: Pass, edge: TransportCounters, model: str, texts: list[str], parameters: dict, *,
         exact_limit: bool = False, pairs: bool = False, prompt_name: str | None = None, cut: bool = False,
+        output: str | None = None, left: bool = False, encodings: list | None = None,
     ) -> Answer:  # fmt: skip
         """Embed (or score, for a rerank model) a list of texts with text model ``model`` as one call:
         through the door once (``pass_``), admitted once against the tenant's limits for all its
@@ -256,10 +280,15 @@ class Pipeline:
         setting decide. ``pairs``: the model must be a rerank model (and the texts are pairs).
         ``cut``: the caller asked for truncation, so a text over ``max_text_bytes`` is cut to it
         (at a character) instead of refused; the model keeps its first ``max_tokens`` tokens.
+        ``output``: the output to answer (default: the model's first FP32 output). ``left``: a text
+        over the limits keeps its last bytes and tokens instead (TEI's ``truncation_direction``).
+        ``encodings``: per row, None or the model's token ids made already (gateway/tokens.py,
+        token-id inputs), used as they are; their row's text only keys the cache.
         Raises ``GatewayError`` naming the field it concerns."""
+        extra = (output, left, encodings)
         return await self._counted(
             pass_, edge, model, "",
-            self._texts(pass_, model, texts, parameters, exact_limit, pairs, prompt_name, cut),
+            self._texts(pass_, model, texts, parameters, exact_limit, pairs, prompt_name, cut, extra),
         )  # fmt: skip
 
     def _text_runtime(self, model: str, pairs: bool):
@@ -285,12 +314,16 @@ class Pipeline:
             raise invalid(message, "model")
         return rt
 
-    async def _texts(self, pass_, model, texts, parameters, exact_limit, pairs, prompt_name, cut) -> Answer:
+    async def _texts(
+        self, pass_, model, texts, parameters, exact_limit, pairs, prompt_name, cut, extra
+    ) -> Answer:
+        wanted, left, given = extra
         rt = self._text_runtime(model, pairs)
         stage, spec = rt.text, rt.spec
-        output = next((t for t in spec.outputs if t.datatype == "FP32"), None)
+        output = next((t for t in spec.outputs if t.datatype == "FP32" and wanted in (None, t.name)), None)
         if output is None:
-            raise invalid(f"model '{model}' has no FP32 output to return as an embedding", "model")
+            what = f"an output '{wanted}'" if wanted else "an FP32 output to return as an embedding"
+            raise invalid(f"model '{model}' has no {what}", "model")
         try:
             # before every text: what the model, the checks and the cache see
             prompt = prompt_of(spec, prompt_name)
@@ -307,12 +340,14 @@ class Pipeline:
             # Every token covers at least one byte: the first max_text_bytes bytes hold more tokens
             # than max_tokens for any text this bound was made for; cutting first bounds the work.
             room = max_bytes - len(prompt.encode())
-            texts = [_cut_text(t, room) if len(t) * 4 > room else t for t in texts]
+            texts = [_cut_text(t, room, left) if len(t) * 4 > room else t for t in texts]
         if prompt:
             texts = [prompt + t for t in texts]
         fits = max_tokens - stage.specials  # a text of at most this many bytes cannot be over max_tokens
         long = []
         for i, t in enumerate(texts):
+            if given is not None and given[i] is not None:
+                continue  # token ids, checked against the model's limits by their route
             if len(t) * 4 > fits:  # (a character is at most 4 UTF-8 bytes)
                 n = len(t.encode())
                 if n > max_bytes:  # refused before the tokenizer ever sees it (bounds the counting below)
@@ -337,6 +372,7 @@ class Pipeline:
             encodings = [None] * len(texts)
             for i, e in zip(long, made):
                 encodings[i] = e
+        encodings, tag = await _cut_left_or_given(stage, texts, long, encodings, left, given)
         ticket = await self._admit(pass_, model, len(texts))
         try:
             # Looked up after admission: a reload may have swapped it during a Redis decision.
@@ -345,10 +381,12 @@ class Pipeline:
             tenant = caller.tenant if caller is not None else None
             budget = self._budget(rt, parameters, pass_.time_left, tenant and tenant.default_class)
             try:
+                namespace = tenant.cache_namespace if tenant is not None else None
+                if tag:  # rows made another way than by the usual tokenisation never share a cache entry
+                    namespace = f"{namespace or ''}/{tag}"
                 vectors, tokens = await rt.texts(
-                    [t.encode() for t in texts], output.name, budget, tenant and tenant.cache_namespace,
-                    encodings,
-                )  # fmt: skip
+                    [t.encode() for t in texts], output.name, budget, namespace, encodings
+                )
             except GatewayError as exc:
                 m = _ROW.match(exc.message)
                 if m:  # the text stage names the row: the caller's list index

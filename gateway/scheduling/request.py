@@ -18,6 +18,10 @@ from batchgate.gateway.errors import invalid
 from batchgate.proto.inference.v2 import model_config_pb2 as mc
 
 INF = math.inf
+# The least latency budget a call may ask for (ms): under it no call is answered in time, whatever
+# the load (a REST call spends about this much in parsing and the event loop alone). Less is
+# refused as invalid input, not shed as a missed deadline.
+MIN_BUDGET_MS = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,8 +149,10 @@ def resolve(
     budget = cls.budget_s
     if "latency_budget_ms" in params:
         value = _param_number(params["latency_budget_ms"])
-        if value is None or value <= 0:
-            raise invalid("parameter 'latency_budget_ms' must be a positive number of milliseconds")
+        if value is None or not MIN_BUDGET_MS <= value < math.inf:
+            raise invalid(
+                f"parameter 'latency_budget_ms' must be a finite number of milliseconds, at least {MIN_BUDGET_MS:g}"
+            )
         budget = value / 1000
     if time_remaining is not None and time_remaining < 1e6:  # grpc.aio reports "no deadline" as huge
         budget = max(time_remaining, 0.0)
