@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable, Hashable
 
 from batchgate.gateway.scheduling.latency import LatencyModel, LoopLag
-from batchgate.gateway.scheduling.request import LatencyClass, Refusal, Request
+from batchgate.gateway.scheduling.request import LatencyClass, Refusal, Request, batch_rows
 
 _DELAYED_LEVEL = 1 << 30  # Triton DELAY: after every live request of every level
 
@@ -115,9 +115,7 @@ class DeadlineQueue:
     def _limit(self, key: Hashable) -> int:
         """Most rows a batch of bucket ``key`` takes: max_batch_size, the bucket's token budget
         (row_limit), and the rows the latency model says are still worth batching."""
-        limit = self.max_batch_size or 1
-        if self.row_limit is not None:
-            limit = min(limit, self.row_limit(key))
+        limit = batch_rows(self.max_batch_size, self.row_limit, key)
         if self.learn_limit:
             useful = self.latency.useful_rows(key)
             if useful is not None:
