@@ -3,10 +3,10 @@ built from its spec (``build_runtime``), and the path of one call through them.
 
 A call's rows are what gets scheduled, not the call: ``ModelRuntime.infer`` gives each row the
 shape bucket it will run in (a text's own length bucket; a numeric call's one bucket), cuts the
-call into requests of one bucket each, none larger than the token budget allows a batch, and
-hands them to the scheduler as one call (admitted or refused as a whole). Each request batches
-with other callers' rows of its bucket; the answer is put back together in row order when the
-last one is done. So a call never pays the padding of its longest text, and the queue is the one
+call into requests of one bucket each, none larger than a batch takes (``batch_rows``:
+max_batch_size and the token budget), and hands them to the scheduler as one call (admitted or
+refused as a whole). Each request batches with other callers' rows of its bucket; the answer is
+put back together in row order when the last one is done. So a call never pays the padding of its longest text, and the queue is the one
 place batches are formed within the budget.
 """
 

@@ -2,8 +2,10 @@
 SIGTERM, exit 0. The servicer is in ``grpc.py``, the REST listener and its app in ``http.py``.
 
 Bounds set here, before any Python runs for a call: the gRPC message size (derived from the served
-models unless configured), the cap on concurrent RPCs (``maximum_concurrent_rpcs``: gRPC answers
-RESOURCE_EXHAUSTED itself), and the ports, shared with SO_REUSEPORT only when asked.
+models unless configured), the cap on concurrent RPCs (``max_concurrent_rpcs``: the door's
+``CallCap``, which the call takers hold every call to, or grpc.aio's own cap when the takers are
+off; either answers RESOURCE_EXHAUSTED before a handler), and the ports, shared with SO_REUSEPORT
+only when asked.
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@ docs/performance.md, "Overload").
 ``CallTakers`` keeps ``n`` more requests for calls outstanding in core beside grpc.aio's own, so a
 burst of pending calls is taken in one turn and core's queue stays short. Each call taken here
 either goes down grpc.aio's own path (``_handle_rpc`` with the same handlers and interceptors,
-inside ``_schedule_rpc_coro``, exactly what the main loop does) or, while the load shedder sheds,
-is answered UNAVAILABLE on the spot: one status batch, no handler, no message read, no task for
-the call — measured ~4x cheaper than a refusal from a handler (docs/performance.md).
+inside ``_schedule_rpc_coro``, exactly what the main loop does) or is answered on the spot:
+RESOURCE_EXHAUSTED past the door's cap on calls in progress (``CallCap``, counted here for both
+loops), UNAVAILABLE while the load shedder sheds. One status batch, no handler, no message read:
+cheaper than a refusal from a handler (docs/overload.md, "The bound, measured in one run").
 
 These are grpc.aio internals (``AioServer._request_call``, three ``cygrpc`` functions and
 ``_ServicerContext.time_remaining`` for the call's deadline, grpcio 1.81). ``available()`` checks
