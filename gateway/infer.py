@@ -12,7 +12,8 @@ transport), entered once by each transport before any body is read. Here:
   flight, ok, failed, and the door's pass left as the call ends) for unary gRPC, each stream
   message and REST alike;
 - ``texts``: a list of texts (OpenAI, TEI, rerank) as one call: the model looked up and checked
-  once, the prompt, the cut, the text limits, then admission and the runtime's text path;
+  once, its prompt, the text limits (the text stage's, ``TextStage.check_list``), then admission
+  and the runtime's text path;
 - model control (load/unload) behind ``model_control`` and the tenant file's ``admin`` flag, the
   name checked before any state is made for it;
 - the metadata, statistics and repository index answers, as protobuf messages the transports
@@ -35,7 +36,7 @@ from batchgate.gateway.admission import Account, Ticket
 from batchgate.gateway.admission.door import Door, Pass
 from batchgate.gateway.scheduling.request import resolve as resolve_budget
 from batchgate.gateway.dataplane import DataPlane, ReloadFailed
-from batchgate.gateway.errors import ECHO_MAX, GatewayError, Kind, clip, invalid, not_found, too_large
+from batchgate.gateway.errors import ECHO_MAX, GatewayError, Kind, clip, invalid, not_found
 from batchgate.gateway.metrics import TransportCounters
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 
@@ -54,7 +55,6 @@ EXTENSIONS = ("model_repository", "model_configuration", "statistics", "binary_t
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
 _clock = time.perf_counter
-_ROW = re.compile(r"^input '[^']*' row (\d+): ")  # the text stage's name for a row of its input
 
 
 def _too_long(what: str, text: str) -> GatewayError:
@@ -88,15 +88,6 @@ def _check_parameters(params: dict) -> None:
             raise _too_long("parameter name", key)
         if isinstance(value, str) and len(value) > ECHO_MAX:
             raise invalid(f"parameter '{key}' is {len(value)} characters; at most {ECHO_MAX} are accepted")
-
-
-def _cut_text(text: str, max_bytes: int, left: bool = False) -> str:
-    raw = text.encode()
-    if len(raw) <= max_bytes:
-        return text
-    keep = max(max_bytes, 0)
-    raw = raw[len(raw) - keep :] if left else raw[:keep]
-    return raw.decode("utf-8", "ignore")  # (a character cut in two is dropped)
 
 
 def prompt_of(spec, name: str | None) -> str:
@@ -330,48 +321,9 @@ class Pipeline:
         except GatewayError as exc:
             exc.field = "prompt_name"
             raise
-        max_tokens = stage.settings.max_tokens
-        max_bytes = stage.settings.max_text_bytes
-        if cut:
-            if not stage.settings.truncate:
-                raise invalid(
-                    f"model '{model}' does not truncate (parameter truncate is 'reject')", "truncate"
-                )
-            # Every token covers at least one byte: the first max_text_bytes bytes hold more tokens
-            # than max_tokens for any text this bound was made for; cutting first bounds the work.
-            room = max_bytes - len(prompt.encode())
-            texts = [_cut_text(t, room, left) if len(t) * 4 > room else t for t in texts]
-        if prompt:
-            texts = [prompt + t for t in texts]
-        fits = max_tokens - stage.specials  # a text of at most this many bytes cannot be over max_tokens
-        long = []
-        for i, t in enumerate(texts):
-            if given is not None and given[i] is not None:
-                continue  # token ids, checked against the model's limits by their route
-            if len(t) * 4 > fits:  # (a character is at most 4 UTF-8 bytes)
-                n = len(t.encode())
-                if n > max_bytes:  # refused before the tokenizer ever sees it (bounds the counting below)
-                    raise too_large(
-                        f"input {i}: text is {n} bytes; model '{model}' accepts at most {max_bytes} "
-                        "(parameter max_text_bytes)", "input",
-                    )  # fmt: skip
-                if n > fits:
-                    long.append(i)
-        encodings = None
-        if exact_limit and long:
-            # Only texts that could be over max_tokens are tokenised before admission (in a thread);
-            # their encodings go on with the call, so no text is tokenised twice.
-            made = await asyncio.to_thread(stage.encode, [texts[i] for i in long])
-            for i, e in zip(long, made, strict=True):
-                if e.overflowing or len(e.ids) > max_tokens:
-                    n = len(e.ids) if not e.overflowing else "more than " + str(max_tokens)
-                    raise too_large(
-                        f"input {i} is {n} tokens; model '{model}' takes at most {max_tokens} "
-                        "(send truncate: true to keep its first tokens)", "input",
-                    )  # fmt: skip
-            encodings = [None] * len(texts)
-            for i, e in zip(long, made):
-                encodings[i] = e
+        texts, encodings, long = await stage.check_list(
+            texts, prompt, cut=cut, exact=exact_limit, left=left, given=given
+        )
         encodings, tag = await _cut_left_or_given(stage, texts, long, encodings, left, given)
         ticket = await self._admit(pass_, model, len(texts))
         try:
@@ -380,19 +332,12 @@ class Pipeline:
             caller = pass_.caller
             tenant = caller.tenant if caller is not None else None
             budget = self._budget(rt, parameters, pass_.time_left, tenant and tenant.default_class)
-            try:
-                namespace = tenant.cache_namespace if tenant is not None else None
-                if tag:  # rows made another way than by the usual tokenisation never share a cache entry
-                    namespace = f"{namespace or ''}/{tag}"
-                vectors, tokens = await rt.texts(
-                    [t.encode() for t in texts], output.name, budget, namespace, encodings
-                )
-            except GatewayError as exc:
-                m = _ROW.match(exc.message)
-                if m:  # the text stage names the row: the caller's list index
-                    exc.message = f"input {m.group(1)}: {exc.message[m.end() :]}"
-                    exc.field = "input"
-                raise
+            namespace = tenant.cache_namespace if tenant is not None else None
+            if tag:  # rows made another way than by the usual tokenisation never share a cache entry
+                namespace = f"{namespace or ''}/{tag}"
+            vectors, tokens = await rt.texts(
+                [t.encode() for t in texts], output.name, budget, namespace, encodings
+            )  # fmt: skip
         finally:
             ticket.release()
         spec = rt.spec
