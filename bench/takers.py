@@ -162,6 +162,7 @@ def _refusing_server(how: str, port_q, cpus: str, counter=None) -> None:
 
     from grpc._cython import cygrpc
 
+    from batchgate.gateway.admission.door import CallCap
     from batchgate.gateway.transport.takers import CallTakers
 
     if how == "core":  # no request for a call is ever made: core holds each until its deadline
@@ -181,7 +182,7 @@ def _refusing_server(how: str, port_q, cpus: str, counter=None) -> None:
 
         # "door" takes with the default 64 takers, "door:N" with N
         door = CallTakers(
-            int(how.partition(":")[2] or 64) if how.startswith("door") else 0, 10_000, refuse_all
+            int(how.partition(":")[2] or 64) if how.startswith("door") else 0, CallCap(10_000), refuse_all
         )
         server = grpc.aio.server(
             interceptors=door.interceptors_for(()), maximum_concurrent_rpcs=door.grpc_cap

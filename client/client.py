@@ -288,6 +288,39 @@ def _pairs(query: str, texts: Sequence[str]) -> list[str]:
     return [query + PAIR_SEPARATOR + t for t in texts]
 
 
+def _join(parts: list[np.ndarray]) -> np.ndarray:
+    """Chunks' answers in order; per-token answers (each chunk as long as its own longest row)
+    padded with zeros to the longest."""
+    if len(parts) == 1:
+        return parts[0]
+    if parts[0].ndim == 3:
+        width = max(p.shape[1] for p in parts)
+        parts = [np.pad(p, ((0, 0), (0, width - p.shape[1]), (0, 0))) for p in parts]
+    return np.concatenate(parts)
+
+
+def sparse_rows(vectors: np.ndarray, top_k: int | None = None) -> list[dict[int, float]]:
+    """Vocabulary-sized sparse vectors as {token id: weight} of their non-zero weights (``top_k``:
+    the k largest only), as TEI's ``/embed_sparse`` answers them."""
+    out = []
+    for row in vectors:
+        index = np.flatnonzero(row)
+        if top_k is not None and len(index) > top_k:
+            index = index[np.argsort(-row[index], kind="stable")[:top_k]]
+        out.append({int(i): float(row[i]) for i in sorted(index)})
+    return out
+
+
+def token_rows(states: np.ndarray) -> list[np.ndarray]:
+    """Per-token vectors [rows, longest, hidden] as each row's own [tokens, hidden]: the graph
+    zeroes the positions past a row's tokens, and no token's vector is all zeros."""
+    out = []
+    for row in states:
+        used = np.flatnonzero(np.any(row != 0, axis=1))
+        out.append(row[: used[-1] + 1 if len(used) else 0])
+    return out
+
+
 class _Base:
     def __init__(
         self, addresses: str | Sequence[str] = "127.0.0.1:8001", *, api_key: str | None = None,
@@ -375,7 +408,30 @@ class Client(_Base):
             self._batch[model] = size
         return size
 
-    def _texts(self, model, column, prompt_name, latency_class, budget_ms, timeout) -> np.ndarray:
+    def classify(
+        self, texts: Sequence[str], *, model: str, raw_scores: bool = False, **kw: Any
+    ) -> np.ndarray:  # fmt: skip
+        """A classifier's probabilities of each label, float32 [n, labels] (``raw_scores``: its
+        logits); a pair classifier's texts are pairs joined by U+001F."""
+        column = _bytes_array(list(texts)).reshape(-1, 1)
+        return self._texts(model, column, None, output="logits" if raw_scores else "probabilities", **kw)
+
+    def embed_sparse(
+        self, texts: Sequence[str], *, model: str, top_k: int | None = None, **kw: Any
+    ) -> list[dict[int, float]]:  # fmt: skip
+        """A sparse (SPLADE) model's vectors as {token id: weight} per text."""
+        column = _bytes_array(list(texts)).reshape(-1, 1)
+        return sparse_rows(self._texts(model, column, None, output="sparse_embedding", **kw), top_k)
+
+    def embed_all(self, texts: Sequence[str], *, model: str, **kw: Any) -> list[np.ndarray]:
+        """Every token's vector of each text, float32 [tokens, hidden] (an embedding model with the
+        output ``token_embeddings``)."""
+        column = _bytes_array(list(texts)).reshape(-1, 1)
+        return token_rows(self._texts(model, column, None, output="token_embeddings", **kw))
+
+    def _texts(
+        self, model, column, prompt_name, latency_class=None, budget_ms=None, timeout=None, output=None
+    ) -> np.ndarray:  # fmt: skip
         params, metadata, deadline = self._call_args(latency_class, budget_ms, timeout)
         if prompt_name is not None:
             params["prompt_name"] = prompt_name
@@ -389,12 +445,13 @@ class Client(_Base):
         parts = []
         try:
             for f in futures:
-                parts.append(next(iter(decode_response(f.result()).values())))
+                outs = decode_response(f.result())
+                parts.append(outs[output] if output else next(iter(outs.values())))
         except grpc.RpcError as exc:
             for f in futures:
                 f.cancel()
             raise _error(exc, "infer", model, self.target) from None
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return _join(parts)
 
     def score(self, dense: Any, sparse_ids: Any, *, model: str | None = None, **kw: Any) -> np.ndarray:
         """Ranker scores: float32 [n] for dense [n, 64] and sparse_ids [n, 8]."""
@@ -467,7 +524,27 @@ class AsyncClient(_Base):
             self._batch[model] = size
         return size
 
-    async def _texts(self, model, column, prompt_name, latency_class, budget_ms, timeout) -> np.ndarray:
+    async def classify(
+        self, texts: Sequence[str], *, model: str, raw_scores: bool = False, **kw: Any
+    ) -> np.ndarray:  # fmt: skip
+        column = _bytes_array(list(texts)).reshape(-1, 1)
+        return await self._texts(
+            model, column, None, output="logits" if raw_scores else "probabilities", **kw
+        )
+
+    async def embed_sparse(
+        self, texts: Sequence[str], *, model: str, top_k: int | None = None, **kw: Any
+    ) -> list[dict[int, float]]:  # fmt: skip
+        column = _bytes_array(list(texts)).reshape(-1, 1)
+        return sparse_rows(await self._texts(model, column, None, output="sparse_embedding", **kw), top_k)
+
+    async def embed_all(self, texts: Sequence[str], *, model: str, **kw: Any) -> list[np.ndarray]:
+        column = _bytes_array(list(texts)).reshape(-1, 1)
+        return token_rows(await self._texts(model, column, None, output="token_embeddings", **kw))
+
+    async def _texts(
+        self, model, column, prompt_name, latency_class=None, budget_ms=None, timeout=None, output=None
+    ) -> np.ndarray:  # fmt: skip
         params, metadata, deadline = self._call_args(latency_class, budget_ms, timeout)
         if prompt_name is not None:
             params["prompt_name"] = prompt_name
@@ -484,8 +561,8 @@ class AsyncClient(_Base):
             for c in calls:
                 c.cancel()
             raise _error(exc, "infer", model, self.target) from None
-        parts = [next(iter(decode_response(a).values())) for a in answers]
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        outs = [decode_response(a) for a in answers]
+        return _join([o[output] if output else next(iter(o.values())) for o in outs])
 
     async def score(self, dense: Any, sparse_ids: Any, *, model: str | None = None, **kw: Any) -> np.ndarray:
         dense = np.asarray(dense, dtype=np.float32)

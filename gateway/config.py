@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -10,6 +11,13 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from batchgate.gateway.scheduling.request import DEFAULT_CLASSES, LatencyClass, parse_classes
+
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.\-]*://[^/\s,]+")
+
+
+def cors_origins(value: str | None) -> tuple[str, ...]:
+    """The origins of setting ``cors_allowed_origins``, in order (none when unset)."""
+    return tuple(o.strip().rstrip("/") for o in (value or "").split(",") if o.strip())
 
 
 class Settings(BaseSettings):
@@ -330,6 +338,30 @@ class Settings(BaseSettings):
         gt=0,
         description="longest an HTTP request body may take to arrive; then 408 and the connection closes",
     )
+
+    cors_allowed_origins: str | None = Field(
+        None,
+        description="origins whose browser pages may call the REST API: comma-separated "
+        "(https://app.example.com,http://localhost:3000), or * for any; unset: no CORS answers, "
+        "so browsers refuse pages of other origins (docs/api.md, CORS)",
+        examples=["https://app.example.com,http://localhost:3000"],
+    )
+    tei_default_model: str | None = Field(
+        None,
+        description="the model TEI's routes at the root (/info, /embed, /tokenize ...) serve when a "
+        "call names none; unset: the first text embedding model by name. Every text model is also "
+        "its own TEI server under /tei/<model>",
+    )
+
+    @model_validator(mode="after")
+    def _check_cors(self) -> Settings:
+        for origin in cors_origins(self.cors_allowed_origins):
+            if origin != "*" and not _ORIGIN.fullmatch(origin):
+                raise ValueError(
+                    f"cors_allowed_origins: {origin!r} is not an origin: scheme://host[:port] with no "
+                    "path (https://app.example.com), or *"
+                )
+        return self
 
     @model_validator(mode="after")
     def _check_tls(self) -> Settings:

@@ -12,7 +12,8 @@ transport), entered once by each transport before any body is read. Here:
   flight, ok, failed, and the door's pass left as the call ends) for unary gRPC, each stream
   message and REST alike;
 - ``texts``: a list of texts (OpenAI, TEI, rerank) as one call: the model looked up and checked
-  once, the prompt, the cut, the text limits, then admission and the runtime's text path;
+  once, its prompt, the text limits (the text stage's, ``TextStage.check_list``), then admission
+  and the runtime's text path;
 - model control (load/unload) behind ``model_control`` and the tenant file's ``admin`` flag, the
   name checked before any state is made for it;
 - the metadata, statistics and repository index answers, as protobuf messages the transports
@@ -29,7 +30,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import numpy as np
 
-from batchgate.gateway import tracing
+from batchgate.gateway import tokens, tracing
 from batchgate.gateway.call import Answer, Call, Output
 from batchgate.gateway.admission import Account, Ticket, budgets
 from batchgate.gateway.admission.door import Door, Pass
@@ -37,7 +38,7 @@ from batchgate.gateway.admission.usage import UNKNOWN_MODEL, Usage, cause_of
 from batchgate.gateway.scheduling.stats import COST, CallCost
 from batchgate.gateway.scheduling.request import resolve as resolve_budget
 from batchgate.gateway.dataplane import DataPlane, ReloadFailed
-from batchgate.gateway.errors import ECHO_MAX, GatewayError, Kind, clip, invalid, not_found, too_large
+from batchgate.gateway.errors import ECHO_MAX, GatewayError, Kind, clip, invalid, not_found
 from batchgate.gateway.metrics import TransportCounters
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 
@@ -56,7 +57,6 @@ EXTENSIONS = ("model_repository", "model_configuration", "statistics", "binary_t
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
 _clock = time.perf_counter
-_ROW = re.compile(r"^input '[^']*' row (\d+): ")  # the text stage's name for a row of its input
 
 
 def _too_long(what: str, text: str) -> GatewayError:
@@ -92,13 +92,6 @@ def _check_parameters(params: dict) -> None:
             raise invalid(f"parameter '{key}' is {len(value)} characters; at most {ECHO_MAX} are accepted")
 
 
-def _cut_text(text: str, max_bytes: int) -> str:
-    raw = text.encode()
-    if len(raw) <= max_bytes:
-        return text
-    return raw[: max(max_bytes, 0)].decode("utf-8", "ignore")  # (a character cut in two is dropped)
-
-
 def prompt_of(spec, name: str | None) -> str:
     """The prompt text a call gets: the one it names, else the model's default, else none.
     An unknown name is refused with the model's prompts."""
@@ -132,6 +125,27 @@ def apply_prompt(rt, arrays: dict, parameters) -> dict:
     for i, b in enumerate(flat):
         dst[i] = head + b if isinstance(b, bytes) else b  # (not bytes: the text stage refuses it by name)
     return {**arrays, rt.text.input: out}
+
+
+async def _cut_left_or_given(stage, texts, long, encodings, left, given) -> tuple[list | None, str]:
+    """The call's encodings with the rows made elsewhere put in: token ids given (``given``), and
+    with ``left`` the texts that may be over the model's length (``long``) tokenised keeping
+    their last tokens. Also the cache tag such rows are kept apart under ("" when none)."""
+    if given is None and not (left and long):
+        return encodings, ""
+    out = list(encodings) if encodings is not None else [None] * len(texts)
+    tag = ""
+    if left and long:
+        made = await asyncio.to_thread(tokens.encode_left, stage, [texts[i] for i in long])
+        for i, e in zip(long, made, strict=True):
+            out[i] = e
+        tag = "left"
+    if given is not None and any(e is not None for e in given):
+        for i, e in enumerate(given):
+            if e is not None:
+                out[i] = e
+        tag += "ids"
+    return out, tag
 
 
 class Pipeline:
@@ -271,6 +285,7 @@ class Pipeline:
     async def texts(
         self, pass_: Pass, edge: TransportCounters, model: str, texts: list[str], parameters: dict, *,
         exact_limit: bool = False, pairs: bool = False, prompt_name: str | None = None, cut: bool = False,
+        output: str | None = None, left: bool = False, encodings: list | None = None,
     ) -> Answer:  # fmt: skip
         """Embed (or score, for a rerank model) a list of texts with text model ``model`` as one call:
         through the door once (``pass_``), admitted once against the tenant's limits for all its
@@ -283,10 +298,15 @@ class Pipeline:
         setting decide. ``pairs``: the model must be a rerank model (and the texts are pairs).
         ``cut``: the caller asked for truncation, so a text over ``max_text_bytes`` is cut to it
         (at a character) instead of refused; the model keeps its first ``max_tokens`` tokens.
+        ``output``: the output to answer (default: the model's first FP32 output). ``left``: a text
+        over the limits keeps its last bytes and tokens instead (TEI's ``truncation_direction``).
+        ``encodings``: per row, None or the model's token ids made already (gateway/tokens.py,
+        token-id inputs), used as they are; their row's text only keys the cache.
         Raises ``GatewayError`` naming the field it concerns."""
+        extra = (output, left, encodings)
         return await self._counted(
             pass_, edge, model, "",
-            self._texts(pass_, model, texts, parameters, exact_limit, pairs, prompt_name, cut),
+            self._texts(pass_, model, texts, parameters, exact_limit, pairs, prompt_name, cut, extra),
         )  # fmt: skip
 
     def _text_runtime(self, model: str, pairs: bool):
@@ -312,58 +332,26 @@ class Pipeline:
             raise invalid(message, "model")
         return rt
 
-    async def _texts(self, pass_, model, texts, parameters, exact_limit, pairs, prompt_name, cut) -> Answer:
+    async def _texts(
+        self, pass_, model, texts, parameters, exact_limit, pairs, prompt_name, cut, extra
+    ) -> Answer:
+        wanted, left, given = extra
         rt = self._text_runtime(model, pairs)
         stage, spec = rt.text, rt.spec
-        output = next((t for t in spec.outputs if t.datatype == "FP32"), None)
+        output = next((t for t in spec.outputs if t.datatype == "FP32" and wanted in (None, t.name)), None)
         if output is None:
-            raise invalid(f"model '{model}' has no FP32 output to return as an embedding", "model")
+            what = f"an output '{wanted}'" if wanted else "an FP32 output to return as an embedding"
+            raise invalid(f"model '{model}' has no {what}", "model")
         try:
             # before every text: what the model, the checks and the cache see
             prompt = prompt_of(spec, prompt_name)
         except GatewayError as exc:
             exc.field = "prompt_name"
             raise
-        max_tokens = stage.settings.max_tokens
-        max_bytes = stage.settings.max_text_bytes
-        if cut:
-            if not stage.settings.truncate:
-                raise invalid(
-                    f"model '{model}' does not truncate (parameter truncate is 'reject')", "truncate"
-                )
-            # Every token covers at least one byte: the first max_text_bytes bytes hold more tokens
-            # than max_tokens for any text this bound was made for; cutting first bounds the work.
-            room = max_bytes - len(prompt.encode())
-            texts = [_cut_text(t, room) if len(t) * 4 > room else t for t in texts]
-        if prompt:
-            texts = [prompt + t for t in texts]
-        fits = max_tokens - stage.specials  # a text of at most this many bytes cannot be over max_tokens
-        long = []
-        for i, t in enumerate(texts):
-            if len(t) * 4 > fits:  # (a character is at most 4 UTF-8 bytes)
-                n = len(t.encode())
-                if n > max_bytes:  # refused before the tokenizer ever sees it (bounds the counting below)
-                    raise too_large(
-                        f"input {i}: text is {n} bytes; model '{model}' accepts at most {max_bytes} "
-                        "(parameter max_text_bytes)", "input",
-                    )  # fmt: skip
-                if n > fits:
-                    long.append(i)
-        encodings = None
-        if exact_limit and long:
-            # Only texts that could be over max_tokens are tokenised before admission (in a thread);
-            # their encodings go on with the call, so no text is tokenised twice.
-            made = await asyncio.to_thread(stage.encode, [texts[i] for i in long])
-            for i, e in zip(long, made, strict=True):
-                if e.overflowing or len(e.ids) > max_tokens:
-                    n = len(e.ids) if not e.overflowing else "more than " + str(max_tokens)
-                    raise too_large(
-                        f"input {i} is {n} tokens; model '{model}' takes at most {max_tokens} "
-                        "(send truncate: true to keep its first tokens)", "input",
-                    )  # fmt: skip
-            encodings = [None] * len(texts)
-            for i, e in zip(long, made):
-                encodings[i] = e
+        texts, encodings, long = await stage.check_list(
+            texts, prompt, cut=cut, exact=exact_limit, left=left, given=given
+        )
+        encodings, tag = await _cut_left_or_given(stage, texts, long, encodings, left, given)
         raw = [t.encode() for t in texts]
         caller = pass_.caller
         # the estimate only where a token budget will read it (a few us a text, on the loop)
@@ -376,16 +364,10 @@ class Pipeline:
             rt = self.plane.get(model, "")
             tenant = caller.tenant if caller is not None else None
             budget = self._budget(rt, parameters, pass_.time_left, tenant and tenant.default_class)
-            try:
-                vectors, tokens = await rt.texts(
-                    raw, output.name, budget, tenant and tenant.cache_namespace, encodings
-                )
-            except GatewayError as exc:
-                m = _ROW.match(exc.message)
-                if m:  # the text stage names the row: the caller's list index
-                    exc.message = f"input {m.group(1)}: {exc.message[m.end() :]}"
-                    exc.field = "input"
-                raise
+            namespace = tenant.cache_namespace if tenant is not None else None
+            if tag:  # rows made another way than by the usual tokenisation never share a cache entry
+                namespace = f"{namespace or ''}/{tag}"
+            vectors, tokens = await rt.texts(raw, output.name, budget, namespace, encodings)
         except BaseException:
             ticket.settle(0, self.admission.clock())  # nothing answered: nothing used
             raise

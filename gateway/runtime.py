@@ -3,10 +3,10 @@ built from its spec (``build_runtime``), and the path of one call through them.
 
 A call's rows are what gets scheduled, not the call: ``ModelRuntime.infer`` gives each row the
 shape bucket it will run in (a text's own length bucket; a numeric call's one bucket), cuts the
-call into requests of one bucket each, none larger than the token budget allows a batch, and
-hands them to the scheduler as one call (admitted or refused as a whole). Each request batches
-with other callers' rows of its bucket; the answer is put back together in row order when the
-last one is done. So a call never pays the padding of its longest text, and the queue is the one
+call into requests of one bucket each, none larger than a batch takes (``batch_rows``:
+max_batch_size and the token budget), and hands them to the scheduler as one call (admitted or
+refused as a whole). Each request batches with other callers' rows of its bucket; the answer is
+put back together in row order when the last one is done. So a call never pays the padding of its longest text, and the queue is the one
 place batches are formed within the budget.
 """
 
@@ -34,6 +34,7 @@ from batchgate.gateway.scheduling import (
     SchedulePolicy,
     Scheduler,
     SchedulerSnapshot,
+    batch_rows,
     make_queue,
 )
 from batchgate.gateway.text import TextStage
@@ -160,10 +161,9 @@ class ModelRuntime:
         scheduled as one call, reassembled. ``texts``: each row's text decoded once on the loop,
         or its encoding (``texts``): the worker tokenizes the one and reads the other as it is."""
         sched = self.scheduler
-        limit = self.row_limit or _no_limit
+        cap, limit = self.spec.max_batch_size, self.row_limit
         if self.text is not None and self.spec.batched:
             name = self.text.input
-            cap = self.spec.max_batch_size
             if keys is None:
                 keys = self.text.row_keys(arrays)
             column = arrays[name]
@@ -173,15 +173,15 @@ class ModelRuntime:
                     column[i] = t
                 column = column.reshape(arrays[name].shape)
             first = keys[0]
-            if rows <= min(limit(first), cap) and all(k == first for k in keys):  # the common case
-                return await sched.infer({name: column}, rows, first, budget)
+            if rows <= batch_rows(cap, limit, first) and all(k == first for k in keys):  # the common case
+                return (await sched.submit([({name: column}, rows, first)], budget))[0]
             groups: dict[int, list[int]] = {}
             for i, k in enumerate(keys):
                 groups.setdefault(k, []).append(i)
             parts: list[Part] = []
             index: list[np.ndarray] = []
             for k, rows_of in groups.items():
-                step = min(limit(k), cap)
+                step = batch_rows(cap, limit, k)
                 for s in range(0, len(rows_of), step):
                     sel = np.array(rows_of[s : s + step], dtype=np.intp)
                     parts.append(({name: column[sel]}, len(sel), k))
@@ -190,19 +190,15 @@ class ModelRuntime:
         # Numeric: every row of a call has the call's shape, so one bucket; the batcher groups by
         # length bucket (lengths 20 and 30 share a batch padded to 32), the cache keeps exact shapes.
         key = self.pool.shape_key(arrays) if self.variable_inputs else None
-        step = limit(key)
+        step = batch_rows(cap, limit, key)
         if not self.spec.batched or rows <= step:
-            return await sched.infer(arrays, rows, key, budget)
+            return (await sched.submit([(arrays, rows, key)], budget))[0]
         parts = [
             ({n: a[s : s + step] for n, a in arrays.items()}, min(step, rows - s), key)
             for s in range(0, rows, step)
         ]
         outs = await sched.submit(parts, budget)
         return {n: np.concatenate([o[n] for o in outs]) for n in outs[0]}
-
-
-def _no_limit(_key: Hashable) -> int:
-    return _NO_LIMIT
 
 
 def _assemble(outs: list[dict[str, np.ndarray]], index: list[np.ndarray], rows: int) -> dict[str, np.ndarray]:

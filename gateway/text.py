@@ -17,10 +17,16 @@ split so the event loop never tokenizes on the common path:
   batch's longest real text) of texts decoded once, on the loop. ``tokenizers`` releases the GIL
   while it encodes. The scheduler's queue already holds each batch to ``max_batch_tokens``
   (``row_limit``); the engine's own limit stays only as a guard.
-* a list of texts (OpenAI, TEI, rerank: ``Pipeline.texts``) is tokenised whole, once, in a thread
-  before it is queued (``check_encoded``, ``encode``): the caller's usage needs every text's
-  count anyway, and the worker then reads those encodings as they are instead of tokenising again
-  (``batchgate_texts_tokenized_total`` counts every text the tokenizer encodes).
+* a list of texts (OpenAI, TEI, rerank: ``Pipeline.texts``) is held to the same limits before
+  it is admitted (``check_list``: with the caller's own token limit, or the cut it asked for),
+  then tokenised whole, once, in a thread before it is queued (``check_encoded``, ``encode``):
+  the caller's usage needs every text's count anyway, and the worker then reads those encodings
+  as they are instead of tokenising again (``batchgate_texts_tokenized_total`` counts every
+  text the tokenizer encodes).
+
+Every text limit (bytes, tokens, empty, pairs) is checked and refused in this stage, each refusal
+naming the row as its route does: ``input 'text' row i`` for a KServe call, ``input i`` (field
+``input``) for a list of texts.
 
 Parameters (all ``string_value``):
 
@@ -53,7 +59,7 @@ from pathlib import Path
 
 import numpy as np
 
-from batchgate.gateway.errors import invalid
+from batchgate.gateway.errors import GatewayError, invalid, too_large
 from batchgate.gateway.repository import TOKEN_INPUTS, ConfigError, ModelSpec
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
@@ -62,6 +68,16 @@ DEFAULT_MAX_TOKENS = 512
 PAIR_SEPARATOR = "\x1f"
 # ASCII punctuation: BERT-style pre-tokenizers make each mark a token of its own.
 _PUNCT = re.compile(rb"[!-/:-@\[-`{-~]")
+
+
+def _cut(text: str, max_bytes: int, left: bool = False) -> str:
+    """The first ``max_bytes`` bytes of ``text`` (``left``: the last), at a character."""
+    raw = text.encode()
+    if len(raw) <= max_bytes:
+        return text
+    keep = max(max_bytes, 0)
+    raw = raw[len(raw) - keep :] if left else raw[:keep]
+    return raw.decode("utf-8", "ignore")  # (a character cut in two is dropped)
 
 
 def estimate_tokens(text: bytes, specials: int) -> int:
@@ -140,6 +156,7 @@ class TextStage:
         # Every token covers at least one byte of the text, so a text of at most this many bytes
         # cannot exceed max_tokens; only longer ones need an exact count in reject mode.
         self._surely_fits = s.max_tokens - self.specials
+        self._short = min(self._surely_fits, s.max_text_bytes)  # within both limits, by its bytes alone
         self._local = threading.local()
         self.tokenized = 0  # texts the tokenizer has encoded, every mode (a metric: each text once per call)
         self._count_lock = threading.Lock()
@@ -163,19 +180,66 @@ class TextStage:
         if unsure:
             counts = await asyncio.to_thread(self.count_tokens, [t for _, t in unsure])
             for (i, _), count in zip(unsure, counts, strict=True):
-                self._check_count(i, count)
+                self._check_tokens(i, count)
                 keys[i] = self.bucket(count)  # exact where it was counted
         return keys, decoded
+
+    async def check_list(
+        self, texts: list[str], prompt: str = "", *, cut: bool = False, exact: bool = False,
+        left: bool = False, given: list | None = None,
+    ) -> tuple[list[str], list, list[int]]:  # fmt: skip
+        """A list of texts (``Pipeline.texts``: OpenAI, TEI, rerank) held to the model's limits
+        before the call is admitted, each refusal naming ``input i`` (the caller's list index).
+
+        ``prompt`` goes before every text (what the model, the limits and the cache see).
+        ``cut``: the caller asked for truncation, so a text over ``max_text_bytes`` is cut to it
+        (at a character) instead of refused. ``exact``: a text over ``max_tokens`` is refused
+        (the caller did not ask for truncation) whatever the model's ``truncate``; only the texts
+        that could be over it are tokenised (in a thread), and their encodings go on with the call
+        (``check_encoded``), so no text is tokenised twice. ``left``: a cut keeps the text's end.
+        ``given``: per row, the token ids the caller sent instead of a text (None for a text);
+        those rows are checked by their route. Returns the texts as the model sees them, each
+        one's encoding (None where none was made) and the rows that may be over ``max_tokens``."""
+        s = self.settings
+        if cut:
+            if not s.truncate:
+                raise invalid(
+                    f"model '{self.model}' does not truncate (parameter truncate is 'reject')", "truncate"
+                )
+            # Every token covers at least one byte: the first max_text_bytes bytes hold more tokens
+            # than max_tokens for any text this bound was made for; cutting first bounds the work.
+            room = s.max_text_bytes - len(prompt.encode())
+            texts = [_cut(t, room, left) if len(t) * 4 > room else t for t in texts]
+        if prompt:
+            texts = [prompt + t for t in texts]
+        encodings: list = [None] * len(texts)
+        short = self._short  # a text of at most this many bytes is within both limits
+        long = []
+        for i, t in enumerate(texts):
+            if given is not None and given[i] is not None:
+                continue  # token ids, checked against the model's limits by their route
+            if len(t) * 4 > short:  # (a character is at most 4 UTF-8 bytes)
+                n = len(t.encode())
+                self._check_bytes(i, n, listed=True)  # before the tokenizer ever sees it
+                if n > self._surely_fits:
+                    long.append(i)
+        if exact and long:
+            made = await asyncio.to_thread(self.encode, [texts[i] for i in long])
+            for i, e in zip(long, made, strict=True):
+                self._check_tokens(i, len(e.ids), listed=True, exact=True, cut=bool(e.overflowing))
+                encodings[i] = e
+        return texts, encodings, long
 
     async def check_encoded(
         self, arrays: dict[str, np.ndarray], encodings: list | None = None
     ) -> tuple[list[int], list]:
-        """``check`` for a list of texts that is tokenised whole, once (``encode``, in a thread;
-        ``encodings`` holds the ones made already, else None): each row's batching key and its
-        encoding, which the worker reads as it is. The keys are the ones ``check`` gives, so a
-        text is batched, padded and answered alike by every route."""
+        """``check`` for a list of texts (rows named as ``check_list`` names them) that is
+        tokenised whole, once (``encode``, in a thread; ``encodings`` holds the ones made already,
+        else None): each row's batching key and its encoding, which the worker reads as it is. The
+        keys are the ones ``check`` gives, so a text is batched, padded and answered alike by
+        every route."""
         texts = arrays[self.input].reshape(-1)
-        decoded = [self._checked(i, b) for i, b in enumerate(texts)]
+        decoded = [self._checked(i, b, listed=True) for i, b in enumerate(texts)]
         encodings = list(encodings) if encodings is not None else [None] * len(decoded)
         todo = [i for i, e in enumerate(encodings) if e is None]
         if todo:
@@ -185,53 +249,75 @@ class TextStage:
         keys = self.row_keys(arrays)
         if not self.settings.truncate:
             for i, e in enumerate(encodings):
-                self._check_count(i, len(e.ids))
+                self._check_tokens(i, len(e.ids), listed=True)
                 if len(texts[i]) > self._surely_fits:
                     keys[i] = self.bucket(len(e.ids))  # exact where check counts
         return keys, encodings
 
-    def _checked(self, i: int, b) -> str:
+    # -- the text limits: every route's texts are held to them here, and refused here ----------
+
+    def _refusal(self, i: int, what: str, listed: bool, large: bool = False) -> GatewayError:
+        """Row ``i`` refused for ``what``: named ``input i`` with field ``input`` in a list of texts
+        (``large``: over a size limit, which those wires answer as too large), else as the row of
+        the model's input."""
+        if listed:
+            return (too_large if large else invalid)(f"input {i}: {what}", "input")
+        return invalid(f"input '{self.input}' row {i}: {what}")
+
+    def _check_bytes(self, i: int, n: int, listed: bool = False) -> None:
+        if n > self.settings.max_text_bytes:
+            raise self._refusal(
+                i, f"text is {n} bytes; model '{self.model}' accepts at most {self.settings.max_text_bytes} "
+                "(parameter max_text_bytes)", listed, large=True,
+            )  # fmt: skip
+
+    def _check_tokens(
+        self, i: int, count: int, listed: bool = False, exact: bool = False, cut: bool = False
+    ) -> None:
+        """``exact``: the caller's limit (it did not ask for truncation), else the model's in
+        reject mode; ``cut``: the count stopped at max_tokens (the text is longer)."""
+        limit = self.settings.max_tokens
+        if not cut and count <= limit:
+            return
+        if exact:
+            n = f"more than {limit}" if cut else count
+            raise too_large(
+                f"input {i} is {n} tokens; model '{self.model}' takes at most {limit} "
+                "(send truncate: true to keep its first tokens)", "input",
+            )  # fmt: skip
+        raise self._refusal(
+            i, f"text is {count} tokens; model '{self.model}' takes at most {limit} "
+            "(parameter max_tokens; truncate is 'reject')", listed,
+        )  # fmt: skip
+
+    def _checked(self, i: int, b, listed: bool = False) -> str:
         """Row ``i``'s text decoded, or the refusal naming what is wrong with it."""
-        s = self.settings
-        n = len(b)
-        if n > s.max_text_bytes:
-            raise invalid(
-                f"input '{self.input}' row {i}: text is {n} bytes; model '{self.model}' accepts at most "
-                f"{s.max_text_bytes} (parameter max_text_bytes)"
-            )
+        self._check_bytes(i, len(b), listed)
         try:
             text = b.decode()
         except UnicodeDecodeError as exc:
-            raise invalid(
-                f"input '{self.input}' row {i}: text is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+            raise self._refusal(
+                i, f"text is not valid UTF-8 ({exc.reason} at byte {exc.start})", listed
             ) from None
         except AttributeError:  # not bytes: cannot come from the codec, but never a bare INTERNAL
-            raise invalid(f"input '{self.input}' row {i}: expected BYTES holding UTF-8 text") from None
-        if s.pair:
-            self._check_pair(i, text)
+            raise self._refusal(i, "expected BYTES holding UTF-8 text", listed) from None
+        if self.settings.pair:
+            self._check_pair(i, text, listed)
         elif not text.strip():
-            raise invalid(
-                f"input '{self.input}' row {i}: text is empty"
-                + (" (whitespace only)" if text else "")
-                + "; send at least one word"
+            raise self._refusal(
+                i,
+                "text is empty" + (" (whitespace only)" if text else "") + "; send at least one word",
+                listed,
             )
         return text
 
-    def _check_count(self, i: int, count: int) -> None:
-        if count > self.settings.max_tokens:
-            raise invalid(
-                f"input '{self.input}' row {i}: text is {count} tokens; "
-                f"model '{self.model}' takes at most "
-                f"{self.settings.max_tokens} (parameter max_tokens; truncate is 'reject')"
-            )
-
-    def _check_pair(self, i: int, text: str) -> None:
+    def _check_pair(self, i: int, text: str, listed: bool = False) -> None:
         first, sep, second = text.partition(PAIR_SEPARATOR)
         if not sep or not first.strip() or not second.strip():
-            raise invalid(
-                f"input '{self.input}' row {i}: model '{self.model}' takes a pair per row, two non-empty "
-                "texts joined by U+001F (parameter text_pair)"
-            )
+            raise self._refusal(
+                i, f"model '{self.model}' takes a pair per row, two non-empty texts joined by U+001F "
+                "(parameter text_pair)", listed,
+            )  # fmt: skip
 
     def row_keys(self, arrays: dict[str, np.ndarray]) -> list[int]:
         """Each row's length bucket for texts ``check`` already passed (the rows the result cache

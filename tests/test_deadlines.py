@@ -18,6 +18,7 @@ from batchgate.gateway.transport.grpc import parameters_of
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import model_config_pb2 as mc
 from batchgate.workers.engine import BatchTiming
+from tests.test_scheduler import submit_one
 
 CLASSES = parse_classes("realtime=25ms/100/0,standard=250ms/100/0,bulk=5000ms/100/0.2")
 
@@ -356,21 +357,21 @@ async def _settle() -> None:
 async def test_shed_at_admission_when_work_ahead_exceeds_the_budget():
     clock, engine, q, s = one_slot()
     try:
-        first = asyncio.create_task(s.infer({"x": 1}, 1, None, budget("standard", clock.now)))
+        first = asyncio.create_task(submit_one(s, {"x": 1}, 1, None, budget("standard", clock.now)))
         await _settle()
         assert len(engine.calls) == 1  # running: the slot is busy
         queued = [
-            asyncio.create_task(s.infer({"x": 1}, 4, None, budget("bulk", clock.now))) for _ in range(3)
+            asyncio.create_task(submit_one(s, {"x": 1}, 4, None, budget("bulk", clock.now))) for _ in range(3)
         ]
         await _settle()
         # A realtime request runs before the bulk ones (EDF), so it is admitted...
-        rt = asyncio.create_task(s.infer({"x": 1}, 1, None, budget("realtime", clock.now)))
+        rt = asyncio.create_task(submit_one(s, {"x": 1}, 1, None, budget("realtime", clock.now)))
         await _settle()
         assert not rt.done()
         # ...but a bulk request with a 20 ms budget has 3 batches of 10 ms (same class, queued
         # earlier) plus what the running one has left ahead of it: shed at once, not queued.
         with pytest.raises(GatewayError) as err:
-            await s.infer({"x": 1}, 1, None, budget("bulk", clock.now, 0.020))
+            await submit_one(s, {"x": 1}, 1, None, budget("bulk", clock.now, 0.020))
         assert err.value.kind is Kind.DEADLINE and "cannot be met" in err.value.message
         assert s.stats.shed == 1 and s.stats.by_class["bulk"]["shed"] == 1
         for i in range(5):
@@ -396,9 +397,9 @@ async def test_expired_in_queue_is_answered_deadline_exceeded_and_never_computed
     s = Scheduler("m", q, engine.execute, slots=1, clock=clock)
     s.start()
     try:
-        running = asyncio.create_task(s.infer({"x": 1}, 4, None, budget("bulk", clock.now)))
+        running = asyncio.create_task(submit_one(s, {"x": 1}, 4, None, budget("bulk", clock.now)))
         await _settle()
-        doomed = asyncio.create_task(s.infer({"x": 2}, 1, None, budget("realtime", clock.now)))
+        doomed = asyncio.create_task(submit_one(s, {"x": 2}, 1, None, budget("realtime", clock.now)))
         await _settle()
         clock.now += 0.050  # the running batch is slow; realtime's 25 ms pass while queued
         s._wake()
@@ -427,7 +428,7 @@ async def test_every_waiter_answered_once_under_mixed_classes():
         for i in range(200):
             cls = rnd.choice(list(CLASSES))
             tasks.append(
-                asyncio.create_task(s.infer({"i": i}, rnd.randint(1, 4), None, budget(cls, clock.now)))
+                asyncio.create_task(submit_one(s, {"i": i}, rnd.randint(1, 4), None, budget(cls, clock.now)))
             )
             if i % 7 == 0:
                 clock.now += rnd.random() * 0.01
@@ -464,15 +465,15 @@ def _calibrated(q: DeadlineQueue) -> DeadlineQueue:
 async def test_shedding_counts_what_the_running_batch_has_left():
     clock, engine, q, s = one_slot(calibrated=True)
     try:
-        first = asyncio.create_task(s.infer({"x": 1}, 1, None, budget("bulk", clock.now)))
+        first = asyncio.create_task(submit_one(s, {"x": 1}, 1, None, budget("bulk", clock.now)))
         await _settle()
         assert len(engine.calls) == 1  # a 10 ms batch runs from clock 100.000
         clock.now += 0.001  # 9 ms left: 9 + 10 ms own compute + margin > a 14 ms budget
         with pytest.raises(GatewayError) as err:
-            await s.infer({"x": 1}, 1, None, budget("realtime", clock.now, 0.014))
+            await submit_one(s, {"x": 1}, 1, None, budget("realtime", clock.now, 0.014))
         assert err.value.kind is Kind.DEADLINE
         clock.now += 0.008  # 1 ms left: 1 + 10 + margin fits 14 ms (counting half of 10 would not)
-        late = asyncio.create_task(s.infer({"x": 1}, 1, None, budget("realtime", clock.now, 0.014)))
+        late = asyncio.create_task(submit_one(s, {"x": 1}, 1, None, budget("realtime", clock.now, 0.014)))
         await _settle()
         assert not late.done() and s.stats.shed == 1
         engine.finish(0)
@@ -754,10 +755,10 @@ async def test_an_admitted_call_that_expires_still_calibrates_the_estimate():
     calibrate and the queue would go on admitting calls that expire."""
     clock, engine, q, s = one_slot()
     try:
-        running = asyncio.create_task(s.infer({"x": 1}, 1, None, budget("bulk", clock.now)))
+        running = asyncio.create_task(submit_one(s, {"x": 1}, 1, None, budget("bulk", clock.now)))
         await _settle()
         # 10 ms running + 10 ms own against 14 ms: predicted at 20, admitted while unchecked
-        doomed = asyncio.create_task(s.infer({"x": 2}, 1, None, budget("realtime", clock.now, 0.014)))
+        doomed = asyncio.create_task(submit_one(s, {"x": 2}, 1, None, budget("realtime", clock.now, 0.014)))
         await _settle()
         assert not doomed.done() and q.ratio()[0] == 0
         clock.now += 0.050  # the running batch is slow: the 14 ms pass while queued

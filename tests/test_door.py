@@ -143,7 +143,7 @@ async def test_every_call_the_door_takes_is_counted_once_when_it_ends(tmp_path, 
             ("/v1/embeddings", {"model": "nope", "input": "x"}, 404),
             ("/v1/embeddings", b"{not json", 400),
             ("/embed", {"inputs": []}, 400),  # TEI's "empty"
-            ("/embed", {"inputs": "x", "truncation_direction": "Left"}, 422),  # TEI's validation
+            ("/embed", {"inputs": "x", "truncation_direction": "Middle"}, 422),  # TEI's validation
             ("/rerank", {"query": "q", "texts": []}, 400),
             ("/v1/rerank", {"query": "q", "documents": "not a list"}, 400),
             ("/v2/models/encoder/infer", {"inputs": "not a list"}, 400),

@@ -33,7 +33,15 @@ from batchgate.gateway.errors import GatewayError, Kind
 from batchgate.gateway.scheduling import Scheduler
 from batchgate.gateway.scheduling.fifo import FifoQueue
 from tests.conftest import REPO, start_server
-from tests.test_scheduler import FakeClock, FakeEngine, answer, assert_own_output, inputs_for, until
+from tests.test_scheduler import (
+    FakeClock,
+    FakeEngine,
+    answer,
+    assert_own_output,
+    inputs_for,
+    submit_one,
+    until,
+)
 from batchgate.workers import pool as pool_mod
 from batchgate.workers.devices import Device
 from batchgate.workers.engine import EngineOptions
@@ -73,7 +81,7 @@ async def _run_batch(poisoned: set[int], n: int, rows: int = 2, exc: BaseExcepti
     sched = Scheduler(MODEL, queue, engine.execute, slots=1, clock=FakeClock(), split_failures=True)
     sched.start()
     try:
-        tasks = [asyncio.create_task(sched.infer(inputs_for(i, rows), rows, "k")) for i in range(n)]
+        tasks = [asyncio.create_task(submit_one(sched, inputs_for(i, rows), rows, "k")) for i in range(n)]
         results = [await answer(t) for t in tasks]
     finally:
         await sched.close()
@@ -128,7 +136,7 @@ async def test_without_split_failures_a_batch_fails_whole():
     )
     sched.start()
     try:
-        tasks = [asyncio.create_task(sched.infer(inputs_for(i, 1), 1, "k")) for i in range(4)]
+        tasks = [asyncio.create_task(submit_one(sched, inputs_for(i, 1), 1, "k")) for i in range(4)]
         results = [await answer(t) for t in tasks]
     finally:
         await sched.close()
@@ -141,7 +149,7 @@ async def test_halves_waiting_for_a_slot_are_answered_on_close():
     sched = Scheduler(MODEL, FifoQueue(max_batch_size=4, max_delay_s=60.0), engine.execute, 1,
                       clock=FakeClock(), split_failures=True)  # fmt: skip
     sched.start()
-    tasks = [asyncio.create_task(sched.infer(inputs_for(i, 1), 1, "k")) for i in range(4)]
+    tasks = [asyncio.create_task(submit_one(sched, inputs_for(i, 1), 1, "k")) for i in range(4)]
     await until(lambda: len(engine.calls) == 1)
     engine.calls[0].fail(RuntimeError("boom"))
     await until(lambda: len(engine.calls) == 2)  # first half running, second half waiting

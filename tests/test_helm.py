@@ -236,6 +236,8 @@ def sync_schema() -> None:
 
 def _example_value(name: str, info) -> Any:
     """A valid, non-default-looking value for a Settings field, to prove it reaches the server."""
+    if info.examples:  # a field whose values have a form of their own says so
+        return info.examples[0]
     if info.default is not None and not isinstance(info.default, bool):
         return str(info.default) if isinstance(info.default, Path) else info.default
     ann = info.annotation

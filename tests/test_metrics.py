@@ -477,6 +477,9 @@ class _FakeContext:
 async def test_request_id_reaches_the_log_lines_of_its_call():
     """A call that fails inside the gateway logs a traceback; that line names the caller's id,
     the id is echoed back, and the failure is counted as an error at the edge."""
+    from batchgate.gateway.admission import Admission
+    from batchgate.gateway.admission.door import Door, StreamSlots
+    from batchgate.gateway.admission.gate import LoadShedder
     from batchgate.gateway.config import Settings
     from batchgate.gateway.infer import Pipeline
     from batchgate.gateway.transport.grpc import InferenceServicer
@@ -485,7 +488,8 @@ async def test_request_id_reaches_the_log_lines_of_its_call():
         raise RuntimeError("engine on fire")
 
     plane = _plane(draining=False, get=broken_get, settings=Settings())
-    servicer = InferenceServicer(Pipeline(plane), Metrics(plane, "test"))
+    door = Door(Admission(), LoadShedder(0.02, 32), StreamSlots(8, 8))  # an open server's door
+    servicer = InferenceServicer(Pipeline(plane, door), Metrics(plane, "test"))
     buf = io.StringIO()
     handler = logs.make_handler("json", buf)
     server_log = logging.getLogger("batchgate.gateway.transport.grpc")

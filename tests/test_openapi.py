@@ -29,7 +29,9 @@ from batchgate.gateway.admission.tenants import hash_key
 from batchgate.gateway.transport import openapi
 from batchgate.gateway.transport.fields import LATENCY_BUDGET_HEADER
 from batchgate.gateway.transport import http
+from batchgate.gateway.build.hf_model import prepare_model
 from tests.conftest import REPO, start_server
+from tests.test_tei_surface import folders  # noqa: F401  (a module fixture)
 from tests.test_front_door import PeakRss
 
 KEY = "openapi-0123456789abcdef"
@@ -41,11 +43,15 @@ tenants:
 """
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SEED = int(os.environ.get("BATCHGATE_FUZZ_SEED", "20261203"))  # fixed; the variable explores others
-EXAMPLES = 20  # per operation and generation mode (positive, negative)
+EXAMPLES = int(
+    os.environ.get("BATCHGATE_FUZZ_EXAMPLES", "20")
+)  # per operation and generation mode (positive, negative)
 MiB = 1 << 20
-# A generated latency budget may be 5e-324 ms: the server then answers 504 (the budget cannot be
-# met), which is the contract, not a server error. Only 504s of calls asking less than this count so.
+# A generated latency budget may be 2 ms: the server then answers 504 (the budget cannot be met),
+# which is the contract, not a server error (under 1 ms it is 400). Only 504s of calls asking less
+# than this count so.
 TIGHT_BUDGET_MS = 1000.0
+FUZZ_MODELS = ("sentiment", "nli", "splade", "tokens", "ce")  # beside minilm and ranker
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
@@ -78,7 +84,9 @@ def drift(app, doc: dict) -> dict[str, list]:
 
 def rest_app():
     """The REST listener's real app, over a stand-in server (routes are all this reads)."""
-    settings = SimpleNamespace(max_http_body_bytes=1 << 20, http_body_timeout_s=30.0)
+    settings = SimpleNamespace(
+        max_http_body_bytes=1 << 20, http_body_timeout_s=30.0, cors_allowed_origins=None
+    )
     metrics = SimpleNamespace(transport=lambda _name: None)
     server = SimpleNamespace(
         settings=settings, pipeline=None, plane=None, door=None, metrics=metrics, max_message_bytes=1 << 20
@@ -122,8 +130,12 @@ def test_every_operation_documents_its_error_shape():
     """Every operation that can refuse says with which body; the three shapes by API family."""
     doc = openapi.document()
     family = {"/v1/embeddings": "OpenAIError", "/v1/models": "OpenAIError", "/v1/models/{model}": "OpenAIError",
-              "/v1/rerank": "OpenAIError", "/v1/organization/usage/embeddings": "OpenAIError",
-              "/embed": "TEIError", "/rerank": "TEIError"}  # fmt: skip
+              "/v1/rerank": "OpenAIError", "/classify": "OpenAIError", "/v1/classify": "OpenAIError",
+              "/v1/organization/usage/embeddings": "OpenAIError"}  # fmt: skip
+    tei = ("/embed", "/rerank", "/info", "/health", "/tokenize", "/decode", "/similarity", "/predict",
+           "/embed_sparse", "/embed_all")  # fmt: skip
+    family.update({p: "TEIError" for p in tei})
+    family.update({"/tei/{model}" + p: "TEIError" for p in tei})
     for path, item in doc["paths"].items():
         for method, op in item.items():
             if method == "parameters":
@@ -139,13 +151,17 @@ def test_every_operation_documents_its_error_shape():
 
 
 @pytest.fixture(scope="module")
-def srv(minilm_dir, tmp_path_factory):
-    """minilm (text routes) and ranker (numeric KServe) behind a tenant file: one key, every model."""
+def srv(minilm_dir, folders, tmp_path_factory):  # noqa: F811
+    """minilm (text routes), ranker (numeric KServe) and tiny models of every text kind (a
+    classifier, a pair classifier, a SPLADE encoder, an embedding model with token vectors and
+    prompts, a reranker: tests/test_tei_surface.py's) behind a tenant file: one key, every model."""
     tmp = tmp_path_factory.mktemp("openapi-server")
     repo = tmp / "repo"
     repo.mkdir()
     (repo / "ranker").symlink_to(REPO / "ranker")
     (repo / "minilm").symlink_to(minilm_dir)
+    for name in FUZZ_MODELS:
+        prepare_model(folders[name][0], name, repo, token_embeddings=name == "tokens", log=print)
     (tmp / "tenants.yaml").write_text(TENANTS)
     s = start_server(tmp, "--no-build-models", "--api-keys-file", str(tmp / "tenants.yaml"), repo=repo)
     yield s
@@ -276,7 +292,9 @@ def test_schemathesis_finds_no_5xx_and_no_undocumented_answer(srv):
             max_examples=examples, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
             suppress_health_check=list(HealthCheck),
         )  # fmt: skip
-        @hypothesis.given(case=strategy, model=st.sampled_from([None, None, "minilm", "ranker"]))
+        @hypothesis.given(
+            case=strategy, model=st.sampled_from([None, None, "minilm", "ranker", *FUZZ_MODELS])
+        )
         def run(case, model) -> None:
             nonlocal tried
             if model is not None:  # half the calls name a served model, so they get past the lookup

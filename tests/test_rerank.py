@@ -95,8 +95,11 @@ def test_both_rerank_routes_give_the_kserve_scores_sorted(served, folders, model
 
 
 def test_rerank_refuses_what_it_cannot_rank_by_name(served):
-    # TEI's default: a pair over the model's length is refused, with its token count
-    status, body = post(served, "/rerank", {"model": "xlmr_ce", "query": QUERY, "texts": DOCS})
+    # truncate: false (TEI's default; here the model's own setting is): a pair over the model's
+    # length is refused, with its token count
+    status, body = post(
+        served, "/rerank", {"model": "xlmr_ce", "query": QUERY, "texts": DOCS, "truncate": False}
+    )
     assert status == 413 and "tokens; model 'xlmr_ce' takes at most" in body["error"], body
     status, body = post(served, "/rerank", {"model": "bert_mean", "query": QUERY, "texts": DOCS})
     assert status == 422 and "not a rerank model" in body["error"] and "bert_ce" in body["error"], body

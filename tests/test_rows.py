@@ -15,6 +15,7 @@ from batchgate.gateway.scheduling.deadline import DeadlineQueue
 from batchgate.gateway.scheduling.fifo import FifoQueue
 
 from tests.test_deadlines import FakeEngine
+from tests.test_scheduler import submit_one
 
 CLASSES = parse_classes("realtime=25ms/64/0,standard=250ms/64/0,bulk=5000ms/64/0")
 
@@ -57,7 +58,7 @@ async def test_a_refused_call_is_never_computed_and_carries_a_retry_hint():
     s = Scheduler("m", q, engine.execute, slots=1, clock=clock)
     s.start()
     try:
-        running = asyncio.create_task(s.infer(*part(16), budget("bulk", clock.now)))
+        running = asyncio.create_task(submit_one(s, *part(16), budget("bulk", clock.now)))
         await settle()
         assert len(engine.calls) == 1  # the slot is busy
         queued = [asyncio.create_task(s.submit([part(256, 8)], budget("bulk", clock.now))) for _ in range(3)]
@@ -96,7 +97,7 @@ async def test_a_call_whose_deadline_passes_part_way_computes_none_of_its_remain
     s = Scheduler("m", q, engine.execute, slots=1, clock=clock)
     s.start()
     try:
-        blocker = asyncio.create_task(s.infer(*part(32), budget("bulk", clock.now)))
+        blocker = asyncio.create_task(submit_one(s, *part(32), budget("bulk", clock.now)))
         await settle()
         assert len(engine.calls) == 1  # holds the only slot
         call = asyncio.create_task(
@@ -125,10 +126,10 @@ async def test_parts_of_one_call_batch_with_other_callers_rows_and_come_back_in_
     s = Scheduler("m", q, engine.execute, slots=1, clock=clock)
     s.start()
     try:
-        blocker = asyncio.create_task(s.infer(*part(32), budget("bulk", clock.now)))
+        blocker = asyncio.create_task(submit_one(s, *part(32), budget("bulk", clock.now)))
         await settle()
         mine = asyncio.create_task(s.submit([part(16, 2), part(256, 1)], budget("standard", clock.now)))
-        other = asyncio.create_task(s.infer(*part(16, 3), budget("standard", clock.now)))
+        other = asyncio.create_task(submit_one(s, *part(16, 3), budget("standard", clock.now)))
         await settle()
         engine.finish(0)
         for i in (1, 2):
@@ -159,13 +160,13 @@ async def test_the_batcher_sleeps_until_its_timer_or_an_event_never_polls():
     s = Scheduler("m", q, engine.execute, slots=1)  # the real clock
     s.start()
     try:
-        held = asyncio.create_task(s.infer(*part(16)))
+        held = asyncio.create_task(submit_one(s, *part(16)))
         await asyncio.sleep(0.1)  # halfway through the max-wait timer: one turn for the push
         assert q.turns <= 2 and not engine.calls
         await asyncio.wait_for(_until(lambda: engine.calls), 2)
         assert q.turns <= 4  # one when the timer fired, one after the dispatch
         # Every slot busy, one request queued: nothing to do until the slot frees.
-        queued = asyncio.create_task(s.infer(*part(16)))
+        queued = asyncio.create_task(submit_one(s, *part(16)))
         await asyncio.sleep(0.3)
         assert q.turns <= 5  # one for the push; a 1 ms poll would have made hundreds
         engine.finish(0)

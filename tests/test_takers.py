@@ -10,7 +10,7 @@ import asyncio
 import grpc
 import pytest
 
-from batchgate.gateway.admission.door import PRIOR
+from batchgate.gateway.admission.door import PRIOR, CallCap
 from batchgate.gateway.transport import takers
 from batchgate.gateway.transport.takers import CallTakers
 
@@ -68,7 +68,7 @@ async def _serve(n: int, take, cap: int = 1000, hold: asyncio.Event | None = Non
         return request[::-1]
 
     seen = _Seen()
-    door = CallTakers(n, cap, take if isinstance(take, _Gate) else _Gate(take))
+    door = CallTakers(n, CallCap(cap), take if isinstance(take, _Gate) else _Gate(take))
     server = grpc.aio.server(
         interceptors=door.interceptors_for((seen,)), maximum_concurrent_rpcs=door.grpc_cap
     )
@@ -171,10 +171,10 @@ def test_the_cap_on_calls_in_progress_counts_both_loops(n):
                     await asyncio.sleep(0.02)
             if n:  # every call counted in was counted out (its task ends just after the answer)
                 for _ in range(100):
-                    if door.in_progress == 0:
+                    if door.cap.in_progress == 0:
                         break
                     await asyncio.sleep(0.01)
-                assert door.in_progress == 0
+                assert door.cap.in_progress == 0
         await server.stop(1)
 
     asyncio.run(main())

@@ -1,6 +1,8 @@
 """The door: the one place a call is taken or refused before its body is read, for every
 transport. It owns who is calling (the API key), the overload shedder (every transport's arrivals
-and ends are counted there), stream slots, and the tenant's limits once the call's rows are known.
+and ends are counted there), the cap on gRPC calls in progress (``CallCap``: gRPC's call takers
+count and refuse there, before any handler), stream slots, and the tenant's limits once the
+call's rows are known.
 Every transport enters and leaves it the same way:
 
     with door.enter(metadata, time_left) as pass_:     identity, then the shedder: UNAUTHENTICATED, UNAVAILABLE
@@ -60,10 +62,13 @@ class Pass:
 
 
 class Door:
-    def __init__(self, admission: Admission, shedder: LoadShedder, streams: StreamSlots) -> None:
+    def __init__(
+        self, admission: Admission, shedder: LoadShedder, streams: StreamSlots, calls: CallCap | None = None
+    ) -> None:
         self.admission = admission
         self.shedder = shedder
         self.streams = streams
+        self.calls = calls  # the gRPC call cap, counted by the call takers before the door is entered
 
     @property
     def open(self) -> bool:
@@ -108,6 +113,22 @@ class Door:
             counts[0] += 1
             if not dropped:
                 counts[1] += 1
+
+
+class CallCap:
+    """gRPC calls in progress (a stream counts as one), every loop that takes them together,
+    capped at ``limit`` (max_concurrent_rpcs): one past it is refused RESOURCE_EXHAUSTED before any
+    handler runs. gRPC's call takers count the calls they take and, through their interceptor,
+    the ones grpc.aio's own loop takes (gateway/transport/takers.py); grpc.aio's own cap knows
+    only the latter."""
+
+    __slots__ = ("limit", "in_progress")
+
+    DETAILS = "Concurrent RPC limit exceeded!"  # grpc.aio's own words for its cap
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_progress = 0
 
 
 class StreamSlots:

@@ -1,5 +1,5 @@
-"""Admission: the one object the servicer asks before any decoding work — who is calling, may they
-call this model, and is there room for it now.
+"""Admission: the one object the door (door.py) asks before any decoding work — who is calling,
+may they call this model, and is there room for it now.
 
     account = admission.identify(metadata)         once per call (once per stream): UNAUTHENTICATED
     ticket = await admission.admit(account, model, rows)
@@ -7,7 +7,7 @@ call this model, and is there room for it now.
     ...decode, infer, encode...
     ticket.release()                                in a finally: success, error or cancel
 
-With no tenant file the server is open: ``admission.open`` is True and the servicer skips both
+With no tenant file the server is open: ``admission.open`` is True and the door skips both
 calls (one attribute check per call) and uses ``OPEN_TICKET``, whose tenant is ``ANONYMOUS``.
 
 Checks run cheapest first — model allowed, in-flight cap, local buckets, then the global limit

@@ -18,6 +18,7 @@ from batchgate.gateway.scheduling.request import (
     LatencyClass,
     Request,
     SchedulePolicy,
+    batch_rows,
     parse_classes,
     resolve,
 )
@@ -27,5 +28,5 @@ from batchgate.gateway.scheduling.stats import SchedulerSnapshot, Stats
 __all__ = [
     "DEFAULT_CLASSES", "INF", "POLICIES", "Budget", "LatencyClass", "LatencyModel", "LoopLag", "Part", "Queue",
     "QueueSettings", "Refusal", "Request", "SchedulePolicy", "Scheduler", "SchedulerSnapshot", "Stats",
-    "bucket_label", "make_queue", "parse_classes", "resolve",
+    "batch_rows", "bucket_label", "make_queue", "parse_classes", "resolve",
 ]  # fmt: skip

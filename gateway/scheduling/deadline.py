@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable, Hashable
 
 from batchgate.gateway.scheduling.latency import LatencyModel, LoopLag
-from batchgate.gateway.scheduling.request import LatencyClass, Refusal, Request
+from batchgate.gateway.scheduling.request import LatencyClass, Refusal, Request, batch_rows
 
 _DELAYED_LEVEL = 1 << 30  # Triton DELAY: after every live request of every level
 
@@ -115,9 +115,7 @@ class DeadlineQueue:
     def _limit(self, key: Hashable) -> int:
         """Most rows a batch of bucket ``key`` takes: max_batch_size, the bucket's token budget
         (row_limit), and the rows the latency model says are still worth batching."""
-        limit = self.max_batch_size or 1
-        if self.row_limit is not None:
-            limit = min(limit, self.row_limit(key))
+        limit = batch_rows(self.max_batch_size, self.row_limit, key)
         if self.learn_limit:
             useful = self.latency.useful_rows(key)
             if useful is not None:
@@ -236,10 +234,10 @@ class DeadlineQueue:
     # Admission predictions checked against the calls' real times: enough samples before the
     # ratio moves the decision, and then the lowest of the last RATIO_WINDOW ratios. A refusal is
     # an answer nobody gets, so a call is refused only if it would miss even had it gone as well
-    # as the best of the recent calls. The mean less twice its deviation refused at capacity on a
-    # shared core: the same queue ran 0.25x to 3x its prediction (the shadow check counted 52 of
-    # 59 such refusals answered in time), and a call that does fall behind is still dropped
-    # before compute.
+    # as the best of the recent calls: on a shared core a queue's real times stray far from its
+    # predictions both ways, and the mean less twice its deviation refused calls that made their
+    # deadlines (docs/performance.md, "Figures the code cites": the admission ratio). A call that
+    # does fall behind is still dropped before compute.
     CALIBRATE_AFTER = 8
     CALIBRATE_ALPHA = 0.1
     RATIO_FLOOR = 0.5
@@ -378,8 +376,8 @@ class DeadlineQueue:
         # limit of 1 row must not charge a 4-row request four intercepts).
         batches = min(math.ceil(rows / self._per_batch(key, cap)), sum(len(lane.heap) for lane in ahead))
         # Each batch at the time batches of its size took lately (``estimate``), not the linear
-        # fit's extrapolation: fitted on batches of 30-60 rows on a shared core, a 16-token
-        # bucket's intercept came out at 307 ms for a 15 ms text.
+        # fit's extrapolation: fitted on large batches on a shared core, its intercept can be many
+        # times a whole small batch (docs/performance.md, "Figures the code cites").
         return batches * self.latency.estimate(key, math.ceil(rows / batches))
 
     # -- bookkeeping ----------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Hashable
 
-from batchgate.gateway.scheduling.request import Refusal, Request
+from batchgate.gateway.scheduling.request import Refusal, Request, batch_rows
 
 
 class _Group:
@@ -113,17 +113,11 @@ class FifoQueue:
             return None, None
         return None, min(g.requests[0].arrival for g in groups) + self.max_delay_s
 
-    def _limit(self, key: Hashable) -> int:
-        limit = self.max_batch_size
-        if self.row_limit is not None:
-            limit = min(limit, self.row_limit(key))
-        return limit
-
     def _ready(self, g: _Group, now: float) -> list[Request] | None:
         if self.max_batch_size == 0:  # the model does not batch: one request per execution
             return self._take(g, 1)
         expired = now >= g.requests[0].arrival + self.max_delay_s
-        limit = self._limit(g.requests[0].key)
+        limit = batch_rows(self.max_batch_size, self.row_limit, g.requests[0].key)
         if not expired and g.rows < limit and (self.min_preferred is None or g.rows < self.min_preferred):
             return None  # fast path: nothing can close this batch yet
         taken_rows = 0

@@ -1,5 +1,6 @@
-"""What the scheduler queues: ``Request`` (one part of a call: rows of one shape bucket), and the
-latency budget that says which class it belongs to and the absolute deadline it must meet.
+"""What the scheduler queues: ``Request`` (one part of a call: rows of one shape bucket), the
+most rows one batch of a bucket takes (``batch_rows``), and the latency budget that says which
+class it belongs to and the absolute deadline it must meet.
 
 Resolution, first that applies:
   deadline  = gRPC deadline  >  parameter ``latency_budget_ms``  >  the class's budget
@@ -11,13 +12,17 @@ Triton's schedule-policy parameters are honoured too: ``priority`` (1 = highest 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from batchgate.gateway.errors import invalid
 from batchgate.proto.inference.v2 import model_config_pb2 as mc
 
 INF = math.inf
+# The least latency budget a call may ask for (ms): under it no call is answered in time, whatever
+# the load (a REST call spends about this much in parsing and the event loop alone). Less is
+# refused as invalid input, not shed as a missed deadline.
+MIN_BUDGET_MS = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +32,16 @@ class LatencyClass:
     max_queue: int  # requests queued per model; 0 = unbounded
     min_share: float  # fraction of dispatched rows guaranteed while the class has work queued
     rank: int  # position in the configured order (0 = most urgent); orders work-ahead estimates
+
+
+def batch_rows(max_batch_size: int, row_limit: Callable[[Hashable], int] | None, key: Hashable) -> int:
+    """Most rows one batch of bucket ``key`` takes: ``max_batch_size`` (1 for a model that does
+    not batch) and the bucket's token budget (``row_limit``: a text model's max_batch_tokens //
+    length bucket, a numeric model's lengths as its engine runs them). Both queues hold every
+    batch to it and the runtime cuts a call into requests no larger, so no request waits for a
+    batch it cannot fit."""
+    limit = max_batch_size or 1
+    return limit if row_limit is None else min(limit, row_limit(key))
 
 
 DEFAULT_CLASSES = "realtime=25ms/1024/0,standard=2000ms/4096/0,bulk=10000ms/16384/0.1"
@@ -145,8 +160,10 @@ def resolve(
     budget = cls.budget_s
     if "latency_budget_ms" in params:
         value = _param_number(params["latency_budget_ms"])
-        if value is None or value <= 0:
-            raise invalid("parameter 'latency_budget_ms' must be a positive number of milliseconds")
+        if value is None or not MIN_BUDGET_MS <= value < math.inf:
+            raise invalid(
+                f"parameter 'latency_budget_ms' must be a finite number of milliseconds, at least {MIN_BUDGET_MS:g}"
+            )
         budget = value / 1000
     if time_remaining is not None and time_remaining < 1e6:  # grpc.aio reports "no deadline" as huge
         budget = max(time_remaining, 0.0)

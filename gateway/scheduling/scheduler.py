@@ -125,48 +125,9 @@ class Scheduler:
 
     # -- request side ---------------------------------------------------------------------------
 
-    async def infer(
-        self, inputs: dict[str, np.ndarray], rows: int, key: Hashable, budget: Budget | None = None
-    ) -> dict[str, np.ndarray]:
-        """One request's outputs: ``submit`` for a call that is one part (the common case, so it
-        takes the short way: one request, one future, no lists)."""
-        if self._closing:
-            raise unavailable(f"model '{self.name}' is draining; retry on another replica")
-        now = self.clock()
-        future = asyncio.get_running_loop().create_future()
-        if budget is None:
-            req = Request(inputs, rows, key, now, future)
-        else:
-            req = Request(
-                inputs, rows, key, now, future, budget.deadline, budget.cls, budget.level,
-                budget.queue_deadline, budget.delay,
-            )  # fmt: skip
-        if tracing.TRACER is not None:
-            req.trace = tracing.current()
-        predicted_miss = self._admit([req], req, now)
-        prediction = self.queue.prediction  # set by the admission test of this call, if it made one
-        try:
-            # If our caller is cancelled, awaiting cancels the future too; the batcher then
-            # skips the request when it forms the next batch (counted as dropped).
-            out = await future
-            if (cost := COST.get()) is not None:
-                cost.computed += rows
-                cost.compute_s += req.compute_s
-        except (GatewayError, asyncio.CancelledError) as exc:
-            if prediction is not None:
-                self._judge(req, now, prediction, predicted_miss, exc)
-            raise
-        finally:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._idle.set()
-        if prediction is not None:
-            self._judge(req, now, prediction, predicted_miss)
-        return out
-
     async def submit(self, parts: list[Part], budget: Budget | None = None) -> list[dict[str, np.ndarray]]:
-        """Admit one call of one or more parts (rows of one bucket each), queue them, and return
-        their outputs in order once the last is done. Raises DEADLINE_EXCEEDED (refused: nothing
+        """Admit one call of one or more parts (rows of one bucket each; most calls are one part),
+        queue them, and return their outputs in order once the last is done. Raises DEADLINE_EXCEEDED (refused: nothing
         queued, with a retry hint), UNAVAILABLE (queue full or draining), or a part's failure."""
         if self._closing:
             raise unavailable(f"model '{self.name}' is draining; retry on another replica")
@@ -338,6 +299,13 @@ class Scheduler:
         self.stats.shed += 1
         self.stats.count_class(req.class_name, "shed")
         budget_ms = (req.deadline - now) * 1e3
+        if refusal.own_s * 1e3 >= budget_ms:  # its own compute alone: waiting cannot help, no retry hint
+            return GatewayError(
+                Kind.DEADLINE,
+                f"model '{self.name}': the request's budget ({budget_ms:.1f} ms left) is below its own "
+                f"compute (estimated {refusal.own_s * 1e3:.1f} ms): not even an idle server could "
+                "meet it; send a larger budget", outcome="shed",
+            )  # fmt: skip
         return GatewayError(
             Kind.DEADLINE,
             f"model '{self.name}': the request's budget of {budget_ms:.1f} ms cannot be met "

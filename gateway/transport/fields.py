@@ -16,6 +16,7 @@ from aiohttp import web
 
 from batchgate.gateway.errors import GatewayError, invalid, too_large
 from batchgate.gateway.logs import REQUEST_ID_KEY, adopt_request_id
+from batchgate.gateway.scheduling.request import MIN_BUDGET_MS
 
 if TYPE_CHECKING:
     from batchgate.gateway.transport.http import Http
@@ -85,17 +86,19 @@ def latency_of(request: web.Request, doc: dict) -> dict:
     cls = doc.get("latency_class", request.headers.get(LATENCY_CLASS_HEADER))
     if cls is not None and not isinstance(cls, str):
         raise invalid("'latency_class' must be a string such as 'realtime'", "latency_class")
-    budget = doc.get("latency_budget_ms", request.headers.get(LATENCY_BUDGET_HEADER))
+    in_body = "latency_budget_ms" in doc
+    budget = doc["latency_budget_ms"] if in_body else request.headers.get(LATENCY_BUDGET_HEADER)
     if budget is not None:
         try:
             budget = float(budget)
-        except (TypeError, ValueError):
-            budget = -1.0
-        if isinstance(doc.get("latency_budget_ms"), bool) or not 0 < budget < math.inf:
+        except (TypeError, ValueError, OverflowError):
+            budget = math.nan
+        if isinstance(doc.get("latency_budget_ms"), bool) or not MIN_BUDGET_MS <= budget < math.inf:
+            name = "'latency_budget_ms'" if in_body else f"header {LATENCY_BUDGET_HEADER}"
             raise invalid(
-                "'latency_budget_ms' must be a positive number of milliseconds",
-                "latency_budget_ms",
-            )
+                f"{name} must be a finite number of milliseconds, at least {MIN_BUDGET_MS:g} "
+                "(a budget under it cannot be met)", "latency_budget_ms" if in_body else LATENCY_BUDGET_HEADER,
+            )  # fmt: skip
     params: dict[str, Any] = {}
     if cls is not None:
         params["latency_class"] = cls

@@ -1,7 +1,7 @@
 """The HTTP listener every REST wire shares (aiohttp): the listening socket and its connection cap,
 the one body reader, the middlewares, and ``app()``, which collects every wire's route table:
-KServe v2 REST (kserve_rest.py), OpenAI (openai.py), TEI and rerank (tei.py), the OpenAPI
-contract (openapi.py), and ``/metrics``.
+KServe v2 REST (kserve_rest.py), OpenAI (openai.py), TEI and rerank (tei.py, tei_surface.py), the
+OpenAPI contract (openapi.py), and ``/metrics``; CORS when configured (cors.py).
 
 Cheap refusals first: a body larger than the limit is refused from its Content-Length; a body that
 takes longer than ``http_body_timeout_s`` to arrive gets 408 and the connection closes; connections
@@ -21,7 +21,8 @@ from aiohttp import web
 from batchgate.gateway import tracing
 from batchgate.gateway.errors import GatewayError, Kind, clip, too_large
 from batchgate.gateway.metrics import CONTENT_TYPE_LATEST
-from batchgate.gateway.transport import kserve_rest, openai, openapi, tei
+from batchgate.gateway.config import cors_origins
+from batchgate.gateway.transport import cors, kserve_rest, openai, openapi, tei, tei_surface
 
 if TYPE_CHECKING:
     from batchgate.gateway.transport.server import Server
@@ -137,14 +138,17 @@ def app(server: Server) -> web.Application:
     async def scrape(_req: web.Request) -> web.Response:
         return web.Response(body=metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    application = web.Application(
-        client_max_size=max_body, middlewares=[_close_refused, close_when_draining, _json_errors]
-    )
+    middlewares = [_close_refused, close_when_draining, _json_errors]
+    origins = cors_origins(s.cors_allowed_origins)
+    if origins:  # outside _json_errors: its answers carry the CORS headers too
+        middlewares.insert(2, cors.middleware(origins))
+    application = web.Application(client_max_size=max_body, middlewares=middlewares)
     r = application.router
     r.add_get("/metrics", scrape)
     r.add_routes(kserve_rest.routes(server, http))
     r.add_routes(openai.routes(server, http))
     r.add_routes(tei.routes(server, http))
+    r.add_routes(tei_surface.routes(server, http))
     r.add_routes(openapi.routes())
     return application
 

@@ -19,6 +19,7 @@ import numpy as np
 from aiohttp import web
 
 from batchgate.gateway.errors import GatewayError, Kind, invalid, not_found, retry_headers
+from batchgate.gateway.transport import tei_models
 from batchgate.gateway.transport.fields import (
     cut_to,
     dimensions_for,
@@ -28,7 +29,6 @@ from batchgate.gateway.transport.fields import (
     latency_of,
     prompt_name_of,
     request_echo,
-    texts_of,
 )
 
 if TYPE_CHECKING:
@@ -92,7 +92,11 @@ class OpenAI(TextRoutes):
                     raise invalid("'model' is required: the name of a text model", "model")
                 if "input" not in doc:
                     raise invalid("'input' is required: a string or a list of strings", "input")
-                texts = texts_of(doc["input"], "input")
+                # the model's own truncate setting unless the call says (OpenAI itself refuses)
+                truncate = flag(doc, "truncate", tei_models.truncates(self.server, model))
+                texts, given = tei_models.inputs_of(
+                    self.server, model, doc["input"], "input", truncate, False
+                )
                 fmt = doc.get("encoding_format") or "float"
                 if fmt not in ("float", "base64"):
                     raise invalid(
@@ -102,10 +106,9 @@ class OpenAI(TextRoutes):
                     raise invalid("'user' must be a string", "user")
                 params = latency_of(request, doc)
                 size = dimensions_for(self.server, model, doc.get("dimensions"))
-                truncate = flag(doc, "truncate", False)
                 answer = await self.server.pipeline.texts(
                     pass_, self.edge, model, texts, params, prompt_name=prompt_name_of(doc),
-                    exact_limit=not truncate, cut=truncate,
+                    exact_limit=not truncate, cut=truncate and given is None, encodings=given,
                 )  # fmt: skip
         except GatewayError as exc:
             return openai_error(exc, echo)

@@ -25,9 +25,11 @@ from typing import Any
 
 from aiohttp import web
 
+from batchgate.gateway.scheduling.request import MIN_BUDGET_MS
 from batchgate.gateway.transport.fields import LATENCY_BUDGET_HEADER, LATENCY_CLASS_HEADER, MAX_INPUTS
 from batchgate.gateway.transport.kserve_rest import HEADER_LENGTH, MAX_JSON_DEPTH
-from batchgate.gateway.transport.tei import DEFAULT_MODEL
+
+EXAMPLE_MODEL = "minilm"  # the model the examples name (the bundled text embedding model)
 
 VERSION = "0.1.0"
 # The files of Swagger UI the page loads; nothing else under the package's static folder is served.
@@ -89,7 +91,9 @@ _COUNTER = {"type": "integer", "minimum": 0}
 
 # What each status means, per API family (the error body is the family's own shape).
 _WHY = {
-    400: "The request is malformed: not JSON, a missing or mistyped field, an unknown model version string.",
+    400: "The request is malformed: not JSON, a missing or mistyped field, an unknown model version string, "
+    f"a latency budget (`{LATENCY_BUDGET_HEADER}` or `latency_budget_ms`) that is not a finite number of at least "
+    f"{MIN_BUDGET_MS:g} ms (the message names which).",
     401: "No API key, or an unknown one (`Authorization: Bearer <key>` or `x-api-key`; only with a tenant file).",
     403: "The tenant may not call this model (or, for load/unload: model control is off, or the tenant is no admin).",
     404: "No such model (or version).",
@@ -102,7 +106,8 @@ _WHY = {
     500: "The model failed to execute the batch (not the caller's fault).",
     501: "A KServe/Triton feature batchgate does not offer (the classification extension, load overrides).",
     503: "Not ready, draining, a full queue, or the overload gate refusing new calls; `Retry-After` when known.",
-    504: "The call's latency budget cannot be met (shed at admission, or it expired in the queue).",
+    504: "The call's latency budget cannot be met: shed at admission (work queued ahead; `Retry-After` when "
+    "waiting would help, none when the model's own compute alone exceeds the budget), or it expired in the queue.",
 }
 _TEXT_413 = (
     "The request body is larger than `max_http_body_bytes` (the connection closes), or it holds more than "
@@ -137,7 +142,7 @@ def _ok(description: str, schema: dict | None = None, **extra) -> dict:
 
 def _path_param(name: str) -> dict:
     if name == "model":
-        schema = {"type": "string", "pattern": MODEL_NAME, "maxLength": 128, "examples": [DEFAULT_MODEL]}
+        schema = {"type": "string", "pattern": MODEL_NAME, "maxLength": 128, "examples": [EXAMPLE_MODEL]}
         return {
             "name": "model",
             "in": "path",
@@ -168,8 +173,9 @@ _HEADER = {
     },
     "latency_budget": {
         "name": LATENCY_BUDGET_HEADER, "in": "header", "required": False,
-        "schema": {"type": "number", "exclusiveMinimum": 0},
-        "description": "The call's latency budget in milliseconds; the body's `latency_budget_ms` wins.",
+        "schema": {"type": "number", "minimum": MIN_BUDGET_MS},
+        "description": "The call's latency budget in milliseconds; the body's `latency_budget_ms` wins. "
+        f"Not a finite number of at least {MIN_BUDGET_MS:g} ms: 400 (422 on TEI's routes) naming the header.",
     },
 }  # fmt: skip
 
@@ -218,8 +224,8 @@ _LATENCY_FIELDS = {
     "latency_class": {"type": "string", "description": "The call's latency class (an extension)."},
     "latency_budget_ms": {
         "type": "number",
-        "exclusiveMinimum": 0,
-        "description": "The call's latency budget in milliseconds (an extension).",
+        "minimum": MIN_BUDGET_MS,
+        "description": f"The call's latency budget in milliseconds (an extension), at least {MIN_BUDGET_MS:g}.",
     },
 }
 _TEXTS = {
@@ -230,9 +236,27 @@ _TEXTS = {
     "description": f"One text, or a list of at most {MAX_INPUTS}.",
 }
 _TRUNCATION = {
-    "type": "string",
-    "enum": ["Right", "right"],
-    "description": "Texts keep their first tokens; `Left` is refused.",
+    "type": ["string", "null"],
+    "enum": ["Right", "right", "Left", "left", None],
+    "default": "Right",
+    "description": "Which end of a text over the model's length is kept when it is truncated: its first "
+    "tokens (`Right`) or its last (`Left`).",
+}
+_TRUNCATE = {
+    "type": ["boolean", "null"],
+    "description": "Cut texts over the model's length instead of refusing them; default: the model's own "
+    "`truncate` setting (`auto_truncate` in `/info`).",
+}
+_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_TEXTS_OR_IDS = {
+    "oneOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_INPUTS},
+        _IDS,
+        {"type": "array", "items": _IDS, "minItems": 1, "maxItems": MAX_INPUTS},
+    ],
+    "description": f"One text or a list of at most {MAX_INPUTS}; or token ids of the model's vocabulary "
+    "(a list of ints, or a list of such lists), the model's input as they are (no special tokens added).",
 }
 
 SCHEMAS: dict[str, dict] = {
@@ -418,8 +442,8 @@ SCHEMAS: dict[str, dict] = {
     # -- OpenAI
     "EmbeddingsRequest": _obj(
         {
-            "model": {"type": "string", "minLength": 1, "examples": [DEFAULT_MODEL]},
-            "input": _TEXTS,
+            "model": {"type": "string", "minLength": 1, "examples": [EXAMPLE_MODEL]},
+            "input": _TEXTS_OR_IDS,
             "encoding_format": {"enum": ["float", "base64", None], "default": "float"},
             "dimensions": {
                 "type": "integer",
@@ -427,15 +451,12 @@ SCHEMAS: dict[str, dict] = {
             },
             "user": _STR,
             "prompt_name": {"type": "string", "minLength": 1, "description": "One of the model's prompts."},
-            "truncate": {
-                "type": ["boolean", "null"],
-                "description": "Cut texts over the model's length instead of refusing them (an extension).",
-            },
+            "truncate": _TRUNCATE,
             **_LATENCY_FIELDS,
         },
         ("model", "input"),
         closed=True,
-        examples=[{"model": DEFAULT_MODEL, "input": ["A man is eating food.", "A man is riding a horse."]}],
+        examples=[{"model": EXAMPLE_MODEL, "input": ["A man is eating food.", "A man is riding a horse."]}],
     ),
     "Embedding": _obj(
         {
@@ -504,16 +525,16 @@ SCHEMAS: dict[str, dict] = {
     # -- TEI
     "EmbedRequest": _obj(
         {
-            "inputs": _TEXTS,
+            "inputs": _TEXTS_OR_IDS,
             "normalize": {"type": ["boolean", "null"], "default": True},
-            "truncate": {"type": ["boolean", "null"], "default": False},
+            "truncate": _TRUNCATE,
             "truncation_direction": _TRUNCATION,
             "prompt_name": {"type": "string", "minLength": 1},
             "dimensions": _INT,
             "model": {
                 "type": "string",
-                "default": DEFAULT_MODEL,
-                "description": "An extension: TEI serves one.",
+                "minLength": 1,
+                "description": "An extension (TEI serves one model): default, the server's default model.",
             },
             **_LATENCY_FIELDS,
         },
@@ -526,7 +547,7 @@ SCHEMAS: dict[str, dict] = {
         {
             "query": {"type": "string", "minLength": 1},
             "texts": _TEXTS,
-            "truncate": {"type": ["boolean", "null"], "default": False},
+            "truncate": _TRUNCATE,
             "truncation_direction": _TRUNCATION,
             "raw_scores": {"type": ["boolean", "null"], "default": False},
             "return_text": {"type": ["boolean", "null"], "default": False},
@@ -603,6 +624,196 @@ SCHEMAS: dict[str, dict] = {
 
 def _json_body(name: str, required: bool = True) -> dict:
     return {"required": required, "content": _json(_ref(name))}
+
+
+_MODEL_FIELD = {
+    "type": "string",
+    "minLength": 1,
+    "description": "An extension: default, the server's default model.",
+}
+_PROMPT = {"type": ["string", "null"], "minLength": 1, "description": "One of the model's prompts."}
+_TOKEN = _obj(
+    {"id": _COUNTER, "text": _STR, "special": {"type": "boolean"},
+     "start": {"type": ["integer", "null"], "minimum": 0}, "stop": {"type": ["integer", "null"], "minimum": 0}},
+    ("id", "text", "special"),
+)  # fmt: skip
+_LABELS = _obj(
+    {"id2label": {"type": "object", "additionalProperties": _STR},
+     "label2id": {"type": "object", "additionalProperties": _COUNTER}},
+    ("id2label", "label2id"),
+)  # fmt: skip
+_PREDICTION = _obj({"score": _NUM, "label": _STR}, ("score", "label"))
+_ROW = {"type": "array", "items": _STR, "minItems": 1, "maxItems": 2}
+SCHEMAS.update({
+    "Info": _obj(
+        {"model_id": _STR, "model_sha": _STR, "model_dtype": _STR,
+         "model_type": {"oneOf": [_obj({"embedding": _obj({"pooling": _STR}, ("pooling",))}, ("embedding",)),
+                                  _obj({"classifier": _LABELS}, ("classifier",)),
+                                  _obj({"reranker": _LABELS}, ("reranker",))]},
+         "max_concurrent_requests": _COUNTER, "max_input_length": _COUNTER, "max_batch_tokens": _COUNTER,
+         "max_batch_requests": _COUNTER, "max_client_batch_size": _COUNTER, "auto_truncate": {"type": "boolean"},
+         "tokenization_workers": _COUNTER, "version": _STR, "sha": {"type": ["string", "null"]},
+         "docker_label": {"type": ["string", "null"]}, "kind": _STR, "max_text_bytes": _COUNTER,
+         "pairs": {"type": "boolean"}},
+        ("model_id", "model_dtype", "model_type", "max_input_length", "max_batch_tokens", "auto_truncate", "version"),
+        description="TEI's `/info` for the route's model; `kind`, `max_text_bytes` and `pairs` are batchgate's.",
+    ),
+    "TokenizeRequest": _obj(
+        {"inputs": _TEXTS, "add_special_tokens": {"type": ["boolean", "null"], "default": True},
+         "prompt_name": _PROMPT, "model": _MODEL_FIELD},
+        ("inputs",), closed=True, examples=[{"inputs": "What is Deep Learning?"}],
+    ),
+    "TokenizeResponse": {"type": "array", "items": {"type": "array", "items": _TOKEN}},
+    "DecodeRequest": _obj(
+        {"ids": {"oneOf": [_IDS, {"type": "array", "items": _IDS, "minItems": 1, "maxItems": MAX_INPUTS}]},
+         "skip_special_tokens": {"type": ["boolean", "null"], "default": True}, "model": _MODEL_FIELD},
+        ("ids",), closed=True, examples=[{"ids": [101, 7592, 102]}],
+    ),
+    "DecodeResponse": {"type": "array", "items": _STR},
+    "EmbedAllRequest": _obj(
+        {"inputs": _TEXTS_OR_IDS, "truncate": _TRUNCATE, "truncation_direction": _TRUNCATION,
+         "prompt_name": _PROMPT, "normalize": {"type": ["boolean", "null"], "description": "Accepted and ignored."},
+         "model": _MODEL_FIELD, **_LATENCY_FIELDS},
+        ("inputs",), closed=True,
+    ),
+    "EmbedAllResponse": {"type": "array", "items": {"type": "array", "items": {"type": "array", "items": _NUM}}},
+    "EmbedSparseRequest": _obj(
+        {"inputs": _TEXTS_OR_IDS, "truncate": _TRUNCATE, "truncation_direction": _TRUNCATION,
+         "prompt_name": _PROMPT, "top_k": {"type": ["integer", "null"], "minimum": 1,
+                                           "description": "Keep only the k largest weights (an extension)."},
+         "model": _MODEL_FIELD, **_LATENCY_FIELDS},
+        ("inputs",), closed=True,
+    ),
+    "EmbedSparseResponse": {"type": "array", "items": {"type": "array", "items": _obj(
+        {"index": _COUNTER, "value": _NUM}, ("index", "value"))}},
+    "SimilarityRequest": _obj(
+        {"inputs": _obj({"source_sentence": _STR, "sentences": _TEXTS}, ("source_sentence", "sentences"), closed=True),
+         "parameters": {"oneOf": [{"type": "null"}, _obj(
+             {"truncate": _TRUNCATE, "truncation_direction": _TRUNCATION, "prompt_name": _PROMPT}, closed=True)]},
+         "model": _MODEL_FIELD, **_LATENCY_FIELDS},
+        ("inputs",), closed=True,
+        examples=[{"inputs": {"source_sentence": "What is Deep Learning?", "sentences": ["What is ML?"]}}],
+    ),
+    "SimilarityResponse": {"type": "array", "items": _NUM},
+    "PredictRequest": _obj(
+        {"inputs": {"oneOf": [_STR, {"type": "array", "items": _STR, "minItems": 2, "maxItems": 2},
+                              {"type": "array", "items": _ROW, "minItems": 1, "maxItems": MAX_INPUTS}],
+                    "description": "A text, a pair [text, text], or a batch of [text] / [text, text]."},
+         "raw_scores": {"type": ["boolean", "null"], "default": False}, "truncate": _TRUNCATE,
+         "truncation_direction": _TRUNCATION, "model": _MODEL_FIELD, **_LATENCY_FIELDS},
+        ("inputs",), closed=True, examples=[{"inputs": "I like you."}],
+    ),
+    "PredictResponse": {"oneOf": [{"type": "array", "items": _PREDICTION},
+                                  {"type": "array", "items": {"type": "array", "items": _PREDICTION}}]},
+    "ClassifyRequest": _obj(
+        {"model": _MODEL_FIELD, "input": {"oneOf": [_TEXTS, {"type": "array", "items": _ROW, "minItems": 1}]},
+         "user": _STR, "truncate": _TRUNCATE, "truncation_direction": _TRUNCATION, **_LATENCY_FIELDS},
+        ("input",), closed=True, examples=[{"input": ["I like you.", "Go away."]}],
+    ),
+    "ClassifyResponse": _obj(
+        {"id": _STR, "object": {"const": "list"}, "created": _INT, "model": _STR,
+         "data": {"type": "array", "items": _obj(
+             {"index": _COUNTER, "label": _STR, "probs": {"type": "array", "items": _NUM}, "num_classes": _COUNTER},
+             ("index", "label", "probs", "num_classes"))},
+         "usage": _obj({"prompt_tokens": _COUNTER, "total_tokens": _COUNTER})},
+        ("object", "data", "model", "usage"),
+    ),
+})  # fmt: skip
+
+_TEI_ERRORS = (400, 401, 403, 404, 408, 413, 422, 424, 429, 501, 503, 504)
+_TEI_400 = {400: "TEI: an empty list of inputs (`error_type` `empty`)."}
+
+
+def _tei_call(op_id: str, summary: str, ok: str, request: str, response: str, base: str) -> dict:
+    return _op(
+        op_id, "TEI", summary,
+        {"200": _ok(ok, _ref(response)), **_errors("tei", _TEI_ERRORS, _TEI_400)},
+        params=("model",) if base else (), headers=("request_id", "latency_class", "latency_budget"),
+        body=_json_body(request),
+    )  # fmt: skip
+
+
+def tei_paths() -> dict[str, dict]:
+    """TEI's routes beside ``/embed`` and ``/rerank`` at the root, vLLM's ``/classify``, and every
+    TEI route again under ``/tei/{model}`` (that model's own TEI server)."""
+    out: dict[str, dict] = {}
+    for base in ("", "/tei/{model}"):
+        s = "Model" if base else ""
+        params = ("model",) if base else ()
+        out[base + "/info"] = {
+            "get": _op(
+                f"info{s}",
+                "TEI",
+                "The model's TEI info (what TEI's clients read first)",
+                {"200": _ok("The model.", _ref("Info")), **_errors("tei", (401, 404, 422, 503))},
+                params=params,
+            )
+        }
+        out[base + "/health"] = {
+            "get": _op(
+                f"health{s}",
+                "TEI",
+                "Whether the model is loaded and the server not draining",
+                {"200": _ok("Healthy."), **_errors("tei", (404, 422, 503))},
+                params=params,
+                security=_OPEN,
+            )
+        }
+        routes = (
+            ("tokenize", "Tokens of each text, with their offsets", "Per text, its tokens.", "Tokenize"),
+            ("decode", "Texts of token ids", "Per row of ids, its text.", "Decode"),
+            ("embed_all", "Every token's vector (models with output token_embeddings)",
+             "Per text, one vector per token.", "EmbedAll"),
+            ("embed_sparse", "Sparse (SPLADE) vectors as index/value pairs", "Per text, its non-zero weights.",
+             "EmbedSparse"),
+            ("similarity", "Cosine of a sentence's embedding with each of others'", "One cosine per sentence.",
+             "Similarity"),
+            ("predict", "Sequence classification: every label's score, highest first",
+             "The labels by score (a list per row for a batch).", "Predict"),
+        )  # fmt: skip
+        for name, summary, ok, schema in routes:
+            out[f"{base}/{name}"] = {
+                "post": _tei_call(name + s, summary, ok, schema + "Request", schema + "Response", base)
+            }
+        if base:
+            out[base + "/embed"] = {
+                "post": _tei_call(
+                    "embedModel",
+                    "Embeddings of this model",
+                    "One vector per input, in order.",
+                    "EmbedRequest",
+                    "EmbedResponse",
+                    base,
+                )
+            }
+            out[base + "/rerank"] = {
+                "post": _tei_call(
+                    "rerankModel",
+                    "Rerank texts with this model",
+                    "Scores, highest first.",
+                    "RerankRequest",
+                    "RerankResponse",
+                    base,
+                )
+            }
+    for path, op_id in (("/classify", "classify"), ("/v1/classify", "v1Classify")):
+        out[path] = {
+            "post": _op(
+                op_id,
+                "vLLM",
+                "Sequence classification (vLLM's / SGLang's API)",
+                {
+                    "200": _ok(
+                        "Per input, the most probable label and every label's probability.",
+                        _ref("ClassifyResponse"),
+                    ),
+                    **_errors("openai", (400, 401, 403, 404, 408, 413, 429, 500, 501, 503, 504)),
+                },
+                headers=("request_id", "latency_class", "latency_budget"),
+                body=_json_body("ClassifyRequest"),
+            )
+        }
+    return out
 
 
 # -- the routes --------------------------------------------------------------------------------------
@@ -799,9 +1010,11 @@ def _paths() -> dict[str, dict]:
                            {400: "TEI: an empty list of inputs (`error_type` `empty`)."})},
                 headers=("request_id", "latency_class", "latency_budget"),
                 body=_json_body("EmbedRequest"),
-                description=f"`model` defaults to `{DEFAULT_MODEL}`. A body TEI cannot read is 422.",
+                description="`model` defaults to the server's default model (`tei_default_model`; unset: the "
+                "first text embedding model by name). A body TEI cannot read is 422.",
             )
         },
+        **tei_paths(),
         "/rerank": {
             "post": _op(
                 "rerank", "TEI", "Rerank texts against a query (TEI's API)",
@@ -883,6 +1096,7 @@ def document() -> dict:
                 "Metrics",
                 "OpenAI",
                 "TEI",
+                "vLLM",
                 "Cohere / Jina",
                 "Contract",
             )

@@ -2,8 +2,10 @@
 SIGTERM, exit 0. The servicer is in ``grpc.py``, the REST listener and its app in ``http.py``.
 
 Bounds set here, before any Python runs for a call: the gRPC message size (derived from the served
-models unless configured), the cap on concurrent RPCs (``maximum_concurrent_rpcs``: gRPC answers
-RESOURCE_EXHAUSTED itself), and the ports, shared with SO_REUSEPORT only when asked.
+models unless configured), the cap on concurrent RPCs (``max_concurrent_rpcs``: the door's
+``CallCap``, which the call takers hold every call to, or grpc.aio's own cap when the takers are
+off; either answers RESOURCE_EXHAUSTED before a handler), and the ports, shared with SO_REUSEPORT
+only when asked.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from batchgate import proto
 from batchgate.cache import RedisLink
 from batchgate.gateway import dtypes, tracing
 from batchgate.gateway.admission import Admission
-from batchgate.gateway.admission.door import Door, StreamSlots
+from batchgate.gateway.admission.door import CallCap, Door, StreamSlots
 from batchgate.gateway.admission.gate import LoadShedder
 from batchgate.gateway.admission.usage import Sink, Usage
 from batchgate.gateway.codec import Limits, set_limits
@@ -210,6 +212,7 @@ class Server:
         self.door = Door(
             self.admission, self.shedder,
             StreamSlots(settings.max_streams_per_tenant, settings.max_streams_per_connection),
+            CallCap(settings.max_concurrent_rpcs),
         )  # fmt: skip
         # what each tenant used (None: usage_metering off, nothing counted); its sink, if any
         self.usage = Usage(Sink.from_settings(settings, self.redis)) if settings.usage_metering else None
@@ -258,7 +261,7 @@ class Server:
             ]
         # Authentication on metadata, before the message is read; an open server has no interceptor.
         interceptors = () if self.admission.open else (AuthInterceptor(self.door, self.metrics),)
-        self.takers = CallTakers(s.grpc_takers, s.max_concurrent_rpcs, self.shedder)
+        self.takers = CallTakers(s.grpc_takers, self.door.calls, self.shedder)
         server = grpc.aio.server(
             options=options, interceptors=self.takers.interceptors_for(interceptors),
             maximum_concurrent_rpcs=self.takers.grpc_cap,

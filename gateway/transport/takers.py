@@ -12,9 +12,10 @@ docs/performance.md, "Overload").
 ``CallTakers`` keeps ``n`` more requests for calls outstanding in core beside grpc.aio's own, so a
 burst of pending calls is taken in one turn and core's queue stays short. Each call taken here
 either goes down grpc.aio's own path (``_handle_rpc`` with the same handlers and interceptors,
-inside ``_schedule_rpc_coro``, exactly what the main loop does) or, while the load shedder sheds,
-is answered UNAVAILABLE on the spot: one status batch, no handler, no message read, no task for
-the call — measured ~4x cheaper than a refusal from a handler (docs/performance.md).
+inside ``_schedule_rpc_coro``, exactly what the main loop does) or is answered on the spot:
+RESOURCE_EXHAUSTED past the door's cap on calls in progress (``CallCap``, counted here for both
+loops), UNAVAILABLE while the load shedder sheds. One status batch, no handler, no message read:
+cheaper than a refusal from a handler (docs/overload.md, "The bound, measured in one run").
 
 These are grpc.aio internals (``AioServer._request_call``, three ``cygrpc`` functions and
 ``_ServicerContext.time_remaining`` for the call's deadline, grpcio 1.81). ``available()`` checks
@@ -32,7 +33,7 @@ import logging
 
 import grpc
 
-from batchgate.gateway.admission.door import ASKED, PRIOR
+from batchgate.gateway.admission.door import ASKED, PRIOR, CallCap
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +78,9 @@ def available() -> str:
 
 
 class CallTakers:
-    """``n`` extra takers of new calls for one grpc.aio server, and the server's cap of ``cap``
-    calls in progress (grpc.aio's own ``maximum_concurrent_rpcs`` knows only the calls its loop
-    took). Make it before the server, build the server with ``interceptors(theirs)`` and
+    """``n`` extra takers of new calls for one grpc.aio server, which hold the server to the door's
+    cap on calls in progress (``cap``: gateway/admission/door.py; grpc.aio's own
+    ``maximum_concurrent_rpcs`` knows only the calls its loop took). Make it before the server, build the server with ``interceptors(theirs)`` and
     ``maximum_concurrent_rpcs=self.grpc_cap``, ``attach`` it before any handler is added (it records
     them as they are), ``start`` it after ``server.start()``.
 
@@ -89,7 +90,7 @@ class CallTakers:
     ``message()`` and ``trailing()`` at once. It is blind to the method (core has not told Python
     which one yet), so probes belong on the health port when shedding matters."""
 
-    def __init__(self, n: int, cap: int, shedder) -> None:
+    def __init__(self, n: int, cap: CallCap, shedder) -> None:
         self.n = n
         self.cap = cap
         self.handlers: list = []
@@ -97,7 +98,6 @@ class CallTakers:
         self.shedder = shedder
         self.taken = 0  # calls taken here (not by grpc.aio's own loop)
         self.refused = 0  # of which answered UNAVAILABLE at the door
-        self.in_progress = 0  # calls of both loops, once the takers run
         self._tasks: set[asyncio.Task] = set()
         self._takers: list[asyncio.Task] = []
         self.why_not = available() if n > 0 else "off (grpc_takers=0)"
@@ -114,12 +114,12 @@ class CallTakers:
     @property
     def grpc_cap(self) -> int | None:
         """grpc.aio's own cap: none when the takers count every call themselves."""
-        return None if self.enabled else self.cap
+        return None if self.enabled else self.cap.limit
 
     def interceptors_for(self, theirs: tuple) -> tuple:
         """The server's interceptors: the calls grpc.aio's own loop takes are counted by the first."""
         self.interceptors = tuple(theirs)
-        return ((_Counted(self),) if self.enabled else ()) + self.interceptors
+        return ((_Counted(self.cap),) if self.enabled else ()) + self.interceptors
 
     def attach(self, server: grpc.aio.Server) -> None:
         self.server = server
@@ -150,13 +150,13 @@ class CallTakers:
 
     def _done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
-        self.in_progress -= 1
+        self.cap.in_progress -= 1
 
     async def _take(self, aio, loop: asyncio.AbstractEventLoop) -> None:
         handle_rpc, schedule = cygrpc._handle_rpc, cygrpc._schedule_rpc_coro
         send_error, initial_md = cygrpc._send_error_status_from_server, cygrpc.SendInitialMetadataOperation
         context_of = cygrpc._ServicerContext
-        tasks, done, shedder = self._tasks, self._done, self.shedder
+        tasks, done, shedder, cap = self._tasks, self._done, self.shedder, self.cap
         taken = contextvars.copy_context()
         taken.run(PRIOR.set, ASKED)  # the door does not ask the shedder again for these calls
         while aio.is_running():
@@ -167,9 +167,9 @@ class CallTakers:
             except Exception:  # core fails outstanding requests when the server shuts down
                 return
             self.taken += 1
-            if self.in_progress >= self.cap:
+            if cap.in_progress >= cap.limit:
                 coro = _refuse(
-                    send_error(state, _RESOURCE_EXHAUSTED, CAP_DETAILS, (), initial_md((), 0), loop)
+                    send_error(state, _RESOURCE_EXHAUSTED, cap.DETAILS, (), initial_md((), 0), loop)
                 )
             # the time left is read only while shedding (a context object per call otherwise)
             elif not shedder.take(
@@ -183,21 +183,18 @@ class CallTakers:
                 )
             else:
                 coro = schedule(handle_rpc(self.handlers, self.interceptors, state, loop, False), state, loop)
-            self.in_progress += 1
+            cap.in_progress += 1
             task = loop.create_task(coro, context=taken.copy())  # its own copy, PRIOR=ASKED in it
             tasks.add(task)
             task.add_done_callback(done)
 
 
-CAP_DETAILS = "Concurrent RPC limit exceeded!"  # grpc.aio's own words for its cap
-
-
 class _Counted(grpc.aio.ServerInterceptor):
-    """Counts the calls grpc.aio's own loop takes in ``CallTakers.in_progress`` (the takers count
+    """Counts the calls grpc.aio's own loop takes in the door's ``CallCap`` (the takers count
     theirs as they take them) and refuses one past the cap RESOURCE_EXHAUSTED, as grpc.aio would."""
 
-    def __init__(self, takers: CallTakers) -> None:
-        self.takers = takers
+    def __init__(self, cap: CallCap) -> None:
+        self.cap = cap
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -211,30 +208,30 @@ class _Counted(grpc.aio.ServerInterceptor):
         return handler._replace(**{kind: self._wrap(getattr(handler, kind))})
 
     def _wrap(self, behaviour):
-        takers = self.takers
+        cap = self.cap
         if inspect.isasyncgenfunction(behaviour):
 
             async def counted_gen(request, context):
-                if takers.in_progress >= takers.cap:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, CAP_DETAILS)
-                takers.in_progress += 1
+                if cap.in_progress >= cap.limit:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, cap.DETAILS)
+                cap.in_progress += 1
                 try:
                     async for item in behaviour(request, context):
                         yield item
                 finally:
-                    takers.in_progress -= 1
+                    cap.in_progress -= 1
 
             return counted_gen
 
         async def counted(request, context):
-            if takers.in_progress >= takers.cap:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, CAP_DETAILS)
-            takers.in_progress += 1
+            if cap.in_progress >= cap.limit:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, cap.DETAILS)
+            cap.in_progress += 1
             try:
                 result = behaviour(request, context)
                 return await result if inspect.isawaitable(result) else result
             finally:
-                takers.in_progress -= 1
+                cap.in_progress -= 1
 
         return counted
 

@@ -18,6 +18,7 @@ from aiohttp import web
 from batchgate.gateway.admission.door import Pass
 from batchgate.gateway.errors import GatewayError, Kind, invalid, retry_headers
 from batchgate.gateway.text import PAIR_SEPARATOR
+from batchgate.gateway.transport import tei_models
 from batchgate.gateway.transport.fields import (
     dimensions_for,
     TextRoutes,
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
     from batchgate.gateway.transport.http import Http
     from batchgate.gateway.transport.server import Server
 
-DEFAULT_MODEL = "minilm"  # what /embed serves when the body names no model
 EMPTY = "Input cannot be empty"  # TEI's words, answered 400 "empty"
 
 _TEI_FIELDS = {
@@ -114,11 +114,6 @@ def _documents(value: Any) -> list[str]:
     return texts_of(out, "documents")
 
 
-def _right(doc: dict) -> None:
-    if doc.get("truncation_direction", "Right") not in ("Right", "right"):
-        raise invalid("'truncation_direction' must be 'Right': texts keep their first tokens")
-
-
 class Tei(TextRoutes):
     async def embed(self, request: web.Request) -> web.Response:
         echo = request_echo(request)
@@ -129,19 +124,22 @@ class Tei(TextRoutes):
                     raise invalid("'inputs' is required: a string or a list of strings", "inputs")
                 if doc["inputs"] == []:
                     raise invalid(EMPTY, "inputs")
-                texts = texts_of(doc["inputs"], "inputs")
                 normalize = flag(doc, "normalize", True)
-                truncate = flag(doc, "truncate", False)
-                _right(doc)
+                model = tei_models.model_for(self.server, request, doc, ("embedding",))
+                tei_models.runtime_of(self.server, model, ("embedding",))
+                truncate = flag(
+                    doc, "truncate", tei_models.truncates(self.server, model)
+                )  # the model's by default
+                left = tei_models.left_of(doc)
+                texts, given = tei_models.inputs_of(
+                    self.server, model, doc["inputs"], "inputs", truncate, left
+                )
                 prompt_name = prompt_name_of(doc)
-                model = doc.get("model", DEFAULT_MODEL)
-                if not isinstance(model, str):
-                    raise invalid("'model' must be the name of a text model")
                 params = latency_of(request, doc)
                 size = dimensions_for(self.server, model, doc.get("dimensions"))
                 answer = await self.server.pipeline.texts(
                     pass_, self.edge, model, texts, params, exact_limit=not truncate, prompt_name=prompt_name,
-                    cut=truncate,
+                    cut=truncate and given is None, left=left, encodings=given,
                 )  # fmt: skip
         except GatewayError as exc:
             return tei_error(exc, echo)
@@ -162,10 +160,11 @@ class Tei(TextRoutes):
         )
 
     async def _rerank(self, request: web.Request, pass_: Pass, doc: dict, texts: list[str],
-                      exact_limit: bool, cut: bool = False) -> tuple[np.ndarray, Answer]:  # fmt: skip
-        """The raw scores of (query, text) for each text, in the caller's order."""
+                      exact_limit: bool, cut: bool | None = False, left: bool = False) -> tuple[np.ndarray, Answer]:  # fmt: skip
+        """The raw scores of (query, text) for each text, in the caller's order; ``cut`` None: the
+        model's own truncate setting."""
         pipeline = self.server.pipeline
-        model = doc.get("model")
+        model = request.match_info.get("model") or doc.get("model")
         if model is None:
             names = pipeline.text_models(pairs=True)
             if len(names) != 1:
@@ -176,8 +175,11 @@ class Tei(TextRoutes):
         query = _query(doc)
         params = latency_of(request, doc)
         rows = [query + PAIR_SEPARATOR + t for t in texts]
+        if cut is None:
+            cut = tei_models.truncates(self.server, model)
+            exact_limit = not cut
         answer = await pipeline.texts(
-            pass_, self.edge, model, rows, params, exact_limit=exact_limit, pairs=True, cut=cut
+            pass_, self.edge, model, rows, params, exact_limit=exact_limit, pairs=True, cut=cut, left=left
         )
         return answer.outputs[0].array[:, 0].copy(), answer
 
@@ -193,12 +195,12 @@ class Tei(TextRoutes):
                 if doc.get("texts") == []:
                     raise invalid(EMPTY, "texts")
                 texts = texts_of(doc.get("texts"), "texts")
-                truncate = flag(doc, "truncate", False)
+                truncate = flag(doc, "truncate", False) if doc.get("truncate") is not None else None
                 raw = flag(doc, "raw_scores", False)
                 return_text = flag(doc, "return_text", False)
-                _right(doc)
+                left = tei_models.left_of(doc)
                 scores, answer = await self._rerank(
-                    request, pass_, doc, texts, exact_limit=not truncate, cut=truncate
+                    request, pass_, doc, texts, exact_limit=not truncate, cut=truncate, left=left
                 )
         except GatewayError as exc:
             return tei_error(exc, echo)

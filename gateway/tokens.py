@@ -1,0 +1,117 @@
+"""A text model's tokenizer for the routes that show tokens rather than vectors (TEI's
+``/tokenize`` and ``/decode``), for left truncation (TEI's ``truncation_direction: Left``) and for
+token-id inputs (OpenAI's ``input`` as lists of ints).
+
+Each tokenizer is made from the model's own ``tokenizer.json`` (the text stage's file), one per
+thread and mode, so its settings never change under another caller; they run in helper threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from batchgate.gateway.errors import invalid
+from batchgate.gateway.text import PAIR_SEPARATOR, TextStage
+
+_local = threading.local()
+
+
+def _tokenizer(stage: TextStage, left: bool = False):
+    """The model's tokenizer without padding; truncating its left side at ``max_tokens`` when
+    ``left``, else not truncating."""
+    cache = _local.__dict__.setdefault("tokenizers", {})
+    key = (stage.settings.tokenizer_path, stage.settings.max_tokens, left)
+    tok = cache.get(key)
+    if tok is None:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(stage.settings.tokenizer_path))
+        tok.no_padding()
+        tok.no_truncation()
+        if left:
+            tok.enable_truncation(stage.settings.max_tokens, direction="left")
+        cache[key] = tok
+    return tok
+
+
+def encode_left(stage: TextStage, texts: list[str]) -> list:
+    """Each text's encoding keeping its last ``max_tokens`` tokens (special tokens kept)."""
+    rows = [tuple(t.split(PAIR_SEPARATOR, 1)) for t in texts] if stage.settings.pair else texts
+    return _tokenizer(stage, left=True).encode_batch(rows)
+
+
+def vocabulary_size(stage: TextStage) -> int:
+    return _tokenizer(stage).get_vocab_size(with_added_tokens=True)
+
+
+def tokenize(stage: TextStage, texts: list[str], add_special_tokens: bool) -> list[list[dict]]:
+    """TEI's ``/tokenize`` answer: per text, each token's id, text, whether it is special, and its
+    offsets in the text (``start``/``stop``, characters as the tokenizer counts them; none for a
+    special token, whose text is the token itself)."""
+    tok = _tokenizer(stage)
+    out = []
+    for text, e in zip(texts, tok.encode_batch(texts, add_special_tokens=add_special_tokens), strict=True):
+        row = []
+        for tid, token, special, (start, stop) in zip(e.ids, e.tokens, e.special_tokens_mask, e.offsets):
+            if special:
+                row.append({"id": tid, "text": token, "special": True, "start": None, "stop": None})
+            else:
+                row.append(
+                    {"id": tid, "text": text[start:stop], "special": False, "start": start, "stop": stop}
+                )
+        out.append(row)
+    return out
+
+
+def decode(stage: TextStage, rows: list[list[int]], skip_special_tokens: bool) -> list[str]:
+    return _tokenizer(stage).decode_batch(rows, skip_special_tokens=skip_special_tokens)
+
+
+def ids_of(value, field_name: str, size: int) -> list[list[int]]:
+    """Token-id rows from a JSON value (a list of ints, or a list of such lists), each id checked
+    against the vocabulary (``size`` ids); the refusal names ``field_name``."""
+    rows = value if value and isinstance(value[0], list) else [value]
+    for i, row in enumerate(rows):
+        if not isinstance(row, list) or not row:
+            raise invalid(f"'{field_name}[{i}]' must be a non-empty list of token ids", field_name)
+        for t in row:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < size:
+                raise invalid(
+                    f"'{field_name}[{i}]' holds {t!r}, not a token id of this model's vocabulary "
+                    f"(integers 0..{size - 1})", field_name,
+                )  # fmt: skip
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
+class Ids:
+    """Token ids a caller sent, as the worker reads an encoding: the model's input as it is."""
+
+    ids: list[int]
+    attention_mask: list[int]
+    type_ids: list[int]
+    overflowing: list = field(default_factory=list)
+
+    @classmethod
+    def of(cls, ids: list[int]) -> Ids:
+        return cls(list(ids), [1] * len(ids), [0] * len(ids))
+
+
+def id_rows(rows: list[list[int]], max_tokens: int, truncate: bool, left: bool, field_name: str):
+    """Placeholder texts (they key the cache, apart from texts: the pipeline's ``ids`` tag) and
+    the rows' ``Ids``, each cut to ``max_tokens`` when ``truncate``, else refused over it."""
+    texts, encodings = [], []
+    for i, row in enumerate(rows):
+        if len(row) > max_tokens:
+            if not truncate:
+                raise invalid(
+                    f"{field_name} {i} is {len(row)} tokens; the model takes at most {max_tokens} "
+                    "(send truncate: true to keep its first tokens)", field_name,
+                )  # fmt: skip
+            row = row[len(row) - max_tokens :] if left else row[:max_tokens]
+        # one word per id: the length estimate (a token per word) never puts the row in a bucket
+        # shorter than its ids
+        texts.append(" ".join(map(str, row)))
+        encodings.append(Ids.of(row))
+    return texts, encodings
