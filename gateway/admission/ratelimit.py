@@ -240,26 +240,18 @@ class GlobalSpec:
         return False
 
     def take_share(self, rows: int, now: float, tokens: int = 0) -> float:
-        wait = 0.0
-        r, w, t = self.share_requests, self.share_rows, self.share_tokens
-        if r is not None:
-            wait = r.take(1, now)
+        """All or nothing: every share bucket takes its cost, or those that took it get it back."""
+        taken = []
+        for bucket, cost in ((self.share_requests, 1), (self.share_rows, rows), (self.share_tokens, tokens)):
+            if bucket is None or not cost:
+                continue
+            wait = bucket.take(cost, now)
             if wait:
+                for b, c in taken:
+                    b.refund(c)
                 return wait
-        if w is not None and rows:
-            wait = w.take(rows, now)
-            if wait:
-                if r is not None:
-                    r.refund(1)
-                return wait
-        if t is not None and tokens:
-            wait = t.take(tokens, now)
-            if wait:
-                if r is not None:
-                    r.refund(1)
-                if w is not None and rows:
-                    w.refund(rows)
-        return wait
+            taken.append((bucket, cost))
+        return 0.0
 
     def charge_share(self, rows: int, now: float, tokens: int = 0) -> None:
         if self.share_requests is not None:
