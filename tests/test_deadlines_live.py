@@ -8,11 +8,14 @@ import asyncio
 import time
 
 import grpc
+import pytest
 import numpy as np
 
 from batchgate.bench.goodput import encoder_request
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from tests.harness import model_repo, serving, until
+
+pytestmark = pytest.mark.serial  # refusal times in milliseconds: alone (tests/parallel.py)
 
 BATCH_S = 0.05  # what one fake batch costs, any size: the latency model learns it
 

@@ -18,6 +18,8 @@ from batchgate.bench.loadgen import Workload, model_statistics, start_noop
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.serial  # benches: alone (tests/parallel.py)
+
 
 @pytest.fixture(scope="module")
 def noop():
