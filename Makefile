@@ -85,8 +85,11 @@ lint: $(TEST_STAMP)
 # After the tests, the quick benchmark (< 1 min): batchgate/no-op request rate, printed; it fails
 # only on a collapse (ratio < 0.3). QUICK_BENCH=0 skips it.
 QUICK_BENCH ?= 1
+# pytest-xdist workers: more than the 2 cores of a small machine, since many tests wait on sockets
+# and processes; the tests that time anything run alone, last (tests/parallel.py). 0: one process.
+PYTEST_WORKERS ?= 3
 test: $(TEST_STAMP) $(CHECKOV_VENV)/bin/checkov redis-server valgrind chromium prometheus lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 	@if [ "$(QUICK_BENCH)" != 0 ]; then $(BIN)/python -m batchgate.bench.quick; fi
 
 # The load generator (python -m batchgate.bench -h for its flags), e.g. make bench ARGS="--start-server --api unary,stream"

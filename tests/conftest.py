@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -16,10 +18,62 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests import parallel
 from tests.helpers import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 REPO = ROOT / "model_repository"
+LOCKS = pytest.StashKey[Path]()
+TURNS = pytest.StashKey[parallel.Turns]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[TURNS] = parallel.Turns(_locks(config))
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return
+    # The controller of an xdist run: one lock folder for its workers (tests/parallel.py), and
+    # minilm built into the bundled repository now, once, as the first `batchgate serve` of a
+    # fresh clone would: servers started at once on several workers would each build it into the
+    # same files.
+    config.stash[LOCKS] = Path(tempfile.mkdtemp(prefix="batchgate-tests-"))
+    from batchgate.gateway.build.minilm import prepare_missing
+
+    if REPO.is_dir():
+        prepare_missing(REPO, logging.getLogger("batchgate"))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if LOCKS in config.stash:
+        shutil.rmtree(config.stash[LOCKS], ignore_errors=True)
+
+
+def _locks(config: pytest.Config) -> Path | None:
+    folder = getattr(config, "workerinput", {}).get(parallel.KEY)
+    return Path(folder) if folder else None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    node.workerinput[parallel.KEY] = str(node.config.stash[LOCKS])
+    node.workerinput[parallel.LAST] = parallel.ours(node.config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    return parallel.scheduling(config, log, config.stash[LOCKS]) if parallel.ours(config) else None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if getattr(config, "workerinput", {}).get(parallel.LAST):
+        parallel.arrange(items, _locks(config))
+
+
+# Outermost (tryfirst), so that waiting for a turn is not counted in the test's pytest-timeout.
+@pytest.hookimpl(tryfirst=True, hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    with item.config.stash[TURNS].turn(item, nextitem):
+        yield
 
 
 @dataclass

@@ -17,6 +17,7 @@ SHORT = ["--duration", "0.6", "--warmup", "0.2", "--channels", "2", "--no-progre
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.serial
 def test_closed_loop_sweep_writes_json_csv_and_plots(server, tmp_path, capsys):
     rc = bench_main(
         ["--url", server.grpc_url, "--mode", "closed", "--api", "unary", "--concurrency", "1,4", *SHORT,
@@ -41,6 +42,7 @@ def test_closed_loop_sweep_writes_json_csv_and_plots(server, tmp_path, capsys):
     assert "p99.9 ms" in out and "c=4" in out
 
 
+@pytest.mark.serial
 def test_open_loop_stream_on_the_encoder(server, tmp_path):
     rc = bench_main(
         ["--url", server.grpc_url, "--model", "encoder", "--rows", "2", "--seq", "16", "--mode", "open",
@@ -60,6 +62,7 @@ class _UnknownModel(Workload):
         return reqs
 
 
+@pytest.mark.serial
 def test_refusals_are_counted_by_code_not_raised(server):
     point = asyncio.run(
         run_point(
@@ -71,6 +74,7 @@ def test_refusals_are_counted_by_code_not_raised(server):
     assert s["ok"] == 0 and s["error_codes"].startswith("NOT_FOUND=")
 
 
+@pytest.mark.serial
 def test_batchgate_bench_subcommand(server, tmp_path):
     from batchgate.gateway.cli import main as cli_main
 
@@ -102,6 +106,7 @@ def test_every_benchmark_module_imports(module):
     importlib.import_module(module)
 
 
+@pytest.mark.serial
 def test_text_workload_on_every_endpoint(server, tmp_path):
     """minilm's shipped texts over gRPC unary/stream, KServe REST and /v1/embeddings, 1 and 3 texts
     a request, in one run; every request answered 200/OK and counted as its texts."""

@@ -87,6 +87,7 @@ async def test_password_in_the_url(tmp_path):
         srv.kill()
 
 
+@pytest.mark.serial
 async def test_redis_down_costs_a_fast_miss_then_the_breaker_skips_it_and_probes_back(redis_server):
     tier = _tier(redis_server.url, breaker=Breaker(3, 0.3))
     try:
@@ -120,6 +121,7 @@ async def test_redis_down_costs_a_fast_miss_then_the_breaker_skips_it_and_probes
         await tier.close()
 
 
+@pytest.mark.serial
 async def test_a_paused_redis_costs_at_most_the_lookup_timeout(redis_server):
     tier = _tier(redis_server.url, lookup_timeout_s=0.005, breaker=Breaker(100, 1.0))
     try:

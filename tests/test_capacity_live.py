@@ -19,12 +19,15 @@ import threading
 import time
 
 import grpc
+import pytest
 import numpy as np
 
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import ROOT, start_server
 from tests.helpers import encoder_request, metric_samples
+
+pytestmark = pytest.mark.serial  # capacity and a spike, timed: alone (tests/parallel.py)
 
 TEXTS = [t for t in (ROOT / "bench" / "texts" / "mixed.txt").read_text().splitlines() if t.strip()]
 

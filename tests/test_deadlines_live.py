@@ -8,11 +8,14 @@ import asyncio
 import time
 
 import grpc
+import pytest
 import numpy as np
 
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from tests.harness import model_repo, serving, until
 from tests.helpers import encoder_request
+
+pytestmark = pytest.mark.serial  # refusal times in milliseconds: alone (tests/parallel.py)
 
 BATCH_S = 0.05  # what one fake batch costs, any size: the latency model learns it
 

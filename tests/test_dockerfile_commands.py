@@ -106,6 +106,10 @@ class Image:
         return subprocess.run(cmd, capture_output=True).returncode == 0
 
 
+# Its wheel is built in the checkout's build/, as tests/test_packaging.py's is (tests/parallel.py).
+pytestmark = pytest.mark.holds("build")
+
+
 @pytest.fixture(scope="module")
 def image(tmp_path_factory) -> Image:
     return Image(tmp_path_factory.mktemp("image"))

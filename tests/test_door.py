@@ -15,6 +15,7 @@ import time
 from collections import Counter
 
 import numpy as np
+import pytest
 
 from tests.conftest import REPO, start_server
 from tests.harness import model_repo, rest_body, serving
@@ -32,6 +33,7 @@ def _encoder_body(rows: int, seq: int, budget_ms: float) -> bytes:
     }).encode()  # fmt: skip
 
 
+@pytest.mark.serial
 def test_rest_only_traffic_that_wastes_its_calls_starts_the_gate_shedding(tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()
@@ -78,6 +80,7 @@ def test_rest_only_traffic_that_wastes_its_calls_starts_the_gate_shedding(tmp_pa
         srv.stop()
 
 
+@pytest.mark.serial
 async def test_rest_only_calls_expiring_in_the_queue_start_the_gate_shedding(tmp_path):
     """REST callers whose 1 ms budgets no batch meets, on a model that does not shed at admission:
     every call is taken; those that find the worker busy are dropped from the queue before compute

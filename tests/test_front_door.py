@@ -133,6 +133,7 @@ def _keyed_latency(stub) -> float:
 # -- attacks without a key ----------------------------------------------------------------------------
 
 
+@pytest.mark.serial
 def test_keyless_60mib_rest_body_is_refused_from_its_headers(keyed):
     ch, stub = _stub(keyed)
     with ch:
@@ -255,6 +256,7 @@ def test_made_up_name_unloads_cost_nothing(keyed):
         assert stub.ModelReady(pb.ModelReadyRequest(name="ranker"), timeout=5).ready
 
 
+@pytest.mark.serial
 def test_slow_http_connections_are_closed_by_the_server(keyed):
     conns = []
     for _ in range(200):
@@ -285,6 +287,7 @@ def test_slow_http_connections_are_closed_by_the_server(keyed):
     assert status == 200
 
 
+@pytest.mark.serial
 def test_a_stream_that_never_reads_is_held_by_its_window(keyed):
     ch, stub = _stub(keyed)
     stop = threading.Event()
@@ -481,6 +484,7 @@ def test_server_metadata_lists_exactly_the_extensions_served(server):
     assert status == 200 and set(json.loads(body)["extensions"]) == want
 
 
+@pytest.mark.serial
 def test_concurrent_rpc_cap_refuses_before_python(tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()

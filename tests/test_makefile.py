@@ -74,8 +74,8 @@ def test_serve_then_test_installs_each_part_once(checkout):
 
     calls = _make(checkout, "test")
     assert _installs(calls) == ["python -m pip install -e .[cpu,test,reference]"], calls
-    assert "ruff check ." in calls and "python -m pytest" in calls
-    assert calls.index("ruff check .") < calls.index("python -m pytest")
+    assert "ruff check ." in calls and "python -m pytest -n 3" in calls
+    assert calls.index("ruff check .") < calls.index("python -m pytest -n 3")
     assert "ruff format --check ." in calls  # the format check runs too
 
     assert _installs(_make(checkout, "serve")) == []  # nothing left to install

@@ -59,6 +59,7 @@ def _ranker_reference(dense: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.holds("build")  # pip wheel builds in the checkout's build/ (tests/parallel.py)
 def test_wheel_serves_beside_proto_plus(tmp_path):
     """Build the wheel, install it (no extra deps: those come from this venv) into a fresh venv that
     also has proto-plus, serve ``ranker`` from outside the checkout and answer a Triton client."""

@@ -19,6 +19,8 @@ from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from lab import handoff, perf_analyzer, profile, reuseport
 
+pytestmark = pytest.mark.serial  # benches: alone (tests/parallel.py)
+
 
 @pytest.fixture(scope="module")
 def noop():

@@ -123,6 +123,7 @@ async def test_concurrent_decisions_share_a_round_trip_and_stay_exact(redis_serv
 # -- the limiter: timeout, fallback, probe ------------------------------------------------------
 
 
+@pytest.mark.serial
 async def test_redis_decision_then_stall_then_recover(redis_server):
     spec = GlobalSpec("t/*", ("bg:{t}:*:req",), Rate(1000, 1000), None, share=0.5)
     lim = RedisLimiter.from_url(redis_server.url, timeout_s=0.005, probe_initial_s=0.05, probe_max_s=0.2)
@@ -164,6 +165,7 @@ async def test_redis_decision_then_stall_then_recover(redis_server):
         await lim.close()
 
 
+@pytest.mark.serial
 async def test_late_decisions_admit_in_the_ratio_redis_does(redis_server):
     spec = GlobalSpec(
         "t/*", ("bg:{t}:*:req",), Rate(0.01, 25), None, share=1.0
@@ -194,6 +196,7 @@ async def test_late_decisions_admit_in_the_ratio_redis_does(redis_server):
         await lim.close()
 
 
+@pytest.mark.serial
 async def test_redis_killed_fails_over_and_backs_off(redis_server):
     spec = GlobalSpec("t/*", ("bg:{t}:*:req",), Rate(100, 10), None, share=0.5)
     lim = RedisLimiter.from_url(redis_server.url, timeout_s=0.005, probe_initial_s=0.02, probe_max_s=0.16)
@@ -299,6 +302,7 @@ async def _offer(
         i += 1
 
 
+@pytest.mark.serial
 def test_two_gateways_share_one_global_limit_through_a_redis_outage(tmp_path, redis_server):
     tenants = _tenant_file(tmp_path)
     env = {

@@ -156,6 +156,7 @@ async def test_cache_failures_in_a_row_send_the_limiter_to_its_share(tmp_path, r
         await _close(server)
 
 
+@pytest.mark.serial
 async def test_the_link_backs_off_and_resets_only_after_a_real_success(redis_server):
     from batchgate.cache import Breaker
 

@@ -13,6 +13,8 @@ import pytest
 from batchgate.gateway.admission.tenants import hash_key
 from tests.conftest import REPO, start_server
 
+pytestmark = pytest.mark.serial  # cut at a timed body deadline: alone (tests/parallel.py)
+
 KEY = "slow-" + "k" * 40
 BODY_TIMEOUT_S = 2.0
 CONNECTIONS = 12  # per route

@@ -407,6 +407,7 @@ tenants:
     assert classes == {"realtime": 0, "bulk": 1, "standard": 1}, classes  # every class is exported
 
 
+@pytest.mark.serial
 async def test_a_revoked_key_is_refused_within_seconds_without_a_restart(tmp_path, caplog):
     keys = {
         "old": "revoked-soon-0123456789",
