@@ -330,10 +330,11 @@ class TextStage:
 
     # -- worker thread side ----------------------------------------------------------------------
 
-    def _tokenizer(self, truncate: bool, pad: bool = True):
-        """One tokenizer per thread and mode: its settings are never changed once made."""
+    def tokenizer(self, truncate: bool, pad: bool = True, left: bool = False):
+        """One tokenizer per thread and mode: its settings are never changed once made. ``left``:
+        truncation keeps a text's last tokens (TEI's ``truncation_direction: Left``)."""
         cache = self._local.__dict__
-        mode = (truncate, truncate and pad)
+        mode = (truncate, truncate and pad, truncate and left)
         tok = cache.get(mode)
         if tok is None:
             from tokenizers import Tokenizer
@@ -342,13 +343,13 @@ class TextStage:
             tok.no_padding()
             tok.no_truncation()
             if truncate:
-                tok.enable_truncation(self.settings.max_tokens)
+                tok.enable_truncation(self.settings.max_tokens, direction="left" if left else "right")
                 if pad:
                     tok.enable_padding(**self._pad)  # to the batch's longest
             cache[mode] = tok
         return tok
 
-    def _inputs(self, texts: list[str]) -> list:
+    def inputs(self, texts: list[str]) -> list:
         # A pair row splits at its first separator: the query cannot hold one, the document may.
         return [tuple(t.split(PAIR_SEPARATOR, 1)) for t in texts] if self.settings.pair else texts
 
@@ -358,14 +359,14 @@ class TextStage:
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         self._counted(len(texts))
-        return [len(e.ids) for e in self._tokenizer(False).encode_batch(self._inputs(texts))]
+        return [len(e.ids) for e in self.tokenizer(False).encode_batch(self.inputs(texts))]
 
     def encode(self, texts: list[str]) -> list:
         """Each text's encoding as the model will see it, unpadded: truncated to max_tokens when
         the model truncates (``overflowing`` then says whether it was cut), whole in reject mode.
         Counts for the caller and, unchanged, the worker's input (``__call__``)."""
         self._counted(len(texts))
-        return self._tokenizer(self.settings.truncate, pad=False).encode_batch(self._inputs(texts))
+        return self.tokenizer(self.settings.truncate, pad=False).encode_batch(self.inputs(texts))
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The engine's preprocess hook: the merged batch's texts -> the model's token inputs.
@@ -377,7 +378,7 @@ class TextStage:
         if all(isinstance(t, (str, bytes)) for t in rows):
             texts = [t if isinstance(t, str) else t.decode() for t in rows]
             self._counted(len(texts))
-            encodings = self._tokenizer(True).encode_batch(self._inputs(texts))
+            encodings = self.tokenizer(True).encode_batch(self.inputs(texts))
             return self._feeds([e.ids for e in encodings], [e.attention_mask for e in encodings],
                                [e.type_ids for e in encodings])  # fmt: skip
         todo = [i for i, t in enumerate(rows) if isinstance(t, (str, bytes))]
@@ -385,7 +386,7 @@ class TextStage:
         if todo:  # a batch that merged encoded rows with other callers' texts
             texts = [rows[i] if isinstance(rows[i], str) else rows[i].decode() for i in todo]
             self._counted(len(texts))
-            for i, e in zip(todo, self._tokenizer(True, pad=False).encode_batch(self._inputs(texts))):
+            for i, e in zip(todo, self.tokenizer(True, pad=False).encode_batch(self.inputs(texts))):
                 encodings[i] = e
         limit = self.settings.max_tokens
         width = min(max(len(e.ids) for e in encodings), limit)

@@ -2,54 +2,32 @@
 ``/tokenize`` and ``/decode``), for left truncation (TEI's ``truncation_direction: Left``) and for
 token-id inputs (OpenAI's ``input`` as lists of ints).
 
-Each tokenizer is made from the model's own ``tokenizer.json`` (the text stage's file), one per
-thread and mode, so its settings never change under another caller; they run in helper threads.
+The tokenizers are the text stage's own (``TextStage.tokenizer``: one per thread and mode, so
+their settings never change under another caller); these run in helper threads.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 
 from batchgate.gateway.errors import invalid
-from batchgate.gateway.text import PAIR_SEPARATOR, TextStage
-
-_local = threading.local()
-
-
-def _tokenizer(stage: TextStage, left: bool = False):
-    """The model's tokenizer without padding; truncating its left side at ``max_tokens`` when
-    ``left``, else not truncating."""
-    cache = _local.__dict__.setdefault("tokenizers", {})
-    key = (stage.settings.tokenizer_path, stage.settings.max_tokens, left)
-    tok = cache.get(key)
-    if tok is None:
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(stage.settings.tokenizer_path))
-        tok.no_padding()
-        tok.no_truncation()
-        if left:
-            tok.enable_truncation(stage.settings.max_tokens, direction="left")
-        cache[key] = tok
-    return tok
+from batchgate.gateway.text import TextStage
 
 
 def encode_left(stage: TextStage, texts: list[str]) -> list:
     """Each text's encoding keeping its last ``max_tokens`` tokens (special tokens kept)."""
-    rows = [tuple(t.split(PAIR_SEPARATOR, 1)) for t in texts] if stage.settings.pair else texts
-    return _tokenizer(stage, left=True).encode_batch(rows)
+    return stage.tokenizer(True, pad=False, left=True).encode_batch(stage.inputs(texts))
 
 
 def vocabulary_size(stage: TextStage) -> int:
-    return _tokenizer(stage).get_vocab_size(with_added_tokens=True)
+    return stage.tokenizer(False).get_vocab_size(with_added_tokens=True)
 
 
 def tokenize(stage: TextStage, texts: list[str], add_special_tokens: bool) -> list[list[dict]]:
     """TEI's ``/tokenize`` answer: per text, each token's id, text, whether it is special, and its
     offsets in the text (``start``/``stop``, characters as the tokenizer counts them; none for a
     special token, whose text is the token itself)."""
-    tok = _tokenizer(stage)
+    tok = stage.tokenizer(False)
     out = []
     for text, e in zip(texts, tok.encode_batch(texts, add_special_tokens=add_special_tokens), strict=True):
         row = []
@@ -65,7 +43,7 @@ def tokenize(stage: TextStage, texts: list[str], add_special_tokens: bool) -> li
 
 
 def decode(stage: TextStage, rows: list[list[int]], skip_special_tokens: bool) -> list[str]:
-    return _tokenizer(stage).decode_batch(rows, skip_special_tokens=skip_special_tokens)
+    return stage.tokenizer(False).decode_batch(rows, skip_special_tokens=skip_special_tokens)
 
 
 def ids_of(value, field_name: str, size: int) -> list[list[int]]:
