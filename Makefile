@@ -19,7 +19,7 @@ SERVE_STAMP := $(VENV)/.installed-$(RUNTIME)$(if $(filter 1,$(OPENVINO)),-openvi
 TEST_STAMP  := $(VENV)/.installed-$(RUNTIME)-test
 OTHER_ORT   := $(if $(filter gpu,$(RUNTIME)),onnxruntime,onnxruntime-gpu)
 
-.PHONY: serve test lint proto bench clean redis-server valgrind chromium prometheus
+.PHONY: serve test test-deps system-packages lint proto bench clean redis-server valgrind chromium prometheus
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,19 +49,18 @@ $(TEST_STAMP): pyproject.toml | $(BIN)/python
 serve: $(SERVE_STAMP)
 	$(BIN)/batchgate serve $(ARGS)
 
-# The tests start their own redis-server processes (so they can kill them): install the
-# binary when the machine lacks it.
-redis-server:
-	@command -v redis-server >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
-
-# The regression guard (tests/test_instruction_guard.py, lab/instructions.py) counts instructions
-# per row under callgrind: install valgrind when the machine lacks it.
-valgrind:
-	@command -v valgrind >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq valgrind >/dev/null)
-
-# tests/test_openapi.py opens /docs (Swagger UI) in headless Chromium: install it when the machine lacks it.
-chromium:
-	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+# What the tests need from the system, installed when the machine lacks it, in one apt-get run
+# (apt holds one lock, so separate runs could not overlap the pip installs below):
+# redis-server (the tests start their own processes, so they can kill them), valgrind (the
+# instruction guard, tests/test_instruction_guard.py), chromium (headless pages: Swagger UI, CORS),
+# prometheus (tests/test_dashboard_picture.py evaluates the chart's dashboard queries).
+SYSTEM_TOOLS := redis-server:redis-server valgrind:valgrind chromium:chromium prometheus:prometheus
+system-packages:
+	@missing=""; for pair in $(SYSTEM_TOOLS); do \
+	  command -v $${pair%%:*} >/dev/null 2>&1 || test -x /usr/bin/$${pair%%:*} || missing="$$missing $${pair#*:}"; done; \
+	if [ -n "$$missing" ]; then echo "== apt-get install$$missing"; \
+	  apt-get update -qq && apt-get install -y -qq $$missing >/dev/null; fi
+redis-server valgrind chromium prometheus: system-packages
 
 # tests/test_helm_platform.py scans the rendered chart with checkov, in a venv of its own:
 # checkov caps packaging below 24, which the setuptools that builds batchgate's wheel needs.
@@ -69,11 +68,6 @@ CHECKOV_VENV := .venv-checkov
 $(CHECKOV_VENV)/bin/checkov:
 	$(PYTHON) -m venv $(CHECKOV_VENV)
 	$(CHECKOV_VENV)/bin/python -m pip install -q 'checkov>=3.2'
-
-# tests/test_dashboard_picture.py evaluates the Helm chart's dashboard queries in a real Prometheus:
-# install it when the machine lacks it.
-prometheus:
-	@test -x /usr/bin/prometheus || (apt-get update -qq && apt-get install -y -qq prometheus >/dev/null)
 
 # Lint and format check (ruff's rules are chosen in pyproject.toml); RUFF_FORMAT=0 skips the
 # format check.
@@ -86,9 +80,14 @@ lint: $(TEST_STAMP)
 # only on a collapse (ratio < 0.3). QUICK_BENCH=0 skips it.
 QUICK_BENCH ?= 1
 # pytest-xdist workers: more than the 2 cores of a small machine, since many tests wait on sockets
-# and processes; the tests that time anything run alone, last (tests/parallel.py). 0: one process.
-PYTEST_WORKERS ?= 3
-test: $(TEST_STAMP) $(CHECKOV_VENV)/bin/checkov redis-server valgrind chromium prometheus lint
+# and processes (measured on 2 cores, quiet host, 2026-12-05: 3 workers 491 s, 5 workers 414 s,
+# 1.3 cores busy); the tests that time anything run alone, last (tests/parallel.py). 0: one process.
+PYTEST_WORKERS ?= 5
+# The installs overlap: the venv's pip, checkov's venv and apt (each mostly waits on disk or network).
+test-deps: $(TEST_STAMP) $(CHECKOV_VENV)/bin/checkov system-packages
+test:
+	@$(MAKE) --no-print-directory -j3 test-deps
+	@$(MAKE) --no-print-directory lint
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 	@if [ "$(QUICK_BENCH)" != 0 ]; then $(BIN)/python -m batchgate.bench.quick; fi
 

@@ -83,6 +83,9 @@ def main() -> int:
     p.add_argument("--shapes", default="64x1:standard,8x32:bulk")
     p.add_argument("--server-core", type=int, default=0)
     p.add_argument("--load-core", type=int, default=1)
+    p.add_argument(
+        "--server-args", default="", help="more `batchgate serve` flags, e.g. '--workers-per-device 1'"
+    )
     args = p.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     if not (args.model_dir / "1" / "model.onnx").exists():
@@ -100,7 +103,7 @@ def main() -> int:
     url = f"127.0.0.1:{grpc_port}"
     cmd = ["taskset", "-c", str(args.server_core), sys.executable, "-m", "batchgate", "serve",
            "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
-           "--model-repository", str(tmp), "--no-build-models", "--log-level", "WARNING"]  # fmt: skip
+           "--model-repository", str(tmp), "--no-build-models", "--log-level", "WARNING", *args.server_args.split()]  # fmt: skip
     server = Started("batchgate", cmd, url)
     proc = server.proc
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
