@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return prepare_minilm(args)
     if args.command == "prepare-model":
-        from batchgate.gateway.build.hf_model import run as prepare_model
+        from batchgate.gateway.build.prepare import run as prepare_model
 
         return prepare_model(args)
     if args.command == "optimize":

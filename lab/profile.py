@@ -62,7 +62,7 @@ STAGES = {
         "deadline.py", "stats.py",
     ),
     "dataplane/runtime": ("dataplane.py", "runtime.py"),
-    "text stage": ("preprocess.py", "text.py"),
+    "text stage": ("text.py",),
     "metrics": ("metrics.py",),
 }  # fmt: skip
 _OUR_DIRS = ("gateway/", "workers/", "cache/", "bench/noop_server.py")

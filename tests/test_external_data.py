@@ -24,7 +24,8 @@ import onnxruntime as ort
 import pytest
 from safetensors.numpy import save_file
 
-from batchgate.gateway.build.hf_model import PrepareError, prepare_model
+from batchgate.gateway.build.hf_model import PrepareError
+from batchgate.gateway.build.prepare import prepare_model
 from batchgate.gateway.build.onnx_graph import EXTERNAL_BYTES_ENV
 from batchgate.gateway.build.optimize import OptimizeError, Options, optimize
 from batchgate.gateway.repository import load_model

@@ -27,7 +27,8 @@ import tritonclient.grpc as tc
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer
 
-from batchgate.gateway.build.hf_model import PrepareError, prepare_model
+from batchgate.gateway.build.hf_model import PrepareError
+from batchgate.gateway.build.prepare import prepare_model
 from batchgate.gateway.build.onnx_export import P, read_export
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from batchgate.gateway.build import sources
-from batchgate.gateway.build.hf_model import PrepareError, prepare_model
+from batchgate.gateway.build.hf_model import PrepareError
+from batchgate.gateway.build.prepare import prepare_model
 from tests.conftest import free_ports
 from tests.test_prepare_model import prepare_cli, save_folder, tiny_bert, wordpiece
 

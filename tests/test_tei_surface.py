@@ -23,7 +23,7 @@ import pytest
 import tritonclient.grpc as tc
 from tokenizers import Tokenizer
 
-from batchgate.gateway.build.hf_model import prepare_model
+from batchgate.gateway.build.prepare import prepare_model
 from tests.conftest import REPO, start_server
 from tests.test_classify import SENTIMENT, TOPICS
 from tests.test_classify import reference as classifier_reference

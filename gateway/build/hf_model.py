@@ -14,6 +14,7 @@ with safetensors' numpy API and the graph is spelled out with ``onnx.helper``: n
 or at serving time. SOURCE may also be a Hugging Face model ID, read through the hub cache
 (``sources.py``); a folder whose architecture the builder does not know is served from its ONNX
 export (``onnx/model.onnx`` or ``model.onnx``) with the head appended (``onnx_export.py``).
+``prepare.py`` resolves SOURCE and picks between the two; this module is the weights builder.
 
 What it decides, and where from (docs/embeddings.md, "Bringing your own model"):
 
@@ -45,19 +46,27 @@ What it decides, and where from (docs/embeddings.md, "Bringing your own model"):
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
-import re
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+from google.protobuf import text_encoding
 
-from batchgate.gateway.build.encoder import ACTIVATIONS, POOLINGS, Dense, EncoderConfig, Head, MaskedLM
+from batchgate.gateway.build.encoder import (
+    ACTIVATIONS,
+    POOLINGS,
+    Dense,
+    EncoderConfig,
+    Head,
+    MaskedLM,
+    build_model,
+)
+from batchgate.gateway.build.minilm import render_text_config, text_parameters
+from batchgate.gateway.build.onnx_graph import write_atomic, write_model
 
 Log = Callable[[str], object]
 
@@ -122,7 +131,6 @@ _POOLING_MODES = {
 }
 # A tokenizer_config.json without a limit says 1e30 (transformers' VERY_LARGE_INTEGER).
 _NO_LIMIT = 1_000_000
-_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
 class PrepareError(ValueError):
@@ -600,15 +608,11 @@ def _mlm_head(plan: Plan, weights: dict[str, np.ndarray], encoder: dict[str, np.
 
 
 def _escape(text: str) -> str:
-    from google.protobuf import text_encoding
-
     return text_encoding.CEscape(text, as_utf8=True)
 
 
 def render_config(name: str, plan) -> str:
     """``plan``: a Plan, or onnx_export's ExportPlan (the same fields this reads)."""
-    from batchgate.gateway.build.minilm import render_text_config, text_parameters
-
     params = text_parameters(plan.max_tokens)
     head = plan.head
     kind = head.kind
@@ -684,36 +688,15 @@ def _last_token_note(tokenizer: Path) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# the command
+# building
 
 
-def prepare_model(source: str | Path, name: str, repo: Path, *, pooling: str | None = None,
-                  normalize: bool | None = None, revision: str | None = None, from_onnx: bool = False,
-                  onnx_file: Path | None = None, text_pair: bool | None = None,
-                  token_embeddings: bool = False, log: Log = print) -> Path:  # fmt: skip
-    """Write ``<repo>/<name>`` from ``source`` (a folder, or a Hugging Face model ID resolved
-    through the hub cache: gateway/build/sources.py); returns the model directory. The weights
-    are built into a graph when the builder knows the architecture; a folder carrying an ONNX
-    export is served from that export otherwise (gateway/build/onnx_export.py), or always with
-    ``from_onnx`` / ``onnx_file``. Raises PrepareError (one line) when the folder is not one
-    this build serves faithfully."""
-    from batchgate.gateway.build import sources
-    from batchgate.gateway.build.encoder import build_model
-    from batchgate.gateway.build.onnx_graph import write_atomic, write_model
-
-    if not _NAME.fullmatch(name):
-        raise PrepareError(f"--name '{name}': a model name is letters, digits, '_', '.' and '-'")
-    t0 = time.monotonic()
-    try:
-        source = sources.resolve(source, revision, log=log)
-    except sources.SourceError as exc:
-        raise PrepareError(str(exc)) from None
-    if from_onnx or onnx_file is not None or _export_only(source):
-        from batchgate.gateway.build.onnx_export import prepare_export
-
-        return prepare_export(
-            source, name, repo, onnx_file=onnx_file, pooling=pooling, normalize=normalize, log=log, t0=t0
-        )
+def prepare_weights(source: Path, name: str, repo: Path, *, pooling: str | None = None,
+                    normalize: bool | None = None, text_pair: bool | None = None,
+                    token_embeddings: bool = False, log: Log = print, t0: float | None = None) -> Path:  # fmt: skip
+    """Write ``<repo>/<name>`` from a local folder whose architecture the builder knows: its
+    safetensors weights built into a graph. Returns the model directory; raises PrepareError."""
+    t0 = time.monotonic() if t0 is None else t0
     plan = read_folder(source, pooling=pooling, normalize=normalize, text_pair=text_pair,
                        token_embeddings=token_embeddings)  # fmt: skip
     weights = _read_safetensors(plan.model_dir / "model.safetensors")
@@ -754,29 +737,6 @@ def prepare_model(source: str | Path, name: str, repo: Path, *, pooling: str | N
     return out
 
 
-def _export_only(folder: Path) -> bool:
-    """Whether the folder is served from its ONNX export: it has one, and the builder does not
-    know its architecture (or has no safetensors weights to build from). An architecture
-    neither covers is refused with the way forward appended."""
-    from batchgate.gateway.build.onnx_export import EXPORT_HINT, find_onnx
-
-    if not folder.is_dir():
-        return False  # read_folder says what it is
-    modules = _modules(folder)
-    model_dir = modules.transformer if modules else folder
-    has_export = find_onnx(model_dir, folder) is not None
-    config = _json(model_dir / "config.json", required=has_export is False)
-    if config is None:
-        return True
-    try:
-        _architecture(config, model_dir / "config.json")
-    except PrepareError as exc:
-        if has_export:
-            return True
-        raise PrepareError(f"{exc}; {EXPORT_HINT}") from None
-    return has_export and not (model_dir / "model.safetensors").is_file()
-
-
 def _check_vocab(plan: Plan, encoder: dict[str, np.ndarray]) -> None:
     from tokenizers import Tokenizer
 
@@ -787,27 +747,3 @@ def _check_vocab(plan: Plan, encoder: dict[str, np.ndarray]) -> None:
         raise PrepareError(
             f"{plan.tokenizer} has {tokens} tokens; the model's embedding table has {rows} rows"
         )
-
-
-def run(args: argparse.Namespace) -> int:
-    """``batchgate prepare-model``: 0; 2 for a folder it refuses, 1 for a failure; one line on stderr."""
-    try:
-        prepare_model(
-            args.source,
-            args.name,
-            args.model_repository,
-            pooling=args.pooling,
-            normalize=args.normalize,
-            revision=args.revision,
-            from_onnx=args.from_onnx,
-            onnx_file=args.onnx,
-            text_pair=args.text_pair,
-            token_embeddings=args.token_embeddings,
-        )
-    except PrepareError as exc:
-        print(f"batchgate prepare-model: {str(exc).replace(chr(10), ' ')}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # an I/O or build failure: one line too, as prepare-minilm says it
-        print(f"batchgate prepare-model: {type(exc).__name__}: {exc}".replace("\n", " "), file=sys.stderr)
-        return 1
-    return 0

@@ -236,7 +236,7 @@ def text_parameters(max_tokens: int) -> dict[str, str]:
     """The text stage's parameters (gateway/text.py) at this build's CPU defaults."""
     buckets = [b for b in LENGTH_BUCKETS if b < max_tokens] + [max_tokens]
     return {
-        # The preprocessing stage: strings in, the ONNX model's token inputs out (gateway/preprocess.py).
+        # The preprocessing stage: strings in, the ONNX model's token inputs out (gateway/text.py).
         "tokenizer": "tokenizer.json",
         "max_tokens": str(max_tokens),
         "truncate": "truncate",
