@@ -8,7 +8,7 @@ unseen while the noise of a shared CI machine does not fail builds. The pairs ar
 ``--rounds`` alternating rounds and the best round's ratio is the one judged: a real collapse shows
 in every round, a burst of someone else's load on a shared machine seldom does.
 
-    .venv/bin/python -m batchgate.bench.quick [--concurrency 32] [--seconds 2.5] [--rounds 2]
+    .venv/bin/python -m batchgate.bench.quick [--concurrency 32] [--seconds 1.5] [--rounds 2]
         [--min-ratio 0.3] [--apis unary,stream] [--serve "--api-keys-file t.yaml ..."] [--api-key KEY]
 
 ``--serve`` passes flags to the batchgate server, ``--api-key`` sends a key with every call (a
@@ -41,9 +41,9 @@ def verdict(ratios: dict[str, float], min_ratio: float) -> tuple[bool, str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--seconds", type=float, default=2.5, help="measured seconds per target, API and round")
+    ap.add_argument("--seconds", type=float, default=1.5, help="measured seconds per target, API and round")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds; the best ratio is judged")
-    ap.add_argument("--warmup", type=float, default=1.0)
+    ap.add_argument("--warmup", type=float, default=0.5)
     ap.add_argument("--apis", default="unary,stream", help="unary, stream or both (comma-separated)")
     ap.add_argument(
         "--min-ratio", type=float, default=0.3, help="fail below this batchgate/noop request rate"

@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable, Hashable
+import os
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -264,10 +265,22 @@ def place_model(spec: ModelSpec, s: Settings, probe: Callable[[], tuple[int, str
     return Placement(tuple(devices), "; ".join(notes), fallback)
 
 
-def workers_per_device(spec: ModelSpec, s: Settings) -> int:
+def workers_per_device(spec: ModelSpec, s: Settings, devices: Sequence[Device] = ()) -> int:
     """Workers on each device the model runs on, a GPU as the CPU: the server's workers_per_device,
-    else the instance groups' count (per device, as Triton's)."""
-    return s.workers_per_device or max([g.count or 1 for g in spec.config.instance_group] or [1])
+    else the instance groups' count (per device, as Triton's). On the CPU that count is capped at
+    the cores this process may run on (its affinity: taskset, a cgroup cpuset) over the intra-op
+    threads: workers time-slicing one core run smaller batches and each holds its weights
+    (docs/engines.md). The server's setting is never capped."""
+    if s.workers_per_device:
+        return s.workers_per_device
+    count = max([g.count or 1 for g in spec.config.instance_group] or [1])
+    if devices and all(d.kind == "cpu" for d in devices):
+        cores = max(1, len(os.sched_getaffinity(0)) // max(1, s.intra_op_threads))
+        if count > cores:
+            log.info("model %s version %s: %d CPU workers, not the config's %d: this process may run on %d core(s)",
+                     spec.name, spec.version, cores, count, len(os.sched_getaffinity(0)))  # fmt: skip
+            count = cores
+    return count
 
 
 async def build_runtime(
@@ -276,7 +289,7 @@ async def build_runtime(
     """Start one model version: text stage, worker pool (engines warmed), queue and scheduler."""
     placement = await asyncio.to_thread(place_model, spec, s)
     devices = list(placement.devices)
-    count = workers_per_device(spec, s)
+    count = workers_per_device(spec, s, devices)
     text = await asyncio.to_thread(TextStage, spec) if tokenized(spec.config) else None
     options = EngineOptions(intra_op_threads=s.intra_op_threads, inter_op_threads=s.inter_op_threads,
                             preprocess=text, mode=s.engine_mode, warmup=s.engine_warmup,

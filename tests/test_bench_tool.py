@@ -106,7 +106,6 @@ def test_every_benchmark_module_imports(module):
     importlib.import_module(module)
 
 
-@pytest.mark.serial
 def test_text_workload_on_every_endpoint(server, tmp_path):
     """minilm's shipped texts over gRPC unary/stream, KServe REST and /v1/embeddings, 1 and 3 texts
     a request, in one run; every request answered 200/OK and counted as its texts."""
@@ -117,7 +116,7 @@ def test_text_workload_on_every_endpoint(server, tmp_path):
     rc = bench_main(
         ["--url", server.grpc_url, "--http-url", f"127.0.0.1:{server.http_port}", "--model", "minilm",
          "--api", "unary,stream,rest,openai", "--rows", "1,3", "--concurrency", "2", "--latency-class", "bulk",
-         "--duration", "1.5", "--warmup", "0.3", "--channels", "2", "--no-progress",
+         "--duration", "0.8", "--warmup", "0.2", "--channels", "2", "--no-progress",
          "--timeout-s", "30", "--json", str(tmp_path / "t.json")]
     )  # fmt: skip
     assert rc == 0

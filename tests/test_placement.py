@@ -4,6 +4,7 @@ without a GPU (this one), where the documented behaviour is all there is to see.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 
@@ -103,6 +104,9 @@ def test_chart_gpu_values_put_every_bundled_model_on_the_pods_gpus(values, count
         for spec in versions.values():
             # The device plugin shows the pod exactly gpu.count devices.
             p = place_model(spec, s, probe=lambda: (count, ""))
+            if spec.engine == "openvino":  # `optimize --auto` chose OpenVINO here: the CPU, always
+                assert p.devices == CPU, name
+                continue
             assert p.devices == gpus(*range(count)), name
             assert p.note == "device=gpu overrides KIND_CPU", name
             n = workers_per_device(spec, s)
@@ -202,3 +206,19 @@ def test_a_gpu_session_that_lands_on_the_cpu_fails_loudly(tmp_path, monkeypatch)
     cpu = sessions.SessionFactory(encoder, "", Device("cpu"))
     monkeypatch.setattr(sessions.ort, "get_available_providers", lambda: ["CUDAExecutionProvider", *real])
     assert cpu.create().get_providers() == ["CPUExecutionProvider"]
+
+
+def test_cpu_workers_are_capped_at_the_cores_the_process_may_use():
+    """The bundled configs ask for 2 workers; pinned to one core (as taskset or a cpuset pins a
+    server) the CPU gets one, a GPU keeps its count, and the server's own setting is never capped."""
+    spec = next(iter(load_repository(REPO).models["minilm"].values()))
+    mine = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(mine)})
+        assert workers_per_device(spec, Settings(), CPU) == 1
+        assert workers_per_device(spec, Settings(), gpus(0)) == 2
+        assert workers_per_device(spec, Settings(workers_per_device=3), CPU) == 3
+    finally:
+        os.sched_setaffinity(0, mine)
+    assert workers_per_device(spec, Settings(), CPU) == min(2, len(mine))
+    assert workers_per_device(spec, Settings(intra_op_threads=len(mine)), CPU) == 1

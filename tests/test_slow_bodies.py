@@ -13,8 +13,9 @@ import pytest
 from batchgate.gateway.admission.tenants import hash_key
 from tests.conftest import REPO, start_server
 
-pytestmark = pytest.mark.serial  # cut at a timed body deadline: alone (tests/parallel.py)
 
+# Beside other tests, not alone: it mostly waits, and its bounds (deadline -0.5 s, +3 s) are far
+# wider than a busy loop's lag.
 KEY = "slow-" + "k" * 40
 BODY_TIMEOUT_S = 2.0
 CONNECTIONS = 12  # per route
