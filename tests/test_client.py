@@ -223,7 +223,6 @@ def test_a_drain_mid_run_is_retried_on_the_other_server(tmp_path: Path):
         b.stop()
 
 
-@pytest.mark.serial  # real minilm compute within a deadline
 def test_embed_of_a_thousand_texts_is_a_thousand_vectors_in_order(srv, bg, triton):
     texts = [f"sentence {i}: " + " ".join(["word"] * (i % 23)) for i in range(1000)]
     vectors = bg.embed(texts)  # minilm takes 64 a request: 16 requests, in flight together

@@ -356,7 +356,6 @@ def test_request_id_is_echoed(base):
         assert status == 200 and {k.lower(): v for k, v in headers.items()}["x-request-id"] == "embed-test-42"
 
 
-@pytest.mark.serial  # real minilm compute within a deadline
 def test_a_list_of_texts_is_one_call_at_the_door_and_against_the_tenants_limits(base):
     """200 texts go to the model as four requests of 64, but the caller made one call: a tenant
     allowed one request is answered, whole, and refused the next (before, each of the four parts

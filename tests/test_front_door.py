@@ -256,7 +256,6 @@ def test_made_up_name_unloads_cost_nothing(keyed):
         assert stub.ModelReady(pb.ModelReadyRequest(name="ranker"), timeout=5).ready
 
 
-@pytest.mark.serial
 def test_slow_http_connections_are_closed_by_the_server(keyed):
     conns = []
     for _ in range(200):

@@ -69,12 +69,12 @@ def _installs(calls: list[str]) -> list[str]:
 
 def test_serve_then_test_installs_each_part_once(checkout):
     calls = _make(checkout, "serve")
-    assert _installs(calls) == ["python -m pip install -e .[cpu]"], calls
+    assert _installs(calls) == ["python -m pip install --no-compile -e .[cpu]"], calls
     assert "batchgate serve" in calls
     assert not any("--quiet" in c or " -q" in c for c in _installs(calls))  # pip's progress stays on
 
     calls = _make(checkout, "test")
-    assert _installs(calls) == ["python -m pip install -e .[cpu,test,reference]"], calls
+    assert _installs(calls) == ["python -m pip install --no-compile -e .[cpu,test,reference]"], calls
     pytest = next(c for c in calls if c.startswith("python -m pytest"))
     assert re.fullmatch(r"python -m pytest -n [1-9]\d*", pytest), pytest  # xdist on, some workers
     assert "ruff check ." in calls and calls.index("ruff check .") < calls.index(pytest)
@@ -85,7 +85,9 @@ def test_serve_then_test_installs_each_part_once(checkout):
 
 
 def test_test_first_leaves_nothing_for_serve(checkout):
-    assert _installs(_make(checkout, "test")) == ["python -m pip install -e .[cpu,test,reference]"]
+    assert _installs(_make(checkout, "test")) == [
+        "python -m pip install --no-compile -e .[cpu,test,reference]"
+    ]
     assert _installs(_make(checkout, "serve")) == []
 
 
@@ -93,10 +95,12 @@ def test_a_changed_pyproject_installs_again(checkout):
     _make(checkout, "serve")
     later = time.time() + 2
     os.utime(checkout / "pyproject.toml", (later, later))
-    assert _installs(_make(checkout, "serve")) == ["python -m pip install -e .[cpu]"]
+    assert _installs(_make(checkout, "serve")) == ["python -m pip install --no-compile -e .[cpu]"]
 
 
 def test_gpu_runtime_and_format_check(checkout):
-    assert _installs(_make(checkout, "serve", "RUNTIME=gpu")) == ["python -m pip install -e .[gpu]"]
+    assert _installs(_make(checkout, "serve", "RUNTIME=gpu")) == [
+        "python -m pip install --no-compile -e .[gpu]"
+    ]
     calls = _make(checkout, "lint", "RUNTIME=gpu", "RUFF_FORMAT=1")
     assert "ruff format --check ." in calls
