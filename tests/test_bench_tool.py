@@ -17,7 +17,6 @@ SHORT = ["--duration", "0.6", "--warmup", "0.2", "--channels", "2", "--no-progre
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.serial
 def test_closed_loop_sweep_writes_json_csv_and_plots(server, tmp_path, capsys):
     rc = bench_main(
         ["--url", server.grpc_url, "--mode", "closed", "--api", "unary", "--concurrency", "1,4", *SHORT,
@@ -42,7 +41,6 @@ def test_closed_loop_sweep_writes_json_csv_and_plots(server, tmp_path, capsys):
     assert "p99.9 ms" in out and "c=4" in out
 
 
-@pytest.mark.serial
 def test_open_loop_stream_on_the_encoder(server, tmp_path):
     rc = bench_main(
         ["--url", server.grpc_url, "--model", "encoder", "--rows", "2", "--seq", "16", "--mode", "open",
@@ -62,7 +60,6 @@ class _UnknownModel(Workload):
         return reqs
 
 
-@pytest.mark.serial
 def test_refusals_are_counted_by_code_not_raised(server):
     point = asyncio.run(
         run_point(
@@ -74,7 +71,6 @@ def test_refusals_are_counted_by_code_not_raised(server):
     assert s["ok"] == 0 and s["error_codes"].startswith("NOT_FOUND=")
 
 
-@pytest.mark.serial
 def test_batchgate_bench_subcommand(server, tmp_path):
     from batchgate.gateway.cli import main as cli_main
 
