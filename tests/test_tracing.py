@@ -68,14 +68,17 @@ def test_a_batched_call_gives_the_span_tree(tmp_path):
             rng = np.random.default_rng(0)
             heavy = encoder_request(rng, 16, 256, {"latency_class": "bulk"})
             stub.ModelInfer(heavy)  # warm
-            running = stub.ModelInfer.future(heavy)  # holds the worker: the small calls queue and batch
-            time.sleep(0.05)
+            # Four in flight hold the worker long enough, even on a busy machine, for the small calls
+            # to queue and batch behind them (one ran out before they arrived on a loaded CI host).
+            running = [stub.ModelInfer.future(heavy) for _ in range(4)]
+            time.sleep(0.02)
             small = encoder_request(rng, 1, 16, {})
             parents = [_traceparent(i) for i in range(6)]
             calls = [stub.ModelInfer.future(small, metadata=(("traceparent", tp),)) for tp, _ in parents]
             for c in calls:
                 c.result(timeout=60)
-            running.result(timeout=60)
+            for r in running:
+                r.result(timeout=60)
         # and a REST call with the header
         tp, rest_trace = _traceparent(100)
         ids = [[1] * 16]
