@@ -64,6 +64,20 @@ def make_repo(src: Path, dst: Path) -> None:
         (d / "config.pbtxt").write_text(cfg + extra)
 
 
+def padded_feeds(encs, names) -> dict[str, np.ndarray]:
+    """The model's inputs for tokenizer encodings ``encs``, padded to the longest (``names``: the
+    graph's input names; token_type_ids only where it has them)."""
+    ids = np.zeros((len(encs), max(len(e.ids) for e in encs)), np.int64)
+    mask = np.zeros_like(ids)
+    for i, e in enumerate(encs):
+        ids[i, : len(e.ids)] = e.ids
+        mask[i, : len(e.ids)] = 1
+    f = {"input_ids": ids, "attention_mask": mask}
+    if "token_type_ids" in names:
+        f["token_type_ids"] = np.zeros_like(ids)
+    return f
+
+
 def ort_limit(src: Path, all_texts: list[str], rounds: int = 3) -> tuple[dict[str, float], float]:
     """Seconds per text, each run alone at its own length (median of ``rounds``), and the time of
     the idle-call set as one batch padded to its longest: ONNX Runtime, one thread."""
@@ -81,16 +95,7 @@ def ort_limit(src: Path, all_texts: list[str], rounds: int = 3) -> tuple[dict[st
     tok.enable_truncation(256)
 
     def feeds(encs) -> dict:
-        tok_len = max(len(e.ids) for e in encs)
-        ids = np.zeros((len(encs), tok_len), np.int64)
-        mask = np.zeros_like(ids)
-        for i, e in enumerate(encs):
-            ids[i, : len(e.ids)] = e.ids
-            mask[i, : len(e.ids)] = 1
-        f = {"input_ids": ids, "attention_mask": mask}
-        if "token_type_ids" in names:
-            f["token_type_ids"] = np.zeros_like(ids)
-        return f
+        return padded_feeds(encs, names)
 
     # CPU time of this thread (ORT runs on it with one intra-op thread): on a shared machine wall
     # time counts whoever else ran on the core; CPU time is the work itself.
