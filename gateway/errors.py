@@ -135,3 +135,15 @@ def retry_headers(exc: Exception, base: dict) -> dict:
         except ValueError:
             pass
     return headers
+
+
+class Limited(GatewayError):
+    """RESOURCE_EXHAUSTED, with ``retry-after-ms`` in the trailing metadata."""
+
+    def __init__(self, message: str, retry_after_s: float, cause: str = "", headers: tuple = ()) -> None:
+        self.retry_after_ms = max(1, math.ceil(retry_after_s * 1e3 - 1e-6))  # no extra ms for float dust
+        super().__init__(Kind.EXHAUSTED, f"{message}; retry after {self.retry_after_ms} ms")
+        ms = str(self.retry_after_ms)
+        # grpc-retry-pushback-ms: what gRPC's own retry policy honours
+        self.trailing_metadata = (("retry-after-ms", ms), ("grpc-retry-pushback-ms", ms), *headers)
+        self.cause = cause  # which limit refused (usage metering's refusal label)

@@ -21,10 +21,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from batchgate.gateway.errors import GatewayError, Kind
+from batchgate.gateway.errors import GatewayError, Kind, Limited
+from batchgate.gateway.text import estimate_tokens
 
 if TYPE_CHECKING:
-    from batchgate.gateway.admission.limits import Account, Quota, Limited, Ticket
+    from batchgate.gateway.admission.limits import Account, Quota, Ticket
     from batchgate.gateway.admission.ratelimit import Bucket, GlobalSpec
 
 
@@ -32,8 +33,6 @@ def estimate(stage, texts: list[bytes]) -> int:
     """The token count admission charges for ``texts`` on a text model's ``stage`` (before
     tokenising): each text's estimate, capped at the model's ``max_tokens`` (a truncated text
     counts what the model sees)."""
-    from batchgate.gateway.text import estimate_tokens
-
     cap, specials = stage.settings.max_tokens, stage.specials
     return sum(min(estimate_tokens(b, specials), cap) for b in texts)
 
@@ -61,8 +60,6 @@ def too_large(tenant: str, model: str, tokens: int, most: int) -> GatewayError:
 
 
 def limited(tenant: str, quota: Quota, wait_s: float, now: float) -> Limited:
-    from batchgate.gateway.admission.limits import Limited
-
     rate = quota.tokens.rate_per_s * 60
     return Limited(f"tenant '{tenant}' is over {rate:g} tokens/min", wait_s, "tokens", headers(quota, now))
 

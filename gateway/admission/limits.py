@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Iterable
 
 from batchgate.cache import RedisLink
 from batchgate.gateway.admission import budgets
-from batchgate.gateway.errors import GatewayError, Kind
+from batchgate.gateway.errors import GatewayError, Kind, Limited
 from batchgate.gateway.admission.ratelimit import Bucket, GlobalLimiter, GlobalSpec, RedisLimiter
 from batchgate.gateway.admission.tenants import (
     ANONYMOUS,
@@ -42,18 +41,6 @@ log = logging.getLogger(__name__)
 # No refill time to point at when the in-flight cap is what refused: a short hint, so clients back
 # off a little instead of spinning.
 IN_FLIGHT_RETRY_MS = 10
-
-
-class Limited(GatewayError):
-    """RESOURCE_EXHAUSTED, with ``retry-after-ms`` in the trailing metadata."""
-
-    def __init__(self, message: str, retry_after_s: float, cause: str = "", headers: tuple = ()) -> None:
-        self.retry_after_ms = max(1, math.ceil(retry_after_s * 1e3 - 1e-6))  # no extra ms for float dust
-        super().__init__(Kind.EXHAUSTED, f"{message}; retry after {self.retry_after_ms} ms")
-        ms = str(self.retry_after_ms)
-        # grpc-retry-pushback-ms: what gRPC's own retry policy honours
-        self.trailing_metadata = (("retry-after-ms", ms), ("grpc-retry-pushback-ms", ms), *headers)
-        self.cause = cause  # which limit refused (usage metering's refusal label)
 
 
 class TenantStats:
