@@ -225,7 +225,9 @@ def test_a_drain_mid_run_is_retried_on_the_other_server(tmp_path: Path):
 
 def test_embed_of_a_thousand_texts_is_a_thousand_vectors_in_order(srv, bg, triton):
     texts = [f"sentence {i}: " + " ".join(["word"] * (i % 23)) for i in range(1000)]
-    vectors = bg.embed(texts)  # minilm takes 64 a request: 16 requests, in flight together
+    # minilm takes 64 a request: 16 requests, in flight together. A minute each, not the client's
+    # default 10 s: this runs beside other tests, and took 9.6 s of a loaded CI run.
+    vectors = bg.embed(texts, timeout=60)
     assert vectors.shape == (1000, 384)
     for i in (0, 1, 63, 64, 65, 500, 998, 999):
         np.testing.assert_allclose(vectors[i], bg.embed(texts[i]), atol=1e-6)
@@ -233,6 +235,6 @@ def test_embed_of_a_thousand_texts_is_a_thousand_vectors_in_order(srv, bg, trito
 
     async def run():
         async with AsyncClient(srv.grpc_url, api_key=KEY) as c:
-            return await c.embed(texts)
+            return await c.embed(texts, timeout=60)
 
     np.testing.assert_allclose(asyncio.run(run()), vectors, atol=1e-6)
