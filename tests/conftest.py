@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
@@ -22,7 +23,32 @@ from tests import parallel
 from tests.helpers import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
-REPO = ROOT / "model_repository"
+
+
+def _as_built(repo: Path) -> Path:
+    """The bundled repository as the tests compare it: minilm from its original file. Where
+    ``batchgate optimize`` made minilm serve a variant (config parameter ``variant``, e.g. BF16 after
+    ``--auto``), the tests run on a mirror of it, built once per process, whose minilm config names
+    no variant; the checkout's own repository is left as the user chose it."""
+    config = repo / "minilm" / "config.pbtxt"
+    if not config.is_file() or '"variant"' not in config.read_text():
+        return repo
+    mirror = Path(tempfile.mkdtemp(prefix="batchgate-tests-repo-"))
+    atexit.register(shutil.rmtree, mirror, True)  # links only: rmtree does not follow them
+    for d in repo.iterdir():
+        if d.name != "minilm":
+            (mirror / d.name).symlink_to(d.resolve())
+    minilm = mirror / "minilm"
+    for f in (repo / "minilm").rglob("*"):
+        if f.is_file() and f.name != "config.pbtxt":
+            (minilm / f.relative_to(repo / "minilm")).parent.mkdir(parents=True, exist_ok=True)
+            (minilm / f.relative_to(repo / "minilm")).symlink_to(f.resolve())
+    lines = [ln for ln in config.read_text().splitlines() if '"variant"' not in ln]
+    (minilm / "config.pbtxt").write_text("\n".join(lines) + "\n")
+    return mirror
+
+
+REPO = _as_built(ROOT / "model_repository")
 LOCKS = pytest.StashKey[Path]()
 TURNS = pytest.StashKey[parallel.Turns]()
 

@@ -104,9 +104,6 @@ def test_chart_gpu_values_put_every_bundled_model_on_the_pods_gpus(values, count
         for spec in versions.values():
             # The device plugin shows the pod exactly gpu.count devices.
             p = place_model(spec, s, probe=lambda: (count, ""))
-            if spec.engine == "openvino":  # `optimize --auto` chose OpenVINO here: the CPU, always
-                assert p.devices == CPU, name
-                continue
             assert p.devices == gpus(*range(count)), name
             assert p.note == "device=gpu overrides KIND_CPU", name
             n = workers_per_device(spec, s)
