@@ -18,6 +18,7 @@ import math
 import os
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from batchgate.cache import TieredCache
@@ -268,19 +269,33 @@ def place_model(spec: ModelSpec, s: Settings, probe: Callable[[], tuple[int, str
 def workers_per_device(spec: ModelSpec, s: Settings, devices: Sequence[Device] = ()) -> int:
     """Workers on each device the model runs on, a GPU as the CPU: the server's workers_per_device,
     else the instance groups' count (per device, as Triton's). On the CPU that count is capped at
-    the cores this process may run on (its affinity: taskset, a cgroup cpuset) over the intra-op
-    threads: workers time-slicing one core run smaller batches and each holds its weights
+    the cores this process may use (``usable_cores``) over the intra-op threads: workers time-slicing one core run smaller batches and each holds its weights
     (docs/engines.md). The server's setting is never capped."""
     if s.workers_per_device:
         return s.workers_per_device
     count = max([g.count or 1 for g in spec.config.instance_group] or [1])
     if devices and all(d.kind == "cpu" for d in devices):
-        cores = max(1, len(os.sched_getaffinity(0)) // max(1, s.intra_op_threads))
+        usable = usable_cores()
+        cores = max(1, usable // max(1, s.intra_op_threads))
         if count > cores:
-            log.info("model %s version %s: %d CPU workers, not the config's %d: this process may run on %d core(s)",
-                     spec.name, spec.version, cores, count, len(os.sched_getaffinity(0)))  # fmt: skip
+            log.info("model %s version %s: %d CPU workers, not the config's %d: this process may use %d core(s)",
+                     spec.name, spec.version, cores, count, usable)  # fmt: skip
             count = cores
     return count
+
+
+def usable_cores(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """The cores this process may use: its affinity mask (taskset, a cpuset), and under a cgroup v2
+    CPU quota (a Kubernetes CPU limit) quota / period, rounded up: a pod limited to one core sees
+    every core of its node in the mask."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = cpu_max.read_text().split()
+        if quota != "max":
+            cores = min(cores, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 file (another OS, cgroup v1): the mask alone
+    return cores
 
 
 async def build_runtime(

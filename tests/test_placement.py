@@ -13,7 +13,7 @@ import pytest
 
 from batchgate.gateway.config import Settings
 from batchgate.gateway.repository import load_repository
-from batchgate.gateway.runtime import place_model, workers_per_device
+from batchgate.gateway.runtime import place_model, usable_cores, workers_per_device
 from batchgate.workers import Device, EngineOptions, NoGPU, WorkerPool, gpu_count, place
 from tests.conftest import REPO, start_server
 from tests.string_models import write_string_add_sub
@@ -219,3 +219,17 @@ def test_cpu_workers_are_capped_at_the_cores_the_process_may_use():
         os.sched_setaffinity(0, mine)
     assert workers_per_device(spec, Settings(), CPU) == min(2, len(mine))
     assert workers_per_device(spec, Settings(intra_op_threads=len(mine)), CPU) == 1
+
+
+@pytest.mark.parametrize(
+    "cpu_max, most",
+    [("100000 100000", 1), ("150000 100000", 2), ("max 100000", None), ("garbage", None), (None, None)],
+)
+def test_a_cgroup_cpu_quota_caps_the_usable_cores(tmp_path, cpu_max, most):
+    """A Kubernetes CPU limit is a cgroup v2 quota (cpu.max: quota and period, or "max"): the pod's
+    affinity mask still shows every node core, so the quota is read too, rounded up."""
+    path = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        path.write_text(cpu_max + "\n")
+    mask = len(os.sched_getaffinity(0))
+    assert usable_cores(path) == (mask if most is None else min(mask, most))
