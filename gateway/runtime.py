@@ -269,8 +269,9 @@ def place_model(spec: ModelSpec, s: Settings, probe: Callable[[], tuple[int, str
 def workers_per_device(spec: ModelSpec, s: Settings, devices: Sequence[Device] = ()) -> int:
     """Workers on each device the model runs on, a GPU as the CPU: the server's workers_per_device,
     else the instance groups' count (per device, as Triton's). On the CPU that count is capped at
-    the cores this process may use (``usable_cores``) over the intra-op threads: workers time-slicing one core run smaller batches and each holds its weights
-    (docs/engines.md). The server's setting is never capped."""
+    the cores this process may use (``usable_cores``) over the intra-op threads: workers
+    time-slicing one core run smaller batches and each holds its weights (docs/engines.md). The
+    server's setting is never capped."""
     if s.workers_per_device:
         return s.workers_per_device
     count = max([g.count or 1 for g in spec.config.instance_group] or [1])
