@@ -83,7 +83,8 @@ lint: $(TEST_STAMP)
 QUICK_BENCH ?= 1
 # pytest-xdist workers: more than the 2 cores of a small machine, since many tests wait on sockets
 # and processes (measured on 2 cores, quiet host, 2026-12-05: 3 workers 491 s, 5 workers 414 s,
-# 1.3 cores busy); the tests that time anything run alone, last (tests/parallel.py). 0: one process.
+# 1.3 cores busy; later 5 workers 336 s, 7 workers 338 s); the tests that time anything run alone,
+# last (tests/parallel.py). 0: one process.
 PYTEST_WORKERS ?= 5
 # The installs overlap: the venv's pip, checkov's venv and apt (each mostly waits on disk or network).
 test-deps: $(TEST_STAMP) $(CHECKOV_VENV)/bin/checkov system-packages
