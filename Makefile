@@ -19,7 +19,7 @@ SERVE_STAMP := $(VENV)/.installed-$(RUNTIME)$(if $(filter 1,$(OPENVINO)),-openvi
 TEST_STAMP  := $(VENV)/.installed-$(RUNTIME)-test
 OTHER_ORT   := $(if $(filter gpu,$(RUNTIME)),onnxruntime,onnxruntime-gpu)
 
-.PHONY: serve test test-deps system-packages lint proto bench clean redis-server valgrind chromium prometheus
+.PHONY: serve test test-deps system-packages lint proto bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -62,7 +62,6 @@ system-packages:
 	  command -v $${pair%%:*} >/dev/null 2>&1 || test -x /usr/bin/$${pair%%:*} || missing="$$missing $${pair#*:}"; done; \
 	if [ -n "$$missing" ]; then echo "== apt-get install$$missing"; \
 	  apt-get update -qq && apt-get install -y -qq $$missing >/dev/null; fi
-redis-server valgrind chromium prometheus: system-packages
 
 # tests/test_helm_platform.py scans the rendered chart with checkov, in a venv of its own:
 # checkov caps packaging below 24, which the setuptools that builds batchgate's wheel needs.

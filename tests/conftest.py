@@ -43,8 +43,10 @@ def _as_built(repo: Path) -> Path:
         if f.is_file() and f.name != "config.pbtxt":
             (minilm / f.relative_to(repo / "minilm")).parent.mkdir(parents=True, exist_ok=True)
             (minilm / f.relative_to(repo / "minilm")).symlink_to(f.resolve())
-    lines = [ln for ln in config.read_text().splitlines() if '"variant"' not in ln]
-    (minilm / "config.pbtxt").write_text("\n".join(lines) + "\n")
+    shutil.copy(config, minilm / "config.pbtxt")
+    from batchgate.gateway.build.optimize import set_variant  # only where a variant is set
+
+    set_variant(minilm, "fp32")
     return mirror
 
 
