@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from batchgate.workers.devices import cpu_flags, flag_set
@@ -39,36 +38,44 @@ ROOT = Path(__file__).resolve().parent.parent
 BASELINE = Path(__file__).resolve().parent / "baselines" / "instructions.json"
 TOLERANCE = 0.10  # a real regression to catch is 20 %; run-to-run noise is ~0.1 %
 
-# The child: builds its feeds, creates the session, runs once, says ready, waits for the flag
-# (instrumentation is switched on meanwhile), then runs the counted rows inside qsort.
+# The child: creates every case's session and feed, runs each once, says ready, waits for the flag
+# (instrumentation is switched on meanwhile), then runs each case's counted rows inside a qsort of
+# its own and says so; the parent has callgrind dump (and zero) its counters before it lets the
+# next case start, so each dump is one case.
 _CHILD = r"""
-import ctypes, os, sys, time
+import ctypes, json, os, sys, time
 import numpy as np
 import onnxruntime as ort
-path, kind, runs, flag = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+cases, flag, disabled = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3:]
 so = ort.SessionOptions(); so.intra_op_num_threads = 1; so.inter_op_num_threads = 1
 so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-s = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"], disabled_optimizers=sys.argv[5:])
-if kind == "tokens":
-    ids = (np.arange(32, dtype=np.int64).reshape(1, 32) * 7) % 997 + 1
-    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
-    if "token_type_ids" in {i.name for i in s.get_inputs()}:  # BERT's (minilm); the encoder has none
-        feed["token_type_ids"] = np.zeros_like(ids)
-else:
-    rng = np.random.default_rng(0)
-    feed = {"dense": rng.standard_normal((64, 64)).astype(np.float32),
-            "sparse_ids": rng.integers(0, 10000, (64, 8)).astype(np.int64)}
-s.run(None, feed)
+work = []
+for path, kind, runs in cases:
+    s = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"], disabled_optimizers=disabled)
+    if kind == "tokens":
+        ids = (np.arange(32, dtype=np.int64).reshape(1, 32) * 7) % 997 + 1
+        feed = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+        if "token_type_ids" in {i.name for i in s.get_inputs()}:  # BERT's (minilm); the encoder has none
+            feed["token_type_ids"] = np.zeros_like(ids)
+    else:
+        rng = np.random.default_rng(0)
+        feed = {"dense": rng.standard_normal((64, 64)).astype(np.float32),
+                "sparse_ids": rng.integers(0, 10000, (64, 8)).astype(np.int64)}
+    s.run(None, feed)
+    work.append((s, feed, runs))
 print("ready", flush=True)
-while not os.path.exists(flag):
-    time.sleep(0.01)
 CMP = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
-def work(a, b):
-    for _ in range(runs):
-        s.run(None, feed)
-    return 0
-arr = (ctypes.c_int * 2)(1, 2)
-ctypes.CDLL(None).qsort(arr, 2, ctypes.sizeof(ctypes.c_int), CMP(work))
+qsort = ctypes.CDLL(None).qsort
+for i, (s, feed, runs) in enumerate(work):
+    while not os.path.exists(f"{flag}.{i}"):
+        time.sleep(0.01)
+    def body(a, b, s=s, feed=feed, runs=runs):
+        for _ in range(runs):
+            s.run(None, feed)
+        return 0
+    arr = (ctypes.c_int * 2)(1, 2)
+    qsort(arr, 2, ctypes.sizeof(ctypes.c_int), CMP(body))
+    print("counted", flush=True)
 """
 
 # model/variant -> (input kind, runs, rows per run)
@@ -105,34 +112,58 @@ def available() -> str | None:
 
 def count(model: Path, kind: str, runs: int, timeout: float = 300.0) -> int:
     """Instructions of ``runs`` engine runs of ``model``, counted by callgrind."""
+    return count_many([(model, kind, runs)], timeout)[0]
+
+
+def count_many(cases: list[tuple[Path, str, int]], timeout: float = 300.0) -> list[int]:
+    """Instructions of each case's engine runs (model, input kind, runs), counted by callgrind in
+    one child: Python's and ONNX Runtime's start-up under valgrind cost ~12 s a child, far more
+    than the counted runs."""
     with tempfile.TemporaryDirectory(prefix="bg-callgrind-") as tmp:
         t = Path(tmp)
         flag, out = t / "go", t / "callgrind.out"
+        spec = json.dumps([[str(m), kind, runs] for m, kind, runs in cases])
         cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
                "--toggle-collect=qsort*", f"--callgrind-out-file={out}",
-               sys.executable, "-c", _CHILD, str(model), kind, str(runs), str(flag),
-               *disabled_fusions("cpu")]  # fmt: skip
+               sys.executable, "-c", _CHILD, spec, str(flag), *disabled_fusions("cpu")]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             line = proc.stdout.readline()
             if "ready" not in line:
                 proc.wait(timeout)
-                raise RuntimeError(f"callgrind child for {model} failed: {proc.stderr.read()[-2000:]}")
+                raise RuntimeError(f"callgrind child failed: {proc.stderr.read()[-2000:]}")
             subprocess.run(
                 ["callgrind_control", "-i", "on", str(proc.pid)], capture_output=True, timeout=60, check=True
             )
-            flag.touch()
+            dumps = []
+            for i in range(len(cases)):
+                Path(f"{flag}.{i}").touch()
+                if "counted" not in (line := proc.stdout.readline()):
+                    proc.wait(timeout)
+                    raise RuntimeError(f"callgrind child failed on case {i}: {proc.stderr.read()[-2000:]}")
+                before = set(t.glob("callgrind.out.*"))
+                subprocess.run(["callgrind_control", "-d", str(proc.pid)], capture_output=True, timeout=60, check=True)
+                new = set(t.glob("callgrind.out.*")) - before
+                if len(new) != 1:
+                    raise RuntimeError(f"callgrind_control -d wrote {len(new)} dumps for case {i}")
+                dumps.append(new.pop())
             _, err = proc.communicate(timeout=timeout)
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
         if proc.returncode != 0:
-            raise RuntimeError(f"callgrind child for {model} exited {proc.returncode}: {err[-2000:]}")
-        for ln in err.splitlines():
-            if "I   refs:" in ln:
-                return int(ln.split(":", 1)[1].replace(",", "").strip())
-        raise RuntimeError(f"no instruction count in callgrind's output for {model}: {err[-2000:]}")
+            raise RuntimeError(f"callgrind child exited {proc.returncode}: {err[-2000:]}")
+        return [_total(d) for d in dumps]
+
+
+def _total(dump: Path) -> int:
+    if not dump.is_file():
+        raise RuntimeError(f"callgrind wrote no {dump.name}: a counted case did not run")
+    for ln in dump.read_text().splitlines():
+        if ln.startswith(("summary:", "totals:")):
+            return int(ln.split(":", 1)[1].split()[0])
+    raise RuntimeError(f"no instruction total in callgrind's {dump.name}")
 
 
 def build_models(work: Path, log=print) -> tuple[dict[str, Path], dict[str, str]]:
@@ -175,15 +206,13 @@ def build_models(work: Path, log=print) -> tuple[dict[str, Path], dict[str, str]
     return models, missing
 
 
-def measure(models: dict[str, Path]) -> dict[str, float]:
-    """Instructions per row per case (two children at a time: they are single-threaded)."""
-
-    def one(case: str) -> tuple[str, float]:
-        kind, runs, rows = CASES[case]
-        return case, count(models[case], kind, runs) / (runs * rows)
-
-    with ThreadPoolExecutor(2) as pool:
-        return dict(pool.map(one, [c for c in CASES if c in models]))
+def measure(models: dict[str, Path], extra: dict[str, int] | None = None) -> dict[str, float]:
+    """Instructions per row per case, in one callgrind child. ``extra`` (case -> runs) counts a
+    case again with other runs, kept as ``case+runs`` (the test's faked regression)."""
+    todo = [(case, *CASES[case]) for case in CASES if case in models]
+    todo += [(f"{case}+{runs}", CASES[case][0], runs, CASES[case][2]) for case, runs in (extra or {}).items()]
+    counts = count_many([(models[c.split("+")[0]], kind, runs) for c, kind, runs, _ in todo])
+    return {c: n / (runs * rows) for (c, _, runs, rows), n in zip(todo, counts)}
 
 
 def compare(figures: dict[str, float], baseline: dict[str, float], tolerance: float = TOLERANCE) -> list[str]:

@@ -98,6 +98,21 @@ def _closed_loop(url: str, model: str, calls, callers: int, seconds: float, budg
     return latencies, refused
 
 
+def _measured_budget(srv, calls, callers: int) -> tuple[float, str]:
+    """What the loop needs, on the twin that never sheds: 1.25x the slowest call seen; and a
+    second loop at that budget whose shadow check must find no call the estimate would have
+    refused that made its deadline."""
+    need, refused = _closed_loop(srv.grpc_url, "minilm_noshed", calls, callers, 5.0, 60_000)
+    assert not refused and len(need) >= 2 * callers
+    budget_ms = 1.25 * max(need) * 1e3
+    where = f"budget {budget_ms:.0f} ms, the loop needed {statistics.median(need) * 1e3:.0f} ms (p50)"
+    before = _metric(srv.http_port, "batchgate_shed_shadow_total", verdict="would_have_made_it")
+    _closed_loop(srv.grpc_url, "minilm_noshed", calls, callers, 5.0, budget_ms)
+    false = _metric(srv.http_port, "batchgate_shed_shadow_total", verdict="would_have_made_it") - before
+    assert false == 0, f"the estimate would have refused {false:.0f} calls that made it ({where})"
+    return budget_ms, where
+
+
 def test_a_closed_loop_at_capacity_is_refused_nothing(tmp_path, minilm_dir):
     """4 callers x 32 mixed-length texts (bench/texts/mixed.txt, long ones included), the server
     on one core. What the loop needs is measured first on the twin that never sheds; then, with
@@ -115,20 +130,22 @@ def test_a_closed_loop_at_capacity_is_refused_nothing(tmp_path, minilm_dir):
                 for k in range(4):
                     stub.ModelInfer(_texts_call(model, calls[k], 60_000), timeout=60)
         callers = 4
-        need, refused = _closed_loop(srv.grpc_url, "minilm_noshed", calls, callers, 5.0, 60_000)
-        assert not refused and len(need) >= 2 * callers
-        budget_ms = 1.25 * max(need) * 1e3
-        where = f"budget {budget_ms:.0f} ms, the loop needed {statistics.median(need) * 1e3:.0f} ms (p50)"
-
-        _closed_loop(srv.grpc_url, "minilm_noshed", calls, callers, 5.0, budget_ms)
-        false = _metric(srv.http_port, "batchgate_shed_shadow_total", verdict="would_have_made_it")
-        assert false == 0, f"the estimate would have refused {false:.0f} calls that made it ({where})"
-
-        latencies, refused = _closed_loop(srv.grpc_url, "minilm", calls, callers, 6.0, budget_ms)
+        for attempt in (1, 2):
+            gate0 = _metric(srv.http_port, "batchgate_overload_refused_total")
+            budget_ms, where = _measured_budget(srv, calls, callers)
+            shed0 = _metric(srv.http_port, "batchgate_class_requests_total", model="minilm", outcome="shed")
+            latencies, refused = _closed_loop(srv.grpc_url, "minilm", calls, callers, 6.0, budget_ms)
+            # A call the server could not answer in time at all (the client's own deadline) says
+            # the machine got slower than it was measured (this VM drifts by a third over
+            # minutes): the budget was not 1.25x the need then, so that try proves nothing and
+            # the measurement is taken again, once. Refusals with no such miss fail at once.
+            slower = any(why.endswith(": Deadline Exceeded") for why in refused)
+            if not (refused and slower and attempt == 1):
+                break
         assert not refused, f"refused at capacity ({where}): {refused}"
         assert len(latencies) >= 2 * callers
-        assert _metric(srv.http_port, "batchgate_overload_refused_total") == 0
-        assert _metric(srv.http_port, "batchgate_class_requests_total", model="minilm", outcome="shed") == 0
+        assert _metric(srv.http_port, "batchgate_overload_refused_total") == gate0
+        assert _metric(srv.http_port, "batchgate_class_requests_total", model="minilm", outcome="shed") == shed0
     finally:
         srv.stop()
 
