@@ -142,7 +142,9 @@ def count_many(cases: list[tuple[Path, str, int]], timeout: float = 300.0) -> li
                     proc.wait(timeout)
                     raise RuntimeError(f"callgrind child failed on case {i}: {proc.stderr.read()[-2000:]}")
                 before = set(t.glob("callgrind.out.*"))
-                subprocess.run(["callgrind_control", "-d", str(proc.pid)], capture_output=True, timeout=60, check=True)
+                subprocess.run(
+                    ["callgrind_control", "-d", str(proc.pid)], capture_output=True, timeout=60, check=True
+                )
                 new = set(t.glob("callgrind.out.*")) - before
                 if len(new) != 1:
                     raise RuntimeError(f"callgrind_control -d wrote {len(new)} dumps for case {i}")

@@ -144,7 +144,9 @@ def test_a_closed_loop_at_capacity_is_refused_nothing(tmp_path, minilm_dir):
         assert not refused, f"refused at capacity ({where}): {refused}"
         assert len(latencies) >= 2 * callers
         assert _metric(srv.http_port, "batchgate_overload_refused_total") == gate0
-        assert _metric(srv.http_port, "batchgate_class_requests_total", model="minilm", outcome="shed") == shed0
+        assert (
+            _metric(srv.http_port, "batchgate_class_requests_total", model="minilm", outcome="shed") == shed0
+        )
     finally:
         srv.stop()
 
