@@ -3,11 +3,12 @@ callgrind, against a committed baseline.
 
 Instruction counts do not move with a shared machine's load, so a 20 % slow-down of an engine shows
 as 20 % more instructions however noisy the neighbours (measured here: 4 and 8 encoder rows gave
-3.416 and 3.418 M instructions per row). Each figure is one child process under
+3.416 and 3.418 M instructions per row). Every figure is counted in one child process under
 ``valgrind --tool=callgrind`` with instrumentation off through Python's start-up, imports and
 session creation (``--instr-atstart=no``, switched on by ``callgrind_control`` once the child says
-it is ready) and collection only inside a libc ``qsort`` whose comparator runs the rows
-(``--toggle-collect``): the count is the rows' work, not the interpreter's start.
+it is ready), collection only inside a libc ``qsort`` whose comparator runs one case's rows
+(``--toggle-collect``), and a dump after each case (``callgrind_control -d``, which also zeroes
+the counters): each count is that case's rows' work, not the interpreter's start.
 
 The baseline (``lab/baselines/instructions.json``) is kept per CPU as the counted code sees it
 (``machine_key``: under valgrind, an ISA level) and ONNX Runtime version; where none matches, the
