@@ -117,7 +117,8 @@ def test_a_closed_loop_at_capacity_is_refused_nothing(tmp_path, minilm_dir):
     """4 callers x 32 mixed-length texts (bench/texts/mixed.txt, long ones included), the server
     on one core. What the loop needs is measured first on the twin that never sheds; then, with
     budgets 1.25x the slowest call seen, the twin's shadow check finds no call the estimate would
-    have refused that made its deadline, and minilm itself refuses nothing."""
+    have refused that made its deadline, and minilm itself refuses nothing (a try that refuses is
+    measured and run again once: this VM's speed drifts between the measurement and the loop)."""
     repo = _minilm_repo(minilm_dir, tmp_path / "repo")
     # the server on one core, the callers on the other (as bench.text_batches runs it)
     srv = start_server(tmp_path, "--no-build-models", repo=repo, ready_timeout=120, cpus="0")
