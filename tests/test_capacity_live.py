@@ -137,8 +137,8 @@ def test_a_closed_loop_at_capacity_is_refused_nothing(tmp_path, minilm_dir):
             shed0 = _metric(srv.http_port, "batchgate_class_requests_total", model="minilm", outcome="shed")
             latencies, refused = _closed_loop(srv.grpc_url, "minilm", calls, callers, 6.0, budget_ms)
             # This VM's speed drifts by a third over minutes: a try in which it slowed after the
-            # need was measured meets budgets that are no longer 1.25x the need (seen in CI: one
-            # call dropped from the queue 3.7 ms short of its estimate). So a try that refused is
+            # need was measured meets budgets that are no longer 1.25x the need (seen on a fresh
+            # clone: one call dropped from the queue 3.7 ms short of its estimate). So a try that refused is
             # measured and run again, once; a real bias in the estimate or the gate refuses in both.
             if not refused:
                 break
