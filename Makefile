@@ -87,11 +87,14 @@ QUICK_BENCH ?= 1
 PYTEST_WORKERS ?= 5
 # The installs overlap: the venv's pip, checkov's venv and apt (each mostly waits on disk or network).
 test-deps: $(TEST_STAMP) $(CHECKOV_VENV)/bin/checkov system-packages
+# The suite starts some 200 Python processes (servers, CLIs, workers): with PYTHONDONTWRITEBYTECODE
+# set, as some machines set it, each would compile every module it imports anew, the packages
+# installed with --no-compile included. The test run writes bytecode (into .venv and __pycache__/).
 test:
 	@$(MAKE) --no-print-directory -j3 test-deps
 	@$(MAKE) --no-print-directory lint
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
-	@if [ "$(QUICK_BENCH)" != 0 ]; then $(BIN)/python -m batchgate.bench.quick; fi
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	@if [ "$(QUICK_BENCH)" != 0 ]; then env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m batchgate.bench.quick; fi
 
 # The load generator (python -m batchgate.bench -h for its flags), e.g. make bench ARGS="--start-server --api unary,stream"
 bench: $(TEST_STAMP)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx.external_data_helper import _get_all_tensors
 import pytest
 from safetensors.numpy import save_file
 
@@ -32,7 +33,7 @@ from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
 from batchgate.workers import openvino_engine
 from batchgate.workers.devices import Device
-from batchgate.workers.fingerprint import file_fingerprint
+from batchgate.workers.fingerprint import external_files, file_fingerprint
 from batchgate.workers.sessions import SessionFactory
 from tests.test_prepare_families import DOCS, EOT, QUERIES, _post, qwen_tokenizer
 from tests.test_prepare_model import TEXTS
@@ -179,6 +180,36 @@ def test_fingerprint_covers_the_data_file(repo, tmp_path):
     assert (
         spec.fingerprint == file_fingerprint(single) == hashlib.sha256(single.read_bytes()).hexdigest()[:16]
     )
+
+
+def test_the_graph_is_parsed_once_per_version_of_its_file(repo, tmp_path, monkeypatch):
+    """The repository reads the graph for its config, the fingerprint for the data files it names,
+    and each worker's session factory asks again: the last two share one parse, until the file
+    changes."""
+    model_dir = tmp_path / "external"
+    shutil.copytree(repo / "external", model_dir)
+    graph = model_dir / "1" / "model.onnx"
+    parsed: list[str] = []
+    real_load = onnx.load
+
+    def counted_load(f, *args, **kwargs):
+        parsed.append(str(f))
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(onnx, "load", counted_load)
+    (spec,) = load_model(model_dir)
+    for _ in range(3):
+        SessionFactory(graph, spec.fingerprint, Device("cpu", 0), cache_dir=tmp_path / "cache")
+    assert parsed.count(str(graph)) == 2, parsed
+    # The graph rewritten to read its weights from another file is read anew.
+    model = real_load(str(graph), load_external_data=False)
+    for t in _get_all_tensors(model):
+        for entry in t.external_data:
+            if entry.key == "location":
+                entry.value = "weights.bin"
+    (model_dir / "1" / "model.onnx.data").rename(model_dir / "1" / "weights.bin")
+    onnx.save_model(model, str(graph))
+    assert external_files(graph) == [model_dir / "1" / "weights.bin"]
 
 
 def test_engine_cache_is_skipped_for_external_data(repo, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 STAND_IN = """#!/bin/sh
-echo "$(basename "$0") $*" >> "$CALLS"
+echo "$(basename "$0") $*${PYTHONDONTWRITEBYTECODE:+ [bytecode off]}" >> "$CALLS"
 case "$*" in
   *"pip show"*) exit 1 ;;  # the other runtime's wheel is not installed
 esac
@@ -48,12 +48,13 @@ def checkout(tmp_path) -> Path:
     return tmp_path
 
 
-def _make(checkout: Path, *targets: str) -> list[str]:
+def _make(checkout: Path, *targets: str, env_extra: dict | None = None) -> list[str]:
     calls = checkout / "calls.log"
     calls.write_text("")
     # An outer `make test PYTEST_ARGS=...` hands its variables down through MAKEFLAGS: keep them out.
     outer = {"MAKEFLAGS", "MFLAGS", "MAKELEVEL", "PYTEST_ARGS"}
-    env = {k: v for k, v in os.environ.items() if k not in outer}
+    env = {k: v for k, v in os.environ.items() if k not in outer | {"PYTHONDONTWRITEBYTECODE"}}
+    env.update(env_extra or {})
     env = {**env, "CALLS": str(calls), "PATH": f"{checkout / 'path'}{os.pathsep}{os.environ['PATH']}"}
     out = subprocess.run(
         ["make", "--no-print-directory", *targets, "QUICK_BENCH=0"], cwd=checkout, env=env,
@@ -82,6 +83,14 @@ def test_serve_then_test_installs_each_part_once(checkout):
 
     assert _installs(_make(checkout, "serve")) == []  # nothing left to install
     assert _installs(_make(checkout, "test")) == []
+
+
+def test_the_suite_writes_bytecode_on_a_machine_that_turns_it_off(checkout):
+    """Some 200 Python processes run in the suite: without bytecode each compiles what it imports."""
+    calls = _make(checkout, "test", env_extra={"PYTHONDONTWRITEBYTECODE": "1"})
+    pytest = next(c for c in calls if " -m pytest " in c)
+    assert "[bytecode off]" not in pytest, calls
+    assert any("[bytecode off]" in c for c in calls), calls  # the install ran with the machine's setting
 
 
 def test_test_first_leaves_nothing_for_serve(checkout):
