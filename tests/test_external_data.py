@@ -32,6 +32,7 @@ from batchgate.gateway.build.optimize import OptimizeError, Options, optimize
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
 from batchgate.workers import openvino_engine
+from batchgate.workers.buckets import read_model_io
 from batchgate.workers.devices import Device
 from batchgate.workers.fingerprint import external_files, file_fingerprint
 from batchgate.workers.sessions import SessionFactory
@@ -183,9 +184,9 @@ def test_fingerprint_covers_the_data_file(repo, tmp_path):
 
 
 def test_the_graph_is_parsed_once_per_version_of_its_file(repo, tmp_path, monkeypatch):
-    """The repository reads the graph for its config, the fingerprint for the data files it names,
-    and each worker's session factory asks again: the last two share one parse, until the file
-    changes."""
+    """The repository reads the graph for its config; the fingerprint and each worker's session
+    factory ask which data files it names, the placement and each pool what its inputs are: one
+    parse for each question, until the file changes."""
     model_dir = tmp_path / "external"
     shutil.copytree(repo / "external", model_dir)
     graph = model_dir / "1" / "model.onnx"
@@ -200,7 +201,8 @@ def test_the_graph_is_parsed_once_per_version_of_its_file(repo, tmp_path, monkey
     (spec,) = load_model(model_dir)
     for _ in range(3):
         SessionFactory(graph, spec.fingerprint, Device("cpu", 0), cache_dir=tmp_path / "cache")
-    assert parsed.count(str(graph)) == 2, parsed
+        assert [t.name for t in read_model_io(graph)[0]] == ["input_ids", "attention_mask"]
+    assert parsed.count(str(graph)) == 3, parsed
     # The graph rewritten to read its weights from another file is read anew.
     model = real_load(str(graph), load_external_data=False)
     for t in _get_all_tensors(model):

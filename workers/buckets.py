@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from batchgate.workers.per_file import once_per_version
+
 DEFAULT_MASK_INPUT = "attention_mask"
 DEFAULT_MIN_SEQ_BUCKET = 16
 DEFAULT_MAX_SEQ_BUCKET = 512  # when neither seq_buckets nor max_dim.<input> bounds a masked group
@@ -49,7 +51,14 @@ class TensorInfo:
 
 
 def read_model_io(path: Path) -> tuple[list[TensorInfo], list[TensorInfo]]:
-    """Inputs (initializers excluded) and outputs of an ONNX file, without its external weights."""
+    """Inputs (initializers excluded) and outputs of an ONNX file, without its external weights;
+    the graph parsed once per version of the file (the placement and the pool both ask)."""
+    inputs, outputs = _model_io(Path(path))
+    return list(inputs), list(outputs)
+
+
+@once_per_version
+def _model_io(path: Path) -> tuple[tuple[TensorInfo, ...], tuple[TensorInfo, ...]]:
     import onnx
     from onnx import helper
 
@@ -72,8 +81,8 @@ def read_model_io(path: Path) -> tuple[list[TensorInfo], list[TensorInfo]]:
                 dims.append(None)
         return TensorInfo(v.name, dtype, tuple(dims))
 
-    inputs = [info(v) for v in model.graph.input if v.name not in init]
-    outputs = [info(v) for v in model.graph.output]
+    inputs = tuple(info(v) for v in model.graph.input if v.name not in init)
+    outputs = tuple(info(v) for v in model.graph.output)
     return inputs, outputs
 
 

@@ -4,12 +4,13 @@ does not import ONNX Runtime."""
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from pathlib import Path
 
 import onnx
 from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
+
+from batchgate.workers.per_file import once_per_version
 
 
 def file_fingerprint(path: Path) -> str:
@@ -27,18 +28,12 @@ def file_fingerprint(path: Path) -> str:
 def external_files(path: Path) -> list[Path]:
     """The external data files the ONNX graph at ``path`` reads its tensors from (ONNX resolves
     their locations beside the graph), sorted; empty for a single-file model or one that is not
-    ONNX. Parses the graph, not the weights, once per version of the file: the fingerprint and
-    every worker's session factory ask (a graph with inline weights parses at ~1.2 ms per MB)."""
-    path = Path(path)
-    try:
-        st = path.stat()
-    except OSError:
-        return []
-    return list(_external_files(path, st.st_ino, st.st_size, st.st_mtime_ns))
+    ONNX. Parses the graph, not the weights, once per version of the file (workers/per_file.py)."""
+    return list(_external_files(Path(path)))
 
 
-@functools.lru_cache(maxsize=64)
-def _external_files(path: Path, _ino: int, _size: int, _mtime_ns: int) -> tuple[Path, ...]:
+@once_per_version
+def _external_files(path: Path) -> tuple[Path, ...]:
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception:  # not an ONNX file (the caller's loader says what is wrong with it)
