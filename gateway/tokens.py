@@ -8,6 +8,7 @@ their settings never change under another caller); these run in helper threads.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from batchgate.gateway.errors import invalid
@@ -25,21 +26,29 @@ def vocabulary_size(stage: TextStage) -> int:
 
 def tokenize(stage: TextStage, texts: list[str], add_special_tokens: bool) -> list[list[dict]]:
     """TEI's ``/tokenize`` answer: per text, each token's id, text, whether it is special, and its
-    offsets in the text (``start``/``stop``, characters as the tokenizer counts them; none for a
-    special token, whose text is the token itself)."""
+    offsets in the text's UTF-8 bytes (``start``/``stop``, as TEI gives them; Python's tokenizers
+    count characters); none for a special token, whose text is the token itself."""
     tok = stage.tokenizer(False)
     out = []
     for text, e in zip(texts, tok.encode_batch(texts, add_special_tokens=add_special_tokens), strict=True):
+        at = _byte_positions(text)
         row = []
         for tid, token, special, (start, stop) in zip(e.ids, e.tokens, e.special_tokens_mask, e.offsets):
             if special:
                 row.append({"id": tid, "text": token, "special": True, "start": None, "stop": None})
             else:
-                row.append(
-                    {"id": tid, "text": text[start:stop], "special": False, "start": start, "stop": stop}
-                )
+                row.append({"id": tid, "text": text[start:stop], "special": False,
+                            "start": at[start] if at else start, "stop": at[stop] if at else stop})  # fmt: skip
         out.append(row)
     return out
+
+
+def _byte_positions(text: str) -> list[int] | None:
+    """Where each character of ``text`` starts in its UTF-8 bytes, and its end (None for ASCII,
+    where the two counts agree)."""
+    if text.isascii():
+        return None
+    return [0, *itertools.accumulate(len(c.encode()) for c in text)]
 
 
 def decode(stage: TextStage, rows: list[list[int]], skip_special_tokens: bool) -> list[str]:
