@@ -1,6 +1,6 @@
 """What is read off a model file once per version of that file: the fingerprint, the placement,
-and every worker's pool and session factory ask about the same graph at start, and parsing a
-graph with its inline weights is what a start spent most on (docs/benchmarks.md, 2026-12-06)."""
+and every worker's pool and session factory ask about the same graph at start, and each parse
+of a graph with inline weights costs (minilm's: docs/benchmarks.md, 2026-12-06)."""
 
 from __future__ import annotations
 
