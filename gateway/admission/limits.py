@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable
 
@@ -35,6 +34,7 @@ from batchgate.gateway.admission.tenants import (
     TenantFileError,
     load_tenants,
 )
+from batchgate.workers.per_file import file_version
 
 log = logging.getLogger(__name__)
 
@@ -154,16 +154,6 @@ def _load(settings) -> list[Tenant]:
     return tenants
 
 
-def _file_state(path) -> tuple:
-    """What says a file changed: its inode, size and modification time (following symlinks, as a
-    mounted Secret's ``..data`` link is swapped)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return ()
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
-
-
 class Admission:
     def __init__(
         self,
@@ -231,7 +221,7 @@ class Admission:
                 share,
             )
         adm = cls(tenants, limiter, local_share=share, redis_prefix=settings.ratelimit_redis_prefix)
-        adm._source = (settings, _file_state(settings.api_keys_file))
+        adm._source = (settings, file_version(settings.api_keys_file))
         log.info(
             "tenants: %d loaded from %s; global limits %s",
             len(tenants), settings.api_keys_file, adm.limiter.backend if adm.limiter else "none",
@@ -268,7 +258,7 @@ class Admission:
     def _read_if_changed(self) -> list[Tenant] | None:
         settings, state = self._source
         path = settings.api_keys_file
-        now = _file_state(path)
+        now = file_version(path)
         if now == state:
             return None
         self._source = (settings, now)
