@@ -376,8 +376,8 @@ def test_2048_texts_are_one_admission_and_each_text_is_tokenised_once(base, srv)
     from tests.test_metrics import scrape, value
 
     texts = [f"text {i} of the longest list OpenAI sends, about {i % 7} things" for i in range(2048)]
-    # 2,048 rows are computed once (~10 s of a shared core): the tenant's one call fills the
-    # cache, another tenant's repeat of it is answered from there
+    # 2,048 rows are computed once: the tenant's one call fills the cache, another tenant's repeat
+    # of it is answered from there
     for model, key, computed in (("minilm_cached", ONCE_MORE, 2048), ("minilm_cached", FULL, 0)):
         before = scrape(srv)
         slow = {"X-Latency-Budget-Ms": "300000"}  # ~15 s of compute on 2 shared cores: no budget to miss
