@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import argparse
 import filecmp
+import re
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ["proto/inference/v2/model_config.proto", "proto/inference/v2/grpc_service.proto"]
+SOURCES = [
+    "proto/inference/v2/model_config.proto",
+    "proto/inference/v2/grpc_service.proto",
+    # Hugging Face TEI's gRPC API (gateway/transport/tei_grpc.py serves it)
+    "proto/tei/v1/tei.proto",
+]
 OUT_SUFFIXES = ["_pb2.py", "_pb2.pyi", "_pb2_grpc.py"]
 
 
@@ -36,9 +42,7 @@ def _generate(out: Path) -> list[Path]:
             path = out / (stem + suffix)
             # protoc names imports by the source path (``proto.inference.v2``); installed, these
             # modules live under ``batchgate.proto`` (a bare ``proto`` is proto-plus's name).
-            text = path.read_text().replace(
-                "from proto.inference.v2 import", "from batchgate.proto.inference.v2 import"
-            )
+            text = re.sub(r"^from proto\.", "from batchgate.proto.", path.read_text(), flags=re.M)
             path.write_text(text)
             if suffix == "_pb2.py":
                 text = text.replace(
