@@ -150,16 +150,19 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     refusal is a stream handler that never reads, so a key-less 60 MiB message costs its headers.
     Installed only when there is a tenant file (an open server pays nothing)."""
 
-    def __init__(self, door: Door, metrics: Metrics) -> None:
+    def __init__(self, door: Door, metrics: Metrics, keyed: dict[str, str] | None = None) -> None:
         self.door = door
         self._edges = {
             f"{_PREFIX}ModelInfer": metrics.transport("grpc"),
             f"{_PREFIX}ModelStreamInfer": metrics.transport("grpc_stream"),
         }
+        # other services' methods that need the key -> the edge their refusals count at (TEI's)
+        self._keyed = frozenset(keyed or ())
+        self._edges.update({m: metrics.transport(e) for m, e in (keyed or {}).items()})
 
     async def intercept_service(self, continuation, details):
         method = details.method
-        if not method.startswith(_PREFIX) or method in OPEN_METHODS:
+        if (not method.startswith(_PREFIX) or method in OPEN_METHODS) and method not in self._keyed:
             return await continuation(details)
         try:
             caller = self.door.identify(details.invocation_metadata)

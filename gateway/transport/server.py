@@ -39,6 +39,7 @@ from batchgate.gateway.metrics import Metrics
 from batchgate.gateway.repository import ModelSpec, tokenized
 from batchgate.gateway.transport import http, probes
 from batchgate.gateway.transport.grpc import SERVICE_NAME, AuthInterceptor, InferenceServicer
+from batchgate.gateway.transport import tei_grpc
 from batchgate.gateway.transport.takers import CallTakers
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from batchgate.gateway.transport.tls import CertStore
@@ -222,6 +223,7 @@ class Server:
             self.metrics.usage = (self.usage, self.admission)
         self.pipeline = Pipeline(self.plane, self.door, self.usage)
         self.servicer = InferenceServicer(self.pipeline, self.metrics)
+        self.tei = tei_grpc.TeiServicer(self)  # TEI's gRPC API (tei.v1) beside KServe's
         self.health = health_aio.HealthServicer()
         self.tls = CertStore.from_settings(settings)  # reads the certificate files; errors stop the start
         self.limits = Limits.from_settings(settings)
@@ -260,7 +262,9 @@ class Server:
                 ("grpc.max_connection_age_grace_ms", int(s.drain_timeout_s * 1000)),
             ]
         # Authentication on metadata, before the message is read; an open server has no interceptor.
-        interceptors = () if self.admission.open else (AuthInterceptor(self.door, self.metrics),)
+        interceptors = (
+            () if self.admission.open else (AuthInterceptor(self.door, self.metrics, tei_grpc.EDGE_OF),)
+        )
         self.takers = CallTakers(s.grpc_takers, self.door.calls, self.shedder)
         server = grpc.aio.server(
             options=options, interceptors=self.takers.interceptors_for(interceptors),
@@ -274,11 +278,12 @@ class Server:
             await self.usage.sink.start()
         server.add_generic_rpc_handlers((self.hold,))  # first: while holding it answers every call
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)
+        self.tei.add_to(server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         _register_for_reflection()
         _enable_reflection(
             server,
-            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            [SERVICE_NAME, *tei_grpc.SERVICES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME, REFLECTION_V1],
         )  # fmt: skip
         try:
@@ -335,6 +340,9 @@ class Server:
         await self.health.set(SERVICE_NAME, serving if ready else not_serving)
         for name in self.plane.models:
             await self.health.set(name, serving if ready else not_serving)
+        kinds = [rt.spec.kind for rt in self.plane.runtimes() if rt.text is not None]
+        for name, useful in tei_grpc.serving(kinds).items():  # as TEI reports its services
+            await self.health.set(name, serving if ready and useful else not_serving)
         for name in self.plane.failures:
             if name not in self.plane.models:
                 await self.health.set(name, not_serving)
@@ -360,6 +368,7 @@ class Server:
             self.http_site.stop_accepting()
         # Streams stop being read; what they hold is answered, then each ends UNAVAILABLE.
         self.servicer.end_streams()
+        self.tei.end_streams()
         ok = await self.plane.drain(self.settings.drain_timeout_s)
         if not ok:
             log.warning(
