@@ -264,7 +264,10 @@ class TeiServicer(
             t.cancel()
 
     async def _abort(self, context, exc: GatewayError) -> None:
-        await context.abort(STATUS[exc.kind], exc.message, getattr(exc, "trailing_metadata", ()))
+        message = exc.message
+        if exc.field and exc.field not in message:  # gRPC has no place for it but the words
+            message = f"'{exc.field}': {message}"
+        await context.abort(STATUS[exc.kind], message, getattr(exc, "trailing_metadata", ()))
 
     def _enter(self, context, model: str | None, edge):
         """The door's pass for a unary call (its refusal counted at ``edge``)."""
@@ -516,7 +519,7 @@ class TeiServicer(
         try:
             caller = self._caller(context)
             doc = self.pipeline.text_info(model)
-            if caller is not None and not caller.tenant.may(doc["model_id"]):
+            if caller is not None and not caller.tenant.allows(doc["model_id"]):
                 raise GatewayError(Kind.NOT_FOUND, f"unknown model '{clip(doc['model_id'])}'")
         except GatewayError as exc:
             await self._abort(context, exc)

@@ -17,6 +17,7 @@ from batchgate.gateway.infer import prompt_of
 from batchgate.gateway.repository import TOKEN_OUTPUT
 from batchgate.gateway.text import PAIR_SEPARATOR
 from batchgate.gateway.transport import tei_models as tm
+from batchgate.gateway.transport.fields import dimensions_for
 
 _KINDS = {"dense": ("embedding",), "sparse": ("sparse_embedding",), "tokens": ("embedding",),
           "labels": ("classification",), "scores": ("rerank",)}  # fmt: skip
@@ -84,9 +85,7 @@ class Bridge:
             texts = [call.query + PAIR_SEPARATOR + t for t in texts]
             pairs = True
         if call.dimensions is not None:
-            size = rt.spec.params.dimensions
-            if call.dimensions < 1 or (size and call.dimensions not in size):
-                raise invalid(f"'dimensions' {call.dimensions} is not one of {size}", "dimensions")
+            call.dimensions = dimensions_for(server, model, call.dimensions)
         a = await self.pipeline.texts(
             pass_, edge, model, texts, dict(call.parameters), exact_limit=not truncate,
             prompt_name=call.prompt_name, cut=truncate, output=output, left=call.left, pairs=pairs,
