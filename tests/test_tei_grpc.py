@@ -89,7 +89,7 @@ def folders(tmp_path_factory):
     }  # a pair classifier
     (root / "nli" / "config.json").write_text(json.dumps(config))
     splade_folder(root / "splade")
-    st_folder(root / "tokens", "mean", True, **{
+    st_folder(root / "tokens", "mean", False, **{  # vectors not unit length: TEI's normalize shows
         "config_sentence_transformers.json": {"prompts": {"query": "query: ", "passage": ""},
                                               "default_prompt_name": None}})  # fmt: skip
     return root
@@ -166,6 +166,15 @@ def test_embed_equals_the_servers_own_v1_embeddings(tei, channel, srv):
     assert len(got.embeddings) == len(want[0]["embedding"]) != 384
     assert cosine(got.embeddings, want[0]["embedding"]) >= 0.9999
     assert cosine(got.embeddings, want[1]["embedding"]) < 0.9999  # the prompt was applied
+    # normalize unset is TEI's true; false gives the model's own vector
+    assert (
+        abs(np.linalg.norm(got.embeddings) - 1) < 1e-5
+        and abs(np.linalg.norm(want[0]["embedding"]) - 1) > 1e-2
+    )
+    raw = stub.Embed(
+        pb.EmbedRequest(inputs="dog", prompt_name="query", normalize=False), metadata=md("tokens")
+    )
+    np.testing.assert_allclose(raw.embeddings, want[0]["embedding"], atol=1e-5)
 
 
 def test_embed_sparse_and_embed_all_equal_the_rest_routes(tei, channel, srv):
@@ -413,6 +422,23 @@ def test_with_a_tenant_file_every_rpc_needs_a_key(tei, channel):
     assert err.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_a_keyless_call_is_refused_on_its_metadata_before_its_message(srv, channel):
+    """The auth interceptor refuses TEI's methods as KServe's: a unary call whose message never
+    comes is refused at once, not held until its deadline (its handler would wait for the message)."""
+    gate = threading.Event()
+
+    def nothing():
+        gate.wait(10)
+        return
+        yield  # noqa: B901 - a request stream that sends no message
+
+    call = channel.stream_stream("/tei.v1.Embed/Embed")  # bytes in, bytes out: as any client's first frames
+    t0 = time.monotonic()
+    err = refusal(call, nothing(), timeout=5)
+    gate.set()
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED and time.monotonic() - t0 < 4
+
+
 # -- information -----------------------------------------------------------------------------------
 
 
@@ -448,3 +474,113 @@ def test_health_and_reflection_list_teis_services(srv, channel):
     (resp,) = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
         file_containing_symbol="tei.v1.Embed")])))  # fmt: skip
     assert resp.file_descriptor_response.file_descriptor_proto  # what grpcurl reads the methods from
+
+
+# -- the stream's window and order, without sockets ------------------------------------------------
+
+
+class _Edge:
+    name = "grpc_stream"
+
+    def failed(self, *_args) -> None:
+        pass
+
+
+class _HeldPipeline:
+    """The pipeline's ``texts`` as a state machine the test drives: each call waits on its own gate."""
+
+    def __init__(self, door, window: int) -> None:
+        import asyncio
+        from types import SimpleNamespace
+
+        self.door = door
+        self.settings = SimpleNamespace(stream_window=window)
+        self.plane = SimpleNamespace(draining=False)
+        self.gates: dict[int, asyncio.Event] = {}
+        self.asyncio = asyncio
+
+    def text_info(self, model):  # present: the servicer uses this pipeline as it is
+        raise AssertionError("not called")
+
+    async def texts(self, pass_, edge, call):
+        from batchgate.gateway.call import TextAnswer
+
+        with pass_:
+            i = int(call.texts[0])
+            gate = self.gates[i] = self.asyncio.Event()
+            await gate.wait()
+            return TextAnswer("m", "1", "embedding", [1], dense={"float": np.float32([[i]])})
+
+
+class _Context:
+    def __init__(self) -> None:
+        self.written: list[float] = []
+
+    def invocation_metadata(self):
+        return ()
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+    def set_trailing_metadata(self, _md) -> None:
+        pass
+
+    async def write(self, message) -> None:
+        self.written.append(message.embeddings[0])
+
+    async def abort(self, code, details, _trailing=()):
+        raise AssertionError(f"aborted {code}: {details}")
+
+
+async def test_a_stream_holds_at_most_its_window_and_answers_in_order():
+    """Window 3: a fourth message is not read while three are unanswered; answers finishing in
+    reverse order are written in the order the messages came."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from batchgate.gateway.admission import Admission
+    from batchgate.gateway.admission.door import Door, StreamSlots
+    from batchgate.gateway.admission.gate import LoadShedder
+    from batchgate.gateway.transport.tei_grpc import TeiServicer
+    from batchgate.proto.tei.v1 import tei_pb2 as ours
+
+    door = Door(Admission(), LoadShedder(0.02, 32), StreamSlots(8, 8))
+    pipeline = _HeldPipeline(door, window=3)
+    servicer = TeiServicer(
+        SimpleNamespace(pipeline=pipeline, metrics=SimpleNamespace(transport=lambda _n: _Edge()))
+    )
+    read = []
+
+    async def messages():
+        for i in range(8):
+            read.append(i)
+            yield ours.EmbedRequest(inputs=str(i))
+
+    async def turns(n: int = 50) -> None:
+        for _ in range(n):
+            await asyncio.sleep(0)
+
+    context = _Context()
+    stream = asyncio.create_task(servicer.EmbedStream(messages(), context))
+    await turns()
+    assert sorted(pipeline.gates) == [0, 1, 2] and read == [0, 1, 2]  # the window is full: not read on
+    pipeline.gates[2].set()
+    pipeline.gates[1].set()
+    await turns()
+    assert context.written == [] and read == [0, 1, 2]  # the first is still unanswered: nothing written
+    pipeline.gates[0].set()
+    await turns()
+    assert context.written == [0, 1, 2] and sorted(pipeline.gates) == [0, 1, 2, 3, 4, 5]
+    for i in (5, 4):
+        pipeline.gates[i].set()
+    await turns()
+    assert context.written == [0, 1, 2] and read == [0, 1, 2, 3, 4, 5]
+    pipeline.gates[3].set()
+    await turns()
+    assert context.written == [0, 1, 2, 3, 4, 5] and sorted(pipeline.gates) == list(range(8))
+    for i in (7, 6):
+        pipeline.gates[i].set()
+        await turns()
+    await asyncio.wait_for(stream, 5)
+    assert context.written == list(range(8))
+    assert door.streams.connections == {}  # the stream's slot was given back
