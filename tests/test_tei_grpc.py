@@ -238,6 +238,13 @@ def test_predict_and_predict_pair_equal_the_rest_route(tei, channel, srv):
         got = stub.PredictPair(pb.PredictPairRequest(inputs=[a, b]), metadata=md("nli"))
         assert [p.label for p in got.predictions] == [w["label"] for w in want]
         np.testing.assert_allclose([p.score for p in got.predictions], [w["score"] for w in want], atol=1e-5)
+    # one text is classified alone (a single-text classifier takes it), three are TEI's refusal
+    one = stub.PredictPair(pb.PredictPairRequest(inputs=[TEXTS[2]]), metadata=md("sentiment"))
+    alone = stub.Predict(pb.PredictRequest(inputs=TEXTS[2]), metadata=md("sentiment"))
+    assert [(p.label, p.score) for p in one.predictions] == [(p.label, p.score) for p in alone.predictions]
+    err = refusal(stub.PredictPair, pb.PredictPairRequest(inputs=["a", "b", "c"]), metadata=md("nli"))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "must have a single or two elements. Given: 3" in err.details()  # TEI's words
 
 
 # -- tokens ----------------------------------------------------------------------------------------

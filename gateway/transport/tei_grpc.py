@@ -558,6 +558,11 @@ class TeiServicer(
             return await work(self._enter(context, model, self._unary_edge), model, request)
         except GatewayError as exc:
             await self._abort(context, exc)
+        except Exception as exc:  # a bug, not the client's fault: say so, keep serving
+            log.exception("TEI gRPC call failed")
+            await context.abort(
+                grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {clip(exc, 512)}"
+            )
 
     async def _token_stream(self, request_iterator, context, work: Callable) -> None:
         async def answered(_request, message, _t0: int) -> None:
