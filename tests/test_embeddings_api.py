@@ -334,7 +334,7 @@ def test_tei_truncate(base, triton, stage):
         ({"inputs": "x", "normalize": "yes"}, 422, "validation", "'normalize'"),
         ({"inputs": "x", "truncation_direction": "Middle"}, 422, "validation", "'Left' or 'Right'"),
         ({"inputs": "x", "model": "nope"}, 404, "validation", "unknown model 'nope'"),
-        ({"inputs": "   "}, 422, "validation", "text is empty"),
+        ({"inputs": ["x", ""]}, 422, "validation", "text is empty"),
         (b"[1,", 422, "validation", "not valid JSON"),
     ],
 )

@@ -275,8 +275,18 @@ def test_predict_scores_equal_transformers(base, folders):
     for row, want in zip(body, probs, strict=True):
         got = {p["label"]: p["score"] for p in row}
         np.testing.assert_allclose([got[f"LABEL_{j}"] for j in range(3)], want, atol=MAX_PROB_DIFF)
-    status, body, _ = call(base + "/tei/sentiment/predict", {"inputs": ["a", "b"]})
-    assert status == 422 and "single text" in body["error"], body
+    # a classifier prepared for single texts takes a pair too, as its tokenizer pairs two texts
+    # (TEI tokenizes a pair for any classifier)
+    folder, model = folders["sentiment"]
+    probs, _ = classifier_reference(folder, model, PAIRS, False)
+    status, body, _ = call(base + "/tei/sentiment/predict", {"inputs": [list(p) for p in PAIRS]})
+    assert status == 200, body
+    for row, want in zip(body, probs, strict=True):
+        got = {p["label"]: p["score"] for p in row}
+        np.testing.assert_allclose([got[SENTIMENT[j]] for j in range(3)], want, atol=MAX_PROB_DIFF)
+    # a pair model refuses a single text
+    status, body, _ = call(base + "/tei/nli/predict", {"inputs": [["a"], ["b"]]})
+    assert status == 422 and "pair" in body["error"], body
 
 
 def test_classify_answers_in_vllms_shape(base, folders):
