@@ -436,6 +436,10 @@ class Pipeline:
     def server_metadata() -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name="batchgate", version=VERSION, extensions=list(EXTENSIONS))
 
+    def require(self, name: str, version: str) -> None:
+        """Refuses (NOT_FOUND, UNAVAILABLE) unless the model's version serves now."""
+        self.plane.get(name, version)
+
     def model_ready(self, name: str, version: str) -> bool:
         try:
             self.plane.get(name, version)
