@@ -376,9 +376,16 @@ class Pipeline:
         return await asyncio.to_thread(tokens.decode, rt.text, rows, skip_special_tokens)
 
     def kind_of(self, model: str | None) -> tuple[str, str]:
-        """(model, its kind) for a wire that answers by the model's kind (TEI's ``POST /``)."""
-        rt = self.text_runtime(model)
-        return rt.spec.name, rt.spec.kind
+        """(model, its kind) for a wire that answers by the model's kind (TEI's ``POST /``): read
+        off the served models, so the call it leads to still looks its model up only twice."""
+        kinds = self.text_kinds()
+        if model is None:
+            model = text_calls.default_model(self.plane, self.settings, None)
+        kind = kinds.get(model)
+        if kind is None:
+            self._text_runtime(model)  # the refusal a lookup gives: unknown, unavailable, ...
+            raise invalid(f"model '{clip(model)}' does not take text; text models: {sorted(kinds)}", "model")
+        return model, kind
 
     # -- model control --------------------------------------------------------------------------
 

@@ -42,8 +42,7 @@ async def test_a_text_call_looks_its_model_up_twice_on_every_wire(tmp_path, monk
             seen.clear()
             async with gw.http.post(path, json=body) as r:
                 assert r.status == 200, (path, await r.text())
-            # POST / asks the model's kind first (to know which body it reads): one lookup more
-            assert seen == ["minilm"] * (3 if path == "/" else 2), (path, seen)
+            assert seen == ["minilm", "minilm"], (path, seen)
 
 
 def test_no_transport_module_looks_a_model_up_or_imports_another_wire():
