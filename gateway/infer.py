@@ -31,7 +31,8 @@ from importlib.metadata import PackageNotFoundError, version
 import numpy as np
 
 from batchgate.gateway import tokens, tracing
-from batchgate.gateway import text_calls
+from batchgate.gateway import text_calls, vector_types
+from batchgate.gateway.vector_types import CALIBRATED
 from batchgate.gateway.call import Answer, Call, TextAnswer, TextCall
 from batchgate.gateway.admission import Account, Ticket, budgets
 from batchgate.gateway.admission.door import Door, Pass
@@ -141,6 +142,9 @@ class Pipeline:
         self.settings = plane.settings
         self.inflight = 0  # calls inside ``infer`` and ``texts``, all transports (the shedder's ``Load``)
         self.usage = usage  # what each tenant used (None: usage_metering off, nothing counted)
+        # int8/uint8 vector ranges per (model, version, file): calibrated on first use
+        self._ranges: dict[tuple, vector_types.Ranges] = {}
+        self._ranges_locks: dict[tuple, asyncio.Lock] = {}
 
     @property
     def lag(self):
@@ -325,7 +329,38 @@ class Pipeline:
             now = self.admission.clock()
             ticket.settle(sum(counts), now)  # the budget tracks what `usage` reports
             pass_.limits = ticket.headers(now)
-        return text_calls.finish(call, plan, rt, array, counts, getattr(rt, "vector_ranges", None))
+        ranges = None
+        if any(t in CALIBRATED for t in call.types):
+            ranges = await self._vector_ranges(rt, plan.output)
+        return text_calls.finish(call, plan, rt, array, counts, ranges)
+
+    async def _vector_ranges(self, rt, output: str) -> vector_types.Ranges:
+        """The model's per-dimension ranges for int8/uint8 vectors: its ``vector_ranges.json``,
+        else calibrated once, on the first call that asks, from the model's own vectors of the
+        shipped held-out rows (run through its runtime like any call), and saved beside it."""
+        spec = rt.spec
+        key = (spec.name, spec.version, spec.fingerprint)
+        ranges = self._ranges.get(key)
+        if ranges is not None:
+            return ranges
+        lock = self._ranges_locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            if key not in self._ranges:
+                loop = asyncio.get_running_loop()
+                # background work, not the caller's: queued as bulk where the server has that class
+                bulk = "bulk" if "bulk" in self.plane.classes else None
+
+                def embed(batch: list[str]) -> np.ndarray:
+                    budget = self._budget(rt, {}, None, bulk)
+                    work = rt.texts([t.encode() for t in batch], output, budget, None, None)
+                    return asyncio.run_coroutine_threadsafe(work, loop).result()[0]
+
+                sizes = spec.params.matryoshka_dimensions
+                identity = {"name": spec.name, "version": spec.version, "fingerprint": spec.fingerprint}
+                self._ranges[key] = await asyncio.to_thread(
+                    vector_types.ensure, spec.path.parent, embed, sizes, identity, log=log.info
+                )
+        return self._ranges[key]
 
     def text_runtime(self, model: str | None, output: str | None = None):
         """A served text model's runtime for the calls that read the model rather than compute
@@ -341,7 +376,10 @@ class Pipeline:
         """What a TEI client reads at ``/info`` (REST and gRPC) about text model ``model`` (None:
         the default model)."""
         rt = self.text_runtime(model)
-        return text_calls.describe(rt, self.settings, VERSION)
+        spec = rt.spec
+        return text_calls.describe(
+            rt, self.settings, VERSION, self._ranges.get((spec.name, spec.version, spec.fingerprint))
+        )
 
     async def tokenize(
         self, model: str | None, texts: list[str], add_special_tokens: bool, prompt_name: str | None

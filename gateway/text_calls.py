@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batchgate.gateway import tokens
+from batchgate.gateway import openai_ids, tokens, vector_types
 from batchgate.gateway.call import OUTPUTS, VECTOR_TYPES, TextAnswer, TextCall
 from batchgate.gateway.errors import GatewayError, Kind, clip, invalid, not_found
 from batchgate.gateway.repository import TOKEN_OUTPUT
 from batchgate.gateway.text import PAIR_SEPARATOR
+from batchgate.gateway.vector_types import CALIBRATED
 
 MAX_INPUTS = 2048  # texts per call: OpenAI's own limit
 
@@ -197,20 +198,16 @@ def dimensions_of(spec, value: int | None) -> int | None:
 
 
 def id_mode(rt, settings, call: TextCall) -> str | None:
-    """What the call's token ids are: None (texts), "model" or "openai"."""
+    """What the call's token ids are: None (texts), "model" (its tokenizer's ids) or "openai"
+    (OpenAI's cl100k_base ids, decoded to text): the model's parameter ``openai_token_ids``, else
+    the server's setting, for the OpenAI wire; the model's own ids on TEI's."""
     if call.ids is None:
         return None
     if call.ids_from != "openai":
         return "model"
-    mode = getattr(rt.spec.params, "openai_token_ids", None) or getattr(
-        settings, "openai_token_ids", "openai"
-    )
+    mode = openai_ids.meaning(settings.openai_token_ids, rt.spec.params.openai_token_ids)
     if mode == "refuse":
-        raise invalid(
-            f"'{call.field}' holds token ids; this server takes text for model '{rt.spec.name}' "
-            "(setting openai_token_ids is 'refuse'): send strings",
-            call.field,
-        )
+        raise openai_ids.refusal(rt.spec.name, call.field)
     return mode
 
 
@@ -238,12 +235,6 @@ def plan(rt, plane, call: TextCall, model: str) -> Plan:
     return Plan(model, output_of(rt, call), prompt, truncate, dimensions_of(spec, call.dimensions), tag, mode)
 
 
-def _openai_texts(rows: list[list[int]], field: str) -> list[str]:
-    from batchgate.gateway import openai_ids  # the encoding's table is read on first use
-
-    return openai_ids.decode_rows(rows, field)
-
-
 async def rows(rt, call: TextCall, p: Plan) -> tuple[list[str], list | None, str]:
     """The call's rows as the runtime takes them: texts (queries paired with each document for
     scores; each text cut to ``max_tokens`` tokens when asked), or for token ids placeholder texts
@@ -259,7 +250,7 @@ async def rows(rt, call: TextCall, p: Plan) -> tuple[list[str], list | None, str
                 f"'{call.field}' holds {len(call.ids)} rows of token ids; at most {MAX_INPUTS}", call.field
             )
         if p.id_mode == "openai":
-            texts = await asyncio.to_thread(_openai_texts, call.ids, call.field)
+            texts = await asyncio.to_thread(openai_ids.decode_rows, call.ids, call.field)
             return texts, None, tag
         if stage.settings.pair:
             raise invalid(f"model '{p.model}' takes pairs of texts, not token ids", call.field)
@@ -362,7 +353,10 @@ def finish(call: TextCall, p: Plan, rt, array: np.ndarray, counts: list[int], ra
     elif call.output == "dense":
         vectors = dense(array, p.dimensions, call.normalize)
         for t in call.types:
-            answer.dense[t] = vectors if t == "float" else quantized(vectors, t, ranges)
+            size = vectors.shape[1]
+            answer.dense[t] = vector_types.quantize(
+                vectors, t, ranges.for_size(size) if t in CALIBRATED else None
+            )
     elif call.output == "scores":
         scores = array[:, 0].copy()
         answer.scores = scores if call.raw_scores else _sigmoid(scores)
@@ -378,12 +372,6 @@ def finish(call: TextCall, p: Plan, rt, array: np.ndarray, counts: list[int], ra
     return answer
 
 
-def quantized(vectors: np.ndarray, kind: str, ranges) -> np.ndarray:
-    from batchgate.gateway import vector_types
-
-    return vector_types.quantize(vectors, kind, ranges)
-
-
 # Parameter kind -> TEI's model type (a sparse encoder is TEI's embedding model with SPLADE pooling).
 TEI_TYPE = {"embedding": "embedding", "sparse_embedding": "embedding", "classification": "classifier",
             "rerank": "reranker"}  # fmt: skip
@@ -391,7 +379,7 @@ _POOLING = {"mean": "mean", "cls": "cls", "lasttoken": "last_token"}
 _DTYPE = {"FP32": "float32", "FP16": "float16", "BF16": "bfloat16", "INT8": "int8"}
 
 
-def describe(rt, settings, version: str) -> dict:
+def describe(rt, settings, version: str, ranges=None) -> dict:
     """TEI's ``/info`` for a text model's runtime, with batchgate's own fields after TEI's."""
     spec, stage = rt.spec, rt.text
     kind = spec.kind
@@ -428,9 +416,8 @@ def describe(rt, settings, version: str) -> dict:
         "prompts": sorted(spec.params.prompts),
         "matryoshka_dimensions": list(spec.params.matryoshka_dimensions),
     }
-    ranges = getattr(rt, "vector_ranges", None)
-    if ranges is not None and hasattr(ranges, "describe"):
-        info["vector_ranges"] = ranges.describe()
+    # int8/uint8 vectors' ranges (Cohere's embedding_types): once calibrated
+    info["vector_ranges"] = ranges.describe() if ranges is not None else None
     selection = getattr(rt, "selection", None)
     if selection:
         info["selection"] = selection

