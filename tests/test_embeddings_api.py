@@ -199,7 +199,7 @@ def test_unknown_model_is_404_with_openais_error_json(oai, base):
     [
         ({"model": "minilm", "input": "x", "dimensions": 128}, "dimensions", "384"),
         ({"model": "minilm", "input": "x", "encoding_format": "int8"}, "encoding_format", "'float' or"),
-        ({"model": "minilm", "input": [1, 2, 99999999]}, "input", "vocabulary"),
+        ({"model": "minilm", "input": [1, 2, 99999999]}, "input", "not an id of cl100k_base"),
         ({"model": "minilm", "input": []}, "input", "empty list"),
         ({"model": "minilm", "input": ["ok", ""]}, "input", "input 1: text is empty"),
         ({"model": "minilm", "input": ["ok", 5]}, "input", "'input[1]' must be a string"),
