@@ -352,6 +352,14 @@ class Settings(BaseSettings):
         "call names none; unset: the first text embedding model by name. Every text model is also "
         "its own TEI server under /tei/<model>",
     )
+    openai_token_ids: Literal["openai", "model", "refuse"] = Field(
+        "openai",
+        description="what token-id arrays on /v1/embeddings mean: openai = ids of OpenAI's embedding "
+        "tokenizer (cl100k_base, as LangChain's OpenAIEmbeddings sends), decoded to text and tokenized by "
+        "the model's own tokenizer; model = the model's own tokenizer ids, fed as they are; refuse = "
+        "refused (send text). A model's parameter openai_token_ids overrides it. TEI's routes always "
+        "take the model's own ids",
+    )
 
     @model_validator(mode="after")
     def _check_cors(self) -> Settings:

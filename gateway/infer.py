@@ -31,7 +31,9 @@ from importlib.metadata import PackageNotFoundError, version
 import numpy as np
 
 from batchgate.gateway import tokens, tracing
-from batchgate.gateway.call import Answer, Call, Output
+from batchgate.gateway import text_calls, vector_types
+from batchgate.gateway.vector_types import CALIBRATED
+from batchgate.gateway.call import Answer, Call, TextAnswer, TextCall
 from batchgate.gateway.admission import Account, Ticket, budgets
 from batchgate.gateway.admission.door import Door, Pass
 from batchgate.gateway.admission.usage import UNKNOWN_MODEL, Usage, cause_of
@@ -92,30 +94,13 @@ def _check_parameters(params: dict) -> None:
             raise invalid(f"parameter '{key}' is {len(value)} characters; at most {ECHO_MAX} are accepted")
 
 
-def prompt_of(spec, name: str | None) -> str:
-    """The prompt text a call gets: the one it names, else the model's default, else none.
-    An unknown name is refused with the model's prompts."""
-    params = spec.params
-    if name is None:
-        name = params.default_prompt_name
-        if name is None:
-            return ""
-    prompts = params.prompts
-    if name not in prompts:
-        raise invalid(
-            f"model '{spec.name}' has no prompt '{clip(name)}'; its prompts: {sorted(prompts)}"
-            + ("" if prompts else " (none: the model's folder declared no prompts)")
-        )
-    return prompts[name]
-
-
 def apply_prompt(rt, arrays: dict, parameters) -> dict:
     """Each text with the call's prompt before it, exactly as if the caller had prefixed it: the
     cache key, the length bucket and the vector all follow the prefixed text."""
     name = parameters.get("prompt_name")
     if name is not None and not isinstance(name, str):
         raise invalid("parameter 'prompt_name' must be a string: the name of one of the model's prompts")
-    prompt = prompt_of(rt.spec, name)
+    prompt = text_calls.prompt_of(rt.spec, name)
     if not prompt:
         return arrays
     head = prompt.encode()
@@ -127,25 +112,24 @@ def apply_prompt(rt, arrays: dict, parameters) -> dict:
     return {**arrays, rt.text.input: out}
 
 
-async def _cut_left_or_given(stage, texts, long, encodings, left, given) -> tuple[list | None, str]:
-    """The call's encodings with the rows made elsewhere put in: token ids given (``given``), and
-    with ``left`` the texts that may be over the model's length (``long``) tokenised keeping
-    their last tokens. Also the cache tag such rows are kept apart under ("" when none)."""
+async def _cut_left(stage, texts, long, encodings, left, given) -> tuple[list | None, str]:
+    """The call's encodings with the rows made elsewhere put in: token ids or pairs given
+    (``given``), and with ``left`` the texts that may be over the model's length (``long``)
+    tokenised keeping their last tokens; and the cache tag of those ("left", or "" when none)."""
     if given is None and not (left and long):
         return encodings, ""
     out = list(encodings) if encodings is not None else [None] * len(texts)
-    tag = ""
-    if left and long:
-        made = await asyncio.to_thread(tokens.encode_left, stage, [texts[i] for i in long])
-        for i, e in zip(long, made, strict=True):
-            out[i] = e
-        tag = "left"
-    if given is not None and any(e is not None for e in given):
+    if given is not None:
         for i, e in enumerate(given):
             if e is not None:
                 out[i] = e
-        tag += "ids"
-    return out, tag
+    if not (left and long):
+        return out, ""
+    todo = [i for i in long if given is None or given[i] is None]
+    made = await asyncio.to_thread(tokens.encode_left, stage, [texts[i] for i in todo])
+    for i, e in zip(todo, made, strict=True):
+        out[i] = e
+    return out, "left"
 
 
 class Pipeline:
@@ -158,6 +142,9 @@ class Pipeline:
         self.settings = plane.settings
         self.inflight = 0  # calls inside ``infer`` and ``texts``, all transports (the shedder's ``Load``)
         self.usage = usage  # what each tenant used (None: usage_metering off, nothing counted)
+        # int8/uint8 vector ranges per (model, version, file): calibrated on first use
+        self._ranges: dict[tuple, vector_types.Ranges] = {}
+        self._ranges_locks: dict[tuple, asyncio.Lock] = {}
 
     @property
     def lag(self):
@@ -271,6 +258,10 @@ class Pipeline:
         with tracing.TRACER.start_as_current_span("response"):
             return codec.encode(call, outputs, wanted)
 
+    def text_kinds(self) -> dict[str, str]:
+        """Served text models -> their kind, by name."""
+        return text_calls.text_models(self.plane)
+
     def text_models(self, pairs: bool | None = None) -> list[str]:
         """Served models that take text (parameter ``tokenizer``), sorted; ``pairs``: only those that
         do (True: rerank models) or do not (False: embedding models) take pairs."""
@@ -282,76 +273,37 @@ class Pipeline:
                 out.append(name)
         return sorted(out)
 
-    async def texts(
-        self, pass_: Pass, edge: TransportCounters, model: str, texts: list[str], parameters: dict, *,
-        exact_limit: bool = False, pairs: bool = False, prompt_name: str | None = None, cut: bool = False,
-        output: str | None = None, left: bool = False, encodings: list | None = None,
-    ) -> Answer:  # fmt: skip
-        """Embed (or score, for a rerank model) a list of texts with text model ``model`` as one call:
-        through the door once (``pass_``), admitted once against the tenant's limits for all its
-        rows, each text tokenised once, its rows queued by length bucket to batch with other
-        callers' texts. The answer's one output holds the model's first FP32 output in order, its
-        ``tokens`` each text's token count as the model saw it (after truncation).
-
-        ``parameters``: the call's (``latency_class``, ``latency_budget_ms``). ``exact_limit``:
-        refuse a text over the model's ``max_tokens`` instead of letting the model's ``truncate``
-        setting decide. ``pairs``: the model must be a rerank model (and the texts are pairs).
-        ``cut``: the caller asked for truncation, so a text over ``max_text_bytes`` is cut to it
-        (at a character) instead of refused; the model keeps its first ``max_tokens`` tokens.
-        ``output``: the output to answer (default: the model's first FP32 output). ``left``: a text
-        over the limits keeps its last bytes and tokens instead (TEI's ``truncation_direction``).
-        ``encodings``: per row, None or the model's token ids made already (gateway/tokens.py,
-        token-id inputs), used as they are; their row's text only keys the cache.
+    async def texts(self, pass_: Pass, edge: TransportCounters, call: TextCall) -> TextAnswer:
+        """A text call (gateway/call.py ``TextCall``, from any text wire) as one call: through the
+        door once (``pass_``), the model looked up and every decision about the call made once
+        (gateway/text_calls.py), admitted once against the tenant's limits for all its rows, each
+        text tokenised once, its rows queued by length bucket to batch with other callers' texts,
+        and the answer shaped as the call asked (cut, normalised, scores, quantised forms).
         Raises ``GatewayError`` naming the field it concerns."""
-        extra = (output, left, encodings)
-        return await self._counted(
-            pass_, edge, model, "",
-            self._texts(pass_, model, texts, parameters, exact_limit, pairs, prompt_name, cut, extra),
-        )  # fmt: skip
+        model = call.model
+        if model is None:
+            model = text_calls.default_model(self.plane, self.settings, call.output)
+        return await self._counted(pass_, edge, model, "", self._texts(pass_, call, model))
 
-    def _text_runtime(self, model: str, pairs: bool):
-        """The runtime of text model ``model``, or the refusal naming the field ``model``."""
+    def _text_runtime(self, model: str):
+        """The runtime of ``model`` (the first of the call's two lookups), refused naming ``model``."""
         try:
-            rt = self.plane.get(model)
+            return self.plane.get(model)
         except GatewayError as exc:
             exc.field = "model"
             raise
-        stage = rt.text
-        if stage is None:
-            raise invalid(f"model '{model}' does not take text; text models: {self.text_models()}", "model")
-        if stage.settings.pair != pairs:
-            if pairs:
-                message = (
-                    f"model '{model}' is not a rerank model (a cross-encoder); "
-                    f"rerank models: {self.text_models(pairs=True)}"
-                )
-            else:
-                message = (
-                    f"model '{model}' is a rerank model: send its query and texts to /rerank or /v1/rerank"
-                )
-            raise invalid(message, "model")
-        return rt
 
-    async def _texts(
-        self, pass_, model, texts, parameters, exact_limit, pairs, prompt_name, cut, extra
-    ) -> Answer:
-        wanted, left, given = extra
-        rt = self._text_runtime(model, pairs)
-        stage, spec = rt.text, rt.spec
-        output = next((t for t in spec.outputs if t.datatype == "FP32" and wanted in (None, t.name)), None)
-        if output is None:
-            what = f"an output '{wanted}'" if wanted else "an FP32 output to return as an embedding"
-            raise invalid(f"model '{model}' has no {what}", "model")
-        try:
-            # before every text: what the model, the checks and the cache see
-            prompt = prompt_of(spec, prompt_name)
-        except GatewayError as exc:
-            exc.field = "prompt_name"
-            raise
+    async def _texts(self, pass_: Pass, call: TextCall, model: str) -> TextAnswer:
+        rt = self._text_runtime(model)
+        plan = text_calls.plan(rt, self.plane, call, model)
+        stage = rt.text
+        texts, given, tag = await text_calls.rows(rt, call, plan)
         texts, encodings, long = await stage.check_list(
-            texts, prompt, cut=cut, exact=exact_limit, left=left, given=given
-        )
-        encodings, tag = await _cut_left_or_given(stage, texts, long, encodings, left, given)
+            texts, plan.prompt, cut=plan.truncate and given is None, exact=not plan.truncate,
+            left=call.left, given=given,
+        )  # fmt: skip
+        encodings, made = await _cut_left(stage, texts, long, encodings, call.left, given)
+        tag += made
         raw = [t.encode() for t in texts]
         caller = pass_.caller
         # the estimate only where a token budget will read it (a few us a text, on the loop)
@@ -363,11 +315,11 @@ class Pipeline:
             # Looked up after admission: a reload may have swapped it during a Redis decision.
             rt = self.plane.get(model, "")
             tenant = caller.tenant if caller is not None else None
-            budget = self._budget(rt, parameters, pass_.time_left, tenant and tenant.default_class)
+            budget = self._budget(rt, call.parameters, pass_.time_left, tenant and tenant.default_class)
             namespace = tenant.cache_namespace if tenant is not None else None
             if tag:  # rows made another way than by the usual tokenisation never share a cache entry
                 namespace = f"{namespace or ''}/{tag}"
-            vectors, tokens = await rt.texts(raw, output.name, budget, namespace, encodings)
+            array, counts = await rt.texts(raw, plan.output, budget, namespace, encodings)
         except BaseException:
             ticket.settle(0, self.admission.clock())  # nothing answered: nothing used
             raise
@@ -375,10 +327,103 @@ class Pipeline:
             ticket.release()
         if caller is not None:
             now = self.admission.clock()
-            ticket.settle(sum(tokens), now)  # the budget tracks what `usage` reports
+            ticket.settle(sum(counts), now)  # the budget tracks what `usage` reports
             pass_.limits = ticket.headers(now)
+        ranges = None
+        if any(t in CALIBRATED for t in call.types):
+            ranges = await self._vector_ranges(rt, plan.output)
+        return text_calls.finish(call, plan, rt, array, counts, ranges)
+
+    async def _vector_ranges(self, rt, output: str) -> vector_types.Ranges:
+        """The model's per-dimension ranges for int8/uint8 vectors: its ``vector_ranges.json``,
+        else calibrated once, on the first call that asks, from the model's own vectors of the
+        shipped held-out rows (run through its runtime like any call), and saved beside it."""
         spec = rt.spec
-        return Answer(spec.name, spec.version, "", [Output(output.name, "FP32", vectors, True)], tokens)
+        key = (spec.name, spec.version, spec.fingerprint)
+        ranges = self._ranges.get(key)
+        if ranges is not None:
+            return ranges
+        lock = self._ranges_locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            if key not in self._ranges:
+                loop = asyncio.get_running_loop()
+                # background work, not the caller's: queued as bulk where the server has that class
+                bulk = "bulk" if "bulk" in self.plane.classes else None
+
+                def embed(batch: list[str]) -> np.ndarray:
+                    budget = self._budget(rt, {}, None, bulk)
+                    work = rt.texts([t.encode() for t in batch], output, budget, None, None)
+                    return asyncio.run_coroutine_threadsafe(work, loop).result()[0]
+
+                sizes = spec.params.matryoshka_dimensions
+                identity = {"name": spec.name, "version": spec.version, "fingerprint": spec.fingerprint}
+                self._ranges[key] = await asyncio.to_thread(
+                    vector_types.ensure, spec.path.parent, embed, sizes, identity, log=log.info
+                )
+        return self._ranges[key]
+
+    def text_runtime(self, model: str | None, output: str | None = None):
+        """A served text model's runtime for the calls that read the model rather than compute
+        with it (TEI's /info, /tokenize, /decode): ``model`` or the default for ``output``."""
+        if model is None:
+            model = text_calls.default_model(self.plane, self.settings, output)
+        rt = self._text_runtime(model)
+        if rt.text is None or rt.spec.kind is None:
+            raise invalid(f"model '{model}' does not take text; text models: {self.text_models()}", "model")
+        return rt
+
+    def text_info(self, model: str | None) -> dict:
+        """What a TEI client reads at ``/info`` (REST and gRPC) about text model ``model`` (None:
+        the default model)."""
+        rt = self.text_runtime(model)
+        spec = rt.spec
+        return text_calls.describe(
+            rt, self.settings, VERSION, self._ranges.get((spec.name, spec.version, spec.fingerprint))
+        )
+
+    async def tokenize(
+        self, model: str | None, texts: list[str], add_special_tokens: bool, prompt_name: str | None
+    ) -> list[list[dict]]:
+        """TEI's tokenize: each text's tokens (id, text, special, byte offsets) as the model sees
+        it, its prompt first; held to the model's text limits, tokenised in a thread."""
+        rt = self.text_runtime(model)
+        if not texts:
+            raise invalid("Input cannot be empty", "inputs")
+        prompts = rt.spec.params.prompts
+        if prompt_name is not None and prompt_name not in prompts:  # TEI's words
+            listed = ", ".join(f'"{p}"' for p in sorted(prompts))
+            raise invalid(
+                f"Prompt name '{clip(prompt_name)}' was not found. Available prompts: [{listed}]",
+                "prompt_name",
+            )
+        prompt = text_calls.prompt_of(rt.spec, prompt_name)
+        limit = rt.text.settings.max_text_bytes
+        for i, t in enumerate(texts):
+            if len(t.encode()) > limit:
+                raise invalid(f"inputs {i}: text is over {limit} bytes (parameter max_text_bytes)", "inputs")
+        return await asyncio.to_thread(
+            tokens.tokenize, rt.text, [prompt + t for t in texts], add_special_tokens
+        )
+
+    async def decode(self, model: str | None, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        """TEI's decode: token-id rows back to text, each id checked against the vocabulary."""
+        rt = self.text_runtime(model)
+        if len(ids) > text_calls.MAX_INPUTS:
+            raise invalid(f"'ids' holds {len(ids)} rows; at most {text_calls.MAX_INPUTS} per request", "ids")
+        rows = tokens.ids_of(ids, "ids", tokens.vocabulary_size(rt.text))
+        return await asyncio.to_thread(tokens.decode, rt.text, rows, skip_special_tokens)
+
+    def kind_of(self, model: str | None) -> tuple[str, str]:
+        """(model, its kind) for a wire that answers by the model's kind (TEI's ``POST /``): read
+        off the served models, so the call it leads to still looks its model up only twice."""
+        kinds = self.text_kinds()
+        if model is None:
+            model = text_calls.default_model(self.plane, self.settings, None)
+        kind = kinds.get(model)
+        if kind is None:
+            self._text_runtime(model)  # the refusal a lookup gives: unknown, unavailable, ...
+            raise invalid(f"model '{clip(model)}' does not take text; text models: {sorted(kinds)}", "model")
+        return model, kind
 
     # -- model control --------------------------------------------------------------------------
 
@@ -435,6 +480,10 @@ class Pipeline:
     @staticmethod
     def server_metadata() -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name="batchgate", version=VERSION, extensions=list(EXTENSIONS))
+
+    def require(self, name: str, version: str) -> None:
+        """Refuses (NOT_FOUND, UNAVAILABLE) unless the model's version serves now."""
+        self.plane.get(name, version)
 
     def model_ready(self, name: str, version: str) -> bool:
         try:

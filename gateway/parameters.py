@@ -215,6 +215,11 @@ DECLARED: tuple[Declared, ...] = (
              "text whose call names it", str, "prompts"),
     Declared("default_prompt_name", "prompt name", "none", "a prompt.<name> key of the model", "prompts",
              "the prompt a call that names none gets", _nonempty, "default_prompt_name"),
+    Declared("openai_token_ids", "'openai', 'model' or 'refuse'", "the server's --openai-token-ids",
+             "one of the three", "embedding routes",
+             "what token-id arrays on /v1/embeddings mean for this model: OpenAI's cl100k_base ids "
+             "(decoded to text, then tokenized by the model's tokenizer), the model's own ids, or refused",
+             _choice("openai", "model", "refuse"), "openai_token_ids"),
     Declared("matryoshka_dimensions", "int list", "none", "strictly ascending, >= 1, below the output's size",
              "embedding routes", "the sizes a Matryoshka-trained embedding may be cut to: a call's "
              "`dimensions` keeps that many leading values and re-normalises", _ascending,
@@ -322,6 +327,7 @@ class ModelParameters:
     normalize: bool | None = None  # recorded: the graph normalises
     prompts: Mapping[str, str] = field(default_factory=dict)  # prompt name -> text
     default_prompt_name: str | None = None
+    openai_token_ids: str | None = None  # None: the server's setting (gateway/openai_ids.py meaning)
     matryoshka_dimensions: tuple[
         int, ...
     ] = ()  # sizes `dimensions` may ask for (the full size is always served)

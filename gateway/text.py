@@ -303,17 +303,15 @@ class TextStage:
             raise self._refusal(i, "expected BYTES holding UTF-8 text", listed) from None
         if self.settings.pair:
             self._check_pair(i, text, listed)
-        elif not text.strip():
-            raise self._refusal(
-                i,
-                "text is empty" + (" (whitespace only)" if text else "") + "; send at least one word",
-                listed,
-            )
+        elif not text:
+            # only the empty string: a whitespace-only text (a splitter's chunk, an empty table
+            # cell) is embedded as TEI and sentence-transformers embed it, [CLS][SEP]
+            raise self._refusal(i, "text is empty; send at least one character", listed)
         return text
 
     def _check_pair(self, i: int, text: str, listed: bool = False) -> None:
         first, sep, second = text.partition(PAIR_SEPARATOR)
-        if not sep or not first.strip() or not second.strip():
+        if not sep or not first or not second:
             raise self._refusal(
                 i, f"model '{self.model}' takes a pair per row, two non-empty texts joined by U+001F "
                 "(parameter text_pair)", listed,

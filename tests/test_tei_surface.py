@@ -275,8 +275,18 @@ def test_predict_scores_equal_transformers(base, folders):
     for row, want in zip(body, probs, strict=True):
         got = {p["label"]: p["score"] for p in row}
         np.testing.assert_allclose([got[f"LABEL_{j}"] for j in range(3)], want, atol=MAX_PROB_DIFF)
-    status, body, _ = call(base + "/tei/sentiment/predict", {"inputs": ["a", "b"]})
-    assert status == 422 and "single text" in body["error"], body
+    # a classifier prepared for single texts takes a pair too, as its tokenizer pairs two texts
+    # (TEI tokenizes a pair for any classifier)
+    folder, model = folders["sentiment"]
+    probs, _ = classifier_reference(folder, model, PAIRS, False)
+    status, body, _ = call(base + "/tei/sentiment/predict", {"inputs": [list(p) for p in PAIRS]})
+    assert status == 200, body
+    for row, want in zip(body, probs, strict=True):
+        got = {p["label"]: p["score"] for p in row}
+        np.testing.assert_allclose([got[SENTIMENT[j]] for j in range(3)], want, atol=MAX_PROB_DIFF)
+    # a pair model refuses a single text
+    status, body, _ = call(base + "/tei/nli/predict", {"inputs": [["a"], ["b"]]})
+    assert status == 422 and "pair" in body["error"], body
 
 
 def test_classify_answers_in_vllms_shape(base, folders):
@@ -319,40 +329,39 @@ def test_left_truncation_keeps_the_last_tokens(base, minilm_dir):
     tok.enable_truncation(256, direction="left")
     ids = tok.encode(LONG + " and the final words here").ids
     assert len(ids) == 256 and ids[0] == 101 and ids[-1] == 102
-    status, want, _ = call(base + "/v1/embeddings", {"model": "minilm", "input": [ids]})
-    assert status == 200 and want["usage"]["total_tokens"] == 256, want
+    status, want, headers = call(base + "/embed", {"inputs": [ids]})  # the model's own ids
+    assert status == 200 and headers["x-compute-tokens"] == "256", want
     status, got, _ = call(
         base + "/embed", {"inputs": LONG + " and the final words here", "truncation_direction": "Left"}
     )
     assert status == 200, got
-    np.testing.assert_allclose(np.float32(got[0]), want["data"][0]["embedding"], atol=1e-6)
+    np.testing.assert_allclose(np.float32(got[0]), want[0], atol=1e-6)
     _, right, _ = call(base + "/embed", {"inputs": LONG + " and the final words here"})
     assert not np.allclose(right[0], got[0], atol=1e-3)  # not the right end's vector
     status, body, _ = call(base + "/embed", {"inputs": "x", "truncation_direction": "Middle"})
     assert status == 422 and "truncation_direction" in body["error"], body
 
 
-def test_token_ids_on_v1_embeddings(base, minilm_dir):
+def test_token_ids_on_teis_embed_are_the_models_own(base, minilm_dir):
+    """TEI's routes take the model's own token ids, as TEI does (OpenAI's route reads OpenAI's:
+    tests/test_clients.py, tests/test_openai_ids.py)."""
     tok = tokenizer_of(minilm_dir)
     texts = ["A man is eating food.", "Hello world"]
     rows = [e.ids for e in tok.encode_batch(texts)]
-    status, by_text, _ = call(base + "/v1/embeddings", {"model": "minilm", "input": texts})
-    status, by_ids, _ = call(base + "/v1/embeddings", {"model": "minilm", "input": rows})
+    status, by_text, _ = call(base + "/embed", {"inputs": texts})
+    status, by_ids, headers = call(base + "/embed", {"inputs": rows})
     assert status == 200, by_ids
-    np.testing.assert_allclose([d["embedding"] for d in by_ids["data"]],
-                               [d["embedding"] for d in by_text["data"]], atol=1e-6)  # fmt: skip
-    assert by_ids["usage"]["prompt_tokens"] == sum(map(len, rows)) == by_text["usage"]["prompt_tokens"]
-    status, one, _ = call(
-        base + "/v1/embeddings", {"model": "minilm", "input": rows[1]}
-    )  # a flat list: one row
-    assert status == 200 and len(one["data"]) == 1
-    np.testing.assert_allclose(one["data"][0]["embedding"], by_text["data"][1]["embedding"], atol=1e-6)
+    np.testing.assert_allclose(by_ids, by_text, atol=1e-6)
+    assert int(headers["x-compute-tokens"]) == sum(map(len, rows))
+    status, one, _ = call(base + "/embed", {"inputs": rows[1]})  # a flat list: one row
+    assert status == 200 and len(one) == 1
+    np.testing.assert_allclose(one[0], by_text[1], atol=1e-6)
     size = tok.get_vocab_size()
-    for bad in ([101, size], [[101, -1]], [[]], [[101, 1.5]]):
-        status, body, _ = call(base + "/v1/embeddings", {"model": "minilm", "input": bad})
-        assert status == 400 and body["error"]["param"] == "input", (bad, body)
-    status, body, _ = call(base + "/v1/embeddings", {"model": "minilm_reject", "input": [[101] * 300]})
-    assert status == 400 and "300 tokens" in body["error"]["message"], body
+    for bad in ([101, size], [[101, -1]], [[101, 1.5]]):
+        status, body, _ = call(base + "/embed", {"inputs": bad})
+        assert status == 422 and body["error_type"] == "validation", (bad, body)
+    status, body, _ = call(base + "/tei/minilm_reject/embed", {"inputs": [[101] * 300]})
+    assert status == 422 and "300 tokens" in body["error"], body
 
 
 # -- budgets --------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from batchgate.gateway import tracing
 from batchgate.gateway.errors import GatewayError, Kind, clip, too_large
 from batchgate.gateway.metrics import CONTENT_TYPE_LATEST
 from batchgate.gateway.config import cors_origins
-from batchgate.gateway.transport import cors, kserve_rest, openai, openapi, tei, tei_surface
+from batchgate.gateway.transport import cohere, cors, kserve_rest, openai, openapi, tei, vllm
 
 if TYPE_CHECKING:
     from batchgate.gateway.transport.server import Server
@@ -148,7 +148,8 @@ def app(server: Server) -> web.Application:
     r.add_routes(kserve_rest.routes(server, http))
     r.add_routes(openai.routes(server, http))
     r.add_routes(tei.routes(server, http))
-    r.add_routes(tei_surface.routes(server, http))
+    r.add_routes(cohere.routes(server, http))
+    r.add_routes(vllm.routes(server, http))
     r.add_routes(openapi.routes())
     return application
 

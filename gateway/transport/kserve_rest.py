@@ -403,7 +403,7 @@ class KServeRest:
     async def model_ready(self, req: web.Request) -> web.Response:
         name = req.match_info["model"]
         try:
-            self.plane.get(name, req.match_info.get("version", ""))
+            self.pipeline.require(name, req.match_info.get("version", ""))
         except GatewayError as exc:
             return _refused(exc)
         return web.json_response({"name": name, "ready": True})

@@ -12,57 +12,40 @@ the same shape.
 from __future__ import annotations
 
 import base64
-import json
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from aiohttp import web
 
-from batchgate.gateway.errors import GatewayError, Kind, invalid, not_found, retry_headers
-from batchgate.gateway.transport import tei_models
+from batchgate.gateway.call import TextCall
+from batchgate.gateway.errors import GatewayError, Kind, invalid, not_found
 from batchgate.gateway.transport.fields import (
-    cut_to,
-    dimensions_for,
+    Body,
     TextRoutes,
-    json_object,
+    dimensions_of,
     flag,
+    ids_rows,
+    is_ids,
+    json_response,
     latency_of,
+    openai_error,
     prompt_name_of,
-    request_echo,
+    texts_of,
 )
 
 if TYPE_CHECKING:
     from batchgate.gateway.transport.http import Http
     from batchgate.gateway.transport.server import Server
 
-# Kind -> (HTTP status, OpenAI error type, code)
-OPENAI = {
-    Kind.INVALID: (400, "invalid_request_error", None),
-    Kind.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
-    Kind.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
-    Kind.PERMISSION: (403, "permission_error", "model_not_allowed"),
-    Kind.EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
-    Kind.UNAVAILABLE: (503, "server_error", "unavailable"),
-    Kind.DEADLINE: (504, "server_error", "deadline_exceeded"),
-    Kind.UNSUPPORTED: (501, "invalid_request_error", "unsupported"),
-    Kind.PRECONDITION: (400, "invalid_request_error", None),
-    Kind.FAILED: (500, "server_error", None),
-    Kind.TOO_LARGE: (413, "invalid_request_error", None),
-    Kind.SLOW: (408, "invalid_request_error", "request_timeout"),
-}
-_OPENAI_FIELDS = {
-    "model", "input", "encoding_format", "dimensions", "user", "latency_class", "latency_budget_ms",
-    "prompt_name",  # an extension: sentence-transformers' word for one of the model's prompts
-    "truncate",  # an extension: cut texts over the model's length instead of refusing them (OpenAI refuses)
-}  # fmt: skip
-
-
-def openai_error(exc: GatewayError, echo: dict | None = None) -> web.Response:
-    status, type_, code = OPENAI[exc.kind]
-    if exc.kind is Kind.TOO_LARGE and exc.field is not None:
-        status = 400  # OpenAI answers an input over a limit 400 naming it; only a body it cannot take 413
-    body = {"error": {"message": exc.message, "type": type_, "param": exc.field, "code": code}}
-    return web.json_response(body, status=status, headers=retry_headers(exc, echo or {}))
+_EMBEDDINGS = Body(
+    {
+        "model", "input", "encoding_format", "dimensions", "user", "latency_class", "latency_budget_ms",
+        "prompt_name",  # an extension: sentence-transformers' word for one of the model's prompts
+        "truncate",  # an extension: cut texts over the model's length instead of refusing them (OpenAI refuses)
+    },
+    "'model' and 'input'",
+    "unrecognized request argument(s)",  # OpenAI refuses a field it does not know
+)  # fmt: skip
 
 
 def _openai_vector(vec: np.ndarray, fmt: str) -> Any:
@@ -71,67 +54,59 @@ def _openai_vector(vec: np.ndarray, fmt: str) -> Any:
     return vec.tolist()
 
 
-def _model_card(name: str) -> dict:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "batchgate"}
+def _model_card(name: str, kind: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "batchgate", "kind": kind}
+
+
+def embeddings_call(request: web.Request, doc: dict) -> TextCall:
+    """OpenAI's embeddings body as a ``TextCall``: token-id arrays are OpenAI's tokens (what
+    tiktoken made), unless the server or model says otherwise (setting ``openai_token_ids``)."""
+    model = doc.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("'model' is required: the name of a text model (GET /v1/models lists them)", "model")
+    if "input" not in doc:
+        raise invalid("'input' is required: a string, a list of strings, or token ids", "input")
+    fmt = doc.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise invalid(f"'encoding_format' must be 'float' or 'base64', not {fmt!r}", "encoding_format")
+    if "user" in doc and not isinstance(doc["user"], str):
+        raise invalid("'user' must be a string", "user")
+    value = doc["input"]
+    ids = ids_rows(value) if is_ids(value) else None
+    truncate = doc.get("truncate")
+    return TextCall(
+        "dense", model, texts=[] if ids is not None else texts_of(value, "input"), ids=ids, ids_from="openai",
+        truncate=None if truncate is None else flag(doc, "truncate", False),
+        prompt_name=prompt_name_of(doc), dimensions=dimensions_of(doc), parameters=latency_of(request, doc),
+    )  # fmt: skip
+
+
+def embeddings_body(doc: dict, call: TextCall, answer, headers: dict) -> web.Response:
+    fmt = doc.get("encoding_format") or "float"
+    total = sum(answer.tokens)
+    body = {
+        "object": "list",
+        "data": [
+            {"object": "embedding", "index": i, "embedding": _openai_vector(v, fmt)}
+            for i, v in enumerate(answer.dense["float"])
+        ],
+        "model": answer.model,
+        "usage": {"prompt_tokens": total, "total_tokens": total},
+    }
+    return json_response(body, headers)
 
 
 class OpenAI(TextRoutes):
     async def embeddings(self, request: web.Request) -> web.Response:
-        echo = request_echo(request)
-        try:
-            with self.door.enter(self.http.metadata(request)) as pass_:
-                doc = await json_object(
-                    self.http,
-                    request,
-                    _OPENAI_FIELDS,
-                    "'model' and 'input'",
-                    "unrecognized request argument(s)",
-                )
-                model = doc.get("model")
-                if not isinstance(model, str) or not model:
-                    raise invalid("'model' is required: the name of a text model", "model")
-                if "input" not in doc:
-                    raise invalid("'input' is required: a string or a list of strings", "input")
-                # the model's own truncate setting unless the call says (OpenAI itself refuses)
-                truncate = flag(doc, "truncate", tei_models.truncates(self.server, model))
-                texts, given = tei_models.inputs_of(
-                    self.server, model, doc["input"], "input", truncate, False
-                )
-                fmt = doc.get("encoding_format") or "float"
-                if fmt not in ("float", "base64"):
-                    raise invalid(
-                        f"'encoding_format' must be 'float' or 'base64', not {fmt!r}", "encoding_format"
-                    )
-                if "user" in doc and not isinstance(doc["user"], str):
-                    raise invalid("'user' must be a string", "user")
-                params = latency_of(request, doc)
-                size = dimensions_for(self.server, model, doc.get("dimensions"))
-                answer = await self.server.pipeline.texts(
-                    pass_, self.edge, model, texts, params, prompt_name=prompt_name_of(doc),
-                    exact_limit=not truncate, cut=truncate and given is None, encodings=given,
-                )  # fmt: skip
-        except GatewayError as exc:
-            return openai_error(exc, echo)
-        total = sum(answer.tokens)
-        body = {
-            "object": "list",
-            "data": [
-                {"object": "embedding", "index": i, "embedding": _openai_vector(v, fmt)}
-                for i, v in enumerate(cut_to(answer.outputs[0].array, size))
-            ],
-            "model": answer.model,
-            "usage": {"prompt_tokens": total, "total_tokens": total},
-        }
-        return web.Response(
-            text=json.dumps(body, separators=(",", ":")), content_type="application/json",
-            headers={**echo, **dict(pass_.limits)},
-        )  # fmt: skip
+        """``POST /v1/embeddings`` (and ``POST /embeddings``, as TEI, infinity and vLLM serve it):
+        OpenAI's body and answer."""
+        return await self.answer(request, _EMBEDDINGS, embeddings_call, embeddings_body, openai_error)
 
     async def usage(self, request: web.Request) -> web.Response:
         """OpenAI's usage API for embeddings: a tenant marked admin sees every tenant, another
         tenant only its own figures (this replica's; docs/tenants.md)."""
         try:
-            account = self.server.pipeline.identify(self.http.metadata(request))
+            account = self.pipeline.identify(self.http.metadata(request))
             usage = self.server.usage
             if usage is None:
                 raise GatewayError(
@@ -147,33 +122,32 @@ class OpenAI(TextRoutes):
             return openai_error(exc)
         return web.json_response(page)
 
-    def _visible(self, request: web.Request) -> list[str]:
-        """The text models this caller may call (all of them on an open server)."""
-        pipeline = self.server.pipeline
-        names = pipeline.text_models()
+    def _visible(self, request: web.Request) -> dict[str, str]:
+        """The text models this caller may call (all of them on an open server), with their kinds."""
+        pipeline = self.pipeline
+        kinds = pipeline.text_kinds()
         account = pipeline.identify(self.http.metadata(request))
-        if account is None:
-            return names
-        allowed = account.models
-        return names if allowed is None else [n for n in names if n in allowed]
+        allowed = None if account is None else account.models
+        return kinds if allowed is None else {n: k for n, k in kinds.items() if n in allowed}
 
     async def models(self, request: web.Request) -> web.Response:
         try:
             names = self._visible(request)
         except GatewayError as exc:
             return openai_error(exc)
-        return web.json_response({"object": "list", "data": [_model_card(n) for n in names]})
+        return web.json_response({"object": "list", "data": [_model_card(n, k) for n, k in names.items()]})
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
         try:
-            if name not in self._visible(request):
+            kinds = self._visible(request)
+            if name not in kinds:
                 raise not_found(f"The model '{name}' does not exist or you do not have access to it.")
         except GatewayError as exc:
             if exc.kind is Kind.NOT_FOUND:
                 exc.field = "model"
             return openai_error(exc)
-        return web.json_response(_model_card(name))
+        return web.json_response(_model_card(name, kinds[name]))
 
 
 def routes(server: Server, http: Http) -> list[web.RouteDef]:
@@ -181,6 +155,7 @@ def routes(server: Server, http: Http) -> list[web.RouteDef]:
     api = OpenAI(server, http)
     return [
         web.post("/v1/embeddings", api.embeddings),
+        web.post("/embeddings", api.embeddings),
         web.get("/v1/models", api.models),
         web.get("/v1/models/{model}", api.model),
         web.get("/v1/organization/usage/embeddings", api.usage),
