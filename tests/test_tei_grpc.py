@@ -153,7 +153,7 @@ def cosine(a, b) -> float:
 def test_embed_equals_the_servers_own_v1_embeddings(tei, channel, srv):
     pb, g = tei
     stub = g.EmbedStub(channel)
-    texts = ["A man is eating food.", "Tokyo 東京 🗼 tower", "café " * 300]  # the last over 256 tokens
+    texts = ["A man is eating food.", "Tokyo 東京 🗼 tower", "   ", "café " * 300]  # blank; over 256 tokens
     want = rest(srv, "/v1/embeddings", {"model": "minilm", "input": texts})["data"]
     for text, w in zip(texts, want, strict=True):
         got = stub.Embed(pb.EmbedRequest(inputs=text), metadata=md())  # no model: the default, minilm
@@ -506,9 +506,6 @@ class _HeldPipeline:
         self.gates: dict[int, asyncio.Event] = {}
         self.asyncio = asyncio
 
-    def text_info(self, model):  # present: the servicer uses this pipeline as it is
-        raise AssertionError("not called")
-
     async def texts(self, pass_, edge, call):
         from batchgate.gateway.call import TextAnswer
 
@@ -553,9 +550,7 @@ async def test_a_stream_holds_at_most_its_window_and_answers_in_order():
 
     door = Door(Admission(), LoadShedder(0.02, 32), StreamSlots(8, 8))
     pipeline = _HeldPipeline(door, window=3)
-    servicer = TeiServicer(
-        SimpleNamespace(pipeline=pipeline, metrics=SimpleNamespace(transport=lambda _n: _Edge()))
-    )
+    servicer = TeiServicer(pipeline, SimpleNamespace(transport=lambda _n: _Edge()))
     read = []
 
     async def messages():

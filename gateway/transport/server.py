@@ -223,7 +223,7 @@ class Server:
             self.metrics.usage = (self.usage, self.admission)
         self.pipeline = Pipeline(self.plane, self.door, self.usage)
         self.servicer = InferenceServicer(self.pipeline, self.metrics)
-        self.tei = tei_grpc.TeiServicer(self)  # TEI's gRPC API (tei.v1) beside KServe's
+        self.tei = tei_grpc.TeiServicer(self.pipeline, self.metrics)  # TEI's API (tei.v1) beside KServe's
         self.health = health_aio.HealthServicer()
         self.tls = CertStore.from_settings(settings)  # reads the certificate files; errors stop the start
         self.limits = Limits.from_settings(settings)

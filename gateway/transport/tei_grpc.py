@@ -237,13 +237,7 @@ class TeiServicer(
 ):  # fmt: skip
     """TEI's five services in one servicer over the server's pipeline and door."""
 
-    def __init__(self, server) -> None:
-        pipeline = server.pipeline
-        if not hasattr(pipeline, "text_info"):  # TEMPORARY until the pipeline takes a TextCall
-            from batchgate.gateway.transport.tei_grpc_bridge import Bridge
-
-            pipeline = Bridge(server)
-        metrics = server.metrics
+    def __init__(self, pipeline, metrics) -> None:
         self.pipeline = pipeline
         self.door = pipeline.door
         self.streams = pipeline.door.streams
@@ -536,19 +530,26 @@ class TeiServicer(
                 setattr(out, key, doc[key])
         return out
 
+    def _visible(self, pass_, model: str | None) -> str:
+        """The model a tokenizer call reads (``model`` or the default), refused as unknown when the
+        caller may not call it (so nothing is disclosed), as TEI's REST routes refuse it."""
+        name, _kind = self.pipeline.kind_of(model)
+        caller = pass_.caller
+        if caller is not None and not caller.tenant.allows(name):
+            raise GatewayError(Kind.NOT_FOUND, f"unknown model '{clip(name)}'")
+        return name
+
     async def _tokenize(self, pass_, model, request) -> pb.EncodeResponse:
         with pass_:  # the door is left as the call ends
+            name = self._visible(pass_, model)
             prompt = _optional(request, "prompt_name")
-            (row,) = await self.pipeline.tokenize(
-                pass_, model, [request.inputs], request.add_special_tokens, prompt
-            )
+            (row,) = await self.pipeline.tokenize(name, [request.inputs], request.add_special_tokens, prompt)
         return pb.EncodeResponse(tokens=[pb.SimpleToken(**t) for t in row])
 
     async def _decode(self, pass_, model, request) -> pb.DecodeResponse:
         with pass_:
-            (text,) = await self.pipeline.decode(
-                pass_, model, [list(request.ids)], request.skip_special_tokens
-            )
+            name = self._visible(pass_, model)
+            (text,) = await self.pipeline.decode(name, [list(request.ids)], request.skip_special_tokens)
         return pb.DecodeResponse(text=text)
 
     async def _unary_tokens(self, request, context, work: Callable):
