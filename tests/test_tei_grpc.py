@@ -586,3 +586,27 @@ async def test_a_stream_holds_at_most_its_window_and_answers_in_order():
     await asyncio.wait_for(stream, 5)
     assert context.written == list(range(8))
     assert door.streams.connections == {}  # the stream's slot was given back
+
+
+async def test_a_tei_grpc_call_looks_its_model_up_twice(tmp_path, monkeypatch):
+    """As every text wire (tests/test_text_call.py): the pipeline looks the model up, the servicer never."""
+    from batchgate.proto.tei.v1 import tei_pb2 as ours
+    from batchgate.proto.tei.v1 import tei_pb2_grpc as ours_grpc
+    from tests.harness import serving
+    from tests.test_text_call import _repo
+
+    async with serving(_repo(tmp_path)) as gw:
+        plane = gw.server.plane
+        real, seen = type(plane).get, []
+
+        def counted(self, name, version=""):
+            seen.append(name)
+            return real(self, name, version)
+
+        monkeypatch.setattr(type(plane), "get", counted)
+        stub = ours_grpc.EmbedStub(gw.channel)
+        assert len((await stub.Embed(ours.EmbedRequest(inputs="one"))).embeddings) == 384
+        assert seen == ["minilm", "minilm"]
+        seen.clear()
+        answers = [a async for a in stub.EmbedStream(iter([ours.EmbedRequest(inputs=t) for t in ("a", "b")]))]
+        assert len(answers) == 2 and seen == ["minilm"] * 4
