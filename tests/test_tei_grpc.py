@@ -101,6 +101,8 @@ def srv(folders, minilm_dir, tmp_path_factory):
     for name in ("sentiment", "nli", "splade", "tokens", "ce"):
         prepare_model(folders / name, name, repo, token_embeddings=name == "tokens", log=print)
     (repo / "minilm").symlink_to(minilm_dir)
+    with (repo / "tokens" / "config.pbtxt").open("a") as f:  # Matryoshka sizes: `dimensions` reaches gRPC
+        f.write('parameters { key: "matryoshka_dimensions" value { string_value: "8,16" } }\n')
     tmp = tmp_path_factory.mktemp("tei-grpc-server")
     (tmp / "tenants.yaml").write_text(
         f'tenants:\n  - name: all\n    key_hashes: ["{hash_key(ALL)}"]\n'
@@ -175,6 +177,10 @@ def test_embed_equals_the_servers_own_v1_embeddings(tei, channel, srv):
         pb.EmbedRequest(inputs="dog", prompt_name="query", normalize=False), metadata=md("tokens")
     )
     np.testing.assert_allclose(raw.embeddings, want[0]["embedding"], atol=1e-5)
+    # a Matryoshka size the model declares: the pipeline's cut, as /v1/embeddings makes it
+    (cut,) = rest(srv, "/v1/embeddings", {"model": "tokens", "input": "query: dog", "dimensions": 8})["data"]
+    got = stub.Embed(pb.EmbedRequest(inputs="dog", prompt_name="query", dimensions=8), metadata=md("tokens"))
+    assert len(got.embeddings) == 8 and cosine(got.embeddings, cut["embedding"]) >= 0.9999
 
 
 def test_embed_sparse_and_embed_all_equal_the_rest_routes(tei, channel, srv):
@@ -214,6 +220,10 @@ def test_rerank_equals_the_servers_own_v1_rerank(tei, channel, srv):
                                                                    "raw_scores": True})}  # fmt: skip
     np.testing.assert_allclose([r.score for r in raw.ranks], [logits[r.index] for r in raw.ranks], atol=1e-5)
     assert not any(r.HasField("text") for r in raw.ranks)
+    err = refusal(stub.Rerank, pb.RerankRequest(query=QUERY, texts=[]), metadata=md("ce"))
+    assert (
+        err.code() == grpc.StatusCode.INVALID_ARGUMENT and "'texts' cannot be empty" in err.details()
+    )  # TEI's
     # the client stream: one (query, text) per message, one ranking at the end; flags from the first
     msgs = [pb.RerankStreamRequest(query=QUERY, text=d, return_text=i == 0) for i, d in enumerate(DOCS)]
     streamed = stub.RerankStream(iter(msgs), metadata=md("ce"))
