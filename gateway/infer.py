@@ -286,10 +286,13 @@ class Pipeline:
         return await self._counted(pass_, edge, model, "", self._texts(pass_, call, model))
 
     def _text_runtime(self, model: str):
-        """The runtime of ``model`` (the first of the call's two lookups), refused naming ``model``."""
+        """The runtime of ``model`` (the first of the call's two lookups), refused naming ``model``
+        (an unknown one without KServe's discovery: each text wire names its own)."""
         try:
             return self.plane.get(model)
         except GatewayError as exc:
+            if exc.kind is Kind.NOT_FOUND:
+                raise GatewayError(Kind.NOT_FOUND, f"unknown model '{clip(model)}'", field="model") from None
             exc.field = "model"
             raise
 

@@ -416,8 +416,8 @@ def describe(rt, settings, version: str, ranges=None) -> dict:
         "prompts": sorted(spec.params.prompts),
         "matryoshka_dimensions": list(spec.params.matryoshka_dimensions),
     }
-    # int8/uint8 vectors' ranges (Cohere's embedding_types): once calibrated
-    info["vector_ranges"] = ranges.describe() if ranges is not None else None
+    if ranges is not None:  # int8/uint8 vectors' ranges (Cohere's embedding_types), once calibrated
+        info["vector_ranges"] = ranges.describe()
     selection = getattr(rt, "selection", None)
     if selection:
         info["selection"] = selection
