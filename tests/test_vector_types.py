@@ -239,3 +239,25 @@ def test_wrong_use_is_refused(fresh):
         vt.quantize(fresh, "int4")
     with pytest.raises(ValueError, match="at least 2 texts"):
         vt.Ranges.calibrate(lambda t: np.zeros((len(t), 4), np.float32), ["one"])
+
+
+def test_an_async_caller_builds_ranges_from_its_own_vectors(tmp_path, calibrated):
+    ranges, calib = calibrated
+    model = {"file": "model.onnx", "sha256": "c" * 64}
+    built = vt.Ranges.from_vectors(calib, sizes=(64, 128, 256, 384, 999), model=model)
+    assert sorted(built.by_size) == [64, 128, 256, 384] and built.rows == len(calib)
+    for size, r in ranges.by_size.items():
+        assert built.for_size(size).tobytes() == r.tobytes()
+    assert vt.usable(tmp_path, (64,), model) == (None, "missing")
+    lines = []
+    vt.save_beside(tmp_path, built, "missing", lines.append)
+    found, why = vt.usable(tmp_path, (64, 384), model)
+    assert found is not None and why == "" and found.file == tmp_path / vt.RANGES_FILE
+    assert vt.usable(tmp_path, (32,), model)[1] == "sizes [64, 128, 256, 384] lack some of [32]"
+    # a version directory that cannot take the file: the ranges still serve, from memory
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    kept = vt.save_beside(blocked, built, log=lines.append)
+    assert kept.file is None and "kept in memory" in lines[-1]
+    with pytest.raises(ValueError, match="at least 2 rows"):
+        vt.Ranges.from_vectors(calib[:1])
