@@ -11,7 +11,7 @@ each the same bytes sentence-transformers' ``quantize_embeddings`` makes of the 
 
 Matryoshka: a vector cut to its leading ``size`` values is re-normalised (``cut``), which scales
 every value by 1/‖x[:size]‖, so the full vectors' ranges of those dimensions do not fit the cut
-ones (they would crowd the cut values into the top steps and clip). The file keeps one range per
+ones (minilm cut to 64: a quarter of the values clipped to 0 or 255). The file keeps one range per
 size the model serves, each calibrated on the same rows cut and re-normalised exactly as served;
 ``Ranges.for_size`` picks it, and ``ensure`` recalibrates a file that lacks a size the model now
 declares.
