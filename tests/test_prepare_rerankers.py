@@ -401,3 +401,61 @@ def test_unsupported_family_is_refused_naming_it_and_the_supported(tmp_path):
     assert "ElectraForSequenceClassification (model_type 'electra')" in msg
     for family in ("DeBERTa-v2", "ModernBERT", "Qwen3ForSequenceClassification", "Qwen3-Reranker", "MPNet"):
         assert family in msg, family
+
+
+# -- served ----------------------------------------------------------------------------------------
+
+
+def _post(base: str, path: str, body: dict):
+    import urllib.request
+
+    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def test_served_by_every_rerank_route(folders, repo, tmp_path):
+    """DeBERTa-v3 and Qwen3-Reranker through TEI /rerank, Cohere-style /v1/rerank and KServe gRPC;
+    the three-label DeBERTa-v2 classifier's pairs through TEI /predict: each equal to transformers
+    (the card's P(yes) for Qwen3-Reranker)."""
+    import tritonclient.grpc as tc
+
+    from tests.conftest import start_server
+
+    served = tmp_path / "repo"
+    for name in ("deberta_v3_ce", "qwen3_reranker", "deberta_v2_cls"):
+        shutil.copytree(repo / name, served / name)
+    srv = start_server(tmp_path, "--no-build-models", repo=served, ready_timeout=120)
+    try:
+        base = f"http://127.0.0.1:{srv.http_port}"
+        client = tc.InferenceServerClient(srv.grpc_url)
+        for name in ("deberta_v3_ce", "qwen3_reranker"):
+            folder, model = folders[name]
+            if name == "qwen3_reranker":
+                _, raw = card_yes_probability(folder, model, PAIRS, read_folder(folder).max_tokens)
+            else:
+                raw = hf_scores(folder, model, PAIRS)[:, 0]
+            tei = _post(base, "/rerank", {"model": name, "query": QUERY, "texts": DOCS, "raw_scores": True})
+            assert [r["index"] for r in tei] == list(np.argsort(-raw, kind="stable")), name
+            np.testing.assert_allclose([r["score"] for r in tei], np.sort(raw)[::-1], atol=ATOL, rtol=0)
+            cohere = _post(base, "/v1/rerank", {"model": name, "query": QUERY, "documents": DOCS, "top_n": 2})
+            top = np.argsort(-raw, kind="stable")[:2]
+            assert [r["index"] for r in cohere["results"]] == list(top), name
+            np.testing.assert_allclose(
+                [r["relevance_score"] for r in cohere["results"]], sigmoid(raw[top]), atol=ATOL, rtol=0
+            )
+            inp = tc.InferInput("text", [len(DOCS), 1], "BYTES")
+            rows = [(QUERY + PAIR_SEPARATOR + d).encode() for d in DOCS]
+            inp.set_data_from_numpy(np.array(rows, dtype=object).reshape(-1, 1))
+            kserve = client.infer(name, [inp], client_timeout=60).as_numpy("score")[:, 0]
+            np.testing.assert_allclose(kserve, raw, atol=ATOL, rtol=0)
+        client.close()
+        folder, model = folders["deberta_v2_cls"]
+        want = hf_scores(folder, model, PAIRS[:2])
+        got = _post(base, "/predict", {"model": "deberta_v2_cls", "inputs": [[q, d] for q, d in PAIRS[:2]],
+                                       "raw_scores": True})  # fmt: skip
+        for row, logits in zip(got, want, strict=True):
+            by_label = {r["label"]: r["score"] for r in row}
+            np.testing.assert_allclose([by_label[f"LABEL_{i}"] for i in range(3)], logits, atol=ATOL, rtol=0)
+    finally:
+        srv.stop()
