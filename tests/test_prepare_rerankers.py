@@ -459,3 +459,24 @@ def test_served_by_every_rerank_route(folders, repo, tmp_path):
             np.testing.assert_allclose([by_label[f"LABEL_{i}"] for i in range(3)], logits, atol=ATOL, rtol=0)
     finally:
         srv.stop()
+
+
+def test_prepared_from_a_hub_id_offline_as_from_the_folder(folders, repo, tmp_path, monkeypatch):
+    """Each family from its Hub ID in an offline Hugging Face cache: the same files as from its
+    folder (Qwen3-Reranker known by the ID's name, models--Qwen--Qwen3-Reranker-tiny)."""
+    from tests.test_prepare_sources import cache_layout
+
+    cache = tmp_path / "hub"
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    for i, (name, (folder, _model)) in enumerate(folders.items()):
+        repo_id = f"acme/{folder.name}" if not name.startswith("qwen3") else f"Qwen/{folder.name}"
+        cache_layout(cache, repo_id, folder, f"{i:040x}", ("main",))
+        out = prepare_model(
+            repo_id, name, tmp_path / "repo", log=print, text_pair=True if name in CLASSIFIERS else None
+        )
+        for f in ("1/model.onnx", "tokenizer.json", "config.pbtxt"):
+            assert (out / f).read_bytes() == (repo / name / f).read_bytes(), (name, f)
