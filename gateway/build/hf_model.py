@@ -19,7 +19,9 @@ export (``onnx/model.onnx`` or ``model.onnx``) with the head appended (``onnx_ex
 What it decides, and where from (docs/embeddings.md, "Bringing your own model"):
 
 * architecture: BERT, RoBERTa or XLM-RoBERTa (``model_type``; encoder.py), MPNet, DistilBERT,
-  ModernBERT or Qwen3 (one module each: mpnet.py, distilbert.py, modernbert.py, qwen3.py).
+  ModernBERT, DeBERTa-v2 or Qwen3 (one module each: mpnet.py, distilbert.py, modernbert.py,
+  deberta_v2.py, qwen3.py; their classifier heads in heads.py). A Qwen3 folder named a reranker
+  (or ``--reranker``) is Qwen3-Reranker: its yes/no logits under its card's ``pair_template``.
   Anything else is refused by name (``PrepareError``, exit 2).
 * kind (parameter ``kind``; each kind's outputs fixed by name, so a route reads them): an
   ``embedding`` (FP32 [dim]; ``token_embeddings`` FP32 [-1, hidden] beside it when asked); a
