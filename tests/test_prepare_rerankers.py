@@ -415,7 +415,7 @@ def _post(base: str, path: str, body: dict):
 
 
 def test_served_by_every_rerank_route(folders, repo, tmp_path):
-    """DeBERTa-v3 and Qwen3-Reranker through TEI /rerank, Cohere-style /v1/rerank and KServe gRPC;
+    """DeBERTa-v3 and Qwen3-Reranker through TEI /rerank and /predict, Cohere-style /v1/rerank and KServe gRPC;
     the three-label DeBERTa-v2 classifier's pairs through TEI /predict: each equal to transformers
     (the card's P(yes) for Qwen3-Reranker)."""
     import tritonclient.grpc as tc
@@ -449,6 +449,10 @@ def test_served_by_every_rerank_route(folders, repo, tmp_path):
             inp.set_data_from_numpy(np.array(rows, dtype=object).reshape(-1, 1))
             kserve = client.infer(name, [inp], client_timeout=60).as_numpy("score")[:, 0]
             np.testing.assert_allclose(kserve, raw, atol=ATOL, rtol=0)
+            # TEI's /predict takes a reranker's pairs too: its one score, through a sigmoid.
+            predicted = _post(base, "/predict", {"model": name, "inputs": [[QUERY, d] for d in DOCS]})
+            assert {r[0]["label"] for r in predicted} == {"LABEL_0"}, name
+            np.testing.assert_allclose([r[0]["score"] for r in predicted], sigmoid(raw), atol=ATOL, rtol=0)
         client.close()
         folder, model = folders["deberta_v2_cls"]
         want = hf_scores(folder, model, PAIRS[:2])
@@ -480,3 +484,40 @@ def test_prepared_from_a_hub_id_offline_as_from_the_folder(folders, repo, tmp_pa
         )
         for f in ("1/model.onnx", "tokenizer.json", "config.pbtxt"):
             assert (out / f).read_bytes() == (repo / name / f).read_bytes(), (name, f)
+
+
+def test_deberta_embedder_equals_transformers(tmp_path):
+    """The bare encoder (DebertaV2Model) mean-pooled as sentence-transformers pools it: the same
+    graph without the classifier head."""
+    torch = pytest.importorskip("torch")
+    import transformers as t
+
+    from tests.test_prepare_model import MIN_COSINE, cosines, st_folder, st_pool
+
+    torch.manual_seed(7)
+    d = tmp_path / "deberta-embedder"
+    d.mkdir()
+    deberta_tokenizer(d)
+    vocab = Tokenizer.from_file(str(d / "tokenizer.json")).get_vocab_size()
+    cfg = t.DebertaV2Config(**TINY, vocab_size=vocab, max_position_embeddings=64, relative_attention=True,
+                            position_buckets=8, max_relative_positions=-1, norm_rel_ebd="layer_norm", share_att_key=True,
+                            pos_att_type=["p2c", "c2p"], position_biased_input=False, type_vocab_size=0)  # fmt: skip
+    model = t.DebertaV2Model(cfg)
+    scramble(model)
+    model.eval().save_pretrained(d)
+    st_folder(d, "mean", True)
+    out = prepare_model(d, "deberta_embed", tmp_path / "repo", log=print)
+    texts = [d for d in DOCS] + [ODD]
+    from transformers import AutoTokenizer
+
+    enc = AutoTokenizer.from_pretrained(d)(
+        texts, padding=True, truncation=True, max_length=40, return_tensors="pt"
+    )
+    with torch.no_grad():
+        states = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state
+    want = st_pool(states, enc["attention_mask"], "mean", True).numpy()
+    (spec,) = load_model(out)
+    feeds = TextStage(spec)({"text": np.array(texts, dtype=object)})
+    sess = ort.InferenceSession(str(out / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    got = sess.run(["embedding"], feeds)[0]
+    assert cosines(got, want).min() >= MIN_COSINE

@@ -37,7 +37,7 @@ from batchgate.gateway.transport.fields import (
     texts_of,
 )
 from batchgate.gateway.transport.openai import openai_error
-from batchgate.gateway.transport.tei import EMPTY, Tei, tei_error
+from batchgate.gateway.transport.tei import EMPTY, Tei, _sigmoid, tei_error
 
 if TYPE_CHECKING:
     from batchgate.gateway.call import Answer
@@ -287,7 +287,8 @@ class TeiSurface(TextRoutes):
     # -- classifiers ----------------------------------------------------------------------------
 
     async def _classify(self, request, pass_, doc, model, rows: list[list[str]], raw: bool, field: str):
-        rt = tm.runtime_of(self.server, model, ("classification",))
+        rt = tm.runtime_of(self.server, model, ("classification", "rerank"))
+        rerank = rt.spec.kind == "rerank"  # TEI's /predict takes a reranker too: its one score
         pairs = rt.text.settings.pair
         for i, row in enumerate(rows):
             if (len(row) == 2) != pairs:
@@ -304,15 +305,17 @@ class TeiSurface(TextRoutes):
             doc,
             model,
             texts,
-            output="logits" if raw else "probabilities",
+            output="score" if rerank else "logits" if raw else "probabilities",
             field=field,
             pairs=pairs,
         )
-        return answer, rt.spec.labels
+        # (a rerank model's one label: transformers' default name, as its id2label has it)
+        return answer, ("LABEL_0",) if rerank else rt.spec.labels
 
     async def predict(self, request: web.Request) -> web.Response:
         """TEI's ``POST /predict``: per row every label's score, highest first; probabilities
-        (softmax, or each label's sigmoid for a multi-label model) unless ``raw_scores``."""
+        (softmax, or each label's sigmoid for a multi-label model) unless ``raw_scores``. A rerank
+        model's pairs get their one score, through a sigmoid unless ``raw_scores``, as TEI's."""
         echo = request_echo(request)
         try:
             with self.door.enter(self.http.metadata(request)) as pass_:
@@ -321,12 +324,15 @@ class TeiSurface(TextRoutes):
                     raise invalid(EMPTY, "inputs")
                 rows, batch = _predict_rows(doc.get("inputs"))
                 raw = flag(doc, "raw_scores", False)
-                model = tm.model_for(self.server, request, doc, ("classification",))
+                model = tm.model_for(self.server, request, doc, ("classification", "rerank"))
                 answer, labels = await self._classify(request, pass_, doc, model, rows, raw, "inputs")
         except GatewayError as exc:
             return tei_error(exc, echo)
         out = []
-        for row in answer.outputs[0].array:
+        scores = answer.outputs[0].array
+        if answer.outputs[0].name == "score" and not raw:
+            scores = _sigmoid(scores)
+        for row in scores:
             order = np.argsort(-row, kind="stable")
             out.append([{"score": float(row[j]), "label": labels[j]} for j in order])
         return _json(out if batch else out[0], _headers(echo, answer))
