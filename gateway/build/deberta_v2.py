@@ -164,8 +164,8 @@ def relative_positions(length: int, cfg: DebertaConfig) -> np.ndarray:
 
 def table_rows(length: int, cfg: DebertaConfig) -> tuple[np.ndarray, np.ndarray]:
     """(c2p, p2c), each [length, length] int64: the relative table's row each term reads.
-    c2p[i, j] for query i and key j; p2c[j, i] for key j and query i (p2c is gathered along its
-    key's row, then transposed), as disentangled_attention_bias clamps them."""
+    c2p[i, j] for query i and key j; p2c[j, i] for key j and query i (transformers gathers p2c
+    along its key's row, then transposes), as disentangled_attention_bias clamps them."""
     rel = relative_positions(length, cfg)
     span = cfg.span
     c2p = np.clip(rel + span, 0, 2 * span - 1)
@@ -201,7 +201,6 @@ def _layer(g: GraphBuilder, i: int, x: str, key_bias: str, w: dict[str, np.ndarr
     k_t = g.op("Transpose", [k], f"{name}.k_tt", perm=[0, 1, 3, 2])
     scores = g.op("MatMul", [q, k_t], f"{name}.c2c")
     if cfg.relative_attention and rel is not None and rows is not None:
-        shape = g.op("Shape", [scores], f"{name}.score_shape")
 
         def projected(kind: str) -> np.ndarray:
             """The relative table through this layer's key or query projection: [heads, head_dim,
@@ -214,15 +213,14 @@ def _layer(g: GraphBuilder, i: int, x: str, key_bias: str, w: dict[str, np.ndarr
         if "c2p" in cfg.pos_att_type:
             pos_key = g.const(f"{name}.pos_key", projected("key").astype(np.float32))
             c2p = g.op("MatMul", [q, pos_key], f"{name}.c2p_all")  # [b, h, query, 2 * span]
-            index = g.op("Expand", [rows[0], shape], f"{name}.c2p_index")
-            c2p = g.op("GatherElements", [c2p, index], f"{name}.c2p", axis=3)
+            c2p = g.op("Reshape", [c2p, "rel_flat"], f"{name}.c2p_flat")  # [b, h, query * 2 * span]
+            c2p = g.op("Gather", [c2p, rows[0]], f"{name}.c2p", axis=2)
             scores = g.op("Add", [scores, c2p], f"{name}.with_c2p")
         if "p2c" in cfg.pos_att_type:
             pos_query = g.const(f"{name}.pos_query", (projected("query") * inv_scale).astype(np.float32))
             p2c = g.op("MatMul", [k, pos_query], f"{name}.p2c_all")  # [b, h, key, 2 * span]
-            index = g.op("Expand", [rows[1], shape], f"{name}.p2c_index")
-            p2c = g.op("GatherElements", [p2c, index], f"{name}.p2c_by_key", axis=3)
-            p2c = g.op("Transpose", [p2c], f"{name}.p2c", perm=[0, 1, 3, 2])
+            p2c = g.op("Reshape", [p2c, "rel_flat"], f"{name}.p2c_flat")  # [b, h, key * 2 * span]
+            p2c = g.op("Gather", [p2c, rows[1]], f"{name}.p2c", axis=2)
             scores = g.op("Add", [scores, p2c], f"{name}.with_p2c")
     scores = g.op("Add", [scores, key_bias], f"{name}.masked")
     probs = g.op("Softmax", [scores], f"{name}.probs", axis=-1)
@@ -276,9 +274,16 @@ def build_model(weights: dict[str, np.ndarray], cfg: DebertaConfig, head: Head, 
         if cfg.norm_rel_ebd:
             rel = _np_layer_norm(rel, weights["encoder.LayerNorm.weight"], weights["encoder.LayerNorm.bias"],
                                  cfg.ln_epsilon)  # fmt: skip
-        # The longest row the graph can take: the position table's, or the served length.
-        length = max(cfg.max_seq_length, cfg.max_positions if cfg.position_biased_input else 0)
+        # The longest row the graph can take: the position table's, or the served length. Each
+        # term is one Gather from its [b, h, seq * 2 * span] scores flattened, by an index
+        # [query, key] into them: no [b, h, seq, seq] index tensor is ever made.
+        length = max(cfg.max_seq_length, cfg.max_positions)
+        width = 2 * cfg.span
         c2p, p2c = table_rows(length, cfg)
+        at = np.arange(length, dtype=np.int64)
+        c2p = at[:, None] * width + c2p  # query i's row, then its column
+        p2c = (at[:, None] * width + p2c).T  # key j's row (p2c[j, i]), laid out [query i, key j]
+        g.const("rel_flat", np.array([0, 0, -1], np.int64))
         seq = g.op("Shape", ["input_ids"], "rel_seq", start=1, end=2)
         ends = g.op("Concat", [seq, seq], "rel_ends", axis=0)
         starts, axes = (
