@@ -136,6 +136,13 @@ def _range(text: str) -> tuple[float, float]:
     return lo, hi
 
 
+def _pair_template(text: str) -> str:
+    query, document = text.find("{query}"), text.find("{document}")
+    if query < 0 or document < query or text.count("{query}") != 1 or text.count("{document}") != 1:
+        raise ValueError("a text holding {query} once, then {document} once")
+    return text
+
+
 def _nonempty(text: str) -> str:
     if not text.strip():
         raise ValueError("a file name")
@@ -190,6 +197,10 @@ DECLARED: tuple[Declared, ...] = (
     Declared("text_pair", "bool", "false", "true/false (1/0, yes/no, on/off)", "text stage",
              "each row is a pair of texts joined by U+001F (a cross-encoder's query and document), "
              "tokenised as the tokenizer pairs two sequences", _bool, "text_pair"),
+    Declared("pair_template", "text", "none", "{query} once, then {document} once", "text stage",
+             "a pair is tokenised as this one text with its query and document put in (no special tokens "
+             "added), the text after {document} kept whole when it is cut (Qwen3-Reranker's chat)",
+             _pair_template, "pair_template"),
     # recorded by `batchgate prepare-model` (gateway/build/hf_model.py, docs/embeddings.md)
     Declared("pooling", "'mean', 'cls' or 'lasttoken'", "none", "one of the three", "nothing (recorded)",
              "how the graph pools token states into the embedding; the graph does it, this says which",
@@ -320,6 +331,7 @@ class ModelParameters:
     engine: str | None = None  # None: the variant's (onnxruntime unless an openvino-* variant)
     precision: str = "auto"
     text_pair: bool = False
+    pair_template: str | None = None  # a pair tokenised as this one text (gateway/text.py)
     kind: str | None = None  # None: by the outputs (ModelSpec.kind)
     problem_type: str | None = None  # None: single_label_classification for a classifier
     labels: tuple[str, ...] = ()  # label.<index>, in index order

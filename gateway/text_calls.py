@@ -32,7 +32,7 @@ KINDS_OF = {
     "sparse": ("sparse_embedding",),
     "tokens": ("embedding",),
     "scores": ("rerank",),
-    "labels": ("classification",),
+    "labels": ("classification", "rerank"),  # TEI's /predict takes a reranker's pairs: its one score
 }
 assert tuple(KINDS_OF) == OUTPUTS
 # The call a model of each kind answers, for the refusal that points a caller at it.
@@ -139,6 +139,8 @@ def output_of(rt, call: TextCall) -> str:
         return "sparse_embedding"
     if call.output == "tokens":
         return TOKEN_OUTPUT
+    if call.output == "labels" and spec.kind == "rerank":
+        return "score"
     if call.output == "labels":
         return "logits" if call.raw_scores else "probabilities"
     first = next((t.name for t in spec.outputs if t.datatype == "FP32"), None)
@@ -360,6 +362,9 @@ def finish(call: TextCall, p: Plan, rt, array: np.ndarray, counts: list[int], ra
     elif call.output == "scores":
         scores = array[:, 0].copy()
         answer.scores = scores if call.raw_scores else _sigmoid(scores)
+    elif call.output == "labels" and spec.kind == "rerank":  # one label, transformers' default name
+        answer.scores = array if call.raw_scores else _sigmoid(array)
+        answer.labels = ("LABEL_0",)
     elif call.output == "labels":
         answer.scores = array
         answer.labels = spec.labels

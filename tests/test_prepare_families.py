@@ -323,7 +323,7 @@ def test_served_qwen3_matches_transformers_on_every_route(folders, repo, tmp_pat
 @pytest.mark.parametrize(
     "config, named",
     [
-        ({"architectures": ["MPNetForSequenceClassification"], "model_type": "mpnet"}, "unsupported architecture"),
+        ({"architectures": ["MPNetForQuestionAnswering"], "model_type": "mpnet"}, "unsupported architecture"),
         ({"architectures": ["DistilBertModel"], "model_type": "distilbert", "activation": "relu"}, "activation 'relu'"),
         ({"architectures": ["Qwen3Model"], "model_type": "qwen3", "use_sliding_window": True}, "use_sliding_window"),
         ({"architectures": ["ModernBertModel"], "model_type": "modernbert",

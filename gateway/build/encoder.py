@@ -390,7 +390,12 @@ def build_model(
     names = ["input_ids", "attention_mask"] + (["token_type_ids"] if cfg.token_types else [])
     if head.classifier:
         out = "logits" if head.kind == "classification" else "score"
-        _classify(g, x, head_weights or weights, head.classifier, out)
+        if head.classifier in ("bert", "roberta"):
+            _classify(g, x, head_weights or weights, head.classifier, out)
+        else:  # DistilBERT's (heads.py imports this module, hence here)
+            from batchgate.gateway.build.heads import classify
+
+            classify(g, x, mask, head, head_weights or {})
         return finish_head(g, None, mask, head, cfg.hidden, names, name=name, producer=producer)
     return finish_head(g, x, mask, head, cfg.hidden, names, name=name, producer=producer)
 

@@ -19,7 +19,9 @@ export (``onnx/model.onnx`` or ``model.onnx``) with the head appended (``onnx_ex
 What it decides, and where from (docs/embeddings.md, "Bringing your own model"):
 
 * architecture: BERT, RoBERTa or XLM-RoBERTa (``model_type``; encoder.py), MPNet, DistilBERT,
-  ModernBERT or Qwen3 (one module each: mpnet.py, distilbert.py, modernbert.py, qwen3.py).
+  ModernBERT, DeBERTa-v2 or Qwen3 (one module each: mpnet.py, distilbert.py, modernbert.py,
+  deberta_v2.py, qwen3.py; their classifier heads in heads.py). A Qwen3 folder named a reranker
+  (or ``--reranker``) is Qwen3-Reranker: its yes/no logits under its card's ``pair_template``.
   Anything else is refused by name (``PrepareError``, exit 2).
 * kind (parameter ``kind``; each kind's outputs fixed by name, so a route reads them): an
   ``embedding`` (FP32 [dim]; ``token_embeddings`` FP32 [-1, hidden] beside it when asked); a
@@ -65,7 +67,9 @@ from batchgate.gateway.build.encoder import (
     MaskedLM,
     build_model,
 )
+from batchgate.gateway.build.heads import LABELS_TENSORS
 from batchgate.gateway.build.minilm import render_text_config, text_parameters
+from batchgate.gateway.build.qwen3 import RERANK_TOKENS
 from batchgate.gateway.build.onnx_graph import write_atomic, write_model
 
 Log = Callable[[str], object]
@@ -83,6 +87,7 @@ FAMILIES = {
     "distilbert": "distilbert",
     "modernbert": "modernbert",
     "qwen3": "qwen3",
+    "deberta-v2": "deberta_v2",
 }
 # The class-name stems Hugging Face gives each model_type, for the architectures check.
 _STEMS = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta"}
@@ -92,8 +97,10 @@ SUPPORTED = (
     "BERT, RoBERTa and XLM-RoBERTa encoders (model_type bert, roberta, xlm-roberta; "
     "architectures *Model, *ForMaskedLM, *ForPreTraining) and their *ForSequenceClassification "
     "(one label: cross-encoders; more: classifiers); MPNet, DistilBERT and ModernBERT encoders "
-    "(model_type mpnet, distilbert, modernbert; *Model, *ForMaskedLM); Qwen3 embedders (model_type "
-    "qwen3; Qwen3Model, Qwen3ForCausalLM)"
+    "(model_type mpnet, distilbert, modernbert; *Model, *ForMaskedLM, *ForSequenceClassification); "
+    "DeBERTa-v2/v3 (model_type deberta-v2; DebertaV2Model, *ForMaskedLM, *ForSequenceClassification); "
+    "Qwen3 (model_type qwen3; Qwen3Model and Qwen3ForCausalLM embedders, Qwen3ForSequenceClassification, "
+    "and Qwen3-Reranker's Qwen3ForCausalLM yes/no scorer)"
 )
 # transformers' problem_type values a classifier is served with (probabilities by softmax, or by
 # each label's sigmoid); "regression" has no probabilities.
@@ -156,6 +163,9 @@ class Plan:
     # A sparse encoder's SpladePooling (activation, pooling); the MLM head itself is read with
     # the weights (``_mlm_head``).
     splade: tuple[str, str] | None = None
+    # Rows are put in this text ({query}, {document}) where the pair is tokenised (Qwen3-Reranker).
+    pair_template: str | None = None
+    yes_no: tuple[int, int] | None = None  # Qwen3-Reranker's causal-LM form: the "yes", "no" token ids
 
     @property
     def rerank(self) -> bool:
@@ -301,7 +311,7 @@ def _architecture(config: dict, where: Path) -> tuple[str, str, bool]:
         problem = module.check(config)
         if problem:
             raise PrepareError(f"{where}: {problem}")
-        return arch or f"{module.STEM}Model", model_type, False
+        return arch or f"{module.STEM}Model", model_type, tail == "ForSequenceClassification"
     stem = _STEMS[model_type]
     tail = arch[len(stem) :] if arch.startswith(stem) else None
     if arch and tail not in (*_ENCODER_ARCHS, "ForSequenceClassification"):
@@ -423,12 +433,15 @@ def text_settings(
 
 
 def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | None = None,
-                text_pair: bool | None = None, token_embeddings: bool = False) -> Plan:  # fmt: skip
+                text_pair: bool | None = None, token_embeddings: bool = False,
+                reranker: bool | None = None) -> Plan:  # fmt: skip
     """Read and check ``source``; PrepareError (one line) on anything the build would not serve
     as the folder's own library would. ``text_pair``: a classifier's rows are pairs (default: a
     rerank model's always are; a classifier's when config.json says sentence-transformers saved
     it as a CrossEncoder, which scores pairs). ``token_embeddings``: an embedding model also
-    outputs every token's state."""
+    outputs every token's state. ``reranker``: a Qwen3 folder is Qwen3-Reranker (its card's
+    template; a Qwen3ForCausalLM scored by its yes/no logits); None: when its name says
+    "reranker" (``named_reranker``)."""
     source = Path(source)
     if not source.is_dir():
         raise PrepareError(
@@ -440,6 +453,16 @@ def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | N
     config = _json(model_dir / "config.json")
     arch, model_type, classifier = _architecture(config, model_dir / "config.json")
     family = FAMILIES[model_type]
+    if reranker and family != "qwen3":
+        raise PrepareError(f"{source}: --reranker is for Qwen3-Reranker folders (model_type qwen3); {arch} is "
+                           f"{'a cross-encoder already' if classifier else 'not one'}")  # fmt: skip
+    qwen3_reranker = family == "qwen3" and (named_reranker(source) if reranker is None else reranker)
+    yes_no = None
+    if qwen3_reranker and not classifier:
+        if not arch.endswith("ForCausalLM"):
+            raise PrepareError(f"{source}: a Qwen3-Reranker is a Qwen3ForCausalLM (scored by its yes/no "
+                               f"logits) or a Qwen3ForSequenceClassification; not {arch}")  # fmt: skip
+        classifier, yes_no = True, _yes_no(model_dir / "tokenizer.json")
     for name in ("model.safetensors", "tokenizer.json"):
         if not (model_dir / name).is_file():
             hint = ""
@@ -482,9 +505,15 @@ def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | N
                 f"{source}: --pooling, --normalize and token embeddings are for embedding models; "
                 f"{source.name} is {what}"
             )
-    if classifier:
+    if yes_no is not None:
+        labels, multi_label = ("yes",), False  # one score: logit(yes) - logit(no)
+        head = Head(classifier="qwen3_yes_no")
+    elif classifier:
         labels, multi_label = _labels(config, model_dir / "config.json")
-        head = Head(classifier=family, labels=len(labels), multi_label=multi_label)
+        head = Head(
+            classifier=module.CLASSIFIER if module else family, labels=len(labels), multi_label=multi_label
+        )
+    if classifier:
         if head.kind == "rerank":
             labels, text_pair = (), True  # a cross-encoder: its rows are always pairs
         elif text_pair is None:
@@ -518,7 +547,31 @@ def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | N
         label_names=labels,
         text_pair=bool(text_pair),
         splade=splade,
+        pair_template=module.RERANK_TEMPLATE if qwen3_reranker and head.kind == "rerank" else None,
+        yes_no=yes_no,
     )
+
+
+def named_reranker(source: Path) -> bool:
+    """Whether the folder's name (or the Hub ID of a cache snapshot, models--ORG--NAME/snapshots/
+    COMMIT) says it is a reranker: Qwen3-Reranker's folders carry no other mark of it."""
+    path = Path(source).resolve()
+    name = path.parent.parent.name if path.parent.name == "snapshots" else path.name
+    return "reranker" in name.lower()
+
+
+def _yes_no(tokenizer: Path) -> tuple[int, int]:
+    """The ids of Qwen3-Reranker's answer tokens, as its card looks them up (convert_tokens_to_ids)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer))
+    ids = [tok.token_to_id(t) for t in RERANK_TOKENS]
+    if None in ids:
+        missing = RERANK_TOKENS[ids.index(None)]
+        raise PrepareError(
+            f"{tokenizer} has no token '{missing}' (a Qwen3-Reranker scores its 'yes' and 'no' logits)"
+        )
+    return ids[0], ids[1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -559,6 +612,18 @@ def _split_weights(
         names = ("classifier.dense.weight", "classifier.dense.bias", "classifier.out_proj.weight",
                  "classifier.out_proj.bias")  # fmt: skip
         head = {n: weights.get(n) for n in names}
+    elif plan.head.classifier == "qwen3_yes_no":
+        # The language-model head's "yes" and "no" rows; a tied head (Qwen3-Reranker-0.6B) is the
+        # word embeddings, which save_pretrained leaves out of the file.
+        lm = weights.get("lm_head.weight", encoder[word])
+        return encoder, {"yes_no.weight": lm[list(plan.yes_no)]}
+    elif plan.head.classifier:  # the other families' heads sit outside the encoder's prefix
+        head = {k: v for k, v in weights.items() if prefix and not k.startswith(prefix)}
+        names = ("", "", LABELS_TENSORS[plan.head.classifier])
+        if names[2] not in head:
+            raise PrepareError(
+                f"{plan.model_dir / 'model.safetensors'} has no tensor {names[2]} ({plan.architecture})"
+            )
     missing = [n for n, v in head.items() if v is None]
     if missing:
         raise PrepareError(
@@ -628,6 +693,14 @@ def render_config(name: str, plan) -> str:
     }.get(kind, "embedding")
     notes = [f"Source: {plan.summary}; {described}."]
     params["kind"] = kind
+    if getattr(plan, "pair_template", None):
+        notes.append(
+            "pair_template: each pair is put in this text ({query}, {document}) where it is tokenised; "
+            "the text after {document} is kept whole when a pair is cut (Qwen3-Reranker's card)."
+        )
+        params["pair_template"] = _escape(plan.pair_template)
+    if getattr(plan, "yes_no", None):
+        notes.append("score: logit('yes') - logit('no') at the last token; its sigmoid is the card's P(yes).")
     if getattr(plan, "text_pair", False):
         notes.append(
             "Each row is a pair: query and document joined by U+001F (gateway/text.py PAIR_SEPARATOR)."
@@ -693,12 +766,13 @@ def _last_token_note(tokenizer: Path) -> str:
 
 def prepare_weights(source: Path, name: str, repo: Path, *, pooling: str | None = None,
                     normalize: bool | None = None, text_pair: bool | None = None,
-                    token_embeddings: bool = False, log: Log = print, t0: float | None = None) -> Path:  # fmt: skip
+                    token_embeddings: bool = False, reranker: bool | None = None, log: Log = print,
+                    t0: float | None = None) -> Path:  # fmt: skip
     """Write ``<repo>/<name>`` from a local folder whose architecture the builder knows: its
     safetensors weights built into a graph. Returns the model directory; raises PrepareError."""
     t0 = time.monotonic() if t0 is None else t0
     plan = read_folder(source, pooling=pooling, normalize=normalize, text_pair=text_pair,
-                       token_embeddings=token_embeddings)  # fmt: skip
+                       token_embeddings=token_embeddings, reranker=reranker)  # fmt: skip
     weights = _read_safetensors(plan.model_dir / "model.safetensors")
     encoder, head = _split_weights(weights, plan)
     _check_vocab(plan, encoder)
@@ -710,17 +784,25 @@ def prepare_weights(source: Path, name: str, repo: Path, *, pooling: str | None 
         if module is None:
             model = build_model(encoder, plan.cfg, plan.head, name=name, producer=PRODUCER, head_weights=head)
         else:
-            model = module.build_model(encoder, plan.cfg, plan.head, name=name, producer=PRODUCER)
+            model = module.build_model(encoder, plan.cfg, plan.head, name=name, producer=PRODUCER,
+                                       **({"head_weights": head} if head else {}))  # fmt: skip
     except KeyError as exc:
         raise PrepareError(f"{plan.model_dir / 'model.safetensors'} has no tensor {exc.args[0]}") from None
     out = Path(repo) / name
     write_model(out / VERSION / "model.onnx", model)  # past 2 GiB with its weights beside it
-    write_atomic(out / "tokenizer.json", plan.tokenizer.read_bytes())
+    # A family whose reference builds its own tokenizer from the folder (deberta_v2.py) says how.
+    served = getattr(module, "served_tokenizer", None)
+    write_atomic(
+        out / "tokenizer.json",
+        served(plan.model_dir, plan.tokenizer) if served else plan.tokenizer.read_bytes(),
+    )
     # Config last, so a repository scan never finds a config whose other files are missing.
     write_atomic(out / "config.pbtxt", render_config(name, plan).encode())
     dense = f", {len(plan.head.dense)} Dense to {plan.dim} dims" if plan.head.dense else ""
     what = {
-        "rerank": "rerank, raw logit",
+        "rerank": "rerank, "
+        + ("logit('yes') - logit('no')" if plan.yes_no else "raw logit")
+        + (", the card's pair template" if plan.pair_template else ""),
         "classification": f"classification, {plan.head.labels} labels"
         + (", multi-label" if plan.head.multi_label else "")
         + (", pairs" if plan.text_pair else ""),
