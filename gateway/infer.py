@@ -31,7 +31,7 @@ from importlib.metadata import PackageNotFoundError, version
 import numpy as np
 
 from batchgate.gateway import tokens, tracing
-from batchgate.gateway import text_calls, vector_types
+from batchgate.gateway import openai_ids, text_calls, vector_types
 from batchgate.gateway.vector_types import CALIBRATED
 from batchgate.gateway.call import Answer, Call, TextAnswer, TextCall
 from batchgate.gateway.admission import Account, Ticket, budgets
@@ -145,6 +145,10 @@ class Pipeline:
         # int8/uint8 vector ranges per (model, version, file): calibrated on first use
         self._ranges: dict[tuple, vector_types.Ranges] = {}
         self._ranges_locks: dict[tuple, asyncio.Lock] = {}
+        if self.settings.openai_token_ids == "openai":
+            # the package is found at start (a missing one fails the start, not a call); its
+            # table is read on the first token-id call (about 0.1 s, 10 MB)
+            openai_ids.data_file()
 
     @property
     def lag(self):

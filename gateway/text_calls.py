@@ -252,7 +252,10 @@ async def rows(rt, call: TextCall, p: Plan) -> tuple[list[str], list | None, str
                 f"'{call.field}' holds {len(call.ids)} rows of token ids; at most {MAX_INPUTS}", call.field
             )
         if p.id_mode == "openai":
-            texts = await asyncio.to_thread(openai_ids.decode_rows, call.ids, call.field)
+            try:
+                texts = await asyncio.to_thread(openai_ids.decode_rows, call.ids, call.field)
+            except openai_ids.VocabularyMissing as exc:  # the server's install, not the caller's fault
+                raise GatewayError(Kind.UNSUPPORTED, str(exc)) from None
             return texts, None, tag
         if stage.settings.pair:
             raise invalid(f"model '{p.model}' takes pairs of texts, not token ids", call.field)
