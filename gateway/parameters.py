@@ -184,6 +184,14 @@ DECLARED: tuple[Declared, ...] = (
     Declared("truncate", "'truncate' or 'reject'", "truncate", "one of the two", "text stage",
              "what happens to a text over max_tokens: cut to it, or refused with INVALID_ARGUMENT",
              _choice("truncate", "reject"), "truncate"),
+    Declared("long_inputs", "'truncate' or 'chunk'", "truncate", "one of the two", "text calls",
+             "an embedding call's text over max_tokens: cut (or refused, per truncate), or split into "
+             "chunks of max_tokens with chunk_overlap tokens shared, each embedded in the same batches as "
+             "other rows, answered as their token-weighted mean (vLLM's chunked processing); a call may "
+             "say otherwise (field long_inputs)", _choice("truncate", "chunk"), "long_inputs"),
+    Declared("chunk_overlap", "int", "0", ">= 0, below max_tokens", "text calls",
+             "tokens each chunk of a long input shares with the one before it (long_inputs chunk)",
+             _int(0), "chunk_overlap"),
     Declared("max_text_bytes", "int", str(DEFAULT_MAX_TEXT_BYTES), ">= 1", "text stage",
              "longest text accepted at all, in UTF-8 bytes (checked before tokenizing)", _int(1),
              "max_text_bytes"),
@@ -314,6 +322,8 @@ class ModelParameters:
     max_tokens: int | None = None  # None: the tokenizer file's truncation length (text stage)
     truncate: str = "truncate"
     max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES
+    long_inputs: str = "truncate"
+    chunk_overlap: int = 0
     length_buckets: tuple[int, ...] | None = None  # None: the text stage's default
     max_batch_tokens: int = 0
     batch_buckets: tuple[int, ...] = ()  # (): powers of two + preferred sizes

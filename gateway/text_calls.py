@@ -49,6 +49,8 @@ INPUT_TYPE_PROMPTS = {
     "classification": ("classification",),
     "clustering": ("clustering",),
 }
+# What an embedding call does with a text over the model's length (parameter / field long_inputs).
+LONG_INPUTS = ("truncate", "chunk")
 # What a token-id input on the OpenAI wire means (setting / parameter ``openai_token_ids``).
 OPENAI_ID_MODES = ("openai", "model", "refuse")
 
@@ -101,6 +103,9 @@ class Plan:
     dimensions: int | None  # Matryoshka size, None: the model's own
     tag: str  # a cache namespace suffix for rows made another way than the usual tokenisation
     id_mode: str | None  # token ids: "model" (used as they are) or "openai" (decoded to text)
+    chunk: bool = False  # long texts split into chunks, answered as their token-weighted mean
+    groups: list[int] | None = None  # rows per text of the call, where texts became several rows
+    spans: list | None = None  # late chunking: per row, (text index, first token, end token) per chunk
 
 
 def _a(kind: str) -> str:
@@ -234,7 +239,35 @@ def plan(rt, plane, call: TextCall, model: str) -> Plan:
     if mode is not None and call.output in ("scores", "labels"):
         raise invalid(f"model '{model}' takes texts, not token ids", call.field)
     tag = f"it:{call.input_type}" if call.input_type is not None else ""
-    return Plan(model, output_of(rt, call), prompt, truncate, dimensions_of(spec, call.dimensions), tag, mode)
+    long = call.long_inputs or spec.params.long_inputs
+    if long not in LONG_INPUTS:
+        raise invalid(
+            f"'long_inputs' must be one of {list(LONG_INPUTS)}, not {clip(str(long))!r}", "long_inputs"
+        )
+    output = output_of(rt, call)
+    if call.late_chunking:
+        if call.output != "dense" or call.query is not None or mode is not None:
+            raise invalid("'late_chunking' takes the texts of one document, for embeddings", "late_chunking")
+        if spec.output(TOKEN_OUTPUT) is None:
+            raise invalid(
+                f"model '{model}' has no per-token output '{TOKEN_OUTPUT}', which late chunking pools "
+                "(batchgate prepare-model ... --token-embeddings adds it)",
+                "late_chunking",
+            )
+        output = TOKEN_OUTPUT
+    if call.max_chunks is not None and call.output != "scores":
+        raise invalid("'max_chunks_per_doc' is for rerank calls", "max_chunks_per_doc")
+    chunk = long == "chunk" and call.output == "dense" and call.query is None and not call.late_chunking
+    return Plan(
+        model,
+        output,
+        prompt,
+        truncate,
+        dimensions_of(spec, call.dimensions),
+        tag,
+        mode,
+        chunk=chunk and mode is None,
+    )
 
 
 async def rows(rt, call: TextCall, p: Plan) -> tuple[list[str], list | None, str]:
@@ -276,6 +309,25 @@ async def rows(rt, call: TextCall, p: Plan) -> tuple[list[str], list | None, str
             raise invalid(f"input {i}: text is empty; send at least one character", call.field)
     if call.max_tokens is not None:
         texts = await asyncio.to_thread(_cut_tokens, stage, texts, call.max_tokens)
+    if p.chunk:
+        pieces = await asyncio.to_thread(_chunks, stage, texts, p.prompt, rt.spec.params.chunk_overlap)
+        if any(len(c) > 1 for c in pieces):
+            p.groups = [len(c) for c in pieces]
+            texts = [c for cs in pieces for c in cs]
+    if call.late_chunking:
+        rows_, made, p.spans = await asyncio.to_thread(_late_windows, stage, texts, p.prompt)
+        return rows_, made, tag
+    if call.output == "scores" and call.max_chunks is not None:
+        query = call.query or ""
+        room = (
+            stage.settings.max_tokens
+            - stage.specials
+            - len(stage.tokenizer(False).encode(query, add_special_tokens=False).ids)
+        )
+        pieces = await asyncio.to_thread(_split, stage, texts, max(room, 1), 0)
+        pieces = [c[: call.max_chunks] for c in pieces]
+        p.groups = [len(c) for c in pieces]
+        texts = [c for cs in pieces for c in cs]
     if call.output == "dense" and call.query is not None:  # similarity: the query's vector first
         return [call.query, *texts], None, tag
     if call.output == "scores" and call.pairs:  # (query, document) pairs given whole (vLLM's /score)
@@ -300,6 +352,74 @@ async def rows(rt, call: TextCall, p: Plan) -> tuple[list[str], list | None, str
     return texts, None, tag
 
 
+def _split(stage, texts: list[str], size: int, overlap: int) -> list[list[str]]:
+    """Each text as the texts of its consecutive chunks of at most ``size`` tokens (special tokens
+    not counted), each sharing ``overlap`` tokens with the one before, cut at token boundaries."""
+    tok = stage.tokenizer(False)
+    step = max(size - overlap, 1)
+    out = []
+    for t, e in zip(texts, tok.encode_batch(texts, add_special_tokens=False), strict=True):
+        n = len(e.ids)
+        if n <= size:
+            out.append([t])
+            continue
+        parts = []
+        for start in range(0, n, step):
+            end = min(start + size, n)
+            parts.append(t[e.offsets[start][0] : e.offsets[end - 1][1]])
+            if end == n:
+                break
+        out.append(parts)
+    return out
+
+
+def _chunks(stage, texts: list[str], prompt: str, overlap: int) -> list[list[str]]:
+    """Chunk mode: each text as chunks that fit the model with its prompt and special tokens."""
+    room = stage.settings.max_tokens - stage.specials
+    if prompt:
+        room -= len(stage.tokenizer(False).encode(prompt, add_special_tokens=False).ids)
+    return _split(stage, texts, max(room, 1), min(overlap, max(room - 1, 0)))
+
+
+def _late_windows(stage, texts: list[str], prompt: str):
+    """Late chunking: the call's texts are consecutive chunks of one document, joined by a space
+    and encoded as one text; where that is longer than the model takes, consecutive chunks are
+    grouped into windows that fit (each window one pass; a chunk longer than a window on its own
+    is cut). Returns the windows' texts, their encodings, and per window the token span of each
+    chunk in it (special tokens and the prompt outside every span)."""
+    tok = stage.tokenizer(False)
+    room = stage.settings.max_tokens - stage.specials
+    if prompt:
+        room -= len(tok.encode(prompt, add_special_tokens=False).ids)
+    sizes = [len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)]
+    windows: list[list[int]] = [[]]
+    used = 0
+    for i, n in enumerate(sizes):
+        if windows[-1] and used + n > room:
+            windows.append([])
+            used = 0
+        windows[-1].append(i)
+        used += n
+    rows, starts = [], []
+    for w in windows:
+        at, pos = [], len(prompt)
+        for i in w:
+            at.append((i, pos, pos + len(texts[i])))
+            pos += len(texts[i]) + 1
+        rows.append(" ".join(texts[i] for i in w))
+        starts.append(at)
+    made = stage.encode([prompt + r for r in rows])
+    spans = []
+    for e, at in zip(made, starts, strict=True):
+        row = []
+        for i, c0, c1 in at:
+            inside = [k for k, ((a, b), sp) in enumerate(zip(e.offsets, e.special_tokens_mask))
+                      if not sp and a >= c0 and b <= c1 and b > a]  # fmt: skip
+            row.append((i, inside[0], inside[-1] + 1) if inside else (i, 0, 0))
+        spans.append(row)
+    return rows, made, spans
+
+
 def _check_pairs(texts: list[str], field: str) -> None:
     for i, t in enumerate(texts):
         first, sep, second = t.partition(PAIR_SEPARATOR)
@@ -321,6 +441,42 @@ def _encode_pairs(stage, texts: list[str]) -> list:
     tok = stage.tokenizer(stage.settings.truncate, pad=False)
     stage._counted(len(texts))
     return tok.encode_batch([tuple(t.split(PAIR_SEPARATOR, 1)) for t in texts])
+
+
+def _combine(array: np.ndarray, counts: list[int], groups: list[int], output: str):
+    """Rows of chunks back to one row per text: embeddings as their chunks' token-weighted mean
+    (re-normalised where the model's vectors are unit length), scores as the best chunk's."""
+    out, tokens, at = [], [], 0
+    for n in groups:
+        rows, w = array[at : at + n], np.asarray(counts[at : at + n], dtype=np.float64)
+        if output == "scores":
+            out.append(rows.max(axis=0))
+        elif n == 1:
+            out.append(rows[0])
+        else:
+            mean = (rows.astype(np.float64) * w[:, None]).sum(0) / w.sum()
+            if np.allclose(np.linalg.norm(rows, axis=1), 1.0, atol=1e-4):
+                mean /= max(np.linalg.norm(mean), 1e-12)
+            out.append(mean.astype(np.float32))
+        tokens.append(int(w.sum()))
+        at += n
+    return np.stack(out), tokens
+
+
+def _pool_spans(array: np.ndarray, spans: list, texts: int, normalize: bool):
+    """Late chunking: each chunk's mean token vector over its span of its window's pass."""
+    dim = array.shape[-1]
+    out = np.zeros((texts, dim), dtype=np.float32)
+    tokens = [0] * texts
+    for w, row in enumerate(spans):
+        for i, t0, t1 in row:
+            if t1 > t0:
+                v = array[w, t0:t1].astype(np.float64).mean(0)
+                if normalize:
+                    v /= max(np.linalg.norm(v), 1e-12)
+                out[i] = v
+            tokens[i] = t1 - t0
+    return out, tokens
 
 
 def _unit(vectors: np.ndarray) -> np.ndarray:
@@ -350,6 +506,10 @@ def dense(vectors: np.ndarray, size: int | None, normalize: bool | None) -> np.n
 def finish(call: TextCall, p: Plan, rt, array: np.ndarray, counts: list[int], ranges=None) -> TextAnswer:
     """The runtime's ``array`` for the call's rows, shaped as the call asked."""
     spec = rt.spec
+    if p.spans is not None:  # late chunking: each text's vector pooled from its span of the pass
+        array, counts = _pool_spans(array, p.spans, len(call.texts), bool(spec.params.normalize))
+    elif p.groups is not None:
+        array, counts = _combine(array, counts, p.groups, call.output)
     answer = TextAnswer(spec.name, spec.version, spec.kind, counts, texts=call.texts)
     if call.output == "dense" and call.query is not None:  # the cosine of each text with the query
         v = array.astype(np.float64)
