@@ -56,6 +56,7 @@ from pathlib import Path
 import numpy as np
 from google.protobuf import text_encoding
 
+from batchgate.gateway.build import decoder
 from batchgate.gateway.build.encoder import (
     ACTIVATIONS,
     POOLINGS,
@@ -83,6 +84,11 @@ FAMILIES = {
     "distilbert": "distilbert",
     "modernbert": "modernbert",
     "qwen3": "qwen3",
+    # decoder.py: one builder, a switch set per family
+    "mistral": "mistral",
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "gemma3_text": "gemma3_text",
 }
 # The class-name stems Hugging Face gives each model_type, for the architectures check.
 _STEMS = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta"}
@@ -93,7 +99,8 @@ SUPPORTED = (
     "architectures *Model, *ForMaskedLM, *ForPreTraining) and their *ForSequenceClassification "
     "(one label: cross-encoders; more: classifiers); MPNet, DistilBERT and ModernBERT encoders "
     "(model_type mpnet, distilbert, modernbert; *Model, *ForMaskedLM); Qwen3 embedders (model_type "
-    "qwen3; Qwen3Model, Qwen3ForCausalLM)"
+    "qwen3; Qwen3Model, Qwen3ForCausalLM); Mistral, Llama and Qwen2 embedders (model_type mistral, "
+    "llama, qwen2; *Model, *ForCausalLM); EmbeddingGemma (model_type gemma3_text; Gemma3TextModel)"
 )
 # transformers' problem_type values a classifier is served with (probabilities by softmax, or by
 # each label's sigmoid); "regression" has no probabilities.
@@ -118,6 +125,8 @@ def _family_module(family: str):
     """The graph module of a family outside encoder.py, or None for bert and roberta."""
     if family in ("bert", "roberta"):
         return None
+    if family in decoder.FAMILIES:
+        return decoder.FAMILIES[family]
     return importlib.import_module(f"batchgate.gateway.build.{family}")
 
 
@@ -264,12 +273,15 @@ def _dense(folder: Path, in_features: int) -> Dense:
 def _pooling(pool_dir: Path, hidden: int, has_prompts: bool) -> str:
     cfg = _json(pool_dir / "config.json")
     modes = [mode for key, mode in _POOLING_MODES.items() if cfg.get(key)]
+    if "pooling_mode" in cfg:  # sentence-transformers 6 saves one key: a mode or a list of them
+        given = cfg["pooling_mode"]
+        modes = [str(m) for m in ([given] if isinstance(given, str) else given or [])]
     if len(modes) != 1 or modes[0] not in POOLINGS:
         raise PrepareError(
             f"{pool_dir / 'config.json'}: pooling {' + '.join(modes) or 'none'} is not supported; "
             f"supported: one of {', '.join(POOLINGS)}"
         )
-    dim = cfg.get("word_embedding_dimension", hidden)
+    dim = cfg.get("word_embedding_dimension", cfg.get("embedding_dimension", hidden))
     if dim != hidden:
         raise PrepareError(
             f"{pool_dir / 'config.json'}: word_embedding_dimension {dim}, the model's hidden size {hidden}"
