@@ -136,6 +136,17 @@ def _range(text: str) -> tuple[float, float]:
     return lo, hi
 
 
+def _weights3(text: str) -> tuple[float, float, float]:
+    parts = text.split(",")
+    try:
+        values = tuple(float(p) for p in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 3 or not all(math.isfinite(v) and v >= 0 for v in values) or not sum(values) > 0:
+        raise ValueError("three weights 'dense,sparse,token', each >= 0, not all 0")
+    return values
+
+
 def _nonempty(text: str) -> str:
     if not text.strip():
         raise ValueError("a file name")
@@ -215,6 +226,11 @@ DECLARED: tuple[Declared, ...] = (
              "text whose call names it", str, "prompts"),
     Declared("default_prompt_name", "prompt name", "none", "a prompt.<name> key of the model", "prompts",
              "the prompt a call that names none gets", _nonempty, "default_prompt_name"),
+    Declared("score_weights", "three numbers 'dense,sparse,token'", "none",
+             ">= 0, not all 0; the outputs embedding, sparse_embedding and token_embeddings present",
+             "rerank routes", "a model with all three outputs (BGE-M3): a pair's score is the weighted mean of "
+             "its dense dot product, its sparse weights' dot product and the MaxSim of its token vectors "
+             "(recorded by prepare-model from the model card: 0.4,0.2,0.4)", _weights3, "score_weights"),
     Declared("matryoshka_dimensions", "int list", "none", "strictly ascending, >= 1, below the output's size",
              "embedding routes", "the sizes a Matryoshka-trained embedding may be cut to: a call's "
              "`dimensions` keeps that many leading values and re-normalises", _ascending,
@@ -322,6 +338,7 @@ class ModelParameters:
     normalize: bool | None = None  # recorded: the graph normalises
     prompts: Mapping[str, str] = field(default_factory=dict)  # prompt name -> text
     default_prompt_name: str | None = None
+    score_weights: tuple[float, float, float] | None = None  # dense, sparse, token (BGE-M3's rerank)
     matryoshka_dimensions: tuple[
         int, ...
     ] = ()  # sizes `dimensions` may ask for (the full size is always served)

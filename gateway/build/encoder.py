@@ -111,6 +111,8 @@ class Head:
     multi_label: bool = False
     mlm: MaskedLM | None = None
     token_states: bool = False
+    # BGE-M3's sparse and ColBERT heads beside the pooled embedding (bge_m3.py M3Heads)
+    m3: object | None = None
 
     @property
     def kind(self) -> str:
@@ -141,6 +143,9 @@ class Head:
         main = [(self.output, [self.dim(hidden)])]
         if self.kind == "classification":
             return main + [("logits", [self.labels])]
+        if self.m3 is not None:
+            return main + [("sparse_embedding", [self.m3.vocab]), ("token_embeddings", ["seq", self.m3.dim]),
+                           ("token_mask", ["seq"])]  # fmt: skip
         if self.token_states:
             return main + [("token_embeddings", ["seq", hidden])]
         return main
@@ -445,6 +450,10 @@ def finish_head(
             g.op("Div", [pooled, norm], "embedding")
         else:
             g.op("Identity", [pooled], "embedding")
+        if head.m3 is not None:
+            from batchgate.gateway.build.bge_m3 import add_heads
+
+            add_heads(g, x, mask, head.m3)
         if head.token_states:
             # Padding positions are zeros, so a row padded to a longer batch says where it ends.
             token_mask = g.op("Unsqueeze", [mask, g.const("token_mask_axes", np.array([2], np.int64))],

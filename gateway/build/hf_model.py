@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 from google.protobuf import text_encoding
 
-from batchgate.gateway.build import decoder
+from batchgate.gateway.build import bge_m3, decoder
 from batchgate.gateway.build.encoder import (
     ACTIVATIONS,
     POOLINGS,
@@ -514,6 +514,18 @@ def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | N
             source, modules, hidden, prompts, pooling, normalize, getattr(module, "DEFAULT_POOLING", "mean")
         )
         head = replace(head, token_states=token_embeddings)
+        if bge_m3.present(model_dir) and family == "roberta":
+            if token_embeddings:
+                raise PrepareError(
+                    f"{source}: a BGE-M3 folder's token_embeddings are its ColBERT vectors "
+                    f"({bge_m3.COLBERT_FILE}); they are always built, without the token embeddings flag"
+                )
+            if head.pooling != "cls" or not head.normalize or head.dense:
+                raise PrepareError(
+                    f"{source}: a BGE-M3 folder ({bge_m3.COLBERT_FILE}, {bge_m3.SPARSE_FILE}) pools its dense "
+                    f"vector from CLS, normalised, as FlagEmbedding does; this one says {head.pooling}"
+                    f"{', normalised' if head.normalize else ''}{', Dense' if head.dense else ''}"
+                )
     if text_pair and not classifier:
         raise PrepareError(f"{source}: text pairs are for cross-encoders and classifiers; {arch} is neither")
     return Plan(
@@ -615,6 +627,29 @@ def _mlm_head(plan: Plan, weights: dict[str, np.ndarray], encoder: dict[str, np.
     )  # fmt: skip
 
 
+def _m3_heads(plan: Plan, encoder: dict[str, np.ndarray]):
+    """BGE-M3's ColBERT and sparse heads, and the ids FlagEmbedding drops from the sparse weights:
+    the tokenizer's CLS, EOS, PAD and UNK tokens (special_tokens_map.json / tokenizer_config.json,
+    XLM-R's <s>, </s>, <pad>, <unk> where neither names them)."""
+    from tokenizers import Tokenizer
+
+    named = {"cls_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+    for file in ("tokenizer_config.json", "special_tokens_map.json"):
+        found = _json(plan.model_dir / file, required=False) or {}
+        for key in bge_m3.DROPPED:
+            value = found.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                named[key] = value
+    tok = Tokenizer.from_file(str(plan.tokenizer))
+    ids = sorted({i for t in named.values() if (i := tok.token_to_id(t)) is not None})
+    vocab = encoder["embeddings.word_embeddings.weight"].shape[0]
+    try:
+        return bge_m3.read_heads(plan.model_dir, plan.cfg.hidden, vocab, tuple(ids))
+    except ValueError as exc:
+        raise PrepareError(str(exc)) from None
+
+
 # --------------------------------------------------------------------------------------------
 # config.pbtxt
 
@@ -662,6 +697,14 @@ def render_config(name: str, plan) -> str:
         params["normalize"] = "true" if plan.head.normalize else "false"
         if plan.head.pooling == "lasttoken":
             notes.append(_last_token_note(plan.tokenizer))
+        if plan.head.m3 is not None:
+            params["score_weights"] = ",".join(str(w) for w in bge_m3.CARD_WEIGHTS)
+            notes.append(
+                "BGE-M3, one pass, three outputs: embedding (CLS, normalised); sparse_embedding (relu of "
+                "sparse_linear per token, max per token id, CLS/EOS/PAD/UNK dropped; index i scores "
+                "tokenizer.json's id i); token_embeddings (colbert_linear, normalised) where token_mask "
+                "is 1 (every token after CLS). score_weights: the card's dense, sparse, ColBERT weights."
+            )
         if plan.head.token_states:
             notes.append(
                 "token_embeddings: each token's final state, zero past the row's own tokens (a row comes "
@@ -678,9 +721,12 @@ def render_config(name: str, plan) -> str:
     if more:  # render_text_config writes one output; the others follow it in the same list
         block = f"    dims: [ {plan.dim} ]\n  }}\n]\n"
         assert text.count(block) == 1
-        extra = "".join(
-            f'  {{\n    name: "{n}"\n    data_type: TYPE_FP32\n    dims: [ {", ".join(str(-1 if d == "seq" else d) for d in dims)} ]\n  }}\n'
-            for n, dims in more
+        extra = (
+            ",\n".join(
+                f'  {{\n    name: "{n}"\n    data_type: TYPE_FP32\n    dims: [ {", ".join(str(-1 if d == "seq" else d) for d in dims)} ]\n  }}'
+                for n, dims in more
+            )
+            + "\n"
         )
         text = text.replace(block, f"    dims: [ {plan.dim} ]\n  }},\n{extra}]\n")
     return text
@@ -716,6 +762,12 @@ def prepare_weights(source: Path, name: str, repo: Path, *, pooling: str | None 
     _check_vocab(plan, encoder)
     if plan.splade is not None:
         plan = replace(plan, head=replace(plan.head, mlm=_mlm_head(plan, weights, encoder)))
+    if (
+        plan.head.kind == "embedding"
+        and FAMILIES[plan.model_type] == "roberta"
+        and bge_m3.present(plan.model_dir)
+    ):
+        plan = replace(plan, head=replace(plan.head, m3=_m3_heads(plan, encoder)))
     del weights
     module = _family_module(FAMILIES[plan.model_type])
     try:
