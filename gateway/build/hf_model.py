@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 from google.protobuf import text_encoding
 
-from batchgate.gateway.build import bge_m3, decoder
+from batchgate.gateway.build import bge_m3, colbert, decoder
 from batchgate.gateway.build.encoder import (
     ACTIVATIONS,
     POOLINGS,
@@ -203,6 +203,7 @@ class Modules:
     dense: tuple[Path, ...]
     normalize: bool
     splade: Path | None = None  # a sparse encoder's SpladePooling folder
+    colbert: bool = False  # a PyLate ColBERT folder: Transformer, then Dense per token
 
 
 _PIPELINE = (
@@ -227,6 +228,11 @@ def _modules(source: Path) -> Modules | None:
             )
     order = [k for k, _ in kinds]
     n_dense = order.count("Dense")
+    if n_dense and order == ["Transformer"] + ["Dense"] * n_dense:  # PyLate's ColBERT: per-token Dense
+        st = _json(source / "config_sentence_transformers.json", required=False) or {}
+        if colbert.is_pylate(st):
+            return Modules(transformer=source / kinds[0][1], pooling=None, normalize=False, colbert=True,
+                           dense=tuple(source / path for _, path in kinds[1:]))  # fmt: skip
     if order not in (
         ["Transformer", "Pooling"] + ["Dense"] * n_dense,
         ["Transformer", "Pooling"] + ["Dense"] * n_dense + ["Normalize"],
@@ -501,6 +507,38 @@ def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | N
             labels, text_pair = (), True  # a cross-encoder: its rows are always pairs
         elif text_pair is None:
             text_pair = isinstance(config.get("sentence_transformers"), dict)
+    elif modules and modules.colbert:
+        if pooling is not None or normalize is not None or token_embeddings:
+            raise PrepareError(
+                f"{source}: --pooling, --normalize and token embeddings are for embedding models; {source.name} "
+                "is a ColBERT model (PyLate): its per-token vectors are its output"
+            )
+        dense: list[Dense] = []
+        for folder in modules.dense:
+            dense.append(_dense(folder, dense[-1].out_features if dense else hidden))
+        st_config = _json(source / "config_sentence_transformers.json")
+        try:
+            cb = colbert.read_head(st_config, tuple(dense), model_dir / "tokenizer.json",
+                                   source / "config_sentence_transformers.json")  # fmt: skip
+        except ValueError as exc:
+            raise PrepareError(str(exc)) from None
+        # The markers are the prompts (PyLate puts its marker ahead of a prompt's text).
+        prompts = {"query": cb.query_prefix + prompts.get("query", ""),
+                   "document": cb.document_prefix + prompts.get("document", "")}  # fmt: skip
+        default_prompt = None if default_prompt not in prompts else default_prompt
+        head = Head(colbert=cb)
+        # PyLate cuts a document at document_length tokens, its marker included (whatever
+        # max_seq_length it saved); never past the position table.
+        if module is not None:
+            limit = module.position_limit(config)
+        else:
+            limit = cfg.max_positions - (cfg.padding_idx + 1 if cfg.padding_idx is not None else 0)
+        if cb.query_length > limit:
+            raise PrepareError(
+                f"{source / 'config_sentence_transformers.json'}: query_length {cb.query_length}; the model "
+                f"has {limit} positions"
+            )
+        cfg = replace(cfg, max_seq_length=min(limit, cb.document_length))
     elif modules and modules.splade is not None:
         if family not in _MLM_HEADS or not arch.endswith("ForMaskedLM"):
             raise PrepareError(
@@ -672,6 +710,7 @@ def render_config(name: str, plan) -> str:
         "sparse_embedding": "sparse embedding: log(1 + relu) of the masked-LM logits, "
         + ("max" if head.mlm is None else head.mlm.pooling)
         + "-pooled over tokens",
+        "multi_vector": "ColBERT (PyLate): a normalised vector per token",
     }.get(kind, "embedding")
     notes = [f"Source: {plan.summary}; {described}."]
     params["kind"] = kind
@@ -686,6 +725,19 @@ def render_config(name: str, plan) -> str:
             params[f"label.{i}"] = _escape(label)
     elif kind == "sparse_embedding":
         notes.append("sparse_embedding is vocabulary-sized: index i scores tokenizer.json's token id i.")
+    elif kind == "multi_vector":
+        cb = head.colbert
+        params["query_length"] = str(cb.query_length)
+        if cb.expansion_id is not None:
+            params["query_expansion_token_id"] = str(cb.expansion_id)
+        notes.append(
+            "ColBERT (PyLate): token_embeddings are the Dense projection of every token, normalised; the rows "
+            "where token_mask is 1 are the text's vectors (a query's all, its expansion tokens included; a "
+            f"document's less {len(cb.skip_ids)} skiplist tokens). Queries get prompt query ({cb.query_prefix!r}), "
+            f"cut at query_length and padded to it with query_expansion_token_id at attention mask 0; documents "
+            f"prompt document ({cb.document_prefix!r}), cut at max_tokens. Score: MaxSim (sum over the query's "
+            "vectors of the best dot product with the document's)."
+        )
     elif kind == "embedding":
         notes.append(
             "pooling and normalize record what the graph does; prompt.<name> are the folder's prompts."
@@ -715,11 +767,12 @@ def render_config(name: str, plan) -> str:
     if plan.default_prompt_name is not None:
         params["default_prompt_name"] = _escape(plan.default_prompt_name)
     first, *more = head.outputs(plan.cfg.hidden if hasattr(plan, "cfg") else plan.hidden)
+    first_dims = ", ".join(str(-1 if d == "seq" else d) for d in first[1])
     text = render_text_config(
-        name, "gateway/build/hf_model.py (batchgate prepare-model)", first[0], plan.dim, params, notes
+        name, "gateway/build/hf_model.py (batchgate prepare-model)", first[0], first_dims, params, notes
     )
     if more:  # render_text_config writes one output; the others follow it in the same list
-        block = f"    dims: [ {plan.dim} ]\n  }}\n]\n"
+        block = f"    dims: [ {first_dims} ]\n  }}\n]\n"
         assert text.count(block) == 1
         extra = (
             ",\n".join(
@@ -728,7 +781,7 @@ def render_config(name: str, plan) -> str:
             )
             + "\n"
         )
-        text = text.replace(block, f"    dims: [ {plan.dim} ]\n  }},\n{extra}]\n")
+        text = text.replace(block, f"    dims: [ {first_dims} ]\n  }},\n{extra}]\n")
     return text
 
 
@@ -789,6 +842,9 @@ def prepare_weights(source: Path, name: str, repo: Path, *, pooling: str | None 
         + (", multi-label" if plan.head.multi_label else "")
         + (", pairs" if plan.text_pair else ""),
         "sparse_embedding": f"sparse embedding, {plan.dim} terms",
+        "multi_vector": f"ColBERT token vectors, {plan.dim} dims, queries {plan.head.colbert.query_length} tokens"
+        if plan.head.colbert is not None
+        else "",
     }.get(
         plan.head.kind,
         f"embedding, {plan.head.pooling} pooling{dense}{', normalised' if plan.head.normalize else ''}"
