@@ -308,3 +308,44 @@ def test_unsupported_decoder_settings_are_refused(tmp_path, config, named):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(PrepareError, match=named):
         read_folder(tmp_path)
+
+
+# -- sources: shards, the hub cache ----------------------------------------------------------------
+
+
+def _entry(path: Path) -> dict[str, bytes]:
+    return {f: (path / f).read_bytes() for f in ("1/model.onnx", "tokenizer.json", "config.pbtxt")}
+
+
+def test_sharded_weights_build_the_same_model(folders, repo, tmp_path):
+    """A 7B decoder ships its weights in shards named by model.safetensors.index.json
+    (save_pretrained's max_shard_size): read through the index, the build is byte-identical."""
+    import transformers as t
+
+    folder = tmp_path / "sharded"
+    shutil.copytree(folders["mistral"][0], folder)
+    (folder / "model.safetensors").unlink()
+    model = t.AutoModel.from_pretrained(folders["mistral"][0])
+    model.save_pretrained(folder, max_shard_size="20KB")
+    assert (
+        len(list(folder.glob("model-*-of-*.safetensors"))) > 2
+        and (folder / "model.safetensors.index.json").is_file()
+    )
+    out = prepare_model(folder, "mistral", tmp_path / "repo", log=print)
+    assert _entry(out) == _entry(repo / "mistral")
+    # A shard the index names and the folder lacks is named.
+    next(iter(sorted(folder.glob("model-*-of-*.safetensors")))).unlink()
+    with pytest.raises(PrepareError, match="which is not a file beside it"):
+        prepare_model(folder, "mistral", tmp_path / "repo2", log=print)
+
+
+def test_embeddinggemma_from_a_hub_id_in_an_offline_cache(folders, repo, tmp_path, monkeypatch):
+    from tests.test_prepare_sources import cache_layout
+
+    cache = tmp_path / "hub"
+    cache_layout(cache, "acme/tiny-embeddinggemma", folders["gemma"][0], "d" * 40, ("main",))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    out = prepare_model("acme/tiny-embeddinggemma", "gemma", tmp_path / "repo", log=print)
+    assert _entry(out) == _entry(repo / "gemma")

@@ -138,6 +138,7 @@ _POOLING_MODES = {
     "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
     "pooling_mode_weightedmean_tokens": "weightedmean",
 }
+SHARD_INDEX = "model.safetensors.index.json"
 # A tokenizer_config.json without a limit says 1e30 (transformers' VERY_LARGE_INTEGER).
 _NO_LIMIT = 1_000_000
 
@@ -459,12 +460,14 @@ def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | N
     arch, model_type, classifier = _architecture(config, model_dir / "config.json")
     family = FAMILIES[model_type]
     for name in ("model.safetensors", "tokenizer.json"):
+        if name == "model.safetensors" and (model_dir / SHARD_INDEX).is_file():
+            continue  # sharded (a large decoder's): the index names the files, read with the weights
         if not (model_dir / name).is_file():
             hint = ""
             if name == "model.safetensors" and any(model_dir.glob("*.bin")):
                 hint = " (pytorch_model.bin is not read: it needs PyTorch; save the model with safetensors)"
             elif name == "model.safetensors" and any(model_dir.glob("model-*-of-*.safetensors")):
-                hint = " (sharded weights are not read: save them as one file)"
+                hint = f" (sharded weights are read through their {SHARD_INDEX}, which is missing)"
             raise PrepareError(f"{model_dir / name} is missing{hint}")
 
     module = _family_module(family)
@@ -598,6 +601,24 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
     return {
         k: v.astype(np.float32) for k, v in load_file(path).items() if not np.issubdtype(v.dtype, np.integer)
     }
+
+
+def _read_weights(model_dir: Path) -> dict[str, np.ndarray]:
+    """model.safetensors, or the shards model.safetensors.index.json names (transformers'
+    save_pretrained splits a model past its max_shard_size, as every 7B decoder ships)."""
+    index = model_dir / SHARD_INDEX
+    if not index.is_file():
+        return _read_safetensors(model_dir / "model.safetensors")
+    weight_map = (_json(index) or {}).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise PrepareError(f"{index}: no weight_map naming each tensor's file")
+    weights: dict[str, np.ndarray] = {}
+    for shard in sorted(set(weight_map.values())):
+        path = model_dir / str(shard)
+        if Path(str(shard)).name != str(shard) or not path.is_file():
+            raise PrepareError(f"{index} names {shard}, which is not a file beside it")
+        weights.update(_read_safetensors(path))
+    return weights
 
 
 def _split_weights(
@@ -810,7 +831,7 @@ def prepare_weights(source: Path, name: str, repo: Path, *, pooling: str | None 
     t0 = time.monotonic() if t0 is None else t0
     plan = read_folder(source, pooling=pooling, normalize=normalize, text_pair=text_pair,
                        token_embeddings=token_embeddings)  # fmt: skip
-    weights = _read_safetensors(plan.model_dir / "model.safetensors")
+    weights = _read_weights(plan.model_dir)
     encoder, head = _split_weights(weights, plan)
     _check_vocab(plan, encoder)
     if plan.splade is not None:

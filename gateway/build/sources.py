@@ -32,6 +32,7 @@ ALLOW_PATTERNS = (
     "*.txt",
     "model.safetensors",
     "*/model.safetensors",
+    "model-*-of-*.safetensors",  # a large model's shards (model.safetensors.index.json names them)
     "model.onnx",
     "model.onnx_data",
     "onnx/model.onnx",
