@@ -243,3 +243,41 @@ def test_a_head_of_the_wrong_size_is_refused(m3, tmp_path):
     torch.save(torch.nn.Linear(TINY["hidden_size"] + 1, 1).state_dict(), folder / bge_m3.SPARSE_FILE)
     with pytest.raises(PrepareError, match="sparse_linear.pt: expected a Linear's weight"):
         prepare_model(folder, "m3", tmp_path / "repo", log=print)
+
+
+def test_served_one_call_answers_all_three(m3, repo, tmp_path):
+    """Served as is: one KServe call asks for all four outputs (one engine run), each equal to
+    FlagEmbedding's; OpenAI /v1/embeddings answers the dense vector."""
+    import urllib.request
+
+    import tritonclient.grpc as tc
+
+    from tests.conftest import start_server
+
+    served = tmp_path / "repo"
+    shutil.copytree(repo / "m3", served / "m3")
+    srv = start_server(tmp_path, "--no-build-models", repo=served, ready_timeout=120)
+    try:
+        client = tc.InferenceServerClient(srv.grpc_url)
+        inp = tc.InferInput("text", [len(ROWS), 1], "BYTES")
+        inp.set_data_from_numpy(np.array([r.encode() for r in ROWS], dtype=object).reshape(-1, 1))
+        names = ["embedding", "sparse_embedding", "token_embeddings", "token_mask"]
+        res = client.infer(
+            "m3", [inp], outputs=[tc.InferRequestedOutput(n) for n in names], client_timeout=60
+        )
+        out = {n: res.as_numpy(n) for n in names}
+        client.close()
+        body = json.dumps({"model": "m3", "input": ROWS[:3]}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{srv.http_port}/v1/embeddings", body,
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=60) as r:
+            oai = np.array([d["embedding"] for d in json.loads(r.read())["data"]], np.float32)
+    finally:
+        srv.stop()
+    dense, lexical, colbert = flag_reference(m3, ROWS)
+    assert cosines(out["embedding"], dense).min() >= MIN_COSINE
+    assert cosines(oai, dense[:3]).min() >= MIN_COSINE
+    for row, want in zip(out["sparse_embedding"], lexical):
+        assert as_dict(row).keys() == want.keys()
+    for vecs, keep, want in zip(out["token_embeddings"], out["token_mask"], colbert):
+        assert cosines(vecs[keep == 1], want).min() >= MIN_COSINE

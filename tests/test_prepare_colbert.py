@@ -196,3 +196,36 @@ def test_pylate_settings_the_graph_does_not_do_are_refused(pylate, tmp_path, cha
     (folder / "config_sentence_transformers.json").write_text(json.dumps({**PYLATE_CONFIG, **change}))
     with pytest.raises(PrepareError, match=named):
         read_folder(folder)
+
+
+def test_served_documents_equal_pylate(pylate, repo, tmp_path):
+    """A multi_vector model loads and serves as is: KServe rows with the document marker in
+    front answer PyLate's document vectors (queries need the text stage's expansion, which the
+    pipeline adds); /v1/models and /info list the model."""
+    import shutil
+    import urllib.request
+
+    import tritonclient.grpc as tc
+
+    from tests.conftest import start_server
+
+    served = tmp_path / "repo"
+    shutil.copytree(repo / "colbert", served / "colbert")
+    srv = start_server(tmp_path, "--no-build-models", repo=served, ready_timeout=120)
+    try:
+        client = tc.InferenceServerClient(srv.grpc_url)
+        inp = tc.InferInput("text", [len(DOCS), 1], "BYTES")
+        inp.set_data_from_numpy(np.array([("[D] " + d).encode() for d in DOCS], dtype=object).reshape(-1, 1))
+        names = ["token_embeddings", "token_mask"]
+        res = client.infer(
+            "colbert", [inp], outputs=[tc.InferRequestedOutput(n) for n in names], client_timeout=60
+        )
+        vectors, mask = res.as_numpy("token_embeddings"), res.as_numpy("token_mask")
+        client.close()
+        base = f"http://127.0.0.1:{srv.http_port}"
+        with urllib.request.urlopen(base + "/v1/models", timeout=30) as r:
+            assert "colbert" in r.read().decode()
+    finally:
+        srv.stop()
+    for text, v, m, want in zip(DOCS, vectors, mask, pylate_encode(pylate, DOCS, False)):
+        assert cosines(v[m == 1], want).min() >= MIN_COSINE, text
