@@ -349,3 +349,32 @@ def test_embeddinggemma_from_a_hub_id_in_an_offline_cache(folders, repo, tmp_pat
     monkeypatch.chdir(tmp_path)
     out = prepare_model("acme/tiny-embeddinggemma", "gemma", tmp_path / "repo", log=print)
     assert _entry(out) == _entry(repo / "gemma")
+
+
+def test_qwen2_is_causal_false_attends_both_ways(folders, tmp_path):
+    """gte-Qwen2's config.json says is_causal: false (its own modeling code attends both ways):
+    against transformers' Qwen2Model handed a padding-only mask for its layers, last token
+    pooled and normalised as its sentence-transformers config does."""
+    import torch
+    import transformers as t
+
+    folder = tmp_path / "gte"
+    shutil.copytree(folders["qwen2"][0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "is_causal": False}))
+    out = prepare_model(folder, "gte", tmp_path / "repo", log=print)
+    spec = spec_of(out)
+    feeds = TextStage(spec)({"text": np.array(TEXTS, dtype=object)})
+    got = run_graph(out, feeds)
+    model = t.Qwen2Model.from_pretrained(folders["qwen2"][0]).eval()
+    ids, mask = torch.tensor(feeds["input_ids"]), torch.tensor(feeds["attention_mask"])
+    keys = torch.where(mask[:, None, None, :].bool(), 0.0, torch.finfo(torch.float32).min)
+    both_ways = keys.expand(-1, 1, ids.shape[1], -1)
+    with torch.no_grad():
+        states = model(input_ids=ids, attention_mask={"full_attention": both_ways}).last_hidden_state
+    last = mask.sum(1) - 1  # the text stage pads on the right
+    want = torch.nn.functional.normalize(states[torch.arange(len(ids)), last], dim=-1).numpy()
+    assert cosines(got, want).min() >= MIN_COSINE
+    # and it is not the causal model's answer
+    causal = st_encode(folders["qwen2"][1], TEXTS)
+    assert cosines(got, causal).min() < 0.99
