@@ -378,3 +378,16 @@ def test_qwen2_is_causal_false_attends_both_ways(folders, tmp_path):
     # and it is not the causal model's answer
     causal = st_encode(folders["qwen2"][1], TEXTS)
     assert cosines(got, causal).min() < 0.99
+
+
+def test_external_data_path_covers_the_decoder_graph(folders, repo, tmp_path, monkeypatch):
+    """Past 2 GiB the weights go beside the graph (model.onnx.data); sent down that path with a
+    0-byte threshold, EmbeddingGemma's graph answers the same."""
+    from batchgate.gateway.build.onnx_graph import EXTERNAL_BYTES_ENV, external_data_path
+
+    monkeypatch.setenv(EXTERNAL_BYTES_ENV, "0")
+    out = prepare_model(folders["gemma"][0], "gemma", tmp_path / "repo", log=print)
+    model_file = out / "1" / "model.onnx"
+    assert external_data_path(model_file).stat().st_size > model_file.stat().st_size
+    feeds = TextStage(spec_of(out))({"text": np.array(TEXTS, dtype=object)})
+    np.testing.assert_array_equal(run_graph(out, feeds), run_graph(repo / "gemma", feeds))
