@@ -19,8 +19,13 @@ export (``onnx/model.onnx`` or ``model.onnx``) with the head appended (``onnx_ex
 What it decides, and where from (docs/embeddings.md, "Bringing your own model"):
 
 * architecture: BERT, RoBERTa or XLM-RoBERTa (``model_type``; encoder.py), MPNet, DistilBERT,
-  ModernBERT or Qwen3 (one module each: mpnet.py, distilbert.py, modernbert.py, qwen3.py).
-  Anything else is refused by name (``PrepareError``, exit 2).
+  ModernBERT or Qwen3 (one module each: mpnet.py, distilbert.py, modernbert.py, qwen3.py);
+  Mistral, Llama, Qwen2 and Gemma3's text model (EmbeddingGemma) through one decoder builder
+  (decoder.py). Anything else is refused by name (``PrepareError``, exit 2). An XLM-R folder with
+  BGE-M3's ``colbert_linear.pt`` and ``sparse_linear.pt`` gets its sparse and ColBERT heads
+  (bge_m3.py); a PyLate folder (Transformer then Dense, no Pooling) is a ColBERT model
+  (colbert.py, kind ``multi_vector``). Sharded weights are read through
+  ``model.safetensors.index.json``.
 * kind (parameter ``kind``; each kind's outputs fixed by name, so a route reads them): an
   ``embedding`` (FP32 [dim]; ``token_embeddings`` FP32 [-1, hidden] beside it when asked); a
   BERT/RoBERTa ``*ForSequenceClassification`` with one label, a ``rerank`` model whose rows are
