@@ -16,7 +16,8 @@ Dense stack). Spelled out from safetensors weights as transformers computes them
 * a gated MLP (SiLU; Gemma: tanh GELU), then the final RMSNorm and the embedding head
   (encoder.py ``finish_head``).
 
-Qwen3 keeps its own module (qwen3.py); this builder computes the same with ``qk_norm``.
+Qwen3 keeps its own module (qwen3.py) for now; ``QWEN3`` below builds the same graph's numbers
+(tests/test_prepare_decoders.py checks it), so qwen3.py can become a family entry here.
 
 The language-model head (``lm_head``) is not part of an embedding and is left out. Positions are
 each token's index in the padded row (what transformers uses without position_ids): rotary
@@ -96,9 +97,10 @@ class DecoderFamily:
     WORD = WORD
 
     def __init__(self, model_type: str, stem: str, archs: tuple[str, ...], *, pooling: str,
-                 prompts: dict[str, str], gemma: bool = False) -> None:  # fmt: skip
+                 prompts: dict[str, str], gemma: bool = False, qk_norm: bool = False) -> None:  # fmt: skip
         self.model_type, self.STEM, self.ARCHS = model_type, stem, archs
         self.DEFAULT_POOLING, self.DEFAULT_PROMPTS, self.gemma = pooling, prompts, gemma
+        self.qk_norm = qk_norm or gemma
 
     def check(self, config: dict) -> str | None:
         """What in ``config`` the graph would not compute as transformers does, or None."""
@@ -139,10 +141,10 @@ class DecoderFamily:
         else:
             # gte-Qwen2 says is_causal false: its own modeling code attends both ways.
             causal = bool(config.get("is_causal", True))
-            if self.model_type == "qwen2" and not config.get("use_sliding_window", False):
+            if self.model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
                 window = None  # Qwen2's sliding_window applies only with use_sliding_window
             if not types:
-                if self.model_type == "qwen2" and window is not None:
+                if self.model_type in ("qwen2", "qwen3") and window is not None:
                     first = int(config.get("max_window_layers", 28))
                     types = [SLIDING if i >= first else FULL for i in range(layers)]
                 else:
@@ -176,7 +178,7 @@ class DecoderFamily:
             window=int(window) if window is not None and SLIDING in types else None,
             causal=causal,
             gemma=self.gemma,
-            qk_norm=self.gemma,
+            qk_norm=self.qk_norm,
             score_scale=float(scalar if scalar is not None else head_dim) ** -0.5,
         )
 
@@ -207,6 +209,11 @@ def _rope_parameters(config: dict, per_layer_type: bool) -> dict[str, dict]:
     scaling["rope_theta"] = config.get("rope_theta", 10_000.0)
     return {FULL: scaling}
 
+
+# Qwen3 through this builder (per-head query/key RMSNorm); hf_model.py still routes qwen3 to qwen3.py.
+QWEN3 = DecoderFamily(
+    "qwen3", "Qwen3", ("Model", "ForCausalLM"), pooling="lasttoken", prompts={}, qk_norm=True
+)
 
 FAMILIES = {
     "mistral": DecoderFamily("mistral", "Mistral", ("Model", "ForCausalLM"), pooling="lasttoken",
