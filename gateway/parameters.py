@@ -32,7 +32,7 @@ VARIANTS = ("fp32", "optimized", "fp16", "int8", "openvino-fp32", "openvino-bf16
 DEFAULT_MAX_TEXT_BYTES = 32768
 # What a text model serves (gateway/build/encoder.py KINDS); each kind's outputs are fixed by name
 # (ModelSpec.kind, gateway/repository.py).
-KINDS = ("embedding", "rerank", "classification", "sparse_embedding")
+KINDS = ("embedding", "rerank", "classification", "sparse_embedding", "multi_vector")
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification")
 
 
@@ -143,6 +143,17 @@ def _pair_template(text: str) -> str:
     return text
 
 
+def _weights3(text: str) -> tuple[float, float, float]:
+    parts = text.split(",")
+    try:
+        values = tuple(float(p) for p in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 3 or not all(math.isfinite(v) and v >= 0 for v in values) or not sum(values) > 0:
+        raise ValueError("three weights 'dense,sparse,token', each >= 0, not all 0")
+    return values
+
+
 def _nonempty(text: str) -> str:
     if not text.strip():
         raise ValueError("a file name")
@@ -215,11 +226,12 @@ DECLARED: tuple[Declared, ...] = (
              _choice("mean", "cls", "lasttoken"), "pooling"),
     Declared("normalize", "bool", "none", "true/false (1/0, yes/no, on/off)", "nothing (recorded)",
              "whether the graph L2-normalises the embedding", _bool, "normalize"),
-    Declared("kind", "'embedding', 'rerank', 'classification' or 'sparse_embedding'",
-             "by outputs: 'score' rerank, 'embedding' embedding", "one of the four; the kind's outputs present",
+    Declared("kind", "'embedding', 'rerank', 'classification', 'sparse_embedding' or 'multi_vector'",
+             "by outputs: 'score' rerank, 'embedding' embedding", "one of the five; the kind's outputs present",
              "repository, routes", "what the model serves, so a route knows which outputs to read: "
              "embedding (embedding, optional token_embeddings), rerank (score), classification "
-             "(probabilities, logits), sparse_embedding (sparse_embedding, vocabulary-sized)",
+             "(probabilities, logits), sparse_embedding (sparse_embedding, vocabulary-sized), multi_vector "
+             "(token_embeddings and token_mask: a ColBERT model)",
              _choice(*KINDS), "kind"),
     Declared("problem_type", "'single_label_classification' or 'multi_label_classification'",
              "single_label_classification", "one of the two; kind classification only", "routes",
@@ -239,6 +251,18 @@ DECLARED: tuple[Declared, ...] = (
              "what token-id arrays on /v1/embeddings mean for this model: OpenAI's cl100k_base ids "
              "(decoded to text, then tokenized by the model's tokenizer), the model's own ids, or refused",
              _choice("openai", "model", "refuse"), "openai_token_ids"),
+    Declared("query_length", "int", "none", ">= 1; kind multi_vector", "text stage (queries)",
+             "a ColBERT model's query length: a query row (prompt query) is cut at this many tokens and, with "
+             "query_expansion_token_id, padded up to it with that token at attention mask 0 (PyLate's query "
+             "expansion); documents use max_tokens", _int(1), "query_length"),
+    Declared("query_expansion_token_id", "int", "none", ">= 0; with query_length", "text stage (queries)",
+             "the token a ColBERT query is padded with up to query_length (the mask token); its vectors "
+             "are part of the query's (token_mask 1)", _int(0), "query_expansion_token_id"),
+    Declared("score_weights", "three numbers 'dense,sparse,token'", "none",
+             ">= 0, not all 0; the outputs embedding, sparse_embedding and token_embeddings present",
+             "rerank routes", "a model with all three outputs (BGE-M3): a pair's score is the weighted mean of "
+             "its dense dot product, its sparse weights' dot product and the MaxSim of its token vectors "
+             "(recorded by prepare-model from the model card: 0.4,0.2,0.4)", _weights3, "score_weights"),
     Declared("matryoshka_dimensions", "int list", "none", "strictly ascending, >= 1, below the output's size",
              "embedding routes", "the sizes a Matryoshka-trained embedding may be cut to: a call's "
              "`dimensions` keeps that many leading values and re-normalises", _ascending,
@@ -350,6 +374,9 @@ class ModelParameters:
     prompts: Mapping[str, str] = field(default_factory=dict)  # prompt name -> text
     default_prompt_name: str | None = None
     openai_token_ids: str | None = None  # None: the server's setting (gateway/openai_ids.py meaning)
+    query_length: int | None = None  # a ColBERT model's queries (kind multi_vector)
+    query_expansion_token_id: int | None = None
+    score_weights: tuple[float, float, float] | None = None  # dense, sparse, token (BGE-M3's rerank)
     matryoshka_dimensions: tuple[
         int, ...
     ] = ()  # sizes `dimensions` may ask for (the full size is always served)

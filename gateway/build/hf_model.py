@@ -22,7 +22,12 @@ What it decides, and where from (docs/embeddings.md, "Bringing your own model"):
   ModernBERT, DeBERTa-v2 or Qwen3 (one module each: mpnet.py, distilbert.py, modernbert.py,
   deberta_v2.py, qwen3.py; their classifier heads in heads.py). A Qwen3 folder named a reranker
   (or ``--reranker``) is Qwen3-Reranker: its yes/no logits under its card's ``pair_template``.
-  Anything else is refused by name (``PrepareError``, exit 2).
+  Mistral, Llama, Qwen2 and Gemma3's text model (EmbeddingGemma) through one decoder builder
+  (decoder.py). Anything else is refused by name (``PrepareError``, exit 2). An XLM-R folder with
+  BGE-M3's ``colbert_linear.pt`` and ``sparse_linear.pt`` gets its sparse and ColBERT heads
+  (bge_m3.py); a PyLate folder (Transformer then Dense, no Pooling) is a ColBERT model
+  (colbert.py, kind ``multi_vector``). Sharded weights are read through
+  ``model.safetensors.index.json``.
 * kind (parameter ``kind``; each kind's outputs fixed by name, so a route reads them): an
   ``embedding`` (FP32 [dim]; ``token_embeddings`` FP32 [-1, hidden] beside it when asked); a
   BERT/RoBERTa ``*ForSequenceClassification`` with one label, a ``rerank`` model whose rows are
@@ -58,6 +63,7 @@ from pathlib import Path
 import numpy as np
 from google.protobuf import text_encoding
 
+from batchgate.gateway.build import bge_m3, colbert, decoder
 from batchgate.gateway.build.encoder import (
     ACTIVATIONS,
     POOLINGS,
@@ -88,6 +94,11 @@ FAMILIES = {
     "modernbert": "modernbert",
     "qwen3": "qwen3",
     "deberta-v2": "deberta_v2",
+    # decoder.py: one builder, a switch set per family
+    "mistral": "mistral",
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "gemma3_text": "gemma3_text",
 }
 # The class-name stems Hugging Face gives each model_type, for the architectures check.
 _STEMS = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta"}
@@ -100,7 +111,9 @@ SUPPORTED = (
     "(model_type mpnet, distilbert, modernbert; *Model, *ForMaskedLM, *ForSequenceClassification); "
     "DeBERTa-v2/v3 (model_type deberta-v2; DebertaV2Model, *ForMaskedLM, *ForSequenceClassification); "
     "Qwen3 (model_type qwen3; Qwen3Model and Qwen3ForCausalLM embedders, Qwen3ForSequenceClassification, "
-    "and Qwen3-Reranker's Qwen3ForCausalLM yes/no scorer)"
+    "and Qwen3-Reranker's Qwen3ForCausalLM yes/no scorer); Mistral, Llama and Qwen2 embedders "
+    "(model_type mistral, llama, qwen2; *Model, *ForCausalLM); EmbeddingGemma (model_type gemma3_text; "
+    "Gemma3TextModel)"
 )
 # transformers' problem_type values a classifier is served with (probabilities by softmax, or by
 # each label's sigmoid); "regression" has no probabilities.
@@ -125,6 +138,8 @@ def _family_module(family: str):
     """The graph module of a family outside encoder.py, or None for bert and roberta."""
     if family in ("bert", "roberta"):
         return None
+    if family in decoder.FAMILIES:
+        return decoder.FAMILIES[family]
     return importlib.import_module(f"batchgate.gateway.build.{family}")
 
 
@@ -136,6 +151,7 @@ _POOLING_MODES = {
     "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
     "pooling_mode_weightedmean_tokens": "weightedmean",
 }
+SHARD_INDEX = "model.safetensors.index.json"
 # A tokenizer_config.json without a limit says 1e30 (transformers' VERY_LARGE_INTEGER).
 _NO_LIMIT = 1_000_000
 
@@ -204,6 +220,7 @@ class Modules:
     dense: tuple[Path, ...]
     normalize: bool
     splade: Path | None = None  # a sparse encoder's SpladePooling folder
+    colbert: bool = False  # a PyLate ColBERT folder: Transformer, then Dense per token
 
 
 _PIPELINE = (
@@ -228,6 +245,11 @@ def _modules(source: Path) -> Modules | None:
             )
     order = [k for k, _ in kinds]
     n_dense = order.count("Dense")
+    if n_dense and order == ["Transformer"] + ["Dense"] * n_dense:  # PyLate's ColBERT: per-token Dense
+        st = _json(source / "config_sentence_transformers.json", required=False) or {}
+        if colbert.is_pylate(st):
+            return Modules(transformer=source / kinds[0][1], pooling=None, normalize=False, colbert=True,
+                           dense=tuple(source / path for _, path in kinds[1:]))  # fmt: skip
     if order not in (
         ["Transformer", "Pooling"] + ["Dense"] * n_dense,
         ["Transformer", "Pooling"] + ["Dense"] * n_dense + ["Normalize"],
@@ -274,12 +296,15 @@ def _dense(folder: Path, in_features: int) -> Dense:
 def _pooling(pool_dir: Path, hidden: int, has_prompts: bool) -> str:
     cfg = _json(pool_dir / "config.json")
     modes = [mode for key, mode in _POOLING_MODES.items() if cfg.get(key)]
+    if "pooling_mode" in cfg:  # sentence-transformers 6 saves one key: a mode or a list of them
+        given = cfg["pooling_mode"]
+        modes = [str(m) for m in ([given] if isinstance(given, str) else given or [])]
     if len(modes) != 1 or modes[0] not in POOLINGS:
         raise PrepareError(
             f"{pool_dir / 'config.json'}: pooling {' + '.join(modes) or 'none'} is not supported; "
             f"supported: one of {', '.join(POOLINGS)}"
         )
-    dim = cfg.get("word_embedding_dimension", hidden)
+    dim = cfg.get("word_embedding_dimension", cfg.get("embedding_dimension", hidden))
     if dim != hidden:
         raise PrepareError(
             f"{pool_dir / 'config.json'}: word_embedding_dimension {dim}, the model's hidden size {hidden}"
@@ -464,12 +489,14 @@ def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | N
                                f"logits) or a Qwen3ForSequenceClassification; not {arch}")  # fmt: skip
         classifier, yes_no = True, _yes_no(model_dir / "tokenizer.json")
     for name in ("model.safetensors", "tokenizer.json"):
+        if name == "model.safetensors" and (model_dir / SHARD_INDEX).is_file():
+            continue  # sharded (a large decoder's): the index names the files, read with the weights
         if not (model_dir / name).is_file():
             hint = ""
             if name == "model.safetensors" and any(model_dir.glob("*.bin")):
                 hint = " (pytorch_model.bin is not read: it needs PyTorch; save the model with safetensors)"
             elif name == "model.safetensors" and any(model_dir.glob("model-*-of-*.safetensors")):
-                hint = " (sharded weights are not read: save them as one file)"
+                hint = f" (sharded weights are read through their {SHARD_INDEX}, which is missing)"
             raise PrepareError(f"{model_dir / name} is missing{hint}")
 
     module = _family_module(family)
@@ -518,6 +545,38 @@ def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | N
             labels, text_pair = (), True  # a cross-encoder: its rows are always pairs
         elif text_pair is None:
             text_pair = isinstance(config.get("sentence_transformers"), dict)
+    elif modules and modules.colbert:
+        if pooling is not None or normalize is not None or token_embeddings:
+            raise PrepareError(
+                f"{source}: --pooling, --normalize and token embeddings are for embedding models; {source.name} "
+                "is a ColBERT model (PyLate): its per-token vectors are its output"
+            )
+        dense: list[Dense] = []
+        for folder in modules.dense:
+            dense.append(_dense(folder, dense[-1].out_features if dense else hidden))
+        st_config = _json(source / "config_sentence_transformers.json")
+        try:
+            cb = colbert.read_head(st_config, tuple(dense), model_dir / "tokenizer.json",
+                                   source / "config_sentence_transformers.json")  # fmt: skip
+        except ValueError as exc:
+            raise PrepareError(str(exc)) from None
+        # The markers are the prompts (PyLate puts its marker ahead of a prompt's text).
+        prompts = {"query": cb.query_prefix + prompts.get("query", ""),
+                   "document": cb.document_prefix + prompts.get("document", "")}  # fmt: skip
+        default_prompt = None if default_prompt not in prompts else default_prompt
+        head = Head(colbert=cb)
+        # PyLate cuts a document at document_length tokens, its marker included (whatever
+        # max_seq_length it saved); never past the position table.
+        if module is not None:
+            limit = module.position_limit(config)
+        else:
+            limit = cfg.max_positions - (cfg.padding_idx + 1 if cfg.padding_idx is not None else 0)
+        if cb.query_length > limit:
+            raise PrepareError(
+                f"{source / 'config_sentence_transformers.json'}: query_length {cb.query_length}; the model "
+                f"has {limit} positions"
+            )
+        cfg = replace(cfg, max_seq_length=min(limit, cb.document_length))
     elif modules and modules.splade is not None:
         if family not in _MLM_HEADS or not arch.endswith("ForMaskedLM"):
             raise PrepareError(
@@ -531,6 +590,18 @@ def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | N
             source, modules, hidden, prompts, pooling, normalize, getattr(module, "DEFAULT_POOLING", "mean")
         )
         head = replace(head, token_states=token_embeddings)
+        if bge_m3.present(model_dir) and family == "roberta":
+            if token_embeddings:
+                raise PrepareError(
+                    f"{source}: a BGE-M3 folder's token_embeddings are its ColBERT vectors "
+                    f"({bge_m3.COLBERT_FILE}); they are always built, without the token embeddings flag"
+                )
+            if head.pooling != "cls" or not head.normalize or head.dense:
+                raise PrepareError(
+                    f"{source}: a BGE-M3 folder ({bge_m3.COLBERT_FILE}, {bge_m3.SPARSE_FILE}) pools its dense "
+                    f"vector from CLS, normalised, as FlagEmbedding does; this one says {head.pooling}"
+                    f"{', normalised' if head.normalize else ''}{', Dense' if head.dense else ''}"
+                )
     if text_pair and not classifier:
         raise PrepareError(f"{source}: text pairs are for cross-encoders and classifiers; {arch} is neither")
     return Plan(
@@ -589,6 +660,24 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
     return {
         k: v.astype(np.float32) for k, v in load_file(path).items() if not np.issubdtype(v.dtype, np.integer)
     }
+
+
+def _read_weights(model_dir: Path) -> dict[str, np.ndarray]:
+    """model.safetensors, or the shards model.safetensors.index.json names (transformers'
+    save_pretrained splits a model past its max_shard_size, as every 7B decoder ships)."""
+    index = model_dir / SHARD_INDEX
+    if not index.is_file():
+        return _read_safetensors(model_dir / "model.safetensors")
+    weight_map = (_json(index) or {}).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise PrepareError(f"{index}: no weight_map naming each tensor's file")
+    weights: dict[str, np.ndarray] = {}
+    for shard in sorted(set(weight_map.values())):
+        path = model_dir / str(shard)
+        if Path(str(shard)).name != str(shard) or not path.is_file():
+            raise PrepareError(f"{index} names {shard}, which is not a file beside it")
+        weights.update(_read_safetensors(path))
+    return weights
 
 
 def _split_weights(
@@ -668,6 +757,29 @@ def _mlm_head(plan: Plan, weights: dict[str, np.ndarray], encoder: dict[str, np.
     )  # fmt: skip
 
 
+def _m3_heads(plan: Plan, encoder: dict[str, np.ndarray]):
+    """BGE-M3's ColBERT and sparse heads, and the ids FlagEmbedding drops from the sparse weights:
+    the tokenizer's CLS, EOS, PAD and UNK tokens (special_tokens_map.json / tokenizer_config.json,
+    XLM-R's <s>, </s>, <pad>, <unk> where neither names them)."""
+    from tokenizers import Tokenizer
+
+    named = {"cls_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+    for file in ("tokenizer_config.json", "special_tokens_map.json"):
+        found = _json(plan.model_dir / file, required=False) or {}
+        for key in bge_m3.DROPPED:
+            value = found.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                named[key] = value
+    tok = Tokenizer.from_file(str(plan.tokenizer))
+    ids = sorted({i for t in named.values() if (i := tok.token_to_id(t)) is not None})
+    vocab = encoder["embeddings.word_embeddings.weight"].shape[0]
+    try:
+        return bge_m3.read_heads(plan.model_dir, plan.cfg.hidden, vocab, tuple(ids))
+    except ValueError as exc:
+        raise PrepareError(str(exc)) from None
+
+
 # --------------------------------------------------------------------------------------------
 # config.pbtxt
 
@@ -690,6 +802,7 @@ def render_config(name: str, plan) -> str:
         "sparse_embedding": "sparse embedding: log(1 + relu) of the masked-LM logits, "
         + ("max" if head.mlm is None else head.mlm.pooling)
         + "-pooled over tokens",
+        "multi_vector": "ColBERT (PyLate): a normalised vector per token",
     }.get(kind, "embedding")
     notes = [f"Source: {plan.summary}; {described}."]
     params["kind"] = kind
@@ -712,6 +825,19 @@ def render_config(name: str, plan) -> str:
             params[f"label.{i}"] = _escape(label)
     elif kind == "sparse_embedding":
         notes.append("sparse_embedding is vocabulary-sized: index i scores tokenizer.json's token id i.")
+    elif kind == "multi_vector":
+        cb = head.colbert
+        params["query_length"] = str(cb.query_length)
+        if cb.expansion_id is not None:
+            params["query_expansion_token_id"] = str(cb.expansion_id)
+        notes.append(
+            "ColBERT (PyLate): token_embeddings are the Dense projection of every token, normalised; the rows "
+            "where token_mask is 1 are the text's vectors (a query's all, its expansion tokens included; a "
+            f"document's less {len(cb.skip_ids)} skiplist tokens). Queries get prompt query ({cb.query_prefix!r}), "
+            f"cut at query_length and padded to it with query_expansion_token_id at attention mask 0; documents "
+            f"prompt document ({cb.document_prefix!r}), cut at max_tokens. Score: MaxSim (sum over the query's "
+            "vectors of the best dot product with the document's)."
+        )
     elif kind == "embedding":
         notes.append(
             "pooling and normalize record what the graph does; prompt.<name> are the folder's prompts."
@@ -723,6 +849,14 @@ def render_config(name: str, plan) -> str:
         params["normalize"] = "true" if plan.head.normalize else "false"
         if plan.head.pooling == "lasttoken":
             notes.append(_last_token_note(plan.tokenizer))
+        if plan.head.m3 is not None:
+            params["score_weights"] = ",".join(str(w) for w in bge_m3.CARD_WEIGHTS)
+            notes.append(
+                "BGE-M3, one pass, three outputs: embedding (CLS, normalised); sparse_embedding (relu of "
+                "sparse_linear per token, max per token id, CLS/EOS/PAD/UNK dropped; index i scores "
+                "tokenizer.json's id i); token_embeddings (colbert_linear, normalised) where token_mask "
+                "is 1 (every token after CLS). score_weights: the card's dense, sparse, ColBERT weights."
+            )
         if plan.head.token_states:
             notes.append(
                 "token_embeddings: each token's final state, zero past the row's own tokens (a row comes "
@@ -733,17 +867,21 @@ def render_config(name: str, plan) -> str:
     if plan.default_prompt_name is not None:
         params["default_prompt_name"] = _escape(plan.default_prompt_name)
     first, *more = head.outputs(plan.cfg.hidden if hasattr(plan, "cfg") else plan.hidden)
+    first_dims = ", ".join(str(-1 if d == "seq" else d) for d in first[1])
     text = render_text_config(
-        name, "gateway/build/hf_model.py (batchgate prepare-model)", first[0], plan.dim, params, notes
+        name, "gateway/build/hf_model.py (batchgate prepare-model)", first[0], first_dims, params, notes
     )
     if more:  # render_text_config writes one output; the others follow it in the same list
-        block = f"    dims: [ {plan.dim} ]\n  }}\n]\n"
+        block = f"    dims: [ {first_dims} ]\n  }}\n]\n"
         assert text.count(block) == 1
-        extra = "".join(
-            f'  {{\n    name: "{n}"\n    data_type: TYPE_FP32\n    dims: [ {", ".join(str(-1 if d == "seq" else d) for d in dims)} ]\n  }}\n'
-            for n, dims in more
+        extra = (
+            ",\n".join(
+                f'  {{\n    name: "{n}"\n    data_type: TYPE_FP32\n    dims: [ {", ".join(str(-1 if d == "seq" else d) for d in dims)} ]\n  }}'
+                for n, dims in more
+            )
+            + "\n"
         )
-        text = text.replace(block, f"    dims: [ {plan.dim} ]\n  }},\n{extra}]\n")
+        text = text.replace(block, f"    dims: [ {first_dims} ]\n  }},\n{extra}]\n")
     return text
 
 
@@ -773,11 +911,17 @@ def prepare_weights(source: Path, name: str, repo: Path, *, pooling: str | None 
     t0 = time.monotonic() if t0 is None else t0
     plan = read_folder(source, pooling=pooling, normalize=normalize, text_pair=text_pair,
                        token_embeddings=token_embeddings, reranker=reranker)  # fmt: skip
-    weights = _read_safetensors(plan.model_dir / "model.safetensors")
+    weights = _read_weights(plan.model_dir)
     encoder, head = _split_weights(weights, plan)
     _check_vocab(plan, encoder)
     if plan.splade is not None:
         plan = replace(plan, head=replace(plan.head, mlm=_mlm_head(plan, weights, encoder)))
+    if (
+        plan.head.kind == "embedding"
+        and FAMILIES[plan.model_type] == "roberta"
+        and bge_m3.present(plan.model_dir)
+    ):
+        plan = replace(plan, head=replace(plan.head, m3=_m3_heads(plan, encoder)))
     del weights
     module = _family_module(FAMILIES[plan.model_type])
     try:
@@ -807,6 +951,9 @@ def prepare_weights(source: Path, name: str, repo: Path, *, pooling: str | None 
         + (", multi-label" if plan.head.multi_label else "")
         + (", pairs" if plan.text_pair else ""),
         "sparse_embedding": f"sparse embedding, {plan.dim} terms",
+        "multi_vector": f"ColBERT token vectors, {plan.dim} dims, queries {plan.head.colbert.query_length} tokens"
+        if plan.head.colbert is not None
+        else "",
     }.get(
         plan.head.kind,
         f"embedding, {plan.head.pooling} pooling{dense}{', normalised' if plan.head.normalize else ''}"

@@ -71,7 +71,10 @@ def _export_only(folder: Path) -> bool:
         if has_export:
             return True
         raise PrepareError(f"{exc}; {EXPORT_HINT}") from None
-    return has_export and not (model_dir / "model.safetensors").is_file()
+    weights = (model_dir / "model.safetensors").is_file() or (
+        model_dir / "model.safetensors.index.json"
+    ).is_file()
+    return has_export and not weights
 
 
 def run(args: argparse.Namespace) -> int:
