@@ -38,6 +38,7 @@ assert tuple(KINDS_OF) == OUTPUTS
 # The call a model of each kind answers, for the refusal that points a caller at it.
 ASKED_BY = {
     "embedding": "an embedding call (/v1/embeddings, /embed)",
+    "multi_vector": "a token-vector call (/embed_all) or a rerank call (MaxSim)",
     "sparse_embedding": "a sparse embedding call (/embed_sparse)",
     "classification": "a classification call (/predict, /classify)",
     "rerank": "a rerank call (/rerank, /v1/rerank, /v2/rerank)",
@@ -113,13 +114,28 @@ def _a(kind: str) -> str:
     return ("an " if kind[0] in "aeiou" else "a ") + kind
 
 
+def multi_output(spec, output: str) -> bool:
+    """Whether a model not of ``output``'s kind still makes it from outputs beside its own: an
+    embedding model with a sparse head (BGE-M3) answers sparse calls, one with score_weights
+    (BGE-M3: dense, sparse and token vectors) and a ColBERT model (kind multi_vector) rerank, a
+    ColBERT model answers token-vector calls."""
+    kind = spec.kind
+    if output == "sparse":
+        return kind == "embedding" and spec.output("sparse_embedding") is not None
+    if output == "scores":
+        return (kind == "embedding" and spec.params.score_weights is not None) or kind == "multi_vector"
+    if output == "tokens":
+        return kind == "multi_vector"
+    return False
+
+
 def check_kind(rt, model: str, output: str, plane=None) -> None:
     """Refuses a model that does not make ``output``, naming the call it answers (and, given the
     ``plane``, the models that do make it)."""
     kind = rt.spec.kind if rt.text is not None else None
     if kind is None:
         raise invalid(f"model '{model}' does not take text", "model")
-    if kind not in KINDS_OF[output]:
+    if kind not in KINDS_OF[output] and not multi_output(rt.spec, output):
         wanted = " or ".join(k.replace("_", " ") for k in KINDS_OF[output])
         those = (
             ""
@@ -138,12 +154,18 @@ def check_kind(rt, model: str, output: str, plane=None) -> None:
         )
 
 
-def output_of(rt, call: TextCall) -> str:
+def output_of(rt, call: TextCall) -> str | tuple[str, ...]:
+    """The model output(s) the call reads."""
     spec = rt.spec
+    mask = ("token_mask",) if spec.output("token_mask") is not None else ()
     if call.output == "sparse":
         return "sparse_embedding"
     if call.output == "tokens":
-        return TOKEN_OUTPUT
+        return (TOKEN_OUTPUT, *mask) if mask else TOKEN_OUTPUT
+    if call.output == "scores" and spec.kind == "multi_vector":
+        return (TOKEN_OUTPUT, *mask)
+    if call.output == "scores" and spec.kind == "embedding":  # BGE-M3: its three outputs
+        return ("embedding", "sparse_embedding", TOKEN_OUTPUT, *mask)
     if call.output == "labels" and spec.kind == "rerank":
         return "score"
     if call.output == "labels":
@@ -337,9 +359,32 @@ async def rows(rt, call: TextCall, p: Plan) -> tuple[list[str], list | None, str
         query = call.query
         if query is None or not query.strip():
             raise invalid("'query' is required: a non-empty string", "query")
+        if isinstance(p.output, tuple):  # a bi-encoder's rerank: the query, then each document
+            spec = rt.spec
+            prompts = spec.params.prompts
+            q, d = prompts.get("query", p.prompt), prompts.get("document", p.prompt)
+            p.prompt = ""  # each row's own, put in here
+            rows_ = [q + query, *(d + t for t in texts)]
+            given = _expanded(stage, spec, rows_[:1]) if q and q == prompts.get("query") else None
+            if given is not None:
+                return rows_, given + [None] * len(texts), tag + "qx"
+            return rows_, None, tag
         if PAIR_SEPARATOR in query:
             raise invalid("'query' may not hold U+001F (the pair separator)", "query")
         return [query + PAIR_SEPARATOR + t for t in texts], None, tag
+    if (
+        call.output == "tokens"
+        and rt.spec.params.query_length
+        and p.prompt == rt.spec.params.prompts.get("query")
+    ):
+        given = _expanded(stage, rt.spec, [p.prompt + t for t in texts])
+        if given is not None:
+            p.prompt = ""
+            return (
+                [p_ + t for p_, t in zip([rt.spec.params.prompts["query"]] * len(texts), texts)],
+                given,
+                tag + "qx",
+            )
     if call.output == "labels" and call.pairs:
         _check_pairs(texts, call.field)
         if not stage.settings.pair:
@@ -420,6 +465,22 @@ def _late_windows(stage, texts: list[str], prompt: str):
     return rows, made, spans
 
 
+def _expanded(stage, spec, texts: list[str]) -> list | None:
+    """A ColBERT query's encoding as PyLate makes it: cut at ``query_length`` tokens, then padded
+    up to it with ``query_expansion_token_id`` at attention mask 0 (None: the model expands none)."""
+    length, token = spec.params.query_length, spec.params.query_expansion_token_id
+    if not length or token is None:
+        return None
+    out = []
+    for e in stage.tokenizer(False).encode_batch(texts):
+        ids = list(e.ids)
+        if len(ids) > length:
+            ids = ids[: length - 1] + ids[-1:]  # keep the closing special token
+        n = len(ids)
+        out.append(tokens.Ids(ids + [token] * (length - n), [1] * n + [0] * (length - n), [0] * length))
+    return out
+
+
 def _check_pairs(texts: list[str], field: str) -> None:
     for i, t in enumerate(texts):
         first, sep, second = t.partition(PAIR_SEPARATOR)
@@ -441,6 +502,54 @@ def _encode_pairs(stage, texts: list[str]) -> list:
     tok = stage.tokenizer(stage.settings.truncate, pad=False)
     stage._counted(len(texts))
     return tok.encode_batch([tuple(t.split(PAIR_SEPARATOR, 1)) for t in texts])
+
+
+def _kept(arrays: dict, i: int, n: int) -> np.ndarray:
+    """Row ``i``'s token vectors: where ``token_mask`` is 1 (BGE-M3 and ColBERT drop [CLS],
+    padding and ColBERT's skiplist), else its first ``n``."""
+    vectors = arrays[TOKEN_OUTPUT][i]
+    mask = arrays.get("token_mask")
+    if mask is None:
+        return vectors[:n]
+    return vectors[: mask.shape[1]][mask[i] != 0]
+
+
+def _maxsim(q: np.ndarray, d: np.ndarray) -> float:
+    """Each query vector's best dot product with the document's vectors, summed."""
+    if not len(q) or not len(d):
+        return 0.0
+    return float((q.astype(np.float64) @ d.astype(np.float64).T).max(axis=1).sum())
+
+
+def _finish_multi(call: TextCall, p: Plan, rt, arrays: dict, counts: list[int]) -> TextAnswer:
+    spec = rt.spec
+    if call.output == "tokens":
+        answer = TextAnswer(spec.name, spec.version, spec.kind, counts, texts=call.texts)
+        answer.token_vectors = [_kept(arrays, i, n) for i, n in enumerate(counts)]
+        return answer
+    # a bi-encoder's rerank: row 0 the query
+    q = _kept(arrays, 0, counts[0])
+    n = len(counts) - 1
+    scores = np.empty(n, dtype=np.float32)
+    weights = spec.params.score_weights
+    for j in range(n):
+        d = _kept(arrays, j + 1, counts[j + 1])
+        if spec.kind == "multi_vector":  # ColBERT: MaxSim
+            scores[j] = _maxsim(q, d)
+            continue
+        # BGE-M3: the card's weighted mean of its three scores; ColBERT's part averaged over the query
+        dense = float(np.dot(arrays["embedding"][0], arrays["embedding"][j + 1]))
+        sparse = float(
+            np.dot(arrays["sparse_embedding"][0].astype(np.float64), arrays["sparse_embedding"][j + 1])
+        )
+        colbert = _maxsim(q, d) / max(len(q), 1)
+        scores[j] = (weights[0] * dense + weights[1] * sparse + weights[2] * colbert) / sum(weights)
+    tokens_ = counts[1:]
+    if tokens_:
+        tokens_[0] += counts[0]  # the query's tokens billed with the first document
+    answer = TextAnswer(spec.name, spec.version, spec.kind, tokens_, texts=call.texts)
+    answer.scores = scores  # similarities, not logits: no sigmoid
+    return answer
 
 
 def _combine(array: np.ndarray, counts: list[int], groups: list[int], output: str):
@@ -506,6 +615,8 @@ def dense(vectors: np.ndarray, size: int | None, normalize: bool | None) -> np.n
 def finish(call: TextCall, p: Plan, rt, array: np.ndarray, counts: list[int], ranges=None) -> TextAnswer:
     """The runtime's ``array`` for the call's rows, shaped as the call asked."""
     spec = rt.spec
+    if isinstance(array, dict):
+        return _finish_multi(call, p, rt, array, counts)
     if p.spans is not None:  # late chunking: each text's vector pooled from its span of the pass
         array, counts = _pool_spans(array, p.spans, len(call.texts), bool(spec.params.normalize))
     elif p.groups is not None:
@@ -542,7 +653,7 @@ def finish(call: TextCall, p: Plan, rt, array: np.ndarray, counts: list[int], ra
 
 # Parameter kind -> TEI's model type (a sparse encoder is TEI's embedding model with SPLADE pooling).
 TEI_TYPE = {"embedding": "embedding", "sparse_embedding": "embedding", "classification": "classifier",
-            "rerank": "reranker"}  # fmt: skip
+            "rerank": "reranker", "multi_vector": "embedding"}  # fmt: skip
 _POOLING = {"mean": "mean", "cls": "cls", "lasttoken": "last_token"}
 _DTYPE = {"FP32": "float32", "FP16": "float16", "BF16": "bfloat16", "INT8": "int8"}
 
@@ -557,6 +668,8 @@ def describe(rt, settings, version: str, ranges=None) -> dict:
                       "label2id": {n: i for i, n in enumerate(labels)}}  # fmt: skip
     elif kind == "sparse_embedding":
         meta = {"pooling": "splade"}
+    elif kind == "multi_vector":
+        meta = {"pooling": "colbert"}
     else:
         meta = {"pooling": _POOLING.get(spec.params.pooling or "mean", "mean")}
     s = stage.settings

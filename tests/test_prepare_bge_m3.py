@@ -281,3 +281,42 @@ def test_served_one_call_answers_all_three(m3, repo, tmp_path):
         assert as_dict(row).keys() == want.keys()
     for vecs, keep, want in zip(out["token_embeddings"], out["token_mask"], colbert):
         assert cosines(vecs[keep == 1], want).min() >= MIN_COSINE
+
+
+def test_served_text_routes_read_each_output_and_rerank_by_the_card(m3, repo, tmp_path):
+    """TEI's /embed_sparse reads the sparse head, /embed_all the ColBERT vectors (token_mask's),
+    and /rerank scores with the card's weighted mean of the three, each equal to FlagEmbedding's."""
+    import urllib.request
+
+    from tests.conftest import start_server
+
+    served = tmp_path / "repo"
+    shutil.copytree(repo / "m3", served / "m3")
+    srv = start_server(tmp_path, "--no-build-models", repo=served, ready_timeout=120)
+
+    def post(path, body):
+        req = urllib.request.Request(f"http://127.0.0.1:{srv.http_port}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+
+    query, docs = "what is the man eating", ["the man is eating bread", "a violin", "bread"]
+    try:
+        sparse = post("/embed_sparse", {"model": "m3", "inputs": ROWS[:3]})
+        tokens = post("/embed_all", {"model": "m3", "inputs": ROWS[:3]})
+        ranked = post("/rerank", {"model": "m3", "query": query, "texts": docs, "raw_scores": True})
+    finally:
+        srv.stop()
+    dense, lexical, colbert = flag_reference(m3, ROWS[:3])
+    for got, want in zip(sparse, lexical, strict=True):
+        assert {g["index"]: g["value"] for g in got} == pytest.approx(want, abs=1e-5)
+    for got, want in zip(tokens, colbert, strict=True):
+        assert np.shape(got) == want.shape and cosines(np.array(got), want).min() >= MIN_COSINE
+    ref_q, ref_d = flag_reference(m3, [query]), flag_reference(m3, docs)
+    w = bge_m3.CARD_WEIGHTS
+    scores = {r["index"]: r["score"] for r in ranked}
+    for j in range(len(docs)):
+        d = float(ref_q[0][0] @ ref_d[0][j])
+        s = sum(v * ref_d[1][j][k] for k, v in ref_q[1][0].items() if k in ref_d[1][j])
+        c = float((ref_q[2][0] @ ref_d[2][j].T).max(1).sum() / len(ref_q[2][0]))
+        assert scores[j] == pytest.approx((w[0] * d + w[1] * s + w[2] * c) / sum(w), abs=1e-5)

@@ -229,3 +229,37 @@ def test_served_documents_equal_pylate(pylate, repo, tmp_path):
         srv.stop()
     for text, v, m, want in zip(DOCS, vectors, mask, pylate_encode(pylate, DOCS, False)):
         assert cosines(v[m == 1], want).min() >= MIN_COSINE, text
+
+
+def test_served_queries_expand_and_rerank_is_maxsim(pylate, repo, tmp_path):
+    """Through the text routes: TEI's /embed_all with the query prompt answers PyLate's expanded
+    query vectors, documents PyLate's document vectors, and /rerank scores by MaxSim."""
+    import shutil
+    import urllib.request
+
+    from tests.conftest import start_server
+
+    served = tmp_path / "repo"
+    shutil.copytree(repo / "colbert", served / "colbert")
+    srv = start_server(tmp_path, "--no-build-models", repo=served, ready_timeout=120)
+
+    def post(path, body):
+        req = urllib.request.Request(f"http://127.0.0.1:{srv.http_port}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+
+    try:
+        queries = post("/embed_all", {"model": "colbert", "inputs": QUERIES, "prompt_name": "query"})
+        docs = post("/embed_all", {"model": "colbert", "inputs": DOCS, "prompt_name": "document"})
+        ranked = post("/rerank", {"model": "colbert", "query": QUERIES[0], "texts": DOCS, "raw_scores": True})
+    finally:
+        srv.stop()
+    want_q, want_d = pylate_encode(pylate, QUERIES, True), pylate_encode(pylate, DOCS, False)
+    for got, want in zip(queries, want_q, strict=True):
+        assert np.shape(got) == want.shape and cosines(np.array(got), want).min() >= MIN_COSINE
+    for got, want in zip(docs, want_d, strict=True):
+        assert np.shape(got) == want.shape and cosines(np.array(got), want).min() >= MIN_COSINE
+    scores = {r["index"]: r["score"] for r in ranked}
+    for j, d in enumerate(want_d):
+        assert scores[j] == pytest.approx(maxsim(want_q[0], d), abs=1e-4)
