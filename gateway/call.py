@@ -115,6 +115,11 @@ class TextCall:
     types: tuple[str, ...] = ("float",)  # "dense": forms wanted, of VECTOR_TYPES
     parameters: dict[str, Param] = field(default_factory=dict)  # latency_class, latency_budget_ms
     field: str = "input"  # the body field holding the texts, named by refusals
+    long_inputs: str | None = None  # "truncate" or "chunk" (None: the model's parameter long_inputs)
+    late_chunking: bool = False  # "dense": the texts are consecutive chunks of one document, embedded
+    # in one pass (as far as the model's length allows) and pooled per chunk (Jina's late_chunking)
+    max_chunks: int | None = None  # "scores": a long document split into at most this many chunks,
+    # scored by its best (Cohere's max_chunks_per_doc)
 
 
 @dataclass(slots=True)

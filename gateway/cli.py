@@ -123,6 +123,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="a classifier's rows are (text, text_pair) pairs (default: as the folder says; a rerank model's always are)")  # fmt: skip
     pm.add_argument("--token-embeddings", action="store_true",
                     help="an embedding model also outputs every token's vector (token_embeddings: TEI's /embed_all)")  # fmt: skip
+    pm.add_argument("--reranker", action=argparse.BooleanOptionalAction,
+                    help="a Qwen3 folder is Qwen3-Reranker: scored by its yes/no logits under its card's template "
+                    "(default: when the folder name or Hub ID says 'reranker')")  # fmt: skip
     _optimize_parser(sub)
     sub.add_parser(
         "bench",

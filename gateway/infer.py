@@ -31,7 +31,7 @@ from importlib.metadata import PackageNotFoundError, version
 import numpy as np
 
 from batchgate.gateway import tokens, tracing
-from batchgate.gateway import text_calls, vector_types
+from batchgate.gateway import openai_ids, text_calls, vector_types
 from batchgate.gateway.vector_types import CALIBRATED
 from batchgate.gateway.call import Answer, Call, TextAnswer, TextCall
 from batchgate.gateway.admission import Account, Ticket, budgets
@@ -145,6 +145,10 @@ class Pipeline:
         # int8/uint8 vector ranges per (model, version, file): calibrated on first use
         self._ranges: dict[tuple, vector_types.Ranges] = {}
         self._ranges_locks: dict[tuple, asyncio.Lock] = {}
+        if self.settings.openai_token_ids == "openai":
+            # the package is found at start (a missing one fails the start, not a call); its
+            # table is read on the first token-id call (about 0.1 s, 10 MB)
+            openai_ids.data_file()
 
     @property
     def lag(self):
@@ -286,10 +290,13 @@ class Pipeline:
         return await self._counted(pass_, edge, model, "", self._texts(pass_, call, model))
 
     def _text_runtime(self, model: str):
-        """The runtime of ``model`` (the first of the call's two lookups), refused naming ``model``."""
+        """The runtime of ``model`` (the first of the call's two lookups), refused naming ``model``
+        (an unknown one without KServe's discovery: each text wire names its own)."""
         try:
             return self.plane.get(model)
         except GatewayError as exc:
+            if exc.kind is Kind.NOT_FOUND:
+                raise GatewayError(Kind.NOT_FOUND, f"unknown model '{clip(model)}'", field="model") from None
             exc.field = "model"
             raise
 

@@ -32,7 +32,7 @@ VARIANTS = ("fp32", "optimized", "fp16", "int8", "openvino-fp32", "openvino-bf16
 DEFAULT_MAX_TEXT_BYTES = 32768
 # What a text model serves (gateway/build/encoder.py KINDS); each kind's outputs are fixed by name
 # (ModelSpec.kind, gateway/repository.py).
-KINDS = ("embedding", "rerank", "classification", "sparse_embedding")
+KINDS = ("embedding", "rerank", "classification", "sparse_embedding", "multi_vector")
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification")
 
 
@@ -136,6 +136,24 @@ def _range(text: str) -> tuple[float, float]:
     return lo, hi
 
 
+def _pair_template(text: str) -> str:
+    query, document = text.find("{query}"), text.find("{document}")
+    if query < 0 or document < query or text.count("{query}") != 1 or text.count("{document}") != 1:
+        raise ValueError("a text holding {query} once, then {document} once")
+    return text
+
+
+def _weights3(text: str) -> tuple[float, float, float]:
+    parts = text.split(",")
+    try:
+        values = tuple(float(p) for p in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 3 or not all(math.isfinite(v) and v >= 0 for v in values) or not sum(values) > 0:
+        raise ValueError("three weights 'dense,sparse,token', each >= 0, not all 0")
+    return values
+
+
 def _nonempty(text: str) -> str:
     if not text.strip():
         raise ValueError("a file name")
@@ -177,6 +195,14 @@ DECLARED: tuple[Declared, ...] = (
     Declared("truncate", "'truncate' or 'reject'", "truncate", "one of the two", "text stage",
              "what happens to a text over max_tokens: cut to it, or refused with INVALID_ARGUMENT",
              _choice("truncate", "reject"), "truncate"),
+    Declared("long_inputs", "'truncate' or 'chunk'", "truncate", "one of the two", "text calls",
+             "an embedding call's text over max_tokens: cut (or refused, per truncate), or split into "
+             "chunks of max_tokens with chunk_overlap tokens shared, each embedded in the same batches as "
+             "other rows, answered as their token-weighted mean (vLLM's chunked processing); a call may "
+             "say otherwise (field long_inputs)", _choice("truncate", "chunk"), "long_inputs"),
+    Declared("chunk_overlap", "int", "0", ">= 0, below max_tokens", "text calls",
+             "tokens each chunk of a long input shares with the one before it (long_inputs chunk)",
+             _int(0), "chunk_overlap"),
     Declared("max_text_bytes", "int", str(DEFAULT_MAX_TEXT_BYTES), ">= 1", "text stage",
              "longest text accepted at all, in UTF-8 bytes (checked before tokenizing)", _int(1),
              "max_text_bytes"),
@@ -190,17 +216,22 @@ DECLARED: tuple[Declared, ...] = (
     Declared("text_pair", "bool", "false", "true/false (1/0, yes/no, on/off)", "text stage",
              "each row is a pair of texts joined by U+001F (a cross-encoder's query and document), "
              "tokenised as the tokenizer pairs two sequences", _bool, "text_pair"),
+    Declared("pair_template", "text", "none", "{query} once, then {document} once", "text stage",
+             "a pair is tokenised as this one text with its query and document put in (no special tokens "
+             "added), the text after {document} kept whole when it is cut (Qwen3-Reranker's chat)",
+             _pair_template, "pair_template"),
     # recorded by `batchgate prepare-model` (gateway/build/hf_model.py, docs/embeddings.md)
     Declared("pooling", "'mean', 'cls' or 'lasttoken'", "none", "one of the three", "nothing (recorded)",
              "how the graph pools token states into the embedding; the graph does it, this says which",
              _choice("mean", "cls", "lasttoken"), "pooling"),
     Declared("normalize", "bool", "none", "true/false (1/0, yes/no, on/off)", "nothing (recorded)",
              "whether the graph L2-normalises the embedding", _bool, "normalize"),
-    Declared("kind", "'embedding', 'rerank', 'classification' or 'sparse_embedding'",
-             "by outputs: 'score' rerank, 'embedding' embedding", "one of the four; the kind's outputs present",
+    Declared("kind", "'embedding', 'rerank', 'classification', 'sparse_embedding' or 'multi_vector'",
+             "by outputs: 'score' rerank, 'embedding' embedding", "one of the five; the kind's outputs present",
              "repository, routes", "what the model serves, so a route knows which outputs to read: "
              "embedding (embedding, optional token_embeddings), rerank (score), classification "
-             "(probabilities, logits), sparse_embedding (sparse_embedding, vocabulary-sized)",
+             "(probabilities, logits), sparse_embedding (sparse_embedding, vocabulary-sized), multi_vector "
+             "(token_embeddings and token_mask: a ColBERT model)",
              _choice(*KINDS), "kind"),
     Declared("problem_type", "'single_label_classification' or 'multi_label_classification'",
              "single_label_classification", "one of the two; kind classification only", "routes",
@@ -220,6 +251,18 @@ DECLARED: tuple[Declared, ...] = (
              "what token-id arrays on /v1/embeddings mean for this model: OpenAI's cl100k_base ids "
              "(decoded to text, then tokenized by the model's tokenizer), the model's own ids, or refused",
              _choice("openai", "model", "refuse"), "openai_token_ids"),
+    Declared("query_length", "int", "none", ">= 1; kind multi_vector", "text stage (queries)",
+             "a ColBERT model's query length: a query row (prompt query) is cut at this many tokens and, with "
+             "query_expansion_token_id, padded up to it with that token at attention mask 0 (PyLate's query "
+             "expansion); documents use max_tokens", _int(1), "query_length"),
+    Declared("query_expansion_token_id", "int", "none", ">= 0; with query_length", "text stage (queries)",
+             "the token a ColBERT query is padded with up to query_length (the mask token); its vectors "
+             "are part of the query's (token_mask 1)", _int(0), "query_expansion_token_id"),
+    Declared("score_weights", "three numbers 'dense,sparse,token'", "none",
+             ">= 0, not all 0; the outputs embedding, sparse_embedding and token_embeddings present",
+             "rerank routes", "a model with all three outputs (BGE-M3): a pair's score is the weighted mean of "
+             "its dense dot product, its sparse weights' dot product and the MaxSim of its token vectors "
+             "(recorded by prepare-model from the model card: 0.4,0.2,0.4)", _weights3, "score_weights"),
     Declared("matryoshka_dimensions", "int list", "none", "strictly ascending, >= 1, below the output's size",
              "embedding routes", "the sizes a Matryoshka-trained embedding may be cut to: a call's "
              "`dimensions` keeps that many leading values and re-normalises", _ascending,
@@ -303,6 +346,8 @@ class ModelParameters:
     max_tokens: int | None = None  # None: the tokenizer file's truncation length (text stage)
     truncate: str = "truncate"
     max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES
+    long_inputs: str = "truncate"
+    chunk_overlap: int = 0
     length_buckets: tuple[int, ...] | None = None  # None: the text stage's default
     max_batch_tokens: int = 0
     batch_buckets: tuple[int, ...] = ()  # (): powers of two + preferred sizes
@@ -320,6 +365,7 @@ class ModelParameters:
     engine: str | None = None  # None: the variant's (onnxruntime unless an openvino-* variant)
     precision: str = "auto"
     text_pair: bool = False
+    pair_template: str | None = None  # a pair tokenised as this one text (gateway/text.py)
     kind: str | None = None  # None: by the outputs (ModelSpec.kind)
     problem_type: str | None = None  # None: single_label_classification for a classifier
     labels: tuple[str, ...] = ()  # label.<index>, in index order
@@ -328,6 +374,9 @@ class ModelParameters:
     prompts: Mapping[str, str] = field(default_factory=dict)  # prompt name -> text
     default_prompt_name: str | None = None
     openai_token_ids: str | None = None  # None: the server's setting (gateway/openai_ids.py meaning)
+    query_length: int | None = None  # a ColBERT model's queries (kind multi_vector)
+    query_expansion_token_id: int | None = None
+    score_weights: tuple[float, float, float] | None = None  # dense, sparse, token (BGE-M3's rerank)
     matryoshka_dimensions: tuple[
         int, ...
     ] = ()  # sizes `dimensions` may ask for (the full size is always served)

@@ -56,9 +56,12 @@ KIND_OUTPUTS = {
     "rerank": {"score": (1,)},
     "classification": {"probabilities": ("labels",), "logits": ("labels",)},
     "sparse_embedding": {"sparse_embedding": ("any",)},
+    "multi_vector": {"token_embeddings": (-1, "any"), "token_mask": (-1,)},  # ColBERT
 }
 # An embedding model's optional per-token output: [tokens, hidden], zero past each row's tokens.
 TOKEN_OUTPUT = "token_embeddings"
+# Beside it (BGE-M3, ColBERT): [tokens], 1 where a token_embeddings row is one of the text's vectors.
+TOKEN_MASK_OUTPUT = "token_mask"
 
 # Dotted field paths of ModelConfig that batchgate implements.
 SUPPORTED = {
@@ -651,10 +654,41 @@ def check_kind(cfg: mc.ModelConfig, params: ModelParameters) -> None:
                 f"{where}: parameter kind '{kind}' needs output '{name}' FP32 {shape}{counted}; the model's: {have}"
             )
     token = outputs.get(TOKEN_OUTPUT)
-    if token is not None and (kind != "embedding" or len(token.dims) != 2 or token.dims[0] != -1):
+    if token is not None and (
+        kind not in ("embedding", "multi_vector") or len(token.dims) != 2 or token.dims[0] != -1
+    ):
         raise ConfigError(
             f"{where}: output '{TOKEN_OUTPUT}' is an embedding model's [-1, hidden] (tokens of the row); "
             f"this one is {list(token.dims)} on kind '{kind}'"
+        )
+    # BGE-M3: an embedding model may also answer sparse weights and say which token rows count.
+    sparse, token_mask = outputs.get("sparse_embedding"), outputs.get(TOKEN_MASK_OUTPUT)
+    if kind == "embedding" and sparse is not None and (len(sparse.dims) != 1 or sparse.dims[0] < 1):
+        raise ConfigError(
+            f"{where}: output 'sparse_embedding' is vocabulary-sized [n]; this one is {list(sparse.dims)}"
+        )
+    if token_mask is not None and (token is None or list(token_mask.dims) != [-1]):
+        raise ConfigError(
+            f"{where}: output '{TOKEN_MASK_OUTPUT}' is [-1] beside '{TOKEN_OUTPUT}' (which token rows are the "
+            f"text's vectors); this one is {list(token_mask.dims)}"
+            + ("" if token is not None else f" and the model has no '{TOKEN_OUTPUT}'")
+        )
+    if (
+        params.query_length is not None or params.query_expansion_token_id is not None
+    ) and kind != "multi_vector":
+        raise ConfigError(
+            f"{where}: parameters query_length and query_expansion_token_id are for kind 'multi_vector'"
+        )
+    if params.query_expansion_token_id is not None and params.query_length is None:
+        raise ConfigError(
+            f"{where}: parameter query_expansion_token_id pads queries up to query_length; set it too"
+        )
+    if params.score_weights is not None and not (
+        kind == "embedding" and sparse is not None and token is not None
+    ):
+        raise ConfigError(
+            f"{where}: parameter score_weights combines the outputs embedding, sparse_embedding and "
+            f"{TOKEN_OUTPUT}; the model's: {sorted(outputs)}"
         )
 
 

@@ -119,9 +119,9 @@ class ModelRuntime:
         )
 
     async def texts(
-        self, texts: list[bytes], output: str, budget: Budget | None, namespace: str | None,
+        self, texts: list[bytes], output: str | tuple[str, ...], budget: Budget | None, namespace: str | None,
         encodings: list | None = None,
-    ) -> tuple[np.ndarray, list[int]]:  # fmt: skip
+    ) -> tuple[np.ndarray | dict[str, np.ndarray], list[int]]:  # fmt: skip
         """A text model's ``output`` for a list of texts, and each text's token count as the model
         sees it. Each text is tokenised once, here (in a thread; ``encodings`` may hold some
         already): the counts answer the caller's usage, and the encodings are what the worker
@@ -136,7 +136,8 @@ class ModelRuntime:
             arrays = {stage.input: column}
             keys, encodings = await stage.check_encoded(arrays, encodings)
             tokens = [len(e.ids) for e in encodings]
-            wanted = [(output, True)]
+            names = (output,) if isinstance(output, str) else output  # a tuple: those outputs, by name
+            wanted = [(name, True) for name in names]
             if self.cache is None:
                 outs = await self._schedule(arrays, n, budget, keys, encodings)
             else:
@@ -151,7 +152,7 @@ class ModelRuntime:
                     )
 
                 outs = await self.cache.infer(arrays, n, compute, wanted, namespace)
-            return outs[output], tokens
+            return (outs[output] if isinstance(output, str) else {n: outs[n] for n in names}), tokens
         finally:
             self.inflight -= 1
 

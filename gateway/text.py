@@ -45,6 +45,11 @@ Parameters (all ``string_value``):
                     sequences (its pair template; truncation longest-first, as transformers'
                     tokenizers truncate a pair). One string per row keeps everything before
                     the worker (validation, length estimate, cache key, batching) as it is.
+  pair_template     with text_pair: a pair is tokenised as this one text, its query and document
+                    put in at ``{query}`` and ``{document}``, no special tokens added (the
+                    tokenizer's pair template is not used); the text after ``{document}`` is
+                    tokenised alone and appended whole, so a cut shortens the document, never the
+                    end of the chat (Qwen3-Reranker's card: prefix + middle cut to fit + suffix).
 """
 
 from __future__ import annotations
@@ -101,6 +106,7 @@ class TextSettings:
     max_text_bytes: int
     max_batch_tokens: int  # 0: no token budget
     pair: bool = False  # rows are PAIR_SEPARATOR-joined text pairs
+    pair_template: str | None = None  # a pair tokenised as this text ({query}, {document})
 
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> TextSettings:
@@ -114,6 +120,8 @@ class TextSettings:
         except (OSError, ValueError) as exc:
             raise ConfigError(f"model '{name}': cannot read tokenizer {path}: {exc}") from None
         max_tokens = p.max_tokens or int(file_limit or DEFAULT_MAX_TOKENS)
+        if p.pair_template is not None and not p.text_pair:
+            raise ConfigError(f"model '{name}': parameter 'pair_template' is for pairs; set text_pair true")
         buckets = p.length_buckets or DEFAULT_BUCKETS
         buckets = tuple(b for b in buckets if b < max_tokens) + (max_tokens,)
         return cls(
@@ -124,6 +132,7 @@ class TextSettings:
             max_text_bytes=p.max_text_bytes,
             max_batch_tokens=p.max_batch_tokens,
             pair=p.text_pair,
+            pair_template=p.pair_template,
         )
 
 
@@ -153,6 +162,19 @@ class TextStage:
             "pad_type_id": int(padding.get("pad_type_id", 0)),
         }
         self.specials = probe.num_special_tokens_to_add(s.pair)
+        self._template: tuple[str, str, str] | None = None  # (before query, between, after document)
+        self._suffix = None  # the text after {document}, encoded once
+        if s.pair_template is not None:
+            before, rest = s.pair_template.split("{query}", 1)
+            between, after = rest.split("{document}", 1)
+            self._template = (before, between, after)
+            self._suffix = probe.encode(after, add_special_tokens=False)
+            self.specials = len(probe.encode(before + between + after, add_special_tokens=False).ids)
+            if len(self._suffix.ids) >= s.max_tokens:
+                raise ConfigError(
+                    f"model '{spec.name}': parameter 'pair_template' ends in {len(self._suffix.ids)} tokens after "
+                    f"{{document}}; max_tokens is {s.max_tokens}"
+                )
         # Every token covers at least one byte of the text, so a text of at most this many bytes
         # cannot exceed max_tokens; only longer ones need an exact count in reject mode.
         self._surely_fits = s.max_tokens - self.specials
@@ -341,7 +363,9 @@ class TextStage:
             tok.no_padding()
             tok.no_truncation()
             if truncate:
-                tok.enable_truncation(self.settings.max_tokens, direction="left" if left else "right")
+                # A templated pair is cut before its fixed ending is appended (``encode_rows``).
+                keep = len(self._suffix.ids) if self._suffix is not None and not left else 0
+                tok.enable_truncation(self.settings.max_tokens - keep, direction="left" if left else "right")
                 if pad:
                     tok.enable_padding(**self._pad)  # to the batch's longest
             cache[mode] = tok
@@ -349,7 +373,26 @@ class TextStage:
 
     def inputs(self, texts: list[str]) -> list:
         # A pair row splits at its first separator: the query cannot hold one, the document may.
+        if self._template is not None:  # (left truncation: the whole chat, cut from its start)
+            return [self._body(t) + self._template[2] for t in texts]
         return [tuple(t.split(PAIR_SEPARATOR, 1)) for t in texts] if self.settings.pair else texts
+
+    def _body(self, text: str) -> str:
+        """A pair row in the template, up to the end of its document."""
+        query, document = text.split(PAIR_SEPARATOR, 1)
+        before, between, _ = self._template
+        return before + query + between + document
+
+    def encode_rows(self, tok, texts: list[str]) -> list:
+        """``tok``'s encodings of the rows as the model takes them: the tokenizer's own (a pair
+        by its pair template), or with a pair_template the templated text up to the document
+        (cut by ``tok``'s truncation, which leaves room for the rest) and then the rest, whole."""
+        if self._template is None:
+            return tok.encode_batch(self.inputs(texts))
+        from tokenizers import Encoding
+
+        bodies = tok.encode_batch([self._body(t) for t in texts], add_special_tokens=False)
+        return [Encoding.merge([e, self._suffix], growing_offsets=True) for e in bodies]
 
     def _counted(self, n: int) -> None:
         with self._count_lock:  # (worker threads and the loop's helper threads count alike)
@@ -357,14 +400,14 @@ class TextStage:
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         self._counted(len(texts))
-        return [len(e.ids) for e in self.tokenizer(False).encode_batch(self.inputs(texts))]
+        return [len(e.ids) for e in self.encode_rows(self.tokenizer(False), texts)]
 
     def encode(self, texts: list[str]) -> list:
         """Each text's encoding as the model will see it, unpadded: truncated to max_tokens when
         the model truncates (``overflowing`` then says whether it was cut), whole in reject mode.
         Counts for the caller and, unchanged, the worker's input (``__call__``)."""
         self._counted(len(texts))
-        return self.tokenizer(self.settings.truncate, pad=False).encode_batch(self.inputs(texts))
+        return self.encode_rows(self.tokenizer(self.settings.truncate, pad=False), texts)
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The engine's preprocess hook: the merged batch's texts -> the model's token inputs.
@@ -373,7 +416,7 @@ class TextStage:
         Truncation is on in reject mode too: texts were counted at admission, so it only ever
         guards the model against a count that disagreed."""
         rows = feeds[self.input].reshape(-1)
-        if all(isinstance(t, (str, bytes)) for t in rows):
+        if self._template is None and all(isinstance(t, (str, bytes)) for t in rows):
             texts = [t if isinstance(t, str) else t.decode() for t in rows]
             self._counted(len(texts))
             encodings = self.tokenizer(True).encode_batch(self.inputs(texts))
@@ -384,7 +427,7 @@ class TextStage:
         if todo:  # a batch that merged encoded rows with other callers' texts
             texts = [rows[i] if isinstance(rows[i], str) else rows[i].decode() for i in todo]
             self._counted(len(texts))
-            for i, e in zip(todo, self.tokenizer(True, pad=False).encode_batch(self.inputs(texts))):
+            for i, e in zip(todo, self.encode_rows(self.tokenizer(True, pad=False), texts)):
                 encodings[i] = e
         limit = self.settings.max_tokens
         width = min(max(len(e.ids) for e in encodings), limit)

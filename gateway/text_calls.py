@@ -32,12 +32,13 @@ KINDS_OF = {
     "sparse": ("sparse_embedding",),
     "tokens": ("embedding",),
     "scores": ("rerank",),
-    "labels": ("classification",),
+    "labels": ("classification", "rerank"),  # TEI's /predict takes a reranker's pairs: its one score
 }
 assert tuple(KINDS_OF) == OUTPUTS
 # The call a model of each kind answers, for the refusal that points a caller at it.
 ASKED_BY = {
     "embedding": "an embedding call (/v1/embeddings, /embed)",
+    "multi_vector": "a token-vector call (/embed_all) or a rerank call (MaxSim)",
     "sparse_embedding": "a sparse embedding call (/embed_sparse)",
     "classification": "a classification call (/predict, /classify)",
     "rerank": "a rerank call (/rerank, /v1/rerank, /v2/rerank)",
@@ -49,6 +50,8 @@ INPUT_TYPE_PROMPTS = {
     "classification": ("classification",),
     "clustering": ("clustering",),
 }
+# What an embedding call does with a text over the model's length (parameter / field long_inputs).
+LONG_INPUTS = ("truncate", "chunk")
 # What a token-id input on the OpenAI wire means (setting / parameter ``openai_token_ids``).
 OPENAI_ID_MODES = ("openai", "model", "refuse")
 
@@ -101,11 +104,29 @@ class Plan:
     dimensions: int | None  # Matryoshka size, None: the model's own
     tag: str  # a cache namespace suffix for rows made another way than the usual tokenisation
     id_mode: str | None  # token ids: "model" (used as they are) or "openai" (decoded to text)
+    chunk: bool = False  # long texts split into chunks, answered as their token-weighted mean
+    groups: list[int] | None = None  # rows per text of the call, where texts became several rows
+    spans: list | None = None  # late chunking: per row, (text index, first token, end token) per chunk
 
 
 def _a(kind: str) -> str:
     kind = kind.replace("_", " ")
     return ("an " if kind[0] in "aeiou" else "a ") + kind
+
+
+def multi_output(spec, output: str) -> bool:
+    """Whether a model not of ``output``'s kind still makes it from outputs beside its own: an
+    embedding model with a sparse head (BGE-M3) answers sparse calls, one with score_weights
+    (BGE-M3: dense, sparse and token vectors) and a ColBERT model (kind multi_vector) rerank, a
+    ColBERT model answers token-vector calls."""
+    kind = spec.kind
+    if output == "sparse":
+        return kind == "embedding" and spec.output("sparse_embedding") is not None
+    if output == "scores":
+        return (kind == "embedding" and spec.params.score_weights is not None) or kind == "multi_vector"
+    if output == "tokens":
+        return kind == "multi_vector"
+    return False
 
 
 def check_kind(rt, model: str, output: str, plane=None) -> None:
@@ -114,7 +135,7 @@ def check_kind(rt, model: str, output: str, plane=None) -> None:
     kind = rt.spec.kind if rt.text is not None else None
     if kind is None:
         raise invalid(f"model '{model}' does not take text", "model")
-    if kind not in KINDS_OF[output]:
+    if kind not in KINDS_OF[output] and not multi_output(rt.spec, output):
         wanted = " or ".join(k.replace("_", " ") for k in KINDS_OF[output])
         those = (
             ""
@@ -133,12 +154,20 @@ def check_kind(rt, model: str, output: str, plane=None) -> None:
         )
 
 
-def output_of(rt, call: TextCall) -> str:
+def output_of(rt, call: TextCall) -> str | tuple[str, ...]:
+    """The model output(s) the call reads."""
     spec = rt.spec
+    mask = ("token_mask",) if spec.output("token_mask") is not None else ()
     if call.output == "sparse":
         return "sparse_embedding"
     if call.output == "tokens":
-        return TOKEN_OUTPUT
+        return (TOKEN_OUTPUT, *mask) if mask else TOKEN_OUTPUT
+    if call.output == "scores" and spec.kind == "multi_vector":
+        return (TOKEN_OUTPUT, *mask)
+    if call.output == "scores" and spec.kind == "embedding":  # BGE-M3: its three outputs
+        return ("embedding", "sparse_embedding", TOKEN_OUTPUT, *mask)
+    if call.output == "labels" and spec.kind == "rerank":
+        return "score"
     if call.output == "labels":
         return "logits" if call.raw_scores else "probabilities"
     first = next((t.name for t in spec.outputs if t.datatype == "FP32"), None)
@@ -232,7 +261,35 @@ def plan(rt, plane, call: TextCall, model: str) -> Plan:
     if mode is not None and call.output in ("scores", "labels"):
         raise invalid(f"model '{model}' takes texts, not token ids", call.field)
     tag = f"it:{call.input_type}" if call.input_type is not None else ""
-    return Plan(model, output_of(rt, call), prompt, truncate, dimensions_of(spec, call.dimensions), tag, mode)
+    long = call.long_inputs or spec.params.long_inputs
+    if long not in LONG_INPUTS:
+        raise invalid(
+            f"'long_inputs' must be one of {list(LONG_INPUTS)}, not {clip(str(long))!r}", "long_inputs"
+        )
+    output = output_of(rt, call)
+    if call.late_chunking:
+        if call.output != "dense" or call.query is not None or mode is not None:
+            raise invalid("'late_chunking' takes the texts of one document, for embeddings", "late_chunking")
+        if spec.output(TOKEN_OUTPUT) is None:
+            raise invalid(
+                f"model '{model}' has no per-token output '{TOKEN_OUTPUT}', which late chunking pools "
+                "(batchgate prepare-model ... --token-embeddings adds it)",
+                "late_chunking",
+            )
+        output = TOKEN_OUTPUT
+    if call.max_chunks is not None and call.output != "scores":
+        raise invalid("'max_chunks_per_doc' is for rerank calls", "max_chunks_per_doc")
+    chunk = long == "chunk" and call.output == "dense" and call.query is None and not call.late_chunking
+    return Plan(
+        model,
+        output,
+        prompt,
+        truncate,
+        dimensions_of(spec, call.dimensions),
+        tag,
+        mode,
+        chunk=chunk and mode is None,
+    )
 
 
 async def rows(rt, call: TextCall, p: Plan) -> tuple[list[str], list | None, str]:
@@ -250,7 +307,10 @@ async def rows(rt, call: TextCall, p: Plan) -> tuple[list[str], list | None, str
                 f"'{call.field}' holds {len(call.ids)} rows of token ids; at most {MAX_INPUTS}", call.field
             )
         if p.id_mode == "openai":
-            texts = await asyncio.to_thread(openai_ids.decode_rows, call.ids, call.field)
+            try:
+                texts = await asyncio.to_thread(openai_ids.decode_rows, call.ids, call.field)
+            except openai_ids.VocabularyMissing as exc:  # the server's install, not the caller's fault
+                raise GatewayError(Kind.UNSUPPORTED, str(exc)) from None
             return texts, None, tag
         if stage.settings.pair:
             raise invalid(f"model '{p.model}' takes pairs of texts, not token ids", call.field)
@@ -271,6 +331,25 @@ async def rows(rt, call: TextCall, p: Plan) -> tuple[list[str], list | None, str
             raise invalid(f"input {i}: text is empty; send at least one character", call.field)
     if call.max_tokens is not None:
         texts = await asyncio.to_thread(_cut_tokens, stage, texts, call.max_tokens)
+    if p.chunk:
+        pieces = await asyncio.to_thread(_chunks, stage, texts, p.prompt, rt.spec.params.chunk_overlap)
+        if any(len(c) > 1 for c in pieces):
+            p.groups = [len(c) for c in pieces]
+            texts = [c for cs in pieces for c in cs]
+    if call.late_chunking:
+        rows_, made, p.spans = await asyncio.to_thread(_late_windows, stage, texts, p.prompt)
+        return rows_, made, tag
+    if call.output == "scores" and call.max_chunks is not None:
+        query = call.query or ""
+        room = (
+            stage.settings.max_tokens
+            - stage.specials
+            - len(stage.tokenizer(False).encode(query, add_special_tokens=False).ids)
+        )
+        pieces = await asyncio.to_thread(_split, stage, texts, max(room, 1), 0)
+        pieces = [c[: call.max_chunks] for c in pieces]
+        p.groups = [len(c) for c in pieces]
+        texts = [c for cs in pieces for c in cs]
     if call.output == "dense" and call.query is not None:  # similarity: the query's vector first
         return [call.query, *texts], None, tag
     if call.output == "scores" and call.pairs:  # (query, document) pairs given whole (vLLM's /score)
@@ -280,9 +359,32 @@ async def rows(rt, call: TextCall, p: Plan) -> tuple[list[str], list | None, str
         query = call.query
         if query is None or not query.strip():
             raise invalid("'query' is required: a non-empty string", "query")
+        if isinstance(p.output, tuple):  # a bi-encoder's rerank: the query, then each document
+            spec = rt.spec
+            prompts = spec.params.prompts
+            q, d = prompts.get("query", p.prompt), prompts.get("document", p.prompt)
+            p.prompt = ""  # each row's own, put in here
+            rows_ = [q + query, *(d + t for t in texts)]
+            given = _expanded(stage, spec, rows_[:1]) if q and q == prompts.get("query") else None
+            if given is not None:
+                return rows_, given + [None] * len(texts), tag + "qx"
+            return rows_, None, tag
         if PAIR_SEPARATOR in query:
             raise invalid("'query' may not hold U+001F (the pair separator)", "query")
         return [query + PAIR_SEPARATOR + t for t in texts], None, tag
+    if (
+        call.output == "tokens"
+        and rt.spec.params.query_length
+        and p.prompt == rt.spec.params.prompts.get("query")
+    ):
+        given = _expanded(stage, rt.spec, [p.prompt + t for t in texts])
+        if given is not None:
+            p.prompt = ""
+            return (
+                [p_ + t for p_, t in zip([rt.spec.params.prompts["query"]] * len(texts), texts)],
+                given,
+                tag + "qx",
+            )
     if call.output == "labels" and call.pairs:
         _check_pairs(texts, call.field)
         if not stage.settings.pair:
@@ -293,6 +395,90 @@ async def rows(rt, call: TextCall, p: Plan) -> tuple[list[str], list | None, str
     elif stage.settings.pair and call.output == "labels":
         raise invalid(f"model '{p.model}' classifies a pair [text, text] per row", call.field)
     return texts, None, tag
+
+
+def _split(stage, texts: list[str], size: int, overlap: int) -> list[list[str]]:
+    """Each text as the texts of its consecutive chunks of at most ``size`` tokens (special tokens
+    not counted), each sharing ``overlap`` tokens with the one before, cut at token boundaries."""
+    tok = stage.tokenizer(False)
+    step = max(size - overlap, 1)
+    out = []
+    for t, e in zip(texts, tok.encode_batch(texts, add_special_tokens=False), strict=True):
+        n = len(e.ids)
+        if n <= size:
+            out.append([t])
+            continue
+        parts = []
+        for start in range(0, n, step):
+            end = min(start + size, n)
+            parts.append(t[e.offsets[start][0] : e.offsets[end - 1][1]])
+            if end == n:
+                break
+        out.append(parts)
+    return out
+
+
+def _chunks(stage, texts: list[str], prompt: str, overlap: int) -> list[list[str]]:
+    """Chunk mode: each text as chunks that fit the model with its prompt and special tokens."""
+    room = stage.settings.max_tokens - stage.specials
+    if prompt:
+        room -= len(stage.tokenizer(False).encode(prompt, add_special_tokens=False).ids)
+    return _split(stage, texts, max(room, 1), min(overlap, max(room - 1, 0)))
+
+
+def _late_windows(stage, texts: list[str], prompt: str):
+    """Late chunking: the call's texts are consecutive chunks of one document, joined by a space
+    and encoded as one text; where that is longer than the model takes, consecutive chunks are
+    grouped into windows that fit (each window one pass; a chunk longer than a window on its own
+    is cut). Returns the windows' texts, their encodings, and per window the token span of each
+    chunk in it (special tokens and the prompt outside every span)."""
+    tok = stage.tokenizer(False)
+    room = stage.settings.max_tokens - stage.specials
+    if prompt:
+        room -= len(tok.encode(prompt, add_special_tokens=False).ids)
+    sizes = [len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)]
+    windows: list[list[int]] = [[]]
+    used = 0
+    for i, n in enumerate(sizes):
+        if windows[-1] and used + n > room:
+            windows.append([])
+            used = 0
+        windows[-1].append(i)
+        used += n
+    rows, starts = [], []
+    for w in windows:
+        at, pos = [], len(prompt)
+        for i in w:
+            at.append((i, pos, pos + len(texts[i])))
+            pos += len(texts[i]) + 1
+        rows.append(" ".join(texts[i] for i in w))
+        starts.append(at)
+    made = stage.encode([prompt + r for r in rows])
+    spans = []
+    for e, at in zip(made, starts, strict=True):
+        row = []
+        for i, c0, c1 in at:
+            inside = [k for k, ((a, b), sp) in enumerate(zip(e.offsets, e.special_tokens_mask))
+                      if not sp and a >= c0 and b <= c1 and b > a]  # fmt: skip
+            row.append((i, inside[0], inside[-1] + 1) if inside else (i, 0, 0))
+        spans.append(row)
+    return rows, made, spans
+
+
+def _expanded(stage, spec, texts: list[str]) -> list | None:
+    """A ColBERT query's encoding as PyLate makes it: cut at ``query_length`` tokens, then padded
+    up to it with ``query_expansion_token_id`` at attention mask 0 (None: the model expands none)."""
+    length, token = spec.params.query_length, spec.params.query_expansion_token_id
+    if not length or token is None:
+        return None
+    out = []
+    for e in stage.tokenizer(False).encode_batch(texts):
+        ids = list(e.ids)
+        if len(ids) > length:
+            ids = ids[: length - 1] + ids[-1:]  # keep the closing special token
+        n = len(ids)
+        out.append(tokens.Ids(ids + [token] * (length - n), [1] * n + [0] * (length - n), [0] * length))
+    return out
 
 
 def _check_pairs(texts: list[str], field: str) -> None:
@@ -316,6 +502,90 @@ def _encode_pairs(stage, texts: list[str]) -> list:
     tok = stage.tokenizer(stage.settings.truncate, pad=False)
     stage._counted(len(texts))
     return tok.encode_batch([tuple(t.split(PAIR_SEPARATOR, 1)) for t in texts])
+
+
+def _kept(arrays: dict, i: int, n: int) -> np.ndarray:
+    """Row ``i``'s token vectors: where ``token_mask`` is 1 (BGE-M3 and ColBERT drop [CLS],
+    padding and ColBERT's skiplist), else its first ``n``."""
+    vectors = arrays[TOKEN_OUTPUT][i]
+    mask = arrays.get("token_mask")
+    if mask is None:
+        return vectors[:n]
+    return vectors[: mask.shape[1]][mask[i] != 0]
+
+
+def _maxsim(q: np.ndarray, d: np.ndarray) -> float:
+    """Each query vector's best dot product with the document's vectors, summed."""
+    if not len(q) or not len(d):
+        return 0.0
+    return float((q.astype(np.float64) @ d.astype(np.float64).T).max(axis=1).sum())
+
+
+def _finish_multi(call: TextCall, p: Plan, rt, arrays: dict, counts: list[int]) -> TextAnswer:
+    spec = rt.spec
+    if call.output == "tokens":
+        answer = TextAnswer(spec.name, spec.version, spec.kind, counts, texts=call.texts)
+        answer.token_vectors = [_kept(arrays, i, n) for i, n in enumerate(counts)]
+        return answer
+    # a bi-encoder's rerank: row 0 the query
+    q = _kept(arrays, 0, counts[0])
+    n = len(counts) - 1
+    scores = np.empty(n, dtype=np.float32)
+    weights = spec.params.score_weights
+    for j in range(n):
+        d = _kept(arrays, j + 1, counts[j + 1])
+        if spec.kind == "multi_vector":  # ColBERT: MaxSim
+            scores[j] = _maxsim(q, d)
+            continue
+        # BGE-M3: the card's weighted mean of its three scores; ColBERT's part averaged over the query
+        dense = float(np.dot(arrays["embedding"][0], arrays["embedding"][j + 1]))
+        sparse = float(
+            np.dot(arrays["sparse_embedding"][0].astype(np.float64), arrays["sparse_embedding"][j + 1])
+        )
+        colbert = _maxsim(q, d) / max(len(q), 1)
+        scores[j] = (weights[0] * dense + weights[1] * sparse + weights[2] * colbert) / sum(weights)
+    tokens_ = counts[1:]
+    if tokens_:
+        tokens_[0] += counts[0]  # the query's tokens billed with the first document
+    answer = TextAnswer(spec.name, spec.version, spec.kind, tokens_, texts=call.texts)
+    answer.scores = scores  # similarities, not logits: no sigmoid
+    return answer
+
+
+def _combine(array: np.ndarray, counts: list[int], groups: list[int], output: str):
+    """Rows of chunks back to one row per text: embeddings as their chunks' token-weighted mean
+    (re-normalised where the model's vectors are unit length), scores as the best chunk's."""
+    out, tokens, at = [], [], 0
+    for n in groups:
+        rows, w = array[at : at + n], np.asarray(counts[at : at + n], dtype=np.float64)
+        if output == "scores":
+            out.append(rows.max(axis=0))
+        elif n == 1:
+            out.append(rows[0])
+        else:
+            mean = (rows.astype(np.float64) * w[:, None]).sum(0) / w.sum()
+            if np.allclose(np.linalg.norm(rows, axis=1), 1.0, atol=1e-4):
+                mean /= max(np.linalg.norm(mean), 1e-12)
+            out.append(mean.astype(np.float32))
+        tokens.append(int(w.sum()))
+        at += n
+    return np.stack(out), tokens
+
+
+def _pool_spans(array: np.ndarray, spans: list, texts: int, normalize: bool):
+    """Late chunking: each chunk's mean token vector over its span of its window's pass."""
+    dim = array.shape[-1]
+    out = np.zeros((texts, dim), dtype=np.float32)
+    tokens = [0] * texts
+    for w, row in enumerate(spans):
+        for i, t0, t1 in row:
+            if t1 > t0:
+                v = array[w, t0:t1].astype(np.float64).mean(0)
+                if normalize:
+                    v /= max(np.linalg.norm(v), 1e-12)
+                out[i] = v
+            tokens[i] = t1 - t0
+    return out, tokens
 
 
 def _unit(vectors: np.ndarray) -> np.ndarray:
@@ -345,6 +615,12 @@ def dense(vectors: np.ndarray, size: int | None, normalize: bool | None) -> np.n
 def finish(call: TextCall, p: Plan, rt, array: np.ndarray, counts: list[int], ranges=None) -> TextAnswer:
     """The runtime's ``array`` for the call's rows, shaped as the call asked."""
     spec = rt.spec
+    if isinstance(array, dict):
+        return _finish_multi(call, p, rt, array, counts)
+    if p.spans is not None:  # late chunking: each text's vector pooled from its span of the pass
+        array, counts = _pool_spans(array, p.spans, len(call.texts), bool(spec.params.normalize))
+    elif p.groups is not None:
+        array, counts = _combine(array, counts, p.groups, call.output)
     answer = TextAnswer(spec.name, spec.version, spec.kind, counts, texts=call.texts)
     if call.output == "dense" and call.query is not None:  # the cosine of each text with the query
         v = array.astype(np.float64)
@@ -360,6 +636,9 @@ def finish(call: TextCall, p: Plan, rt, array: np.ndarray, counts: list[int], ra
     elif call.output == "scores":
         scores = array[:, 0].copy()
         answer.scores = scores if call.raw_scores else _sigmoid(scores)
+    elif call.output == "labels" and spec.kind == "rerank":  # one label, transformers' default name
+        answer.scores = array if call.raw_scores else _sigmoid(array)
+        answer.labels = ("LABEL_0",)
     elif call.output == "labels":
         answer.scores = array
         answer.labels = spec.labels
@@ -374,7 +653,7 @@ def finish(call: TextCall, p: Plan, rt, array: np.ndarray, counts: list[int], ra
 
 # Parameter kind -> TEI's model type (a sparse encoder is TEI's embedding model with SPLADE pooling).
 TEI_TYPE = {"embedding": "embedding", "sparse_embedding": "embedding", "classification": "classifier",
-            "rerank": "reranker"}  # fmt: skip
+            "rerank": "reranker", "multi_vector": "embedding"}  # fmt: skip
 _POOLING = {"mean": "mean", "cls": "cls", "lasttoken": "last_token"}
 _DTYPE = {"FP32": "float32", "FP16": "float16", "BF16": "bfloat16", "INT8": "int8"}
 
@@ -389,6 +668,8 @@ def describe(rt, settings, version: str, ranges=None) -> dict:
                       "label2id": {n: i for i, n in enumerate(labels)}}  # fmt: skip
     elif kind == "sparse_embedding":
         meta = {"pooling": "splade"}
+    elif kind == "multi_vector":
+        meta = {"pooling": "colbert"}
     else:
         meta = {"pooling": _POOLING.get(spec.params.pooling or "mean", "mean")}
     s = stage.settings
@@ -416,8 +697,8 @@ def describe(rt, settings, version: str, ranges=None) -> dict:
         "prompts": sorted(spec.params.prompts),
         "matryoshka_dimensions": list(spec.params.matryoshka_dimensions),
     }
-    # int8/uint8 vectors' ranges (Cohere's embedding_types): once calibrated
-    info["vector_ranges"] = ranges.describe() if ranges is not None else None
+    if ranges is not None:  # int8/uint8 vectors' ranges (Cohere's embedding_types), once calibrated
+        info["vector_ranges"] = ranges.describe()
     selection = getattr(rt, "selection", None)
     if selection:
         info["selection"] = selection

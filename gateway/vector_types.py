@@ -11,7 +11,7 @@ each the same bytes sentence-transformers' ``quantize_embeddings`` makes of the 
 
 Matryoshka: a vector cut to its leading ``size`` values is re-normalised (``cut``), which scales
 every value by 1/‖x[:size]‖, so the full vectors' ranges of those dimensions do not fit the cut
-ones (they would crowd the cut values into the top steps and clip). The file keeps one range per
+ones (minilm cut to 64: a quarter of the values clipped to 0 or 255). The file keeps one range per
 size the model serves, each calibrated on the same rows cut and re-normalised exactly as served;
 ``Ranges.for_size`` picks it, and ``ensure`` recalibrates a file that lacks a size the model now
 declares.
@@ -87,11 +87,18 @@ def read_texts(paths: Iterable[Path]) -> list[str]:
     return texts
 
 
+# Rows a line of those files cannot hold: a whitespace-only text (a splitter's empty chunk), which
+# TEI and sentence-transformers embed as [CLS][SEP], a vector unlike any sentence's.
+EXTRA_ROWS = (" ",)
+
+
 def default_texts() -> tuple[list[str], dict]:
-    """The shipped held-out sentences (gateway/build/texts/*.txt) and where they came from."""
+    """The shipped held-out sentences (gateway/build/texts/*.txt, then ``EXTRA_ROWS``) and where
+    they came from."""
     files = sorted(TEXTS_DIR.glob("*.txt"))
-    texts = read_texts(files)
-    return texts, {"files": [f"gateway/build/texts/{f.name}" for f in files], "sha256": _digest(texts)}
+    texts = read_texts(files) + list(EXTRA_ROWS)
+    source = {"files": [f"gateway/build/texts/{f.name}" for f in files], "extra": list(EXTRA_ROWS)}
+    return texts, {**source, "sha256": _digest(texts)}
 
 
 def _digest(texts: Sequence[str]) -> str:
@@ -140,16 +147,31 @@ class Ranges:
             if part.ndim != 2 or part.shape[0] != len(batch):
                 raise ValueError(f"embed() gave {part.shape} for {len(batch)} texts (expected rows × dims)")
             parts.append(part)
-        vectors = np.concatenate(parts)
+        texts_info = dict(source or {})
+        texts_info.setdefault("sha256", _digest(texts))
+        return cls.from_vectors(np.concatenate(parts), sizes, model, texts_info)
+
+    @classmethod
+    def from_vectors(
+        cls,
+        vectors: np.ndarray,
+        sizes: Iterable[int] = (),
+        model: Mapping | None = None,
+        texts: Mapping | None = None,
+    ) -> Ranges:
+        """Ranges of float ``vectors`` (the calibration rows, full size, as served), for the full
+        size and each Matryoshka ``size`` below it: for a caller that embeds by itself (an async
+        pipeline; ``calibrate`` embeds through a plain function). ``texts``: what the rows were."""
+        vectors = np.asarray(vectors, np.float32)
+        if vectors.ndim != 2 or vectors.shape[0] < 2:
+            raise ValueError(f"calibration needs rows × dims vectors of at least 2 rows, got {vectors.shape}")
         full = vectors.shape[1]
         by_size = {}
         for size in sorted({full, *(s for s in sizes if 0 < s < full)}):
             v = cut(vectors, size)
             by_size[size] = np.vstack((v.min(axis=0), v.max(axis=0))).astype(np.float32)
         made = dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-        texts_info = dict(source or {})
-        texts_info.setdefault("sha256", _digest(texts))
-        return cls(by_size, len(texts), made, texts_info, dict(model or {}))
+        return cls(by_size, vectors.shape[0], made, dict(texts or {}), dict(model or {}))
 
     def for_size(self, size: int) -> np.ndarray:
         """The (2 × size) ranges of vectors served at ``size`` dimensions."""
@@ -229,6 +251,27 @@ HOW = (
 )
 
 
+def usable(
+    version_dir: Path, sizes: Iterable[int] = (), model: Mapping | None = None
+) -> tuple[Ranges | None, str]:
+    """The model's saved ranges when they can serve it — made from the same ``model`` identity
+    (e.g. its ONNX file's name and sha256) and holding every size in ``sizes`` — else None; and
+    why not ("missing", "made from another model file", ...)."""
+    path = Path(version_dir) / RANGES_FILE
+    if not path.is_file():
+        return None, "missing"
+    try:
+        found = Ranges.load(path)
+    except ValueError as exc:
+        return None, str(exc)
+    full = max(found.by_size)
+    if dict(found.model) != dict(model or {}):
+        return None, "made from another model file"
+    if not found.covers(s for s in sizes if s < full):
+        return None, f"sizes {sorted(found.by_size)} lack some of {sorted(sizes)}"
+    return found, ""
+
+
 def ensure(
     version_dir: Path,
     embed: Callable[[list[str]], np.ndarray],
@@ -237,26 +280,21 @@ def ensure(
     texts: Sequence[str] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> Ranges:
-    """The model's ranges: its ``vector_ranges.json`` when that was made from the same ``model``
-    identity (e.g. the ONNX file's name and sha256) and holds every size in ``sizes``; else
-    calibrated now with ``embed`` and saved there (a read-only directory keeps them in memory)."""
-    path = Path(version_dir) / RANGES_FILE
+    """The model's ranges: its ``vector_ranges.json`` when ``usable``; else calibrated now with
+    ``embed`` (blocking: run it off the event loop) and saved there (a read-only directory keeps
+    them in memory only, said in the log)."""
     sizes = tuple(sizes)
-    stale = "missing"
-    if path.is_file():
-        try:
-            found = Ranges.load(path)
-        except ValueError as exc:
-            stale = str(exc)
-        else:
-            full = max(found.by_size)
-            if dict(found.model) != dict(model or {}):
-                stale = "made from another model file"
-            elif not found.covers(s for s in sizes if s < full):
-                stale = f"sizes {sorted(found.by_size)} lack some of {sorted(sizes)}"
-            else:
-                return found
-    ranges = Ranges.calibrate(embed, texts, sizes, model)
+    found, stale = usable(version_dir, sizes, model)
+    if found is not None:
+        return found
+    return save_beside(Path(version_dir), Ranges.calibrate(embed, texts, sizes, model), stale, log)
+
+
+def save_beside(
+    version_dir: Path, ranges: Ranges, stale: str = "", log: Callable[[str], None] | None = None
+) -> Ranges:
+    """``ranges`` saved as the model's ``vector_ranges.json`` (kept in memory when it cannot be)."""
+    path = Path(version_dir) / RANGES_FILE
     try:
         ranges = ranges.save(path)
     except OSError as exc:
@@ -264,5 +302,5 @@ def ensure(
             log(f"vector ranges not saved to {path} ({exc.strerror}): kept in memory")
         return ranges
     if log:
-        log(f"vector ranges {path} calibrated on {ranges.rows} rows ({stale} before)")
+        log(f"vector ranges {path} calibrated on {ranges.rows} rows ({stale or 'asked'} before)")
     return ranges

@@ -323,12 +323,12 @@ def test_served_qwen3_matches_transformers_on_every_route(folders, repo, tmp_pat
 @pytest.mark.parametrize(
     "config, named",
     [
-        ({"architectures": ["MPNetForSequenceClassification"], "model_type": "mpnet"}, "unsupported architecture"),
+        ({"architectures": ["MPNetForQuestionAnswering"], "model_type": "mpnet"}, "unsupported architecture"),
         ({"architectures": ["DistilBertModel"], "model_type": "distilbert", "activation": "relu"}, "activation 'relu'"),
         ({"architectures": ["Qwen3Model"], "model_type": "qwen3", "use_sliding_window": True}, "use_sliding_window"),
         ({"architectures": ["ModernBertModel"], "model_type": "modernbert",
           "rope_parameters": {"full_attention": {"rope_type": "yarn"}}}, "rope_type 'yarn'"),
-        ({"architectures": ["LlamaModel"], "model_type": "llama"}, "unsupported architecture LlamaModel"),
+        ({"architectures": ["Phi3Model"], "model_type": "phi3"}, "unsupported architecture Phi3Model"),
     ],
 )  # fmt: skip
 def test_unsupported_family_settings_are_refused(tmp_path, config, named):

@@ -16,8 +16,11 @@ import numpy as np
 HIDDEN, LAYERS, HEADS, INTERMEDIATE, POSITIONS = 32, 2, 4, 64, 128
 
 
-def bert_cross_encoder(folder: Path, tokenizer: Path, labels: int = 1, seed: int = 7) -> Path:
-    """A ``BertForSequenceClassification`` folder (``labels`` 1: a reranker) with random weights."""
+def bert_cross_encoder(
+    folder: Path, tokenizer: Path, labels: int = 1, seed: int = 7, head: bool = True
+) -> Path:
+    """A ``BertForSequenceClassification`` folder (``labels`` 1: a reranker) with random weights;
+    ``head`` False: a ``BertModel`` (an embedder, pooled as ``prepare-model`` is told)."""
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(seed)
@@ -52,10 +55,13 @@ def bert_cross_encoder(folder: Path, tokenizer: Path, labels: int = 1, seed: int
         t[p + "output.dense.bias"] = w(HIDDEN)
         t[p + "output.LayerNorm.weight"] = 1 + w(HIDDEN, scale=0.05)
         t[p + "output.LayerNorm.bias"] = w(HIDDEN, scale=0.05)
+    if not head:
+        t = {k.removeprefix("bert."): v for k, v in t.items() if not k.startswith("classifier.")}
     folder.mkdir(parents=True, exist_ok=True)
     save_file(t, str(folder / "model.safetensors"))
     config = {
-        "architectures": ["BertForSequenceClassification"], "model_type": "bert", "vocab_size": vocab,
+        "architectures": ["BertForSequenceClassification" if head else "BertModel"], "model_type": "bert",
+        "vocab_size": vocab,
         "hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
         "intermediate_size": INTERMEDIATE, "hidden_act": "gelu", "max_position_embeddings": POSITIONS,
         "type_vocab_size": 2, "layer_norm_eps": 1e-12, "pad_token_id": 0,

@@ -18,7 +18,8 @@ from batchgate.gateway.build import encoder
 from batchgate.gateway.build.encoder import EncoderConfig, Head, renamed
 
 STEM = "DistilBert"
-ARCHS = ("Model", "ForMaskedLM")
+ARCHS = ("Model", "ForMaskedLM", "ForSequenceClassification")
+CLASSIFIER = "distilbert"  # pre_classifier, ReLU, classifier (heads.py)
 PREFIXES = ("", "distilbert.")
 WORD = "embeddings.word_embeddings.weight"
 _RENAMES = (
@@ -59,7 +60,9 @@ def encoder_config(config: dict, max_seq_length: int) -> EncoderConfig:
 
 
 def build_model(weights: dict[str, np.ndarray], cfg: EncoderConfig, head: Head, *, name: str,
-                producer: str) -> onnx.ModelProto:  # fmt: skip
+                producer: str, head_weights: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:  # fmt: skip
     """input_ids, attention_mask (INT64 [batch, seq]) -> ``embedding`` (FP32 [batch, hidden]).
     ``weights`` are named as in a bare ``DistilBertModel`` (no ``distilbert.`` prefix)."""
-    return encoder.build_model(renamed(weights, _RENAMES), cfg, head, name=name, producer=producer)
+    return encoder.build_model(
+        renamed(weights, _RENAMES), cfg, head, name=name, producer=producer, head_weights=head_weights
+    )

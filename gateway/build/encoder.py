@@ -111,12 +111,18 @@ class Head:
     multi_label: bool = False
     mlm: MaskedLM | None = None
     token_states: bool = False
+    # BGE-M3's sparse and ColBERT heads beside the pooled embedding (bge_m3.py M3Heads)
+    m3: object | None = None
+    # A ColBERT model's per-token head instead of pooling (colbert.py ColBERTHead)
+    colbert: object | None = None
 
     @property
     def kind(self) -> str:
         """Parameter ``kind`` (gateway/parameters.py KINDS): which outputs the model has."""
         if self.mlm is not None:
             return "sparse_embedding"
+        if self.colbert is not None:
+            return "multi_vector"
         if self.classifier:
             return "rerank" if self.labels == 1 else "classification"
         return "embedding"
@@ -124,7 +130,9 @@ class Head:
     @property
     def output(self) -> str:
         """The main output's name (the first of ``outputs``)."""
-        return {"rerank": "score", "classification": "probabilities"}.get(self.kind, self.kind)
+        return {"rerank": "score", "classification": "probabilities", "multi_vector": "token_embeddings"}.get(
+            self.kind, self.kind
+        )
 
     def dim(self, hidden: int) -> int:
         """The main output's length: the labels, the vocabulary, the last Dense's out_features,
@@ -133,14 +141,21 @@ class Head:
             return self.labels
         if self.mlm is not None:
             return self.mlm.vocab
+        if self.colbert is not None:
+            return self.colbert.dim(hidden)
         return self.dense[-1].out_features if self.dense else hidden
 
     def outputs(self, hidden: int) -> list[tuple[str, list[int | str]]]:
         """(name, dims after the batch dim) of every output, the main one first; "seq" is the
         input's length (the engines trim it back to each request's own)."""
+        if self.colbert is not None:
+            return [("token_embeddings", ["seq", self.dim(hidden)]), ("token_mask", ["seq"])]
         main = [(self.output, [self.dim(hidden)])]
         if self.kind == "classification":
             return main + [("logits", [self.labels])]
+        if self.m3 is not None:
+            return main + [("sparse_embedding", [self.m3.vocab]), ("token_embeddings", ["seq", self.m3.dim]),
+                           ("token_mask", ["seq"])]  # fmt: skip
         if self.token_states:
             return main + [("token_embeddings", ["seq", hidden])]
         return main
@@ -390,7 +405,12 @@ def build_model(
     names = ["input_ids", "attention_mask"] + (["token_type_ids"] if cfg.token_types else [])
     if head.classifier:
         out = "logits" if head.kind == "classification" else "score"
-        _classify(g, x, head_weights or weights, head.classifier, out)
+        if head.classifier in ("bert", "roberta"):
+            _classify(g, x, head_weights or weights, head.classifier, out)
+        else:  # DistilBERT's (heads.py imports this module, hence here)
+            from batchgate.gateway.build.heads import classify
+
+            classify(g, x, mask, head, head_weights or {})
         return finish_head(g, None, mask, head, cfg.hidden, names, name=name, producer=producer)
     return finish_head(g, x, mask, head, cfg.hidden, names, name=name, producer=producer)
 
@@ -434,6 +454,10 @@ def finish_head(
             g.op("Softmax", ["logits"], "probabilities", axis=-1)
     elif head.mlm is not None:
         _splade(g, x, mask, head.mlm, width)
+    elif head.colbert is not None:
+        from batchgate.gateway.build.colbert import add_head
+
+        add_head(g, x, mask, head.colbert)
     elif not head.classifier:
         pooled = add_dense(g, _pool(g, x, mask, head.pooling), head.dense)
         if head.normalize:
@@ -445,6 +469,10 @@ def finish_head(
             g.op("Div", [pooled, norm], "embedding")
         else:
             g.op("Identity", [pooled], "embedding")
+        if head.m3 is not None:
+            from batchgate.gateway.build.bge_m3 import add_heads
+
+            add_heads(g, x, mask, head.m3)
         if head.token_states:
             # Padding positions are zeros, so a row padded to a longer batch says where it ends.
             token_mask = g.op("Unsqueeze", [mask, g.const("token_mask_axes", np.array([2], np.int64))],

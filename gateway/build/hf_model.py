@@ -19,8 +19,15 @@ export (``onnx/model.onnx`` or ``model.onnx``) with the head appended (``onnx_ex
 What it decides, and where from (docs/embeddings.md, "Bringing your own model"):
 
 * architecture: BERT, RoBERTa or XLM-RoBERTa (``model_type``; encoder.py), MPNet, DistilBERT,
-  ModernBERT or Qwen3 (one module each: mpnet.py, distilbert.py, modernbert.py, qwen3.py).
-  Anything else is refused by name (``PrepareError``, exit 2).
+  ModernBERT, DeBERTa-v2 or Qwen3 (one module each: mpnet.py, distilbert.py, modernbert.py,
+  deberta_v2.py, qwen3.py; their classifier heads in heads.py). A Qwen3 folder named a reranker
+  (or ``--reranker``) is Qwen3-Reranker: its yes/no logits under its card's ``pair_template``.
+  Mistral, Llama, Qwen2 and Gemma3's text model (EmbeddingGemma) through one decoder builder
+  (decoder.py). Anything else is refused by name (``PrepareError``, exit 2). An XLM-R folder with
+  BGE-M3's ``colbert_linear.pt`` and ``sparse_linear.pt`` gets its sparse and ColBERT heads
+  (bge_m3.py); a PyLate folder (Transformer then Dense, no Pooling) is a ColBERT model
+  (colbert.py, kind ``multi_vector``). Sharded weights are read through
+  ``model.safetensors.index.json``.
 * kind (parameter ``kind``; each kind's outputs fixed by name, so a route reads them): an
   ``embedding`` (FP32 [dim]; ``token_embeddings`` FP32 [-1, hidden] beside it when asked); a
   BERT/RoBERTa ``*ForSequenceClassification`` with one label, a ``rerank`` model whose rows are
@@ -56,6 +63,7 @@ from pathlib import Path
 import numpy as np
 from google.protobuf import text_encoding
 
+from batchgate.gateway.build import bge_m3, colbert, decoder
 from batchgate.gateway.build.encoder import (
     ACTIVATIONS,
     POOLINGS,
@@ -65,7 +73,9 @@ from batchgate.gateway.build.encoder import (
     MaskedLM,
     build_model,
 )
+from batchgate.gateway.build.heads import LABELS_TENSORS
 from batchgate.gateway.build.minilm import render_text_config, text_parameters
+from batchgate.gateway.build.qwen3 import RERANK_TOKENS
 from batchgate.gateway.build.onnx_graph import write_atomic, write_model
 
 Log = Callable[[str], object]
@@ -83,6 +93,12 @@ FAMILIES = {
     "distilbert": "distilbert",
     "modernbert": "modernbert",
     "qwen3": "qwen3",
+    "deberta-v2": "deberta_v2",
+    # decoder.py: one builder, a switch set per family
+    "mistral": "mistral",
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "gemma3_text": "gemma3_text",
 }
 # The class-name stems Hugging Face gives each model_type, for the architectures check.
 _STEMS = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta"}
@@ -92,8 +108,12 @@ SUPPORTED = (
     "BERT, RoBERTa and XLM-RoBERTa encoders (model_type bert, roberta, xlm-roberta; "
     "architectures *Model, *ForMaskedLM, *ForPreTraining) and their *ForSequenceClassification "
     "(one label: cross-encoders; more: classifiers); MPNet, DistilBERT and ModernBERT encoders "
-    "(model_type mpnet, distilbert, modernbert; *Model, *ForMaskedLM); Qwen3 embedders (model_type "
-    "qwen3; Qwen3Model, Qwen3ForCausalLM)"
+    "(model_type mpnet, distilbert, modernbert; *Model, *ForMaskedLM, *ForSequenceClassification); "
+    "DeBERTa-v2/v3 (model_type deberta-v2; DebertaV2Model, *ForMaskedLM, *ForSequenceClassification); "
+    "Qwen3 (model_type qwen3; Qwen3Model and Qwen3ForCausalLM embedders, Qwen3ForSequenceClassification, "
+    "and Qwen3-Reranker's Qwen3ForCausalLM yes/no scorer); Mistral, Llama and Qwen2 embedders "
+    "(model_type mistral, llama, qwen2; *Model, *ForCausalLM); EmbeddingGemma (model_type gemma3_text; "
+    "Gemma3TextModel)"
 )
 # transformers' problem_type values a classifier is served with (probabilities by softmax, or by
 # each label's sigmoid); "regression" has no probabilities.
@@ -118,6 +138,8 @@ def _family_module(family: str):
     """The graph module of a family outside encoder.py, or None for bert and roberta."""
     if family in ("bert", "roberta"):
         return None
+    if family in decoder.FAMILIES:
+        return decoder.FAMILIES[family]
     return importlib.import_module(f"batchgate.gateway.build.{family}")
 
 
@@ -129,6 +151,7 @@ _POOLING_MODES = {
     "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
     "pooling_mode_weightedmean_tokens": "weightedmean",
 }
+SHARD_INDEX = "model.safetensors.index.json"
 # A tokenizer_config.json without a limit says 1e30 (transformers' VERY_LARGE_INTEGER).
 _NO_LIMIT = 1_000_000
 
@@ -156,6 +179,9 @@ class Plan:
     # A sparse encoder's SpladePooling (activation, pooling); the MLM head itself is read with
     # the weights (``_mlm_head``).
     splade: tuple[str, str] | None = None
+    # Rows are put in this text ({query}, {document}) where the pair is tokenised (Qwen3-Reranker).
+    pair_template: str | None = None
+    yes_no: tuple[int, int] | None = None  # Qwen3-Reranker's causal-LM form: the "yes", "no" token ids
 
     @property
     def rerank(self) -> bool:
@@ -194,6 +220,7 @@ class Modules:
     dense: tuple[Path, ...]
     normalize: bool
     splade: Path | None = None  # a sparse encoder's SpladePooling folder
+    colbert: bool = False  # a PyLate ColBERT folder: Transformer, then Dense per token
 
 
 _PIPELINE = (
@@ -218,6 +245,11 @@ def _modules(source: Path) -> Modules | None:
             )
     order = [k for k, _ in kinds]
     n_dense = order.count("Dense")
+    if n_dense and order == ["Transformer"] + ["Dense"] * n_dense:  # PyLate's ColBERT: per-token Dense
+        st = _json(source / "config_sentence_transformers.json", required=False) or {}
+        if colbert.is_pylate(st):
+            return Modules(transformer=source / kinds[0][1], pooling=None, normalize=False, colbert=True,
+                           dense=tuple(source / path for _, path in kinds[1:]))  # fmt: skip
     if order not in (
         ["Transformer", "Pooling"] + ["Dense"] * n_dense,
         ["Transformer", "Pooling"] + ["Dense"] * n_dense + ["Normalize"],
@@ -264,12 +296,15 @@ def _dense(folder: Path, in_features: int) -> Dense:
 def _pooling(pool_dir: Path, hidden: int, has_prompts: bool) -> str:
     cfg = _json(pool_dir / "config.json")
     modes = [mode for key, mode in _POOLING_MODES.items() if cfg.get(key)]
+    if "pooling_mode" in cfg:  # sentence-transformers 6 saves one key: a mode or a list of them
+        given = cfg["pooling_mode"]
+        modes = [str(m) for m in ([given] if isinstance(given, str) else given or [])]
     if len(modes) != 1 or modes[0] not in POOLINGS:
         raise PrepareError(
             f"{pool_dir / 'config.json'}: pooling {' + '.join(modes) or 'none'} is not supported; "
             f"supported: one of {', '.join(POOLINGS)}"
         )
-    dim = cfg.get("word_embedding_dimension", hidden)
+    dim = cfg.get("word_embedding_dimension", cfg.get("embedding_dimension", hidden))
     if dim != hidden:
         raise PrepareError(
             f"{pool_dir / 'config.json'}: word_embedding_dimension {dim}, the model's hidden size {hidden}"
@@ -301,7 +336,7 @@ def _architecture(config: dict, where: Path) -> tuple[str, str, bool]:
         problem = module.check(config)
         if problem:
             raise PrepareError(f"{where}: {problem}")
-        return arch or f"{module.STEM}Model", model_type, False
+        return arch or f"{module.STEM}Model", model_type, tail == "ForSequenceClassification"
     stem = _STEMS[model_type]
     tail = arch[len(stem) :] if arch.startswith(stem) else None
     if arch and tail not in (*_ENCODER_ARCHS, "ForSequenceClassification"):
@@ -423,12 +458,15 @@ def text_settings(
 
 
 def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | None = None,
-                text_pair: bool | None = None, token_embeddings: bool = False) -> Plan:  # fmt: skip
+                text_pair: bool | None = None, token_embeddings: bool = False,
+                reranker: bool | None = None) -> Plan:  # fmt: skip
     """Read and check ``source``; PrepareError (one line) on anything the build would not serve
     as the folder's own library would. ``text_pair``: a classifier's rows are pairs (default: a
     rerank model's always are; a classifier's when config.json says sentence-transformers saved
     it as a CrossEncoder, which scores pairs). ``token_embeddings``: an embedding model also
-    outputs every token's state."""
+    outputs every token's state. ``reranker``: a Qwen3 folder is Qwen3-Reranker (its card's
+    template; a Qwen3ForCausalLM scored by its yes/no logits); None: when its name says
+    "reranker" (``named_reranker``)."""
     source = Path(source)
     if not source.is_dir():
         raise PrepareError(
@@ -440,13 +478,25 @@ def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | N
     config = _json(model_dir / "config.json")
     arch, model_type, classifier = _architecture(config, model_dir / "config.json")
     family = FAMILIES[model_type]
+    if reranker and family != "qwen3":
+        raise PrepareError(f"{source}: --reranker is for Qwen3-Reranker folders (model_type qwen3); {arch} is "
+                           f"{'a cross-encoder already' if classifier else 'not one'}")  # fmt: skip
+    qwen3_reranker = family == "qwen3" and (named_reranker(source) if reranker is None else reranker)
+    yes_no = None
+    if qwen3_reranker and not classifier:
+        if not arch.endswith("ForCausalLM"):
+            raise PrepareError(f"{source}: a Qwen3-Reranker is a Qwen3ForCausalLM (scored by its yes/no "
+                               f"logits) or a Qwen3ForSequenceClassification; not {arch}")  # fmt: skip
+        classifier, yes_no = True, _yes_no(model_dir / "tokenizer.json")
     for name in ("model.safetensors", "tokenizer.json"):
+        if name == "model.safetensors" and (model_dir / SHARD_INDEX).is_file():
+            continue  # sharded (a large decoder's): the index names the files, read with the weights
         if not (model_dir / name).is_file():
             hint = ""
             if name == "model.safetensors" and any(model_dir.glob("*.bin")):
                 hint = " (pytorch_model.bin is not read: it needs PyTorch; save the model with safetensors)"
             elif name == "model.safetensors" and any(model_dir.glob("model-*-of-*.safetensors")):
-                hint = " (sharded weights are not read: save them as one file)"
+                hint = f" (sharded weights are read through their {SHARD_INDEX}, which is missing)"
             raise PrepareError(f"{model_dir / name} is missing{hint}")
 
     module = _family_module(family)
@@ -482,13 +532,51 @@ def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | N
                 f"{source}: --pooling, --normalize and token embeddings are for embedding models; "
                 f"{source.name} is {what}"
             )
-    if classifier:
+    if yes_no is not None:
+        labels, multi_label = ("yes",), False  # one score: logit(yes) - logit(no)
+        head = Head(classifier="qwen3_yes_no")
+    elif classifier:
         labels, multi_label = _labels(config, model_dir / "config.json")
-        head = Head(classifier=family, labels=len(labels), multi_label=multi_label)
+        head = Head(
+            classifier=module.CLASSIFIER if module else family, labels=len(labels), multi_label=multi_label
+        )
+    if classifier:
         if head.kind == "rerank":
             labels, text_pair = (), True  # a cross-encoder: its rows are always pairs
         elif text_pair is None:
             text_pair = isinstance(config.get("sentence_transformers"), dict)
+    elif modules and modules.colbert:
+        if pooling is not None or normalize is not None or token_embeddings:
+            raise PrepareError(
+                f"{source}: --pooling, --normalize and token embeddings are for embedding models; {source.name} "
+                "is a ColBERT model (PyLate): its per-token vectors are its output"
+            )
+        dense: list[Dense] = []
+        for folder in modules.dense:
+            dense.append(_dense(folder, dense[-1].out_features if dense else hidden))
+        st_config = _json(source / "config_sentence_transformers.json")
+        try:
+            cb = colbert.read_head(st_config, tuple(dense), model_dir / "tokenizer.json",
+                                   source / "config_sentence_transformers.json")  # fmt: skip
+        except ValueError as exc:
+            raise PrepareError(str(exc)) from None
+        # The markers are the prompts (PyLate puts its marker ahead of a prompt's text).
+        prompts = {"query": cb.query_prefix + prompts.get("query", ""),
+                   "document": cb.document_prefix + prompts.get("document", "")}  # fmt: skip
+        default_prompt = None if default_prompt not in prompts else default_prompt
+        head = Head(colbert=cb)
+        # PyLate cuts a document at document_length tokens, its marker included (whatever
+        # max_seq_length it saved); never past the position table.
+        if module is not None:
+            limit = module.position_limit(config)
+        else:
+            limit = cfg.max_positions - (cfg.padding_idx + 1 if cfg.padding_idx is not None else 0)
+        if cb.query_length > limit:
+            raise PrepareError(
+                f"{source / 'config_sentence_transformers.json'}: query_length {cb.query_length}; the model "
+                f"has {limit} positions"
+            )
+        cfg = replace(cfg, max_seq_length=min(limit, cb.document_length))
     elif modules and modules.splade is not None:
         if family not in _MLM_HEADS or not arch.endswith("ForMaskedLM"):
             raise PrepareError(
@@ -502,6 +590,18 @@ def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | N
             source, modules, hidden, prompts, pooling, normalize, getattr(module, "DEFAULT_POOLING", "mean")
         )
         head = replace(head, token_states=token_embeddings)
+        if bge_m3.present(model_dir) and family == "roberta":
+            if token_embeddings:
+                raise PrepareError(
+                    f"{source}: a BGE-M3 folder's token_embeddings are its ColBERT vectors "
+                    f"({bge_m3.COLBERT_FILE}); they are always built, without the token embeddings flag"
+                )
+            if head.pooling != "cls" or not head.normalize or head.dense:
+                raise PrepareError(
+                    f"{source}: a BGE-M3 folder ({bge_m3.COLBERT_FILE}, {bge_m3.SPARSE_FILE}) pools its dense "
+                    f"vector from CLS, normalised, as FlagEmbedding does; this one says {head.pooling}"
+                    f"{', normalised' if head.normalize else ''}{', Dense' if head.dense else ''}"
+                )
     if text_pair and not classifier:
         raise PrepareError(f"{source}: text pairs are for cross-encoders and classifiers; {arch} is neither")
     return Plan(
@@ -518,7 +618,31 @@ def read_folder(source: Path, *, pooling: str | None = None, normalize: bool | N
         label_names=labels,
         text_pair=bool(text_pair),
         splade=splade,
+        pair_template=module.RERANK_TEMPLATE if qwen3_reranker and head.kind == "rerank" else None,
+        yes_no=yes_no,
     )
+
+
+def named_reranker(source: Path) -> bool:
+    """Whether the folder's name (or the Hub ID of a cache snapshot, models--ORG--NAME/snapshots/
+    COMMIT) says it is a reranker: Qwen3-Reranker's folders carry no other mark of it."""
+    path = Path(source).resolve()
+    name = path.parent.parent.name if path.parent.name == "snapshots" else path.name
+    return "reranker" in name.lower()
+
+
+def _yes_no(tokenizer: Path) -> tuple[int, int]:
+    """The ids of Qwen3-Reranker's answer tokens, as its card looks them up (convert_tokens_to_ids)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer))
+    ids = [tok.token_to_id(t) for t in RERANK_TOKENS]
+    if None in ids:
+        missing = RERANK_TOKENS[ids.index(None)]
+        raise PrepareError(
+            f"{tokenizer} has no token '{missing}' (a Qwen3-Reranker scores its 'yes' and 'no' logits)"
+        )
+    return ids[0], ids[1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -536,6 +660,24 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
     return {
         k: v.astype(np.float32) for k, v in load_file(path).items() if not np.issubdtype(v.dtype, np.integer)
     }
+
+
+def _read_weights(model_dir: Path) -> dict[str, np.ndarray]:
+    """model.safetensors, or the shards model.safetensors.index.json names (transformers'
+    save_pretrained splits a model past its max_shard_size, as every 7B decoder ships)."""
+    index = model_dir / SHARD_INDEX
+    if not index.is_file():
+        return _read_safetensors(model_dir / "model.safetensors")
+    weight_map = (_json(index) or {}).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise PrepareError(f"{index}: no weight_map naming each tensor's file")
+    weights: dict[str, np.ndarray] = {}
+    for shard in sorted(set(weight_map.values())):
+        path = model_dir / str(shard)
+        if Path(str(shard)).name != str(shard) or not path.is_file():
+            raise PrepareError(f"{index} names {shard}, which is not a file beside it")
+        weights.update(_read_safetensors(path))
+    return weights
 
 
 def _split_weights(
@@ -559,6 +701,18 @@ def _split_weights(
         names = ("classifier.dense.weight", "classifier.dense.bias", "classifier.out_proj.weight",
                  "classifier.out_proj.bias")  # fmt: skip
         head = {n: weights.get(n) for n in names}
+    elif plan.head.classifier == "qwen3_yes_no":
+        # The language-model head's "yes" and "no" rows; a tied head (Qwen3-Reranker-0.6B) is the
+        # word embeddings, which save_pretrained leaves out of the file.
+        lm = weights.get("lm_head.weight", encoder[word])
+        return encoder, {"yes_no.weight": lm[list(plan.yes_no)]}
+    elif plan.head.classifier:  # the other families' heads sit outside the encoder's prefix
+        head = {k: v for k, v in weights.items() if prefix and not k.startswith(prefix)}
+        names = ("", "", LABELS_TENSORS[plan.head.classifier])
+        if names[2] not in head:
+            raise PrepareError(
+                f"{plan.model_dir / 'model.safetensors'} has no tensor {names[2]} ({plan.architecture})"
+            )
     missing = [n for n, v in head.items() if v is None]
     if missing:
         raise PrepareError(
@@ -603,6 +757,29 @@ def _mlm_head(plan: Plan, weights: dict[str, np.ndarray], encoder: dict[str, np.
     )  # fmt: skip
 
 
+def _m3_heads(plan: Plan, encoder: dict[str, np.ndarray]):
+    """BGE-M3's ColBERT and sparse heads, and the ids FlagEmbedding drops from the sparse weights:
+    the tokenizer's CLS, EOS, PAD and UNK tokens (special_tokens_map.json / tokenizer_config.json,
+    XLM-R's <s>, </s>, <pad>, <unk> where neither names them)."""
+    from tokenizers import Tokenizer
+
+    named = {"cls_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+    for file in ("tokenizer_config.json", "special_tokens_map.json"):
+        found = _json(plan.model_dir / file, required=False) or {}
+        for key in bge_m3.DROPPED:
+            value = found.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                named[key] = value
+    tok = Tokenizer.from_file(str(plan.tokenizer))
+    ids = sorted({i for t in named.values() if (i := tok.token_to_id(t)) is not None})
+    vocab = encoder["embeddings.word_embeddings.weight"].shape[0]
+    try:
+        return bge_m3.read_heads(plan.model_dir, plan.cfg.hidden, vocab, tuple(ids))
+    except ValueError as exc:
+        raise PrepareError(str(exc)) from None
+
+
 # --------------------------------------------------------------------------------------------
 # config.pbtxt
 
@@ -625,9 +802,18 @@ def render_config(name: str, plan) -> str:
         "sparse_embedding": "sparse embedding: log(1 + relu) of the masked-LM logits, "
         + ("max" if head.mlm is None else head.mlm.pooling)
         + "-pooled over tokens",
+        "multi_vector": "ColBERT (PyLate): a normalised vector per token",
     }.get(kind, "embedding")
     notes = [f"Source: {plan.summary}; {described}."]
     params["kind"] = kind
+    if getattr(plan, "pair_template", None):
+        notes.append(
+            "pair_template: each pair is put in this text ({query}, {document}) where it is tokenised; "
+            "the text after {document} is kept whole when a pair is cut (Qwen3-Reranker's card)."
+        )
+        params["pair_template"] = _escape(plan.pair_template)
+    if getattr(plan, "yes_no", None):
+        notes.append("score: logit('yes') - logit('no') at the last token; its sigmoid is the card's P(yes).")
     if getattr(plan, "text_pair", False):
         notes.append(
             "Each row is a pair: query and document joined by U+001F (gateway/text.py PAIR_SEPARATOR)."
@@ -639,6 +825,19 @@ def render_config(name: str, plan) -> str:
             params[f"label.{i}"] = _escape(label)
     elif kind == "sparse_embedding":
         notes.append("sparse_embedding is vocabulary-sized: index i scores tokenizer.json's token id i.")
+    elif kind == "multi_vector":
+        cb = head.colbert
+        params["query_length"] = str(cb.query_length)
+        if cb.expansion_id is not None:
+            params["query_expansion_token_id"] = str(cb.expansion_id)
+        notes.append(
+            "ColBERT (PyLate): token_embeddings are the Dense projection of every token, normalised; the rows "
+            "where token_mask is 1 are the text's vectors (a query's all, its expansion tokens included; a "
+            f"document's less {len(cb.skip_ids)} skiplist tokens). Queries get prompt query ({cb.query_prefix!r}), "
+            f"cut at query_length and padded to it with query_expansion_token_id at attention mask 0; documents "
+            f"prompt document ({cb.document_prefix!r}), cut at max_tokens. Score: MaxSim (sum over the query's "
+            "vectors of the best dot product with the document's)."
+        )
     elif kind == "embedding":
         notes.append(
             "pooling and normalize record what the graph does; prompt.<name> are the folder's prompts."
@@ -650,6 +849,14 @@ def render_config(name: str, plan) -> str:
         params["normalize"] = "true" if plan.head.normalize else "false"
         if plan.head.pooling == "lasttoken":
             notes.append(_last_token_note(plan.tokenizer))
+        if plan.head.m3 is not None:
+            params["score_weights"] = ",".join(str(w) for w in bge_m3.CARD_WEIGHTS)
+            notes.append(
+                "BGE-M3, one pass, three outputs: embedding (CLS, normalised); sparse_embedding (relu of "
+                "sparse_linear per token, max per token id, CLS/EOS/PAD/UNK dropped; index i scores "
+                "tokenizer.json's id i); token_embeddings (colbert_linear, normalised) where token_mask "
+                "is 1 (every token after CLS). score_weights: the card's dense, sparse, ColBERT weights."
+            )
         if plan.head.token_states:
             notes.append(
                 "token_embeddings: each token's final state, zero past the row's own tokens (a row comes "
@@ -660,17 +867,21 @@ def render_config(name: str, plan) -> str:
     if plan.default_prompt_name is not None:
         params["default_prompt_name"] = _escape(plan.default_prompt_name)
     first, *more = head.outputs(plan.cfg.hidden if hasattr(plan, "cfg") else plan.hidden)
+    first_dims = ", ".join(str(-1 if d == "seq" else d) for d in first[1])
     text = render_text_config(
-        name, "gateway/build/hf_model.py (batchgate prepare-model)", first[0], plan.dim, params, notes
+        name, "gateway/build/hf_model.py (batchgate prepare-model)", first[0], first_dims, params, notes
     )
     if more:  # render_text_config writes one output; the others follow it in the same list
-        block = f"    dims: [ {plan.dim} ]\n  }}\n]\n"
+        block = f"    dims: [ {first_dims} ]\n  }}\n]\n"
         assert text.count(block) == 1
-        extra = "".join(
-            f'  {{\n    name: "{n}"\n    data_type: TYPE_FP32\n    dims: [ {", ".join(str(-1 if d == "seq" else d) for d in dims)} ]\n  }}\n'
-            for n, dims in more
+        extra = (
+            ",\n".join(
+                f'  {{\n    name: "{n}"\n    data_type: TYPE_FP32\n    dims: [ {", ".join(str(-1 if d == "seq" else d) for d in dims)} ]\n  }}'
+                for n, dims in more
+            )
+            + "\n"
         )
-        text = text.replace(block, f"    dims: [ {plan.dim} ]\n  }},\n{extra}]\n")
+        text = text.replace(block, f"    dims: [ {first_dims} ]\n  }},\n{extra}]\n")
     return text
 
 
@@ -693,38 +904,56 @@ def _last_token_note(tokenizer: Path) -> str:
 
 def prepare_weights(source: Path, name: str, repo: Path, *, pooling: str | None = None,
                     normalize: bool | None = None, text_pair: bool | None = None,
-                    token_embeddings: bool = False, log: Log = print, t0: float | None = None) -> Path:  # fmt: skip
+                    token_embeddings: bool = False, reranker: bool | None = None, log: Log = print,
+                    t0: float | None = None) -> Path:  # fmt: skip
     """Write ``<repo>/<name>`` from a local folder whose architecture the builder knows: its
     safetensors weights built into a graph. Returns the model directory; raises PrepareError."""
     t0 = time.monotonic() if t0 is None else t0
     plan = read_folder(source, pooling=pooling, normalize=normalize, text_pair=text_pair,
-                       token_embeddings=token_embeddings)  # fmt: skip
-    weights = _read_safetensors(plan.model_dir / "model.safetensors")
+                       token_embeddings=token_embeddings, reranker=reranker)  # fmt: skip
+    weights = _read_weights(plan.model_dir)
     encoder, head = _split_weights(weights, plan)
     _check_vocab(plan, encoder)
     if plan.splade is not None:
         plan = replace(plan, head=replace(plan.head, mlm=_mlm_head(plan, weights, encoder)))
+    if (
+        plan.head.kind == "embedding"
+        and FAMILIES[plan.model_type] == "roberta"
+        and bge_m3.present(plan.model_dir)
+    ):
+        plan = replace(plan, head=replace(plan.head, m3=_m3_heads(plan, encoder)))
     del weights
     module = _family_module(FAMILIES[plan.model_type])
     try:
         if module is None:
             model = build_model(encoder, plan.cfg, plan.head, name=name, producer=PRODUCER, head_weights=head)
         else:
-            model = module.build_model(encoder, plan.cfg, plan.head, name=name, producer=PRODUCER)
+            model = module.build_model(encoder, plan.cfg, plan.head, name=name, producer=PRODUCER,
+                                       **({"head_weights": head} if head else {}))  # fmt: skip
     except KeyError as exc:
         raise PrepareError(f"{plan.model_dir / 'model.safetensors'} has no tensor {exc.args[0]}") from None
     out = Path(repo) / name
     write_model(out / VERSION / "model.onnx", model)  # past 2 GiB with its weights beside it
-    write_atomic(out / "tokenizer.json", plan.tokenizer.read_bytes())
+    # A family whose reference builds its own tokenizer from the folder (deberta_v2.py) says how.
+    served = getattr(module, "served_tokenizer", None)
+    write_atomic(
+        out / "tokenizer.json",
+        served(plan.model_dir, plan.tokenizer) if served else plan.tokenizer.read_bytes(),
+    )
     # Config last, so a repository scan never finds a config whose other files are missing.
     write_atomic(out / "config.pbtxt", render_config(name, plan).encode())
     dense = f", {len(plan.head.dense)} Dense to {plan.dim} dims" if plan.head.dense else ""
     what = {
-        "rerank": "rerank, raw logit",
+        "rerank": "rerank, "
+        + ("logit('yes') - logit('no')" if plan.yes_no else "raw logit")
+        + (", the card's pair template" if plan.pair_template else ""),
         "classification": f"classification, {plan.head.labels} labels"
         + (", multi-label" if plan.head.multi_label else "")
         + (", pairs" if plan.text_pair else ""),
         "sparse_embedding": f"sparse embedding, {plan.dim} terms",
+        "multi_vector": f"ColBERT token vectors, {plan.dim} dims, queries {plan.head.colbert.query_length} tokens"
+        if plan.head.colbert is not None
+        else "",
     }.get(
         plan.head.kind,
         f"embedding, {plan.head.pooling} pooling{dense}{', normalised' if plan.head.normalize else ''}"

@@ -19,11 +19,13 @@ import numpy as np
 import onnx
 
 from batchgate.gateway.build.encoder import Head, _Graph, finish_head, key_padding_bias, standard_constants
+from batchgate.gateway.build.heads import classify
 from batchgate.gateway.build.onnx_graph import GraphBuilder, attend, gelu
 from batchgate.gateway.build.rotary import layer_norm, linear, position_bias, positions, rotary_tables, rotate
 
 STEM = "ModernBert"
-ARCHS = ("Model", "ForMaskedLM")
+ARCHS = ("Model", "ForMaskedLM", "ForSequenceClassification")
+CLASSIFIER = "modernbert"  # pooled (cls or mean), head (dense, act, norm), classifier (heads.py)
 PREFIXES = ("", "model.")
 WORD = "embeddings.tok_embeddings.weight"
 
@@ -40,6 +42,8 @@ class ModernBertConfig:
     global_theta: float
     local_theta: float
     window: int  # a token sees keys at most this far away in a local layer (local_attention // 2)
+    classifier_pooling: str = "cls"  # ModernBertForSequenceClassification's: "cls" or "mean"
+    classifier_activation: str = "gelu"
 
 
 def check(config: dict) -> str | None:
@@ -53,6 +57,12 @@ def check(config: dict) -> str | None:
             return f"rope_parameters.{kind}.rope_type '{rope}' is not supported; supported: 'default'"
     if config.get("rope_scaling"):
         return "rope_scaling is not supported; supported: the default rotary embedding"
+    pooling = config.get("classifier_pooling", "cls")
+    if pooling not in ("cls", "mean"):
+        return f"classifier_pooling '{pooling}' is not supported; supported: 'cls', 'mean'"
+    act = config.get("classifier_activation", "gelu")
+    if act not in ("gelu", "tanh", "relu"):
+        return f"classifier_activation '{act}' is not supported; supported: 'gelu', 'tanh', 'relu'"
     return None
 
 
@@ -88,6 +98,8 @@ def encoder_config(config: dict, max_seq_length: int) -> ModernBertConfig:
         global_theta=float(global_theta),
         local_theta=float(local_theta),
         window=int(config.get("local_attention", 128)) // 2,
+        classifier_pooling=str(config.get("classifier_pooling", "cls")),
+        classifier_activation=str(config.get("classifier_activation", "gelu")),
     )
 
 
@@ -141,7 +153,7 @@ def _layer(g: GraphBuilder, i: int, x: str, w: dict[str, np.ndarray], cfg: Moder
 
 
 def build_model(weights: dict[str, np.ndarray], cfg: ModernBertConfig, head: Head, *, name: str,
-                producer: str) -> onnx.ModelProto:  # fmt: skip
+                producer: str, head_weights: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:  # fmt: skip
     """input_ids, attention_mask (INT64 [batch, seq]) -> ``embedding`` (FP32 [batch, hidden]).
     ``weights`` are named as in a bare ``ModernBertModel`` (no ``model.`` prefix)."""
     g = _Graph()
@@ -162,6 +174,10 @@ def build_model(weights: dict[str, np.ndarray], cfg: ModernBertConfig, head: Hea
     for i in range(cfg.layers):
         x = _layer(g, i, x, weights, cfg, rope, bias)
     x = _norm(g, "final_norm", x, weights, "final_norm", cfg)
+    if head.classifier:
+        classify(g, x, mask, head, head_weights or {}, act=cfg.classifier_activation,
+                 pooling=cfg.classifier_pooling, norm_eps=cfg.norm_eps)  # fmt: skip
+        x = None
     return finish_head(
         g, x, mask, head, cfg.hidden, ["input_ids", "attention_mask"], name=name, producer=producer
     )

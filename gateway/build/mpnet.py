@@ -26,9 +26,11 @@ from batchgate.gateway.build.encoder import (
     key_padding_bias,
     standard_constants,
 )
+from batchgate.gateway.build.heads import classify
 
 STEM = "MPNet"
-ARCHS = ("Model", "ForMaskedLM")
+ARCHS = ("Model", "ForMaskedLM", "ForSequenceClassification")
+CLASSIFIER = "roberta"  # MPNetClassificationHead: RoBERTa's layout and names
 PREFIXES = ("", "mpnet.")
 WORD = "embeddings.word_embeddings.weight"
 PADDING_IDX = 1  # MPNetEmbeddings.padding_idx, not read from the config
@@ -105,7 +107,7 @@ def _relative_bias(g: _Graph, table: np.ndarray, key_bias: str, length: int) -> 
 
 
 def build_model(weights: dict[str, np.ndarray], cfg: EncoderConfig, head: Head, *, name: str,
-                producer: str) -> onnx.ModelProto:  # fmt: skip
+                producer: str, head_weights: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:  # fmt: skip
     """input_ids, attention_mask (INT64 [batch, seq]) -> ``embedding`` (FP32 [batch, hidden]).
     ``weights`` are named as in a bare ``MPNetModel`` (no ``mpnet.`` prefix)."""
     w = renamed(weights, _RENAMES)
@@ -118,6 +120,9 @@ def build_model(weights: dict[str, np.ndarray], cfg: EncoderConfig, head: Head, 
     )
     for i in range(cfg.layers):
         x = _layer(g, i, x, bias, w, cfg)
+    if head.classifier:
+        classify(g, x, mask, head, head_weights or {})
+        x = None
     return finish_head(
         g, x, mask, head, cfg.hidden, ["input_ids", "attention_mask"], name=name, producer=producer
     )

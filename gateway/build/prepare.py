@@ -30,13 +30,14 @@ _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 def prepare_model(source: str | Path, name: str, repo: Path, *, pooling: str | None = None,
                   normalize: bool | None = None, revision: str | None = None, from_onnx: bool = False,
                   onnx_file: Path | None = None, text_pair: bool | None = None,
-                  token_embeddings: bool = False, log: Log = print) -> Path:  # fmt: skip
+                  token_embeddings: bool = False, reranker: bool | None = None, log: Log = print) -> Path:  # fmt: skip
     """Write ``<repo>/<name>`` from ``source`` (a folder, or a Hugging Face model ID resolved
     through the hub cache: gateway/build/sources.py); returns the model directory. The weights
     are built into a graph when the builder knows the architecture; a folder carrying an ONNX
     export is served from that export otherwise (gateway/build/onnx_export.py), or always with
     ``from_onnx`` / ``onnx_file``. Raises PrepareError (one line) when the folder is not one
-    this build serves faithfully."""
+    this build serves faithfully. ``reranker``: a Qwen3 folder is Qwen3-Reranker (default: when
+    its folder name or Hub ID says "reranker")."""
     if not _NAME.fullmatch(name):
         raise PrepareError(f"--name '{name}': a model name is letters, digits, '_', '.' and '-'")
     t0 = time.monotonic()
@@ -49,7 +50,7 @@ def prepare_model(source: str | Path, name: str, repo: Path, *, pooling: str | N
             source, name, repo, onnx_file=onnx_file, pooling=pooling, normalize=normalize, log=log, t0=t0
         )
     return prepare_weights(source, name, repo, pooling=pooling, normalize=normalize, text_pair=text_pair,
-                           token_embeddings=token_embeddings, log=log, t0=t0)  # fmt: skip
+                           token_embeddings=token_embeddings, reranker=reranker, log=log, t0=t0)  # fmt: skip
 
 
 def _export_only(folder: Path) -> bool:
@@ -70,7 +71,10 @@ def _export_only(folder: Path) -> bool:
         if has_export:
             return True
         raise PrepareError(f"{exc}; {EXPORT_HINT}") from None
-    return has_export and not (model_dir / "model.safetensors").is_file()
+    weights = (model_dir / "model.safetensors").is_file() or (
+        model_dir / "model.safetensors.index.json"
+    ).is_file()
+    return has_export and not weights
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
             onnx_file=args.onnx,
             text_pair=args.text_pair,
             token_embeddings=args.token_embeddings,
+            reranker=getattr(args, "reranker", None),
         )
     except PrepareError as exc:
         print(f"batchgate prepare-model: {str(exc).replace(chr(10), ' ')}", file=sys.stderr)

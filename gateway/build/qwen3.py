@@ -16,11 +16,13 @@ import numpy as np
 import onnx
 
 from batchgate.gateway.build.encoder import Head, _Graph, finish_head, key_padding_bias
+from batchgate.gateway.build.heads import classify
 from batchgate.gateway.build.onnx_graph import GraphBuilder, attend
 from batchgate.gateway.build.rotary import linear, position_bias, positions, rms_norm, rotary_tables, rotate
 
 STEM = "Qwen3"
-ARCHS = ("Model", "ForCausalLM")
+ARCHS = ("Model", "ForCausalLM", "ForSequenceClassification")
+CLASSIFIER = "qwen3"  # score (no bias) on the last real token (heads.py)
 PREFIXES = ("", "model.")
 WORD = "embed_tokens.weight"
 # A plain folder (no modules.json) is pooled as Qwen3-Embedding's card does.
@@ -30,6 +32,18 @@ DEFAULT_POOLING = "lasttoken"
 DEFAULT_PROMPTS = {
     "query": "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
 }
+
+# Qwen3-Reranker's card: the model answers "yes" or "no" to this chat, its score the two
+# logits' softmax at the last token. Recorded as parameter pair_template (gateway/text.py puts
+# each query and document in it where the pair is tokenised); the instruction is the card's default.
+RERANK_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+RERANK_PREFIX = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+    'Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
+)
+RERANK_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+RERANK_TEMPLATE = f"{RERANK_PREFIX}<Instruct>: {RERANK_INSTRUCTION}\n<Query>: {{query}}\n<Document>: {{document}}{RERANK_SUFFIX}"
+RERANK_TOKENS = ("yes", "no")  # the card's token_true_id, token_false_id
 
 
 @dataclass(frozen=True)
@@ -141,7 +155,7 @@ def _layer(g: GraphBuilder, i: int, x: str, w: dict[str, np.ndarray], cfg: Qwen3
 
 
 def build_model(weights: dict[str, np.ndarray], cfg: Qwen3Config, head: Head, *, name: str,
-                producer: str) -> onnx.ModelProto:  # fmt: skip
+                producer: str, head_weights: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:  # fmt: skip
     """input_ids, attention_mask (INT64 [batch, seq]) -> ``embedding`` (FP32 [batch, hidden]).
     ``weights`` are named as in a bare ``Qwen3Model`` (no ``model.`` prefix)."""
     g = _Graph()
@@ -159,6 +173,9 @@ def build_model(weights: dict[str, np.ndarray], cfg: Qwen3Config, head: Head, *,
     for i in range(cfg.layers):
         x = _layer(g, i, x, weights, cfg, cos, sin, bias)
     x = rms_norm(g, "final_norm", x, weights["norm.weight"], cfg.rms_eps)
+    if head.classifier:  # a seq-cls score, or Qwen3-Reranker's yes/no logits (heads.py)
+        classify(g, x, mask, head, head_weights or {})
+        x = None
     return finish_head(
         g, x, mask, head, cfg.hidden, ["input_ids", "attention_mask"], name=name, producer=producer
     )

@@ -32,10 +32,14 @@ ALLOW_PATTERNS = (
     "*.txt",
     "model.safetensors",
     "*/model.safetensors",
+    "model-*-of-*.safetensors",  # a large model's shards (model.safetensors.index.json names them)
     "model.onnx",
     "model.onnx_data",
     "onnx/model.onnx",
     "onnx/model.onnx_data",
+    # BGE-M3's ColBERT and sparse heads (torch.save files, read without torch: torch_file.py)
+    "colbert_linear.pt",
+    "sparse_linear.pt",
 )
 # huggingface_hub's repo ID rule, narrowed to ORG/NAME: a bare NAME is a local path's typo
 # far more often than one of the few legacy un-namespaced repos.

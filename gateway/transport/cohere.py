@@ -169,7 +169,7 @@ def v1_rerank_call(request: web.Request, doc: dict) -> TextCall:
     positive(doc, "top_n")
     return TextCall(
         "scores", _model(doc), texts=documents_of(doc["documents"]), query=query,
-        parameters=latency_of(request, doc), field="documents",
+        max_chunks=positive(doc, "max_chunks_per_doc"), parameters=latency_of(request, doc), field="documents",
     )  # fmt: skip
 
 

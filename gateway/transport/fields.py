@@ -316,3 +316,11 @@ def tei_error(exc: GatewayError, echo: dict | None = None) -> web.Response:
         status, type_ = 400, "empty"
     body = {"error": exc.message, "error_type": type_}
     return web.json_response(body, status=status, headers=retry_headers(exc, echo or {}))
+
+
+def long_inputs_of(doc: dict) -> str | None:
+    """The extension field ``long_inputs``: "truncate" or "chunk" (None: the model's parameter)."""
+    value = doc.get("long_inputs")
+    if value is not None and value not in ("truncate", "chunk"):
+        raise invalid(f"'long_inputs' must be 'truncate' or 'chunk', not {clip(str(value))!r}", "long_inputs")
+    return value

@@ -28,6 +28,7 @@ from batchgate.gateway.transport.fields import (
     is_ids,
     json_response,
     latency_of,
+    long_inputs_of,
     openai_error,
     prompt_name_of,
     texts_of,
@@ -42,6 +43,8 @@ _EMBEDDINGS = Body(
         "model", "input", "encoding_format", "dimensions", "user", "latency_class", "latency_budget_ms",
         "prompt_name",  # an extension: sentence-transformers' word for one of the model's prompts
         "truncate",  # an extension: cut texts over the model's length instead of refusing them (OpenAI refuses)
+        "long_inputs",  # an extension: "chunk" a text over the model's length (vLLM's chunked processing)
+        "late_chunking",  # Jina's: the inputs are chunks of one document, embedded in one pass
     },
     "'model' and 'input'",
     "unrecognized request argument(s)",  # OpenAI refuses a field it does not know
@@ -78,6 +81,7 @@ def embeddings_call(request: web.Request, doc: dict) -> TextCall:
         "dense", model, texts=[] if ids is not None else texts_of(value, "input"), ids=ids, ids_from="openai",
         truncate=None if truncate is None else flag(doc, "truncate", False),
         prompt_name=prompt_name_of(doc), dimensions=dimensions_of(doc), parameters=latency_of(request, doc),
+        long_inputs=long_inputs_of(doc), late_chunking=flag(doc, "late_chunking", False),
     )  # fmt: skip
 
 

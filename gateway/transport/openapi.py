@@ -2,8 +2,11 @@
 ``GET /openapi.json``, and Swagger UI to browse it at ``GET /docs``.
 
 The document is written here by hand from the handlers (gateway/transport/kserve_rest.py,
-openai.py, tei.py): their fields, limits, statuses and the three error shapes (KServe's
-``{"error"}``, OpenAI's ``{"error": {message, type, param, code}}``, TEI's ``{"error", "error_type"}``).
+openai.py, tei.py, cohere.py, vllm.py): their fields, limits, statuses and the four error shapes
+(KServe's ``{"error"}``, OpenAI's ``{"error": {message, type, param, code}}``, TEI's
+``{"error", "error_type"}``, Cohere's ``{"id", "message"}``). The bodies of other servers' wires
+follow those servers: TEI's, Cohere's and vLLM/infinity's ignore unknown fields (their schemas are
+open), OpenAI's ``/v1/embeddings`` refuses them (closed).
 It cannot drift silently: tests/test_openapi.py fails when the app registers a route the document
 lacks (or the other way round), and fuzzes a live server from it with schemathesis, which fails on
 any answer whose status or body the document does not describe.
@@ -100,7 +103,8 @@ _WHY = {
     408: "The request body did not arrive within `http_body_timeout_s`; the connection closes.",
     413: "The request body is larger than `max_http_body_bytes` (refused from its Content-Length before it is "
     "read); the connection closes.",
-    422: "TEI: the request failed validation (a field of the wrong type, an unknown field, no such option).",
+    422: "TEI: the request failed validation (a missing field or one of the wrong type, no such option, a model "
+    "of another kind).",
     424: "TEI: the model failed to compute the batch.",
     429: "The tenant's rate limit (or stream quota) is spent; `Retry-After` says when to try again.",
     500: "The model failed to execute the batch (not the caller's fault).",
@@ -113,7 +117,7 @@ _TEXT_413 = (
     "The request body is larger than `max_http_body_bytes` (the connection closes), or it holds more than "
     f"{MAX_INPUTS} texts, or a text longer than the model's `max_text_bytes` / `max_tokens` (unless `truncate`)."
 )
-_ERROR_SCHEMA = {"kserve": "KServeError", "openai": "OpenAIError", "tei": "TEIError"}
+_ERROR_SCHEMA = {"kserve": "KServeError", "openai": "OpenAIError", "tei": "TEIError", "cohere": "CohereError"}
 _RETRY = {
     "Retry-After": {"description": "Seconds to wait before trying again.", "schema": _INT},
     "retry-after-ms": {"description": "The same hint in milliseconds.", "schema": _INT},
@@ -228,11 +232,16 @@ _LATENCY_FIELDS = {
         "description": f"The call's latency budget in milliseconds (an extension), at least {MIN_BUDGET_MS:g}.",
     },
 }
+# A text a model computes on: a whitespace-only text is embedded (as TEI and sentence-transformers
+# embed it: [CLS][SEP]); only the empty string is refused (400, 422 on TEI's routes, naming it).
+_TEXT = {"type": "string", "minLength": 1}
 _TEXTS = {
-    "oneOf": [
-        {"type": "string"},
-        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_INPUTS},
-    ],
+    "oneOf": [_TEXT, {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": MAX_INPUTS}],
+    "description": f"One text, or a list of at most {MAX_INPUTS}; whitespace-only texts are embedded, only "
+    '"" is refused.',
+}
+_ANY_TEXTS = {  # texts only tokenised (TEI's /tokenize): the empty string too
+    "oneOf": [_STR, {"type": "array", "items": _STR, "minItems": 1, "maxItems": MAX_INPUTS}],
     "description": f"One text, or a list of at most {MAX_INPUTS}.",
 }
 _TRUNCATION = {
@@ -250,13 +259,49 @@ _TRUNCATE = {
 _IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 _TEXTS_OR_IDS = {
     "oneOf": [
-        {"type": "string"},
-        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_INPUTS},
+        _TEXT,
+        {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": MAX_INPUTS},
         _IDS,
         {"type": "array", "items": _IDS, "minItems": 1, "maxItems": MAX_INPUTS},
     ],
-    "description": f"One text or a list of at most {MAX_INPUTS}; or token ids of the model's vocabulary "
-    "(a list of ints, or a list of such lists), the model's input as they are (no special tokens added).",
+    "description": f'One text or a list of at most {MAX_INPUTS} (whitespace-only texts are embedded, only "" '
+    "is refused); or token ids of the model's vocabulary (a list of ints, or a list of such lists), the "
+    "model's input as they are (no special tokens added), as TEI takes them.",
+}
+_OPENAI_INPUT = {
+    **_TEXTS_OR_IDS,
+    "description": f'One text or a list of at most {MAX_INPUTS} (whitespace-only texts are embedded, only "" '
+    "is refused); or token ids (a list of ints, or a list of such lists), by default ids of OpenAI's "
+    "`cl100k_base` encoding (what tiktoken makes, and LangChain's `OpenAIEmbeddings` sends by default), "
+    "decoded to text and tokenized by the model's own tokenizer. The setting `openai_token_ids` (server-wide, "
+    "or the model's parameter) chooses `openai` (the default), `model` (the model's own vocabulary, used as "
+    "they are) or `refuse` (400 naming `input`). `usage` counts the model's tokens.",
+}
+
+_DOCUMENTS = {
+    "type": "array",
+    "minItems": 1,
+    "maxItems": MAX_INPUTS,
+    "items": {"oneOf": [_TEXT, _obj({"text": _TEXT}, ("text",))]},
+    "description": "The documents: strings, or objects with a `text`.",
+}
+_QUERY = {
+    "type": "string",
+    "minLength": 1,
+    "pattern": r"\S",
+    "description": "The query (not only whitespace).",
+}
+_RANKED = {
+    "type": "array",
+    "items": _obj(
+        {
+            "index": {"type": "integer", "minimum": 0},
+            "relevance_score": _NUM,
+            "document": _obj({"text": _STR}, ("text",)),
+        },
+        ("index", "relevance_score"),
+    ),
+    "description": "By relevance, highest first; `document` with `return_documents`.",
 }
 
 SCHEMAS: dict[str, dict] = {
@@ -443,7 +488,7 @@ SCHEMAS: dict[str, dict] = {
     "EmbeddingsRequest": _obj(
         {
             "model": {"type": "string", "minLength": 1, "examples": [EXAMPLE_MODEL]},
-            "input": _TEXTS_OR_IDS,
+            "input": _OPENAI_INPUT,
             "encoding_format": {"enum": ["float", "base64", None], "default": "float"},
             "dimensions": {
                 "type": "integer",
@@ -456,6 +501,7 @@ SCHEMAS: dict[str, dict] = {
         },
         ("model", "input"),
         closed=True,
+        description="OpenAI's embeddings body; a field not listed is refused (400 naming it), as OpenAI does.",
         examples=[{"model": EXAMPLE_MODEL, "input": ["A man is eating food.", "A man is riding a horse."]}],
     ),
     "Embedding": _obj(
@@ -483,8 +529,20 @@ SCHEMAS: dict[str, dict] = {
         ("object", "data", "model", "usage"),
     ),
     "Model": _obj(
-        {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR},
-        ("id", "object", "created", "owned_by"),
+        {
+            "id": _STR,
+            "object": {"const": "model"},
+            "created": _INT,
+            "owned_by": _STR,
+            "kind": {
+                "type": "string",
+                "enum": ["embedding", "sparse_embedding", "classification", "rerank"],
+                "description": "batchgate's: what the model serves (its parameter `kind`), so a caller knows "
+                "which route to send it (embedding: /v1/embeddings; rerank: /v1/rerank, /v2/rerank, /score; "
+                "classification: /classify, /predict; sparse_embedding: /embed_sparse).",
+            },
+        },
+        ("id", "object", "created", "owned_by", "kind"),
     ),
     "ModelList": _obj(
         {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}, ("object", "data")
@@ -539,14 +597,25 @@ SCHEMAS: dict[str, dict] = {
             **_LATENCY_FIELDS,
         },
         ("inputs",),
-        closed=True,
+        description="TEI's embed body; fields not listed are ignored, as TEI ignores them.",
         examples=[{"inputs": ["What is Deep Learning?"], "normalize": True}],
     ),
     "EmbedResponse": {"type": "array", "items": {"type": "array", "items": _NUM}},
     "RerankRequest": _obj(
         {
-            "query": {"type": "string", "minLength": 1},
+            "query": _QUERY,
             "texts": _TEXTS,
+            "documents": {
+                **_DOCUMENTS,
+                "description": "infinity's and vLLM's Cohere-shaped body: sent instead of `texts`, it is "
+                "answered in that shape (`RerankResultsResponse`).",
+            },
+            "top_n": {"type": "integer", "minimum": 1, "description": "Only the first `top_n` by score."},
+            "return_documents": {
+                "type": ["boolean", "null"],
+                "default": False,
+                "description": "With `documents`: each result's `document`.",
+            },
             "truncate": _TRUNCATE,
             "truncation_direction": _TRUNCATION,
             "raw_scores": {"type": ["boolean", "null"], "default": False},
@@ -558,8 +627,10 @@ SCHEMAS: dict[str, dict] = {
             },
             **_LATENCY_FIELDS,
         },
-        ("query", "texts"),
-        closed=True,
+        ("query",),
+        anyOf=[{"required": ["texts"]}, {"required": ["documents"]}],
+        description="TEI's rerank body (`texts`), or infinity's and vLLM's (`documents`, `top_n`, "
+        "`return_documents`); fields not listed are ignored, as those servers ignore them.",
         examples=[
             {
                 "query": "What is Deep Learning?",
@@ -568,22 +639,40 @@ SCHEMAS: dict[str, dict] = {
         ],
     ),
     "RerankResponse": {
-        "type": "array",
-        "items": _obj(
-            {"index": {"type": "integer", "minimum": 0}, "score": _NUM, "text": _STR}, ("index", "score")
-        ),
+        "oneOf": [
+            {
+                "type": "array",
+                "items": _obj(
+                    {"index": {"type": "integer", "minimum": 0}, "score": _NUM, "text": _STR},
+                    ("index", "score"),
+                ),
+                "description": "TEI's answer to `texts`: highest score first.",
+            },
+            _ref("RerankResultsResponse"),
+        ]
     },
+    "RerankResultsResponse": _obj(
+        {
+            "object": {"const": "rerank"},
+            "id": _STR,
+            "created": _INT,
+            "model": _STR,
+            "results": _RANKED,
+            "usage": _obj({"prompt_tokens": _COUNTER, "total_tokens": _COUNTER}),
+        },
+        ("object", "model", "results", "usage"),
+        description="infinity's and vLLM's answer to `documents`: by relevance, the first `top_n`.",
+    ),
     # -- Cohere / Jina
     "V1RerankRequest": _obj(
         {
-            "model": {"type": "string", "minLength": 1},
-            "query": {"type": "string", "minLength": 1},
-            "documents": {
-                "type": "array",
-                "minItems": 1,
-                "maxItems": MAX_INPUTS,
-                "items": {"oneOf": [_STR, _obj({"text": _STR}, ("text",))]},
+            "model": {
+                "type": "string",
+                "minLength": 1,
+                "description": "Default: the only served rerank model (or `tei_default_model`).",
             },
+            "query": _QUERY,
+            "documents": _DOCUMENTS,
             "top_n": {"type": "integer", "minimum": 1},
             "return_documents": {"type": ["boolean", "null"], "default": False},
             "max_chunks_per_doc": {"description": "Accepted and ignored."},
@@ -591,7 +680,7 @@ SCHEMAS: dict[str, dict] = {
             **_LATENCY_FIELDS,
         },
         ("query", "documents"),
-        closed=True,
+        description="Cohere's v1 and Jina's rerank body; fields not listed are ignored, as Cohere ignores them.",
         examples=[
             {
                 "query": "What is Deep Learning?",
@@ -603,17 +692,7 @@ SCHEMAS: dict[str, dict] = {
     "V1RerankResponse": _obj(
         {
             "model": _STR,
-            "results": {
-                "type": "array",
-                "items": _obj(
-                    {
-                        "index": {"type": "integer", "minimum": 0},
-                        "relevance_score": _NUM,
-                        "document": _obj({"text": _STR}, ("text",)),
-                    },
-                    ("index", "relevance_score"),
-                ),
-            },
+            "results": _RANKED,
             "usage": _obj({"total_tokens": _COUNTER}),
             "meta": {"type": "object"},
         },
@@ -643,7 +722,15 @@ _LABELS = _obj(
     ("id2label", "label2id"),
 )  # fmt: skip
 _PREDICTION = _obj({"score": _NUM, "label": _STR}, ("score", "label"))
-_ROW = {"type": "array", "items": _STR, "minItems": 1, "maxItems": 2}
+_VLLM_IGNORED = {k: {"description": "Accepted and ignored."}
+                 for k in ("truncate_prompt_tokens", "encoding_format", "priority")}  # fmt: skip
+_VLLM_USAGE = _obj(
+    {"prompt_tokens": _COUNTER, "total_tokens": _COUNTER, "completion_tokens": _COUNTER,
+     "prompt_tokens_details": {"type": "null"}},
+    ("prompt_tokens", "total_tokens"),
+)  # fmt: skip
+_ROW = {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": 2}
+_IGNORED = "fields not listed are ignored, as TEI ignores them."
 SCHEMAS.update({
     "Info": _obj(
         {"model_id": _STR, "model_sha": _STR, "model_dtype": _STR,
@@ -654,27 +741,33 @@ SCHEMAS.update({
          "max_batch_requests": _COUNTER, "max_client_batch_size": _COUNTER, "auto_truncate": {"type": "boolean"},
          "tokenization_workers": _COUNTER, "version": _STR, "sha": {"type": ["string", "null"]},
          "docker_label": {"type": ["string", "null"]}, "kind": _STR, "max_text_bytes": _COUNTER,
-         "pairs": {"type": "boolean"}},
+         "pairs": {"type": "boolean"}, "prompts": {"type": "array", "items": _STR},
+         "matryoshka_dimensions": {"type": "array", "items": _COUNTER},
+         "vector_ranges": {"type": "object", "description": "The per-dimension ranges int8/uint8 vectors are "
+                           "quantised with (calibrated once per model), where the model has them."},
+         "selection": {"type": "object", "description": "The engine and precision chosen for this host."}},
         ("model_id", "model_dtype", "model_type", "max_input_length", "max_batch_tokens", "auto_truncate", "version"),
-        description="TEI's `/info` for the route's model; `kind`, `max_text_bytes` and `pairs` are batchgate's.",
+        description="TEI's `/info` for the route's model; `kind`, `max_text_bytes`, `pairs`, `prompts`, "
+        "`matryoshka_dimensions`, `vector_ranges` and `selection` are batchgate's.",
     ),
     "TokenizeRequest": _obj(
-        {"inputs": _TEXTS, "add_special_tokens": {"type": ["boolean", "null"], "default": True},
+        {"inputs": _ANY_TEXTS, "add_special_tokens": {"type": ["boolean", "null"], "default": True},
          "prompt_name": _PROMPT, "model": _MODEL_FIELD},
-        ("inputs",), closed=True, examples=[{"inputs": "What is Deep Learning?"}],
+        ("inputs",), description="TEI's tokenize body; " + _IGNORED,
+        examples=[{"inputs": "What is Deep Learning?"}],
     ),
     "TokenizeResponse": {"type": "array", "items": {"type": "array", "items": _TOKEN}},
     "DecodeRequest": _obj(
         {"ids": {"oneOf": [_IDS, {"type": "array", "items": _IDS, "minItems": 1, "maxItems": MAX_INPUTS}]},
          "skip_special_tokens": {"type": ["boolean", "null"], "default": True}, "model": _MODEL_FIELD},
-        ("ids",), closed=True, examples=[{"ids": [101, 7592, 102]}],
+        ("ids",), description="TEI's decode body; " + _IGNORED, examples=[{"ids": [101, 7592, 102]}],
     ),
     "DecodeResponse": {"type": "array", "items": _STR},
     "EmbedAllRequest": _obj(
         {"inputs": _TEXTS_OR_IDS, "truncate": _TRUNCATE, "truncation_direction": _TRUNCATION,
          "prompt_name": _PROMPT, "normalize": {"type": ["boolean", "null"], "description": "Accepted and ignored."},
          "model": _MODEL_FIELD, **_LATENCY_FIELDS},
-        ("inputs",), closed=True,
+        ("inputs",), description="TEI's embed_all body; " + _IGNORED,
     ),
     "EmbedAllResponse": {"type": "array", "items": {"type": "array", "items": {"type": "array", "items": _NUM}}},
     "EmbedSparseRequest": _obj(
@@ -682,41 +775,138 @@ SCHEMAS.update({
          "prompt_name": _PROMPT, "top_k": {"type": ["integer", "null"], "minimum": 1,
                                            "description": "Keep only the k largest weights (an extension)."},
          "model": _MODEL_FIELD, **_LATENCY_FIELDS},
-        ("inputs",), closed=True,
+        ("inputs",), description="TEI's embed_sparse body; " + _IGNORED,
     ),
     "EmbedSparseResponse": {"type": "array", "items": {"type": "array", "items": _obj(
         {"index": _COUNTER, "value": _NUM}, ("index", "value"))}},
     "SimilarityRequest": _obj(
-        {"inputs": _obj({"source_sentence": _STR, "sentences": _TEXTS}, ("source_sentence", "sentences"), closed=True),
+        {"inputs": _obj({"source_sentence": _STR, "sentences": _TEXTS}, ("source_sentence", "sentences")),
          "parameters": {"oneOf": [{"type": "null"}, _obj(
-             {"truncate": _TRUNCATE, "truncation_direction": _TRUNCATION, "prompt_name": _PROMPT}, closed=True)]},
+             {"truncate": _TRUNCATE, "truncation_direction": _TRUNCATION, "prompt_name": _PROMPT})]},
          "model": _MODEL_FIELD, **_LATENCY_FIELDS},
-        ("inputs",), closed=True,
+        ("inputs",), description="TEI's similarity body (what `InferenceClient.sentence_similarity` sends); "
+        + _IGNORED,
         examples=[{"inputs": {"source_sentence": "What is Deep Learning?", "sentences": ["What is ML?"]}}],
     ),
     "SimilarityResponse": {"type": "array", "items": _NUM},
     "PredictRequest": _obj(
-        {"inputs": {"oneOf": [_STR, {"type": "array", "items": _STR, "minItems": 2, "maxItems": 2},
+        {"inputs": {"oneOf": [_TEXT, {"type": "array", "items": _TEXT, "minItems": 2, "maxItems": 2},
                               {"type": "array", "items": _ROW, "minItems": 1, "maxItems": MAX_INPUTS}],
-                    "description": "A text, a pair [text, text], or a batch of [text] / [text, text]."},
+                    "description": "A text, a pair [text, text], or a batch of [text] / [text, text] (all rows "
+                    "alike). Any classifier takes pairs, tokenized as its tokenizer pairs two sequences."},
          "raw_scores": {"type": ["boolean", "null"], "default": False}, "truncate": _TRUNCATE,
          "truncation_direction": _TRUNCATION, "model": _MODEL_FIELD, **_LATENCY_FIELDS},
-        ("inputs",), closed=True, examples=[{"inputs": "I like you."}],
+        ("inputs",), description="TEI's predict body; " + _IGNORED, examples=[{"inputs": "I like you."}],
     ),
     "PredictResponse": {"oneOf": [{"type": "array", "items": _PREDICTION},
                                   {"type": "array", "items": {"type": "array", "items": _PREDICTION}}]},
     "ClassifyRequest": _obj(
         {"model": _MODEL_FIELD, "input": {"oneOf": [_TEXTS, {"type": "array", "items": _ROW, "minItems": 1}]},
-         "user": _STR, "truncate": _TRUNCATE, "truncation_direction": _TRUNCATION, **_LATENCY_FIELDS},
-        ("input",), closed=True, examples=[{"input": ["I like you.", "Go away."]}],
+         "user": _STR, "truncate": _TRUNCATE, "truncation_direction": _TRUNCATION, **_VLLM_IGNORED,
+         **_LATENCY_FIELDS},
+        ("input",), description="vLLM's classify body; fields not listed are ignored, as vLLM ignores them.",
+        examples=[{"input": ["I like you.", "Go away."]}],
     ),
     "ClassifyResponse": _obj(
         {"id": _STR, "object": {"const": "list"}, "created": _INT, "model": _STR,
          "data": {"type": "array", "items": _obj(
              {"index": _COUNTER, "label": _STR, "probs": {"type": "array", "items": _NUM}, "num_classes": _COUNTER},
              ("index", "label", "probs", "num_classes"))},
-         "usage": _obj({"prompt_tokens": _COUNTER, "total_tokens": _COUNTER})},
+         "usage": _VLLM_USAGE},
         ("object", "data", "model", "usage"),
+    ),
+    "ScoreRequest": _obj(
+        {"model": _MODEL_FIELD,
+         "text_1": {"oneOf": [_TEXT, {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": MAX_INPUTS}],
+                    "description": "One query (a text, or a list of one) scored against every `text_2`, or as "
+                    "many texts as `text_2`, paired index by index."},
+         "text_2": _TEXTS, "user": _STR, "truncate": _TRUNCATE, "truncation_direction": _TRUNCATION,
+         **_VLLM_IGNORED, **_LATENCY_FIELDS},
+        ("text_1", "text_2"),
+        description="vLLM's score body (a cross-encoder); fields not listed are ignored, as vLLM ignores them.",
+        examples=[{"text_1": "What is Deep Learning?", "text_2": ["Deep Learning is a subset of ML.", "Cheese."]}],
+    ),
+    "ScoreResponse": _obj(
+        {"id": _STR, "object": {"const": "list"}, "created": _INT, "model": _STR,
+         "data": {"type": "array", "items": _obj(
+             {"index": _COUNTER, "object": {"const": "score"}, "score": _NUM}, ("index", "object", "score"))},
+         "usage": _VLLM_USAGE},
+        ("object", "data", "model", "usage"),
+        description="One score per pair, in the order of `text_2`: the sigmoid of the model's logit.",
+    ),
+})  # fmt: skip
+
+# -- Cohere v2 (gateway/transport/cohere.py)
+_COHERE_META = _obj(
+    {"api_version": _obj({"version": _STR}),
+     "billed_units": _obj({"input_tokens": _COUNTER, "search_units": _COUNTER})},
+)  # fmt: skip
+_PRIORITY = {"type": "integer", "description": "Cohere's request priority: accepted and ignored (latency classes "
+             "and budgets order calls here)."}  # fmt: skip
+_INT_ROWS = {"type": "array", "items": {"type": "array", "items": _INT}}
+SCHEMAS.update({
+    "CohereError": _obj(
+        {"id": _STR, "message": _STR}, ("id", "message"), closed=True,
+        description="Cohere's error (`/v2/rerank`, `/v2/embed`); the SDK raises its error class by the status.",
+    ),
+    "V2RerankRequest": _obj(
+        {"model": {**_MODEL_FIELD, "description": "Cohere requires it; here, absent: the only served rerank "
+                   "model (or `tei_default_model`)."},
+         "query": _QUERY, "documents": _DOCUMENTS, "top_n": {"type": "integer", "minimum": 1},
+         "max_tokens_per_doc": {"type": "integer", "minimum": 1,
+                                "description": "Each document cut to its first this many tokens before scoring."},
+         "return_documents": {"type": ["boolean", "null"], "default": False,
+                              "description": "Cohere's v1 field, still honoured: each result's `document`."},
+         "priority": _PRIORITY, **_LATENCY_FIELDS},
+        ("query", "documents"),
+        description="Cohere's v2 rerank body (`cohere.ClientV2.rerank`); fields not listed are ignored, as "
+        "Cohere ignores them.",
+        examples=[{"model": "ce", "query": "What is Deep Learning?",
+                   "documents": ["Deep Learning is a subset of ML.", "Cheese."], "top_n": 1}],
+    ),
+    "V2RerankResponse": _obj(
+        {"id": _STR, "results": _RANKED, "meta": _COHERE_META}, ("id", "results", "meta"),
+        description="By relevance (the sigmoid of the model's logit), highest first, the first `top_n`.",
+    ),
+    "V2EmbedRequest": _obj(
+        {"model": {**_MODEL_FIELD, "description": "Cohere requires it; here, absent: the server's default "
+                   "embedding model."},
+         "texts": {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": MAX_INPUTS},
+         "inputs": {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS,
+                    "items": _obj({"content": {"type": "array", "minItems": 1, "maxItems": 1, "items": _obj(
+                        {"type": {"const": "text"}, "text": _TEXT}, ("type", "text"))}}, ("content",)),
+                    "description": "v2's mixed inputs, instead of `texts`: text content only (one text each)."},
+         "input_type": {"type": "string",
+                        "enum": ["search_query", "search_document", "classification", "clustering"],
+                        "description": "Mapped to the model's prompts (search_query: `query`; search_document: "
+                        "`document`, `passage`; classification; clustering); a model without such a prompt "
+                        "embeds the text as it is. Each type has its own cache entries."},
+         "embedding_types": {"type": "array", "items": {
+             "type": "string", "enum": ["float", "int8", "uint8", "binary", "ubinary", "base64"]},
+             "description": "Default `[\"float\"]`. binary/ubinary: the signs packed 8 to a byte (binary "
+             "offset by -128); int8/uint8: per-dimension ranges calibrated once per model (`/info` "
+             "`vector_ranges`); base64: float's little-endian bytes."},
+         "truncate": {"type": "string", "enum": ["NONE", "START", "END"], "default": "END",
+                      "description": "A text over the model's length: refused (NONE), or cut keeping its end "
+                      "(START) or its start (END)."},
+         "output_dimension": {"type": "integer", "minimum": 1,
+                              "description": "A Matryoshka size the model declares, or its own."},
+         "max_tokens": {"type": "integer", "minimum": 1, "description": "Each text cut to this many tokens."},
+         "priority": _PRIORITY, **_LATENCY_FIELDS},
+        anyOf=[{"required": ["texts"]}, {"required": ["inputs"]}],
+        description="Cohere's v2 embed body (`cohere.ClientV2.embed`); fields not listed are ignored, as Cohere "
+        "ignores them. Images are not served.",
+        examples=[{"model": EXAMPLE_MODEL, "texts": ["A man is eating food."], "input_type": "search_document",
+                   "embedding_types": ["float", "int8"]}],
+    ),
+    "V2EmbedResponse": _obj(
+        {"id": _STR, "response_type": {"const": "embeddings_by_type"},
+         "embeddings": _obj({"float": {"type": "array", "items": {"type": "array", "items": _NUM}},
+                             "int8": _INT_ROWS, "uint8": _INT_ROWS, "binary": _INT_ROWS, "ubinary": _INT_ROWS,
+                             "base64": {"type": "array", "items": _STR}},
+                            description="One list of vectors per type asked for, in the texts' order."),
+         "texts": {"type": "array", "items": _STR}, "meta": _COHERE_META},
+        ("id", "response_type", "embeddings", "texts", "meta"),
     ),
 })  # fmt: skip
 
@@ -734,7 +924,8 @@ def _tei_call(op_id: str, summary: str, ok: str, request: str, response: str, ba
 
 
 def tei_paths() -> dict[str, dict]:
-    """TEI's routes beside ``/embed`` and ``/rerank`` at the root, vLLM's ``/classify``, and every
+    """TEI's routes beside ``/embed`` and ``/rerank`` at the root (its entry routes ``POST /`` and
+    ``/invocations``, ``GET /`` and ``/ping`` included), vLLM's ``/classify`` and ``/score``, and every
     TEI route again under ``/tei/{model}`` (that model's own TEI server)."""
     out: dict[str, dict] = {}
     for base in ("", "/tei/{model}"):
@@ -749,16 +940,37 @@ def tei_paths() -> dict[str, dict]:
                 params=params,
             )
         }
-        out[base + "/health"] = {
-            "get": _op(
-                f"health{s}",
-                "TEI",
-                "Whether the model is loaded and the server not draining",
-                {"200": _ok("Healthy."), **_errors("tei", (404, 422, 503))},
-                params=params,
-                security=_OPEN,
-            )
-        }
+        for path, op_id in (("/health", "health"), ("/ping", "ping"), ("", "root")):
+            out[(base + path) or "/"] = {
+                "get": _op(
+                    f"{op_id}{s}",
+                    "TEI",
+                    "Whether the model is loaded and the server not draining"
+                    + ("" if path == "/health" else " (TEI's health, at this path too)"),
+                    {"200": _ok("Healthy."), **_errors("tei", (404, 422, 503))},
+                    params=params,
+                    security=_OPEN,
+                )
+            }
+        for path, op_id in (("", "entry"), ("/invocations", "invocations")):
+            entry = _op(
+                f"{op_id}{s}", "TEI",
+                "The call the model's kind answers (TEI's entry route: what `InferenceClient(base_url=...)` posts)",
+                {"200": _ok("The answer of the route the model's kind names.", {"anyOf": [
+                    _ref(r) for r in ("EmbedResponse", "EmbedSparseResponse", "RerankResponse", "PredictResponse",
+                                      "SimilarityResponse")]}),
+                 **_errors("tei", _TEI_ERRORS, _TEI_400)},
+                params=params, headers=("request_id", "latency_class", "latency_budget"),
+                body={"required": True, "content": _json({"anyOf": [
+                    _ref(r) for r in ("EmbedRequest", "EmbedSparseRequest", "RerankRequest", "PredictRequest",
+                                      "SimilarityRequest")]})},
+                description="An `inputs` object with `source_sentence` is a similarity call (`/similarity`, as "
+                "`InferenceClient.sentence_similarity` sends it); otherwise the body is read as the model's kind "
+                "asks: an embedding model `/embed`, a sparse one `/embed_sparse`, a reranker `/rerank`, a "
+                "classifier `/predict`. Which model: the base URL's, else the body's `model`, else the server's "
+                "default model (`tei_default_model`).",
+            )  # fmt: skip
+            out.setdefault((base + path) or "/", {})["post"] = entry  # "/" and "/tei/{model}" hold a GET too
         routes = (
             ("tokenize", "Tokens of each text, with their offsets", "Per text, its tokens.", "Tokenize"),
             ("decode", "Texts of token ids", "Per row of ids, its text.", "Decode"),
@@ -796,6 +1008,16 @@ def tei_paths() -> dict[str, dict]:
                     base,
                 )
             }
+    for path, op_id in (("/score", "score"), ("/v1/score", "v1Score")):
+        out[path] = {
+            "post": _op(
+                op_id, "vLLM", "Score pairs with a cross-encoder (vLLM's API)",
+                {"200": _ok("One score per pair, in order.", _ref("ScoreResponse")),
+                 **_errors("openai", _OPENAI_ERRORS)},
+                headers=("request_id", "latency_class", "latency_budget"),
+                body=_json_body("ScoreRequest"),
+            )
+        }  # fmt: skip
     for path, op_id in (("/classify", "classify"), ("/v1/classify", "v1Classify")):
         out[path] = {
             "post": _op(
@@ -819,6 +1041,8 @@ def tei_paths() -> dict[str, dict]:
 # -- the routes --------------------------------------------------------------------------------------
 
 _KSERVE_BODY_ERRORS = (400, 401, 408, 413)
+_OPENAI_ERRORS = (400, 401, 403, 404, 408, 413, 429, 500, 501, 503, 504)
+_COHERE_ERRORS = (400, 401, 403, 404, 408, 413, 429, 500, 501, 503, 504)
 
 
 def _model_routes(base: str, versioned: bool) -> dict[str, dict]:
@@ -969,9 +1193,22 @@ def _paths() -> dict[str, dict]:
             "post": _op(
                 "createEmbeddings", "OpenAI", "Embeddings (OpenAI's API)",
                 {"200": _ok("One vector per input, in order.", _ref("EmbeddingsResponse")),
-                 **_errors("openai", (400, 401, 403, 404, 408, 413, 429, 500, 501, 503, 504))},
+                 **_errors("openai", _OPENAI_ERRORS)},
                 headers=("request_id", "latency_class", "latency_budget"),
                 body=_json_body("EmbeddingsRequest"),
+                description="An unknown model is 404 naming `GET /v1/models`.",
+            )
+        },
+        "/embeddings": {
+            "post": _op(
+                "createEmbeddingsRoot", "OpenAI",
+                "Embeddings at the root (as TEI, infinity and vLLM serve it; the OpenAI SDK with `base_url` at the "
+                "server's root calls it)",
+                {"200": _ok("One vector per input, in order.", _ref("EmbeddingsResponse")),
+                 **_errors("openai", _OPENAI_ERRORS)},
+                headers=("request_id", "latency_class", "latency_budget"),
+                body=_json_body("EmbeddingsRequest"),
+                description="The same body and answer as `POST /v1/embeddings`.",
             )
         },
         "/v1/models": {
@@ -1025,12 +1262,31 @@ def _paths() -> dict[str, dict]:
                 body=_json_body("RerankRequest"),
             )
         },
-        # -- Cohere / Jina
+        # -- Cohere
+        "/v2/rerank": {
+            "post": _op(
+                "v2Rerank", "Cohere / Jina", "Rerank documents against a query (Cohere's v2 API)",
+                {"200": _ok("The first `top_n` documents by relevance.", _ref("V2RerankResponse")),
+                 **_errors("cohere", _COHERE_ERRORS)},
+                headers=("request_id", "latency_class", "latency_budget"),
+                body=_json_body("V2RerankRequest"),
+            )
+        },
+        "/v2/embed": {
+            "post": _op(
+                "v2Embed", "Cohere / Jina", "Embeddings in the types asked for (Cohere's v2 API)",
+                {"200": _ok("Per type, one vector per text, in order.", _ref("V2EmbedResponse")),
+                 **_errors("cohere", _COHERE_ERRORS)},
+                headers=("request_id", "latency_class", "latency_budget"),
+                body=_json_body("V2EmbedRequest"),
+            )
+        },
+        # -- Cohere v1 / Jina
         "/v1/rerank": {
             "post": _op(
                 "v1Rerank", "Cohere / Jina", "Rerank documents against a query (Cohere's / Jina's API)",
                 {"200": _ok("The first `top_n` documents by relevance.", _ref("V1RerankResponse")),
-                 **_errors("openai", (400, 401, 403, 404, 408, 413, 429, 500, 501, 503, 504))},
+                 **_errors("openai", _OPENAI_ERRORS)},
                 headers=("request_id", "latency_class", "latency_budget"),
                 body=_json_body("V1RerankRequest"),
             )
@@ -1077,14 +1333,17 @@ def document() -> dict:
         "info": {
             "title": "batchgate REST API",
             "version": VERSION,
-            "summary": "KServe v2 REST, OpenAI embeddings, TEI embed/rerank and Cohere/Jina rerank, "
-            "served by one dynamic-batching gateway.",
+            "summary": "KServe v2 REST, OpenAI embeddings, TEI's whole REST surface, Cohere v2 embed/rerank, "
+            "vLLM/infinity classify, score and rerank, served by one dynamic-batching gateway.",
             "description": "Every call (all APIs) goes through the same pipeline: API key, rate limits, "
             "latency class, batching with other callers. Errors come in each API's own shape: KServe's "
             '`{"error": ...}`, OpenAI\'s `{"error": {"message", "type", "param", "code"}}` (also '
-            '`/v1/rerank`), TEI\'s `{"error", "error_type"}`. A path or method the server does not '
-            "serve is answered 404/405 with KServe's shape. An API key is needed only when the server "
-            "has a tenant file (`api_keys_file`).",
+            '`/v1/rerank`, `/classify` and `/score`), TEI\'s `{"error", "error_type"}`, Cohere\'s '
+            '`{"id", "message"}` (`/v2/*` but KServe\'s `/v2/models`, `/v2/health`, `/v2/repository`). '
+            "Unknown body fields are refused on `/v1/embeddings` (as OpenAI refuses them) and ignored "
+            "everywhere else among the text APIs (as TEI, Cohere, infinity and vLLM ignore them). A path or "
+            "method the server does not serve is answered 404/405 with KServe's shape. An API key is needed "
+            "only when the server has a tenant file (`api_keys_file`).",
             "license": {"name": "Apache-2.0", "identifier": "Apache-2.0"},
         },
         "tags": [

@@ -40,6 +40,7 @@ from batchgate.gateway.transport.fields import (
     json_response,
     latency_of,
     left_of,
+    long_inputs_of,
     positive,
     prompt_name_of,
     ranked,
@@ -54,7 +55,10 @@ if TYPE_CHECKING:
 
 _COMMON = {"model", "latency_class", "latency_budget_ms", "truncate", "truncation_direction"}
 BODIES = {
-    "embed": Body({"inputs", "normalize", "prompt_name", "dimensions", *_COMMON}, "'inputs'"),
+    "embed": Body(
+        {"inputs", "normalize", "prompt_name", "dimensions", "long_inputs", "late_chunking", *_COMMON},
+        "'inputs'",
+    ),
     "rerank": Body(
         {"query", "texts", "raw_scores", "return_text", "top_n", "documents", "return_documents", *_COMMON},
         "'query' and 'texts'",
@@ -106,7 +110,8 @@ def _truncation(doc: dict) -> dict:
 def embed_call(request: web.Request, doc: dict) -> TextCall:
     call = TextCall(
         "dense", _model(request, doc), normalize=flag(doc, "normalize", True), prompt_name=prompt_name_of(doc),
-        dimensions=dimensions_of(doc), parameters=latency_of(request, doc), field="inputs", **_truncation(doc),
+        dimensions=dimensions_of(doc), parameters=latency_of(request, doc), field="inputs",
+        long_inputs=long_inputs_of(doc), late_chunking=flag(doc, "late_chunking", False), **_truncation(doc),
     )  # fmt: skip
     return _inputs(doc, call)
 

@@ -1,0 +1,322 @@
+"""``batchgate prepare-model`` for BGE-M3: its XLM-R encoder and FlagEmbedding's two extra heads
+(``colbert_linear.pt``, ``sparse_linear.pt``, torch.save files read without torch) in one graph
+that answers all three outputs in one pass.
+
+The reference is FlagEmbedding's own computation, restated here from its source
+(``FlagEmbedding/finetune/embedder/encoder_only/m3/modeling.py`` ``_dense_embedding`` (cls),
+``_sparse_embedding``, ``_colbert_embedding`` and ``EncoderOnlyEmbedderM3ModelForInference``;
+``inference/embedder/encoder_only/m3.py`` ``_process_token_weights``, ``_process_colbert_vecs``,
+``compute_lexical_matching_score``, ``colbert_score``): FlagEmbedding 1.4.2 installs but does not
+import beside transformers 5 (its package __init__ imports
+``transformers.modeling_attn_mask_utils``, gone in transformers 5), so ``BGEM3FlagModel`` itself
+cannot run here. The encoder is transformers' ``XLMRobertaModel``.
+
+The folder is tiny (hidden 32, 2 layers, scrambled), laid out as BAAI/bge-m3 is: a
+sentence-transformers folder (Transformer, CLS Pooling, Normalize) with the two head files
+beside the weights. Rows of mixed lengths in one padded batch, words repeated in a row (so the
+sparse weights' max per id is not a sum), per-row cosine >= 0.999999 for each output.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from fnmatch import fnmatch
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from tokenizers import Tokenizer
+
+from batchgate.gateway.build import bge_m3, sources
+from batchgate.gateway.build.hf_model import PrepareError
+from batchgate.gateway.build.prepare import prepare_model
+from batchgate.gateway.build.torch_file import TorchFileError, read_state_dict
+from batchgate.gateway.repository import load_model
+from batchgate.gateway.text import TextStage
+from tests.test_prepare_model import MIN_COSINE, TEXTS, TINY, cosines, scramble, st_folder, unigram
+from tests.test_prepare_sources import cache_layout
+
+COLBERT_DIM = 24  # BGE-M3's is its hidden size; any size is read
+ROWS = TEXTS + ["the dog and the cat and the dog", "the the the the"]
+
+
+@pytest.fixture(scope="module")
+def m3(tmp_path_factory):
+    """(folder, XLMRobertaModel, colbert Linear, sparse Linear)."""
+    torch = pytest.importorskip("torch")
+    import transformers as t
+
+    torch.manual_seed(0)
+    tok = unigram()
+    cfg = t.XLMRobertaConfig(**TINY, vocab_size=tok.get_vocab_size(), max_position_embeddings=40, pad_token_id=1,
+                             bos_token_id=0, eos_token_id=2)  # fmt: skip
+    model = t.XLMRobertaModel(cfg, add_pooling_layer=False)
+    scramble(model)
+    colbert, sparse = (
+        torch.nn.Linear(TINY["hidden_size"], COLBERT_DIM),
+        torch.nn.Linear(TINY["hidden_size"], 1),
+    )
+    with torch.no_grad():
+        for p in (*colbert.parameters(), *sparse.parameters()):
+            p.normal_(0.0, 0.3)
+        # A bias that leaves about half of the rows' token weights positive: relu and the w > 0
+        # filter both matter (scrambled states share a direction that a random head reads one way).
+        tok.enable_truncation(38)
+        enc = tok.encode_batch(ROWS)
+        tok.no_truncation()
+        raw = torch.cat([(sparse(model.eval()(input_ids=torch.tensor([e.ids])).last_hidden_state) - sparse.bias)
+                         .flatten() for e in enc])  # fmt: skip
+        sparse.bias.fill_(-float(raw.median()))
+    d = tmp_path_factory.mktemp("bge-m3") / "bge-m3"
+    model.eval().save_pretrained(d)
+    tok.save(str(d / "tokenizer.json"))
+    special = {"bos_token": "<s>", "cls_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
+               "sep_token": "</s>", "mask_token": "<mask>"}  # fmt: skip
+    (d / "special_tokens_map.json").write_text(json.dumps(special))
+    st_folder(d, "cls", True)
+    # As FlagEmbedding's save() writes them: torch.save of each Linear's state dict.
+    torch.save(colbert.state_dict(), d / bge_m3.COLBERT_FILE)
+    torch.save(sparse.state_dict(), d / bge_m3.SPARSE_FILE)
+    return d, model, colbert, sparse
+
+
+@pytest.fixture(scope="module")
+def repo(m3, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("bge-m3-repo")
+    prepare_model(m3[0], "m3", repo, log=print)
+    return repo
+
+
+def flag_reference(m3, texts: list[str]) -> tuple[np.ndarray, list[dict[int, float]], list[np.ndarray]]:
+    """FlagEmbedding's dense_vecs, lexical_weights and colbert_vecs for ``texts`` (restated)."""
+    import torch
+
+    folder, model, colbert, sparse = m3
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.enable_truncation(38)  # max_position_embeddings 40 less XLM-R's padding_idx + 1
+    tok.enable_padding(pad_id=1, pad_token="<pad>")
+    enc = tok.encode_batch(texts)
+    ids = torch.tensor([e.ids for e in enc])
+    mask = torch.tensor([e.attention_mask for e in enc])
+    with torch.no_grad():
+        h = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        dense = torch.nn.functional.normalize(h[:, 0], dim=-1)
+        token_weights = torch.relu(sparse(h)).squeeze(-1)
+        vecs = colbert(h[:, 1:]) * mask[:, 1:][:, :, None].float()
+        vecs = torch.nn.functional.normalize(vecs, dim=-1)
+    # tokenizer.cls_token_id, eos_token_id, pad_token_id, unk_token_id
+    unused = {tok.token_to_id(t) for t in ("<s>", "</s>", "<pad>", "<unk>")}
+    lexical = []
+    for weights, row in zip(token_weights.numpy(), ids.numpy()):
+        result: dict[int, float] = {}
+        for w, idx in zip(weights, row):
+            if idx not in unused and w > 0 and w > result.get(int(idx), 0):
+                result[int(idx)] = float(w)
+        lexical.append(result)
+    colbert_vecs = [v[: int(m.sum()) - 1] for v, m in zip(vecs.numpy(), mask.numpy())]
+    return dense.numpy(), lexical, colbert_vecs
+
+
+def run(model_dir: Path, texts: list[str]) -> tuple[dict[str, np.ndarray], dict]:
+    (spec,) = load_model(model_dir)
+    feeds = TextStage(spec)({"text": np.array(texts, dtype=object)})
+    sess = ort.InferenceSession(str(model_dir / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(None, feeds))), feeds
+
+
+def as_dict(row: np.ndarray) -> dict[int, float]:
+    return {int(i): float(row[i]) for i in np.flatnonzero(row)}
+
+
+def test_one_pass_answers_flagembedding_three_outputs(m3, repo):
+    out, feeds = run(repo / "m3", ROWS)
+    assert feeds["attention_mask"].min() == 0  # mixed lengths: padded
+    dense, lexical, colbert = flag_reference(m3, ROWS)
+    # dense: the CLS state, normalised
+    cos = cosines(out["embedding"], dense)
+    assert cos.min() >= MIN_COSINE, cos
+    # sparse: the same ids, the same weights (max per id), special tokens and padding dropped
+    assert out["sparse_embedding"].shape == (
+        len(ROWS),
+        Tokenizer.from_file(str(m3[0] / "tokenizer.json")).get_vocab_size(),
+    )
+    for got, want in zip(out["sparse_embedding"], lexical):
+        got = as_dict(got)
+        assert got.keys() == want.keys()
+        np.testing.assert_allclose([got[k] for k in want], list(want.values()), rtol=1e-5, atol=1e-5)
+    # Not vacuous: most rows have weights, some tokens none; a repeated word has one weight (its max).
+    assert sum(bool(w) for w in lexical) >= len(ROWS) - 2 and sum(map(len, lexical)) < sum(
+        len(r.split()) for r in ROWS
+    )
+    ids = Tokenizer.from_file(str(m3[0] / "tokenizer.json")).encode("the dog and the cat and the dog").ids
+    assert len(ids) - len(set(ids)) >= 3
+    # ColBERT: the rows token_mask keeps, in order, are FlagEmbedding's colbert_vecs
+    for vecs, keep, want in zip(out["token_embeddings"], out["token_mask"], colbert):
+        got = vecs[keep == 1]
+        assert got.shape == want.shape
+        assert cosines(got, want).min() >= MIN_COSINE
+        np.testing.assert_allclose(vecs[keep == 0], 0.0)
+
+
+def test_card_scores_from_the_outputs(m3, repo):
+    """The card's compute_score, per pair, from the served outputs equals FlagEmbedding's: dense
+    dot product, lexical matching score, ColBERT MaxSim (mean over the query's vectors), and
+    their weighted mean with the card's weights."""
+    queries, docs = (
+        ["what is the man eating", "who plays the violin"],
+        ["the man is eating bread", "a violin"],
+    )
+    out_q, _ = run(repo / "m3", queries)
+    out_d, _ = run(repo / "m3", docs)
+    ref_q, ref_d = flag_reference(m3, queries), flag_reference(m3, docs)
+    w = bge_m3.CARD_WEIGHTS
+    for i in range(len(queries)):
+        dense = float(out_q["embedding"][i] @ out_d["embedding"][i])
+        sparse = float(out_q["sparse_embedding"][i] @ out_d["sparse_embedding"][i])
+        q = out_q["token_embeddings"][i][out_q["token_mask"][i] == 1]
+        p = out_d["token_embeddings"][i][out_d["token_mask"][i] == 1]
+        colbert = float((q @ p.T).max(1).sum() / len(q))
+        want_dense = float(ref_q[0][i] @ ref_d[0][i])
+        want_sparse = sum(v * ref_d[1][i][k] for k, v in ref_q[1][i].items() if k in ref_d[1][i])
+        want_colbert = float((ref_q[2][i] @ ref_d[2][i].T).max(1).sum() / len(ref_q[2][i]))
+        np.testing.assert_allclose(
+            [dense, sparse, colbert], [want_dense, want_sparse, want_colbert], atol=1e-5
+        )
+        combined = (w[0] * dense + w[1] * sparse + w[2] * colbert) / sum(w)
+        want = (w[0] * want_dense + w[1] * want_sparse + w[2] * want_colbert) / sum(w)
+        assert abs(combined - want) < 1e-5
+
+
+def test_config_declares_the_three_outputs(repo):
+    (spec,) = load_model(repo / "m3")
+    assert spec.kind == "embedding" and spec.params.pooling == "cls" and spec.params.normalize
+    assert spec.params.score_weights == bge_m3.CARD_WEIGHTS
+    dims = {t.name: list(t.dims) for t in spec.outputs}
+    assert dims == {"embedding": [TINY["hidden_size"]], "sparse_embedding": [dims["sparse_embedding"][0]],
+                    "token_embeddings": [-1, COLBERT_DIM], "token_mask": [-1]}  # fmt: skip
+    assert "BGE-M3, one pass, three outputs" in (repo / "m3" / "config.pbtxt").read_text()
+
+
+def test_prepare_from_a_hub_id_in_an_offline_cache(m3, tmp_path, monkeypatch):
+    """BAAI/bge-m3's layout read from the hub cache with HF_HUB_OFFLINE=1: the heads' .pt files
+    are among the files a build reads, and the entry equals the folder's."""
+    cache = tmp_path / "hub"
+    cache_layout(cache, "acme/tiny-m3", m3[0], "c" * 40, ("main",))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    out = prepare_model("acme/tiny-m3", "m3", tmp_path / "repo", log=print)
+    direct = prepare_model(m3[0], "m3", tmp_path / "direct", log=print)
+    for f in ("1/model.onnx", "tokenizer.json", "config.pbtxt"):
+        assert (out / f).read_bytes() == (direct / f).read_bytes()
+    # a download (online) fetches the heads too
+    assert all(
+        any(fnmatch(n, p) for p in sources.ALLOW_PATTERNS) for n in (bge_m3.COLBERT_FILE, bge_m3.SPARSE_FILE)
+    )
+
+
+def test_torch_file_reader_refuses_what_is_not_a_state_dict(m3, tmp_path):
+    import pickle
+    import zipfile
+
+    state = read_state_dict(m3[0] / bge_m3.SPARSE_FILE)
+    assert state["weight"].shape == (1, TINY["hidden_size"]) and state["bias"].shape == (1,)
+    # A pickle naming anything beyond a tensor's rebuild (here os.system) is refused by name.
+    bad = tmp_path / "bad.pt"
+    with zipfile.ZipFile(bad, "w") as z:
+        z.writestr("bad/data.pkl", b"cos\nsystem\n(S'true'\ntR.")
+    with pytest.raises(TorchFileError, match="os.system is not part of a plain tensor state dict"):
+        read_state_dict(bad)
+    (tmp_path / "legacy.pt").write_bytes(pickle.dumps({"weight": 1}))
+    with pytest.raises(TorchFileError, match="legacy format"):
+        read_state_dict(tmp_path / "legacy.pt")
+
+
+def test_a_head_of_the_wrong_size_is_refused(m3, tmp_path):
+    import torch
+
+    folder = tmp_path / "m3"
+    shutil.copytree(m3[0], folder)
+    torch.save(torch.nn.Linear(TINY["hidden_size"] + 1, 1).state_dict(), folder / bge_m3.SPARSE_FILE)
+    with pytest.raises(PrepareError, match="sparse_linear.pt: expected a Linear's weight"):
+        prepare_model(folder, "m3", tmp_path / "repo", log=print)
+
+
+def test_served_one_call_answers_all_three(m3, repo, tmp_path):
+    """Served as is: one KServe call asks for all four outputs (one engine run), each equal to
+    FlagEmbedding's; OpenAI /v1/embeddings answers the dense vector."""
+    import urllib.request
+
+    import tritonclient.grpc as tc
+
+    from tests.conftest import start_server
+
+    served = tmp_path / "repo"
+    shutil.copytree(repo / "m3", served / "m3")
+    srv = start_server(tmp_path, "--no-build-models", repo=served, ready_timeout=120)
+    try:
+        client = tc.InferenceServerClient(srv.grpc_url)
+        inp = tc.InferInput("text", [len(ROWS), 1], "BYTES")
+        inp.set_data_from_numpy(np.array([r.encode() for r in ROWS], dtype=object).reshape(-1, 1))
+        names = ["embedding", "sparse_embedding", "token_embeddings", "token_mask"]
+        res = client.infer(
+            "m3", [inp], outputs=[tc.InferRequestedOutput(n) for n in names], client_timeout=60
+        )
+        out = {n: res.as_numpy(n) for n in names}
+        client.close()
+        body = json.dumps({"model": "m3", "input": ROWS[:3]}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{srv.http_port}/v1/embeddings", body,
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=60) as r:
+            oai = np.array([d["embedding"] for d in json.loads(r.read())["data"]], np.float32)
+    finally:
+        srv.stop()
+    dense, lexical, colbert = flag_reference(m3, ROWS)
+    assert cosines(out["embedding"], dense).min() >= MIN_COSINE
+    assert cosines(oai, dense[:3]).min() >= MIN_COSINE
+    for row, want in zip(out["sparse_embedding"], lexical):
+        assert as_dict(row).keys() == want.keys()
+    for vecs, keep, want in zip(out["token_embeddings"], out["token_mask"], colbert):
+        assert cosines(vecs[keep == 1], want).min() >= MIN_COSINE
+
+
+def test_served_text_routes_read_each_output_and_rerank_by_the_card(m3, repo, tmp_path):
+    """TEI's /embed_sparse reads the sparse head, /embed_all the ColBERT vectors (token_mask's),
+    and /rerank scores with the card's weighted mean of the three, each equal to FlagEmbedding's."""
+    import urllib.request
+
+    from tests.conftest import start_server
+
+    served = tmp_path / "repo"
+    shutil.copytree(repo / "m3", served / "m3")
+    srv = start_server(tmp_path, "--no-build-models", repo=served, ready_timeout=120)
+
+    def post(path, body):
+        req = urllib.request.Request(f"http://127.0.0.1:{srv.http_port}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+
+    query, docs = "what is the man eating", ["the man is eating bread", "a violin", "bread"]
+    try:
+        sparse = post("/embed_sparse", {"model": "m3", "inputs": ROWS[:3]})
+        tokens = post("/embed_all", {"model": "m3", "inputs": ROWS[:3]})
+        ranked = post("/rerank", {"model": "m3", "query": query, "texts": docs, "raw_scores": True})
+    finally:
+        srv.stop()
+    dense, lexical, colbert = flag_reference(m3, ROWS[:3])
+    for got, want in zip(sparse, lexical, strict=True):
+        assert {g["index"]: g["value"] for g in got} == pytest.approx(want, abs=1e-5)
+    for got, want in zip(tokens, colbert, strict=True):
+        assert np.shape(got) == want.shape and cosines(np.array(got), want).min() >= MIN_COSINE
+    ref_q, ref_d = flag_reference(m3, [query]), flag_reference(m3, docs)
+    w = bge_m3.CARD_WEIGHTS
+    scores = {r["index"]: r["score"] for r in ranked}
+    for j in range(len(docs)):
+        d = float(ref_q[0][0] @ ref_d[0][j])
+        s = sum(v * ref_d[1][j][k] for k, v in ref_q[1][0].items() if k in ref_d[1][j])
+        c = float((ref_q[2][0] @ ref_d[2][j].T).max(1).sum() / len(ref_q[2][0]))
+        assert scores[j] == pytest.approx((w[0] * d + w[1] * s + w[2] * c) / sum(w), abs=1e-5)

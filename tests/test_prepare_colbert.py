@@ -1,0 +1,265 @@
+"""``batchgate prepare-model`` for ColBERT models in PyLate's folder layout: a BERT encoder, its
+Dense projection per token, ``[Q] ``/``[D] `` markers added to the tokenizer, queries expanded
+with the mask token up to ``query_length``, documents' punctuation skipped; served as one graph
+(kind ``multi_vector``: ``token_embeddings`` and ``token_mask``).
+
+The reference is PyLate's ``ColBERT.encode`` and ``colbert_scores`` (MaxSim), restated here from
+its source (pylate 1.6.0 ``models/colbert.py``: ``tokenize`` with ``insert_prefix_token``,
+padding queries to ``query_length`` with the mask token, the skiplist mask for documents, every
+query position kept, ``F.normalize`` per vector): PyLate pins transformers <= 5.3 and
+sentence-transformers 5.3, which the reference extra's transformers 5.24 and
+sentence-transformers 6.3 rule out, so it is not installed. The encoder is transformers'
+``BertModel``; the tokenizer is the folder's, read by ``PreTrainedTokenizerFast`` as PyLate
+reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from tokenizers import Tokenizer
+
+from batchgate.gateway.build.hf_model import PrepareError, read_folder
+from batchgate.gateway.build.prepare import prepare_model
+from batchgate.gateway.repository import load_model
+from batchgate.gateway.text import TextStage
+from tests.test_prepare_model import MIN_COSINE, TINY, cosines, scramble, wordpiece
+
+DIM = 16
+QUERY_LENGTH, DOCUMENT_LENGTH = 12, 24
+QUERIES = ["what is the man eating", "who plays the violin", "dog", " ".join(["the old train station"] * 4)]
+DOCS = ["the man is eating bread.", "A woman is playing the violin on the street.", "dog . cat .",
+        " ".join(["the old train station in the city."] * 3)]  # fmt: skip
+PYLATE_CONFIG = {"prompts": {}, "default_prompt_name": None, "similarity_fn_name": "MaxSim", "query_prefix": "[Q] ",
+                 "document_prefix": "[D] ", "query_length": QUERY_LENGTH, "document_length": DOCUMENT_LENGTH,
+                 "attend_to_expansion_tokens": False, "skiplist_words": list(string.punctuation),
+                 "do_query_expansion": True}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pylate(tmp_path_factory):
+    """(folder, BertModel, Dense weight): a folder as PyLate saves one."""
+    torch = pytest.importorskip("torch")
+    import transformers as t
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("colbert") / "colbert"
+    fast = t.PreTrainedTokenizerFast(tokenizer_object=wordpiece(), pad_token="[PAD]", mask_token="[MASK]",
+                                     cls_token="[CLS]", sep_token="[SEP]", unk_token="[UNK]")  # fmt: skip
+    fast.add_tokens(["[Q] ", "[D] "])  # as PyLate's ColBERT.__init__ adds its prefixes
+    model = t.BertModel(
+        t.BertConfig(**TINY, vocab_size=len(fast), max_position_embeddings=40), add_pooling_layer=False
+    )
+    scramble(model)
+    model.eval().save_pretrained(d)
+    fast.save_pretrained(d)
+    weight = torch.randn(DIM, TINY["hidden_size"]) * 0.3
+    (d / "1_Dense").mkdir()
+    save_file({"linear.weight": weight.contiguous()}, str(d / "1_Dense" / "model.safetensors"))
+    (d / "1_Dense" / "config.json").write_text(json.dumps({"in_features": TINY["hidden_size"], "out_features": DIM,
+                                                           "bias": False, "activation_function":
+                                                           "torch.nn.modules.linear.Identity"}))  # fmt: skip
+    (d / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"}]))  # fmt: skip
+    (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": DOCUMENT_LENGTH - 1}))
+    (d / "config_sentence_transformers.json").write_text(json.dumps(PYLATE_CONFIG))
+    return d, model, weight
+
+
+@pytest.fixture(scope="module")
+def repo(pylate, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("colbert-repo")
+    prepare_model(pylate[0], "colbert", repo, log=print)
+    return repo
+
+
+def pylate_encode(pylate, texts: list[str], is_query: bool) -> list[np.ndarray]:
+    """PyLate's ColBERT.encode (restated): the kept, normalised token vectors of each text."""
+    import torch
+    from transformers import PreTrainedTokenizerFast
+
+    folder, model, weight = pylate
+    tok = PreTrainedTokenizerFast.from_pretrained(folder)
+    tok.pad_token_id = tok.mask_token_id  # PyLate pads with the mask token
+    prefix = tok.convert_tokens_to_ids(PYLATE_CONFIG["query_prefix" if is_query else "document_prefix"])
+    length = QUERY_LENGTH if is_query else DOCUMENT_LENGTH
+    enc = tok(texts, padding="max_length" if is_query else True, truncation=True, max_length=length - 1,
+              return_tensors="pt")  # fmt: skip
+
+    def insert(t, value):
+        return torch.cat([t[:, :1], torch.full((t.shape[0], 1), value), t[:, 1:]], dim=1)
+
+    ids, mask = insert(enc["input_ids"], prefix), insert(enc["attention_mask"], 1)
+    with torch.no_grad():
+        states = model(
+            input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids)
+        ).last_hidden_state
+        vectors = states @ weight.T
+    if is_query:
+        keep = torch.ones_like(ids, dtype=torch.bool)  # expansion tokens included
+    else:
+        skip = [tok.convert_tokens_to_ids(w) for w in PYLATE_CONFIG["skiplist_words"]]
+        keep = mask.bool() & ~torch.isin(ids, torch.tensor(skip))
+    return [torch.nn.functional.normalize(v[k], p=2, dim=1).numpy() for v, k in zip(vectors, keep)]
+
+
+def maxsim(q: np.ndarray, d: np.ndarray) -> float:
+    """PyLate's colbert_scores for one pair: each query vector's best dot product, summed."""
+    return float((q @ d.T).max(1).sum())
+
+
+def served_feeds(model_dir: Path, texts: list[str], is_query: bool) -> dict:
+    """What the text stage feeds a multi_vector model (the pipeline part, spelled out): the
+    prompt (the marker) in front; a query cut at query_length and padded to it with the
+    expansion token at mask 0; a document through the text stage as any text."""
+    (spec,) = load_model(model_dir)
+    p = spec.params
+    rows = [p.prompts["query" if is_query else "document"] + t for t in texts]
+    if not is_query:
+        return TextStage(spec)({"text": np.array(rows, dtype=object)})
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tok.enable_truncation(p.query_length)
+    tok.enable_padding(pad_id=p.query_expansion_token_id, length=p.query_length)
+    enc = tok.encode_batch(rows)
+    feeds = {"input_ids": np.array([e.ids for e in enc], np.int64),
+             "attention_mask": np.array([e.attention_mask for e in enc], np.int64)}  # fmt: skip
+    if "token_type_ids" in spec.model_inputs:
+        feeds["token_type_ids"] = np.zeros_like(feeds["input_ids"])
+    return feeds
+
+
+def run(model_dir: Path, feeds: dict) -> list[np.ndarray]:
+    sess = ort.InferenceSession(str(model_dir / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    vectors, mask = sess.run(["token_embeddings", "token_mask"], feeds)
+    np.testing.assert_array_equal(vectors[mask == 0], 0.0)
+    return [v[m == 1] for v, m in zip(vectors, mask)]
+
+
+@pytest.mark.parametrize("is_query", [True, False], ids=["queries", "documents"])
+def test_token_vectors_equal_pylate(pylate, repo, is_query):
+    texts = QUERIES if is_query else DOCS
+    got = run(repo / "colbert", served_feeds(repo / "colbert", texts, is_query))
+    want = pylate_encode(pylate, texts, is_query)
+    for text, g, w in zip(texts, got, want):
+        assert g.shape == w.shape, text
+        assert cosines(g, w).min() >= MIN_COSINE, text
+    if is_query:  # every query answers query_length vectors, expansion tokens included
+        assert {len(g) for g in got} == {QUERY_LENGTH}
+    else:  # punctuation left out of documents' vectors
+        period = Tokenizer.from_file(str(pylate[0] / "tokenizer.json")).token_to_id(".")
+        feeds = served_feeds(repo / "colbert", DOCS, False)
+        assert len(got[2]) == int(feeds["attention_mask"][2].sum()) - int(
+            (feeds["input_ids"][2] == period).sum()
+        )
+
+
+def test_maxsim_equals_pylate(pylate, repo):
+    q = run(repo / "colbert", served_feeds(repo / "colbert", QUERIES, True))
+    d = run(repo / "colbert", served_feeds(repo / "colbert", DOCS, False))
+    want_q, want_d = pylate_encode(pylate, QUERIES, True), pylate_encode(pylate, DOCS, False)
+    got = np.array([[maxsim(a, b) for b in d] for a in q])
+    want = np.array([[maxsim(a, b) for b in want_d] for a in want_q])
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_config_records_markers_lengths_and_kind(repo):
+    (spec,) = load_model(repo / "colbert")
+    p = spec.params
+    assert spec.kind == "multi_vector" and p.kind == "multi_vector"
+    assert dict(p.prompts) == {"query": "[Q] ", "document": "[D] "} and p.default_prompt_name is None
+    assert (p.query_length, p.max_tokens) == (QUERY_LENGTH, DOCUMENT_LENGTH)
+    tok = Tokenizer.from_file(str(repo / "colbert" / "tokenizer.json"))
+    assert p.query_expansion_token_id == tok.token_to_id("[MASK]")
+    assert {t.name: list(t.dims) for t in spec.outputs} == {"token_embeddings": [-1, DIM], "token_mask": [-1]}
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"attend_to_expansion_tokens": True}, "attend_to_expansion_tokens true is not supported"),
+        ({"query_prefix": "[QUERY] "}, "is not one token of"),
+        ({"document_prefix": ""}, "document_prefix is empty"),
+    ],
+)
+def test_pylate_settings_the_graph_does_not_do_are_refused(pylate, tmp_path, change, named):
+    import shutil
+
+    folder = tmp_path / "cb"
+    shutil.copytree(pylate[0], folder)
+    (folder / "config_sentence_transformers.json").write_text(json.dumps({**PYLATE_CONFIG, **change}))
+    with pytest.raises(PrepareError, match=named):
+        read_folder(folder)
+
+
+def test_served_documents_equal_pylate(pylate, repo, tmp_path):
+    """A multi_vector model loads and serves as is: KServe rows with the document marker in
+    front answer PyLate's document vectors (queries need the text stage's expansion, which the
+    pipeline adds); /v1/models and /info list the model."""
+    import shutil
+    import urllib.request
+
+    import tritonclient.grpc as tc
+
+    from tests.conftest import start_server
+
+    served = tmp_path / "repo"
+    shutil.copytree(repo / "colbert", served / "colbert")
+    srv = start_server(tmp_path, "--no-build-models", repo=served, ready_timeout=120)
+    try:
+        client = tc.InferenceServerClient(srv.grpc_url)
+        inp = tc.InferInput("text", [len(DOCS), 1], "BYTES")
+        inp.set_data_from_numpy(np.array([("[D] " + d).encode() for d in DOCS], dtype=object).reshape(-1, 1))
+        names = ["token_embeddings", "token_mask"]
+        res = client.infer(
+            "colbert", [inp], outputs=[tc.InferRequestedOutput(n) for n in names], client_timeout=60
+        )
+        vectors, mask = res.as_numpy("token_embeddings"), res.as_numpy("token_mask")
+        client.close()
+        base = f"http://127.0.0.1:{srv.http_port}"
+        with urllib.request.urlopen(base + "/v1/models", timeout=30) as r:
+            assert "colbert" in r.read().decode()
+    finally:
+        srv.stop()
+    for text, v, m, want in zip(DOCS, vectors, mask, pylate_encode(pylate, DOCS, False)):
+        assert cosines(v[m == 1], want).min() >= MIN_COSINE, text
+
+
+def test_served_queries_expand_and_rerank_is_maxsim(pylate, repo, tmp_path):
+    """Through the text routes: TEI's /embed_all with the query prompt answers PyLate's expanded
+    query vectors, documents PyLate's document vectors, and /rerank scores by MaxSim."""
+    import shutil
+    import urllib.request
+
+    from tests.conftest import start_server
+
+    served = tmp_path / "repo"
+    shutil.copytree(repo / "colbert", served / "colbert")
+    srv = start_server(tmp_path, "--no-build-models", repo=served, ready_timeout=120)
+
+    def post(path, body):
+        req = urllib.request.Request(f"http://127.0.0.1:{srv.http_port}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+
+    try:
+        queries = post("/embed_all", {"model": "colbert", "inputs": QUERIES, "prompt_name": "query"})
+        docs = post("/embed_all", {"model": "colbert", "inputs": DOCS, "prompt_name": "document"})
+        ranked = post("/rerank", {"model": "colbert", "query": QUERIES[0], "texts": DOCS, "raw_scores": True})
+    finally:
+        srv.stop()
+    want_q, want_d = pylate_encode(pylate, QUERIES, True), pylate_encode(pylate, DOCS, False)
+    for got, want in zip(queries, want_q, strict=True):
+        assert np.shape(got) == want.shape and cosines(np.array(got), want).min() >= MIN_COSINE
+    for got, want in zip(docs, want_d, strict=True):
+        assert np.shape(got) == want.shape and cosines(np.array(got), want).min() >= MIN_COSINE
+    scores = {r["index"]: r["score"] for r in ranked}
+    for j, d in enumerate(want_d):
+        assert scores[j] == pytest.approx(maxsim(want_q[0], d), abs=1e-4)
