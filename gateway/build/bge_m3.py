@@ -46,6 +46,9 @@ class M3Heads:
     def dim(self) -> int:
         return int(self.colbert_weight.shape[0])
 
+    def add(self, g: GraphBuilder, x: str, mask: str) -> None:
+        add_heads(g, x, mask, self)
+
 
 def present(model_dir: Path) -> bool:
     """Whether the folder carries BGE-M3's heads (both files, as FlagEmbedding loads them)."""

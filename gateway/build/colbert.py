@@ -55,6 +55,9 @@ class ColBERTHead:
     def dim(self, hidden: int) -> int:
         return self.dense[-1].out_features if self.dense else hidden
 
+    def add(self, g: GraphBuilder, x: str, mask: str) -> None:
+        add_head(g, x, mask, self)
+
 
 def is_pylate(st_config: dict) -> bool:
     return st_config.get("model_type") == "ColBERT" or any(k in st_config for k in MARKERS)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from batchgate.gateway.build import encoder
+from batchgate.gateway.build import encoder, heads
 from batchgate.gateway.build.encoder import EncoderConfig, Head, renamed
 
 STEM = "DistilBert"
@@ -64,5 +64,11 @@ def build_model(weights: dict[str, np.ndarray], cfg: EncoderConfig, head: Head, 
     """input_ids, attention_mask (INT64 [batch, seq]) -> ``embedding`` (FP32 [batch, hidden]).
     ``weights`` are named as in a bare ``DistilBertModel`` (no ``distilbert.`` prefix)."""
     return encoder.build_model(
-        renamed(weights, _RENAMES), cfg, head, name=name, producer=producer, head_weights=head_weights
+        renamed(weights, _RENAMES),
+        cfg,
+        head,
+        name=name,
+        producer=producer,
+        head_weights=head_weights,
+        classify=heads.classify,
     )

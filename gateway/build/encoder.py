@@ -390,11 +390,13 @@ def build_model(
     name: str,
     producer: str,
     head_weights: dict[str, np.ndarray] | None = None,
+    classify=None,
 ) -> onnx.ModelProto:
     """input_ids, attention_mask[, token_type_ids] (INT64 [batch, seq]) -> the head's outputs
     (``Head.outputs``). ``weights`` are the encoder's, named as in a bare ``BertModel`` (no
     ``bert.``/``roberta.`` prefix); ``head_weights`` hold the classifier's (and BERT's pooler,
-    prefix stripped)."""
+    prefix stripped). ``classify``: the head builder of a classifier other than BERT's and
+    RoBERTa's (heads.py's, given by the family module: heads.py builds on this module)."""
     g = _Graph()
     standard_constants(g, cfg)
     x = _embeddings(g, weights, cfg)
@@ -407,9 +409,7 @@ def build_model(
         out = "logits" if head.kind == "classification" else "score"
         if head.classifier in ("bert", "roberta"):
             _classify(g, x, head_weights or weights, head.classifier, out)
-        else:  # DistilBERT's (heads.py imports this module, hence here)
-            from batchgate.gateway.build.heads import classify
-
+        else:  # DistilBERT's
             classify(g, x, mask, head, head_weights or {})
         return finish_head(g, None, mask, head, cfg.hidden, names, name=name, producer=producer)
     return finish_head(g, x, mask, head, cfg.hidden, names, name=name, producer=producer)
@@ -455,9 +455,7 @@ def finish_head(
     elif head.mlm is not None:
         _splade(g, x, mask, head.mlm, width)
     elif head.colbert is not None:
-        from batchgate.gateway.build.colbert import add_head
-
-        add_head(g, x, mask, head.colbert)
+        head.colbert.add(g, x, mask)  # colbert.py's head (it builds on this module)
     elif not head.classifier:
         pooled = add_dense(g, _pool(g, x, mask, head.pooling), head.dense)
         if head.normalize:
@@ -470,9 +468,7 @@ def finish_head(
         else:
             g.op("Identity", [pooled], "embedding")
         if head.m3 is not None:
-            from batchgate.gateway.build.bge_m3 import add_heads
-
-            add_heads(g, x, mask, head.m3)
+            head.m3.add(g, x, mask)  # bge_m3.py's heads (it builds on this module)
         if head.token_states:
             # Padding positions are zeros, so a row padded to a longer batch says where it ends.
             token_mask = g.op("Unsqueeze", [mask, g.const("token_mask_axes", np.array([2], np.int64))],
