@@ -111,6 +111,13 @@ class Settings(BaseSettings):
         DEFAULT_CLASSES, description="latency classes: name=<budget>ms/<max_queue per model>/<min_share>,..."
     )
     default_latency_class: str = Field("standard", description="class of a request that names none")
+    batch_latency_class: str | None = Field(
+        None,
+        description="class of a call of several rows (texts) that states no budget (no deadline, no "
+        "latency_budget_ms) and whose tenant names no class: client libraries send documents in batches and "
+        "cannot set a budget; default: 'bulk' where that class is configured, else default_latency_class; "
+        "'' = default_latency_class for every call",
+    )
     batch_time_cap: float = Field(
         0.5,
         gt=0,
@@ -400,12 +407,25 @@ class Settings(BaseSettings):
     def classes(self) -> dict[str, LatencyClass]:
         return parse_classes(self.latency_classes)
 
+    @property
+    def batch_class(self) -> str | None:
+        """The class of a call of several rows that states no budget (None: the default class)."""
+        name = self.batch_latency_class
+        if name is None:
+            return "bulk" if "bulk" in self.classes else None
+        return name or None
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         classes = parse_classes(self.latency_classes)  # raises with a message naming the bad class
         if self.default_latency_class not in classes:
             raise ValueError(
                 f"default_latency_class '{self.default_latency_class}' is not one of the latency classes {sorted(classes)}"
+            )
+        if self.batch_latency_class and self.batch_latency_class not in classes:
+            raise ValueError(
+                f"batch_latency_class '{self.batch_latency_class}' is not one of the latency classes "
+                f"{sorted(classes)}; '' sends every call that names no class to default_latency_class"
             )
         ports = [(n, getattr(self, n)) for n in ("grpc_port", "http_port", "metrics_port", "health_port")]
         for i, (a, pa) in enumerate(ports):

@@ -55,6 +55,7 @@ class DataPlane:
     draining: bool = False
     last_refused: float = 0.0  # monotonic time of the last request refused while draining
     classes: dict[str, LatencyClass] = field(default_factory=dict)
+    batch_class: str | None = None  # a call of several rows that states no budget (settings.batch_class)
     cache: TieredCache | None = None  # result cache tiers shared by every model that enables it
     redis: RedisLink | None = None  # the process's one Redis client and breaker (the server's, or none)
     lag: LoopLag = field(default_factory=LoopLag)  # the event loop's lag, a margin for every deadline
@@ -64,6 +65,7 @@ class DataPlane:
 
     def __post_init__(self) -> None:
         self.classes = self.settings.classes
+        self.batch_class = self.settings.batch_class
 
     @property
     def ready(self) -> bool:
