@@ -119,9 +119,9 @@ async def test_the_class_of_a_call_follows_its_rows_on_every_route(tmp_path):
         for texts in (["a b c", "d e f", "g h i"], ["one text"]):
             status, body = await _embed(gw, texts)
             assert status == 200, body
-        status, body = await _embed(gw, ["x y", "z w"], latency_class="realtime")
+        status, body = await _embed(gw, ["x y", "z w"], latency_class="standard")  # a class named: kept
         assert status == 200, body
-        assert _by_class(gw, "minilm") == {"bulk": 1, "standard": 1, "realtime": 1}
+        assert _by_class(gw, "minilm") == {"bulk": 1, "standard": 2}
 
 
 @pytest.mark.serial  # refusal times in milliseconds
@@ -160,3 +160,24 @@ async def test_an_impossible_budget_gets_the_same_refusal_on_every_route(tmp_pat
         assert all("not even an idle server could meet it" in m for m in said), said
         assert not any("dropped from the queue" in m for m in said), said
         assert {m: len(gw.pool(m).batches) for m in ("encoder", "minilm")} == ran  # nothing computed
+
+
+async def test_a_tenant_that_names_a_class_keeps_it_for_calls_of_several_rows(tmp_path):
+    from batchgate.gateway.admission.tenants import hash_key
+
+    keys = {"named": "tenant-named-0123456789", "plain": "tenant-plain-0123456789"}
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"""
+tenants:
+  - name: named
+    key_hashes: ["{hash_key(keys["named"])}"]
+    default_class: standard
+  - name: plain
+    key_hashes: ["{hash_key(keys["plain"])}"]
+""")
+    async with serving(model_repo(tmp_path, {"encoder": ""}), api_keys_file=path) as gw:
+        rng = np.random.default_rng(2)
+        for who in ("named", "plain"):
+            md = (("x-api-key", keys[who]),)
+            await gw.stub.ModelInfer(encoder_request(rng, 4, 16, {}), metadata=md, timeout=None)
+        assert _by_class(gw, "encoder") == {"standard": 1, "bulk": 1}  # named: its class; else bulk
