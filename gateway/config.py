@@ -95,6 +95,24 @@ class Settings(BaseSettings):
     )
     log_level: str = Field("INFO", description="logging level")
 
+    # -- the host's variant (gateway/selection.py, docs/engines.md "Selected in the background") ----
+    variant_selection: Literal["auto", "recorded", "off"] = Field(
+        "auto",
+        description="auto: a model whose config names no variant serves the one selected for this host's CPU "
+        "class, and while none is, serves the original and selects in the background (a niced child process, "
+        "then a reload to the winner); recorded: serve recorded choices, never measure; off: serve what the "
+        "configs say (a model pins its own with parameter variant, or opts out with variant_selection: off)",
+    )
+    variant_selection_memory_mb: int = Field(
+        4096, ge=0, description="address-space bound of the background selection's process (0: none)"
+    )
+    variant_selection_repeats: int = Field(3, ge=1, le=20, description="timing repeats of the background selection")
+    variant_selection_candidates: str = Field(
+        "",
+        description="comma-separated optimize --auto candidates to select among; empty: all this host builds",
+        examples=["int8,openvino-bf16"],
+    )
+
     # -- observability ---------------------------------------------------------------------------
     log_format: Literal["text", "json"] = Field(
         "text",
@@ -117,6 +135,7 @@ class Settings(BaseSettings):
         "latency_budget_ms) and whose tenant names no class: client libraries send documents in batches and "
         "cannot set a budget; default: 'bulk' where that class is configured, else default_latency_class; "
         "'' = default_latency_class for every call",
+        examples=["bulk"],
     )
     batch_time_cap: float = Field(
         0.5,

@@ -82,6 +82,16 @@ class ModelRuntime:
     text: TextStage | None = None  # parameter `tokenizer`: texts in, token inputs made in the workers
     row_limit: Callable[[Hashable], int] | None = None  # the token budget: rows a batch of a bucket takes
     inflight: int = 0  # calls inside ``infer``: a runtime swapped out by a reload is closed at 0
+    choice: object | None = None  # gateway/selection.py Selection: the host's variant for this model
+
+    @property
+    def selection(self) -> dict:
+        """The host's variant selection for this model (gateway/selection.py): state (off, pinned,
+        recorded, selecting, switched, kept, failed, waiting), the variant serving, the CPU class,
+        and once chosen the choice (variant, why, x the original, report, date, seconds)."""
+        if self.choice is None:
+            return {"state": "off", "variant": self.spec.variant}
+        return self.choice.as_dict()
 
     def snapshot(self) -> RuntimeSnapshot:
         return RuntimeSnapshot(

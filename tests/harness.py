@@ -351,6 +351,7 @@ async def serving(repo: Path, **settings) -> AsyncIterator[Gateway]:
     from batchgate.gateway.transport import server as server_mod
     from batchgate.gateway.transport.server import Server
 
+    settings.setdefault("variant_selection", "off")  # no background selection unless the test asks
     s = Settings(  # device cpu: no GPU probe (a fake pool runs anywhere)
         model_repository=repo, host="127.0.0.1", grpc_port=0, http_port=0, device="cpu",
         build_bundled_models=False, drain_linger_s=0.0, **settings,
