@@ -106,7 +106,9 @@ class Settings(BaseSettings):
     variant_selection_memory_mb: int = Field(
         4096, ge=0, description="address-space bound of the background selection's process (0: none)"
     )
-    variant_selection_repeats: int = Field(3, ge=1, le=20, description="timing repeats of the background selection")
+    variant_selection_repeats: int = Field(
+        3, ge=1, le=20, description="timing repeats of the background selection"
+    )
     variant_selection_candidates: str = Field(
         "",
         description="comma-separated optimize --auto candidates to select among; empty: all this host builds",

@@ -88,7 +88,9 @@ class DataPlane:
     async def read_repository(self) -> Repository:
         """The repository's model specs, read and checked (no engine started yet)."""
         root = Path(self.settings.model_repository)
-        return await asyncio.to_thread(load_repository, root, self.settings.default_max_batch_size, self._choose)
+        return await asyncio.to_thread(
+            load_repository, root, self.settings.default_max_batch_size, self._choose
+        )
 
     async def load(self, repo: Repository | None = None) -> None:
         """Start every model of ``repo`` (read here when not given)."""

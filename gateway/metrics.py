@@ -270,7 +270,8 @@ def _selection_families(plane) -> Iterator:
         labels=["model", "host_class", "state", "variant"],
     )
     seconds = GaugeMetricFamily(
-        P + "variant_selection_seconds", "wall time of the model's background selection (so far, or taken)",
+        P + "variant_selection_seconds",
+        "wall time of the model's background selection (so far, or taken)",
         labels=["model"],
     )
     selector = getattr(plane, "selector", None)

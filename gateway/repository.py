@@ -594,7 +594,11 @@ def load_model(
         check_kind(cfg, params)
         if variant is not None:
             params = replace(params, variant=variant)
-        elif choose is not None and VARIANT_PARAMETER not in params.given and params.variant_selection == "auto":
+        elif (
+            choose is not None
+            and VARIANT_PARAMETER not in params.given
+            and params.variant_selection == "auto"
+        ):
             params = replace(params, variant=choose(model_dir, version, path) or params.variant)
         engine, compute = resolve_engine(cfg, params)
         engine_file = check_variant(cfg.name, version, path, params.variant)

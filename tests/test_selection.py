@@ -50,12 +50,17 @@ def test_the_host_class_names_vendor_family_model_and_the_flags_that_matter():
     assert host_class(ZEN4.replace(" sse4_2", "")) == host_class(ZEN4)  # a flag that does not matter
 
 
-def _repo(root: Path, extra: str = "") -> Path:
+def _repo(root: Path, extra: str = "", max_batch_size: int = 64) -> Path:
     """A repository holding a real copy of the bundled encoder (the selection writes beside it)."""
     d = root / "repo" / "encoder"
     (d / "1").mkdir(parents=True)
     shutil.copy(REPO / "encoder" / "1" / "model.onnx", d / "1" / "model.onnx")
-    (d / "config.pbtxt").write_text((REPO / "encoder" / "config.pbtxt").read_text() + extra)
+    config = (REPO / "encoder" / "config.pbtxt").read_text()
+    if max_batch_size != 64:
+        config = config.replace("max_batch_size: 64", f"max_batch_size: {max_batch_size}")
+        config = config.replace("preferred_batch_size: [ 16, 32 ]", "preferred_batch_size: [ 4 ]")
+        config = config.replace('"1,2,3,4,6,8,12,16,24,32,48,64"', '"1,2,3,4"')
+    (d / "config.pbtxt").write_text(config + extra)
     return root / "repo"
 
 
@@ -128,7 +133,7 @@ write_entry(model_dir, "1", _entry(model_dir, "optimized", host_class()))
 
 
 async def test_the_switch_to_the_winner_drops_no_call(tmp_path):
-    repo = _repo(tmp_path)
+    repo = _repo(tmp_path, max_batch_size=4)  # 2 workers x 2 calls a batch: 8 callers keep 4 queued
     model_dir = repo / "encoder"
     _prepare_optimized(model_dir)
     script = tmp_path / "stand_in.py"
@@ -138,9 +143,9 @@ async def test_the_switch_to_the_winner_drops_no_call(tmp_path):
         plane = gw.server.plane
         assert _state(gw)["state"] == "off" and plane.get("encoder").spec.variant == "fp32"
         before = gw.pool("encoder")
-        before.per_batch_s = 0.002
+        before.per_batch_s = 0.02  # calls queued behind a running batch at every moment, the swap's too
         stop, errors = asyncio.Event(), []
-        load = [asyncio.create_task(_load(gw, stop, errors)) for _ in range(4)]
+        load = [asyncio.create_task(_load(gw, stop, errors)) for _ in range(8)]
         await asyncio.sleep(0.2)
         selector = plane.selector
         selector.mode, selector.command = "auto", (sys.executable, str(script))
@@ -175,7 +180,12 @@ async def test_a_real_selection_runs_beside_the_original_and_the_next_start_load
     model_dir = repo / "encoder"
     _prepare_optimized(model_dir)
     # a choice made on another CPU class is not this host's: it serves the original and measures
-    write_entry(model_dir, "1", _entry(model_dir, "optimized", "GenuineIntel-6-143-amx_bf16"), "GenuineIntel-6-143-amx_bf16")
+    write_entry(
+        model_dir,
+        "1",
+        _entry(model_dir, "optimized", "GenuineIntel-6-143-amx_bf16"),
+        "GenuineIntel-6-143-amx_bf16",
+    )
     settings = {"variant_selection": "auto", "variant_selection_candidates": "openvino-fp32",
                 "variant_selection_repeats": 1}  # fmt: skip
     async with serving(repo, **settings) as gw:

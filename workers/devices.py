@@ -79,7 +79,16 @@ def cpu_class(flags: str | None = None) -> str:
 
 # The flags that change which engine and precision win on a CPU (docs/engines.md): the host class
 # of a variant selection names those present.
-SELECTION_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_fp16")
+SELECTION_FLAGS = (
+    "avx2",
+    "avx512f",
+    "avx512_vnni",
+    "avx_vnni",
+    "avx512_bf16",
+    "amx_bf16",
+    "amx_int8",
+    "avx512_fp16",
+)
 
 
 @cache

@@ -395,7 +395,11 @@ class KServeRest:
             return _refused(exc)
         # batchgate's extension (KServe's metadata has no parameters): which engine variant serves
         # and how this host's selection chose it (gateway/selection.py).
-        doc["batchgate"] = {"variant": rt.spec.variant, "precision": rt.spec.precision, "selection": rt.selection}
+        doc["batchgate"] = {
+            "variant": rt.spec.variant,
+            "precision": rt.spec.precision,
+            "selection": rt.selection,
+        }
         return web.json_response(doc)
 
     async def model_config(self, req: web.Request) -> web.Response:
