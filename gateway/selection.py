@@ -46,7 +46,9 @@ from batchgate.gateway.repository import (
 )
 from batchgate.workers.devices import host_class
 
-__all__ = ["RECORD_FILE", "Selection", "Selector", "recorded", "recorded_variant", "write_entry"]
+__all__ = [
+    "RECORD_FILE", "Selection", "Selector", "recorded", "recorded_variant", "select_repository", "write_entry",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +226,49 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def select_repository(
+    root: Path, models: list[str], repeats: int = 3, candidates: str = "", memory_mb: int = 4096, say=print
+) -> int:
+    """``batchgate select``: each model (default: all) that a server would select for and that has
+    no entry for this host class yet, selected one after another in this process (niced, bounded),
+    waiting for another process selecting the same model (a replica sharing the repository) and
+    then reading its choice. 0 when every model has a choice; 1 when one failed; 2 on bad input."""
+    from batchgate.gateway.repository import load_model
+
+    _bound(memory_mb)
+    names = models or sorted(
+        p.name for p in root.iterdir() if (p / "config.pbtxt").is_file() and p.name[0] not in "._"
+    )
+    failed = 0
+    cls = host_class()
+    for name in names:
+        model_dir = root / name
+        try:
+            specs = load_model(model_dir, choose=None)
+        except (ConfigError, FileNotFoundError) as exc:
+            say(f"{name}: not selected: {exc}")
+            failed += 1
+            continue
+        spec = specs[-1]
+        given = spec.params.given
+        if spec.params.variant_selection == "off" or "variant" in given or "engine" in given:
+            say(f"{name}: not selected: its config pins the engine or turns variant_selection off")
+            continue
+        with _locked(model_dir) as _:  # waits while another process selects this model
+            entry = recorded(model_dir, spec.version, spec.path, cls)
+            if entry is None:
+                try:
+                    entry = select(model_dir, spec.version, repeats, [c for c in candidates.split(",") if c] or None,
+                                   lambda line, n=name: say(f"{n}: {line}"))  # fmt: skip
+                except Exception as exc:  # the next model is still selected
+                    say(f"{name}: selection failed: {type(exc).__name__}: {exc}")
+                    failed += 1
+                    continue
+        say(f"{name}: {entry['variant']} for {cls} ({entry.get('why')}; x{entry.get('x_original') or 1:.2f} the "
+            f"original; {entry.get('date')})")  # fmt: skip
+    return 1 if failed else 0
+
+
 # -- the server side -------------------------------------------------------------------------------------
 
 
@@ -291,7 +336,7 @@ class Selector:
         cls = self._cls = self._cls or host_class()
         old = self.states.get(spec.name)
         given = spec.params.given
-        entry = None
+        entry, why = None, ""
         if self.mode == "off" or spec.params.variant_selection == "off" or not cpu:
             state = "off"
         elif "variant" in given or "engine" in given or spec.config.backend == "openvino":
@@ -301,6 +346,12 @@ class Selector:
             entry = recorded(self.root / spec.name, spec.version, original, cls)
             if entry is not None:
                 state = "recorded"
+            elif self.mode == "auto" and not os.access(self.root / spec.name, os.W_OK):
+                state = "off"  # nowhere to record a choice
+                why = (
+                    "the model directory is read-only: select before serving (`batchgate select`; the "
+                    "chart's variantSelection.initContainer)"
+                )
             elif (
                 old is not None
                 and old.version == spec.version
@@ -319,6 +370,7 @@ class Selector:
                 old.seconds,
                 old.error,
             )
+        sel.error = why or sel.error
         self.states[spec.name] = sel
         self._log_start(sel)
         return sel

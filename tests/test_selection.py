@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import sys
 import time
@@ -237,3 +238,35 @@ async def test_off_or_pinned_keeps_the_original_though_a_choice_is_recorded(tmp_
             assert sel["state"] == "recorded" and sel["variant"] == "optimized", sel
             assert gw.server.plane.selector._task is None
     assert (model_dir / RECORD_FILE).is_file()
+
+
+def test_select_command_reads_a_recorded_choice_and_skips_a_pinned_model(tmp_path, capsys):
+    from batchgate.gateway.selection import select_repository
+
+    repo = _repo(tmp_path)
+    model_dir = repo / "encoder"
+    _prepare_optimized(model_dir)
+    write_entry(model_dir, "1", _entry(model_dir, "optimized", host_class()))
+    pinned = repo / "pinned"
+    shutil.copytree(model_dir, pinned)
+    config = pinned / "config.pbtxt"
+    config.write_text(config.read_text().replace('name: "encoder"', 'name: "pinned"')
+                      + 'parameters { key: "variant" value { string_value: "fp32" } }\n')  # fmt: skip
+    assert select_repository(repo, [], memory_mb=0) == 0
+    out = capsys.readouterr().out
+    assert f"encoder: optimized for {host_class()} (prepared by the test" in out  # nothing measured
+    assert "pinned: not selected: its config pins the engine" in out
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
+async def test_a_read_only_model_directory_is_not_selected_in_the_background(tmp_path):
+    repo = _repo(tmp_path)
+    model_dir = repo / "encoder"
+    model_dir.chmod(0o555)
+    try:
+        async with serving(repo, variant_selection="auto") as gw:
+            sel = _state(gw)
+            assert sel["state"] == "off" and "read-only" in sel["error"], sel
+            assert gw.server.plane.selector._task is None
+    finally:
+        model_dir.chmod(0o755)
