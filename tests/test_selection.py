@@ -240,8 +240,8 @@ async def test_off_or_pinned_keeps_the_original_though_a_choice_is_recorded(tmp_
     assert (model_dir / RECORD_FILE).is_file()
 
 
-def test_select_command_reads_a_recorded_choice_and_skips_a_pinned_model(tmp_path, capsys):
-    from batchgate.gateway.selection import select_repository
+def test_select_command_reads_a_recorded_choice_and_skips_a_pinned_model(tmp_path):
+    import subprocess
 
     repo = _repo(tmp_path)
     model_dir = repo / "encoder"
@@ -252,10 +252,11 @@ def test_select_command_reads_a_recorded_choice_and_skips_a_pinned_model(tmp_pat
     config = pinned / "config.pbtxt"
     config.write_text(config.read_text().replace('name: "encoder"', 'name: "pinned"')
                       + 'parameters { key: "variant" value { string_value: "fp32" } }\n')  # fmt: skip
-    assert select_repository(repo, [], memory_mb=0) == 0
-    out = capsys.readouterr().out
-    assert f"encoder: optimized for {host_class()} (prepared by the test" in out  # nothing measured
-    assert "pinned: not selected: its config pins the engine" in out
+    out = subprocess.run([sys.executable, "-m", "batchgate", "select", "--model-repository", str(repo)],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"encoder: optimized for {host_class()} (prepared by the test" in out.stdout  # nothing measured
+    assert "pinned: not selected: its config pins the engine" in out.stdout
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
