@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 import pytest
 
+from batchgate.gateway.admission.gate import wasted
 from batchgate.gateway.config import Settings
 from batchgate.gateway.errors import GatewayError, Kind
 from batchgate.gateway.scheduling.request import resolve
@@ -68,6 +69,8 @@ async def test_an_impossible_budget_is_refused_on_an_idle_server_every_time():
             e = never.value
             assert e.kind is Kind.DEADLINE and e.retry_after_s is None
             assert "not even an idle server" in e.message and "retry" not in e.message
+            # the caller's budget, not the load: the overload gate does not count it
+            assert e.outcome == "impossible" and not wasted(e)
         await _settle()
         assert engine.calls == [] and s.stats.expired == 0 and s.stats.shed == 3
         # a budget its compute fits is admitted and computed

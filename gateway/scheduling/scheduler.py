@@ -305,7 +305,9 @@ class Scheduler:
                 f"model '{self.name}': the request's budget ({budget_ms:.1f} ms left) is below its own "
                 f"compute (estimated {refusal.own_s * 1e3:.1f} ms) and the time kept for the network and "
                 "the event loop: not even an idle server could meet it; send a larger budget",
-                outcome="shed",
+                # its own compute alone past the whole budget: the caller's budget, not the load
+                # (the overload gate does not count it, gateway/admission/gate.py ``wasted``)
+                outcome="impossible" if refusal.own_s * 1e3 >= budget_ms else "shed",
             )  # fmt: skip
         return GatewayError(
             Kind.DEADLINE,
