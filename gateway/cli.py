@@ -127,6 +127,21 @@ def _parser() -> argparse.ArgumentParser:
                     help="a Qwen3 folder is Qwen3-Reranker: scored by its yes/no logits under its card's template "
                     "(default: when the folder name or Hub ID says 'reranker')")  # fmt: skip
     _optimize_parser(sub)
+    sel = sub.add_parser(
+        "select",
+        help="select each model's variant for this host's CPU class once and record it (what `serve` does in "
+        "the background; the Helm chart's init container)",
+    )
+    sel.add_argument("models", nargs="*", help="model names (default: every model the repository serves)")
+    sel.add_argument("--model-repository", type=Path,
+                     default=Path(os.environ.get("BATCHGATE_MODEL_REPOSITORY", "model_repository")),
+                     help="the repository (env BATCHGATE_MODEL_REPOSITORY; default model_repository)")  # fmt: skip
+    sel.add_argument("--repeats", type=int, default=3, help="timing repeats (default 3)")
+    sel.add_argument("--candidates", default=os.environ.get("BATCHGATE_VARIANT_SELECTION_CANDIDATES", ""),
+                     help="comma-separated --auto candidates (default: all this host builds)")  # fmt: skip
+    sel.add_argument("--memory-mb", type=int,
+                     default=int(os.environ.get("BATCHGATE_VARIANT_SELECTION_MEMORY_MB", "4096")),
+                     help="address-space bound of each selection (0: none)")  # fmt: skip
     sub.add_parser(
         "bench",
         help="load generator: closed/open loop, unary/stream (see `batchgate bench -h`)",
@@ -322,6 +337,11 @@ def main(argv: list[str] | None = None) -> int:
         return prepare_model(args)
     if args.command == "optimize":
         return _optimize(args, argv)
+    if args.command == "select":
+        from batchgate.gateway.selection import select_repository
+
+        return select_repository(args.model_repository, args.models, args.repeats, args.candidates,
+                                 args.memory_mb)  # fmt: skip
     if args.command == "hash-key":
         from batchgate.gateway.admission.tenants import generate_key, hash_key
 

@@ -95,6 +95,26 @@ class Settings(BaseSettings):
     )
     log_level: str = Field("INFO", description="logging level")
 
+    # -- the host's variant (gateway/selection.py, docs/engines.md "Selected in the background") ----
+    variant_selection: Literal["auto", "recorded", "off"] = Field(
+        "auto",
+        description="auto: a model whose config names no variant serves the one selected for this host's CPU "
+        "class, and while none is, serves the original and selects in the background (a niced child process, "
+        "then a reload to the winner); recorded: serve recorded choices, never measure; off: serve what the "
+        "configs say (a model pins its own with parameter variant, or opts out with variant_selection: off)",
+    )
+    variant_selection_memory_mb: int = Field(
+        4096, ge=0, description="address-space bound of the background selection's process (0: none)"
+    )
+    variant_selection_repeats: int = Field(
+        3, ge=1, le=20, description="timing repeats of the background selection"
+    )
+    variant_selection_candidates: str = Field(
+        "",
+        description="comma-separated optimize --auto candidates to select among; empty: all this host builds",
+        examples=["int8,openvino-bf16"],
+    )
+
     # -- observability ---------------------------------------------------------------------------
     log_format: Literal["text", "json"] = Field(
         "text",
@@ -111,6 +131,14 @@ class Settings(BaseSettings):
         DEFAULT_CLASSES, description="latency classes: name=<budget>ms/<max_queue per model>/<min_share>,..."
     )
     default_latency_class: str = Field("standard", description="class of a request that names none")
+    batch_latency_class: str | None = Field(
+        None,
+        description="class of a call of several rows (texts) that states no budget (no deadline, no "
+        "latency_budget_ms) and whose tenant names no class: client libraries send documents in batches and "
+        "cannot set a budget; default: 'bulk' where that class is configured, else default_latency_class; "
+        "'' = default_latency_class for every call",
+        examples=["bulk"],
+    )
     batch_time_cap: float = Field(
         0.5,
         gt=0,
@@ -408,12 +436,25 @@ class Settings(BaseSettings):
     def classes(self) -> dict[str, LatencyClass]:
         return parse_classes(self.latency_classes)
 
+    @property
+    def batch_class(self) -> str | None:
+        """The class of a call of several rows that states no budget (None: the default class)."""
+        name = self.batch_latency_class
+        if name is None:
+            return "bulk" if "bulk" in self.classes else None
+        return name or None
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         classes = parse_classes(self.latency_classes)  # raises with a message naming the bad class
         if self.default_latency_class not in classes:
             raise ValueError(
                 f"default_latency_class '{self.default_latency_class}' is not one of the latency classes {sorted(classes)}"
+            )
+        if self.batch_latency_class and self.batch_latency_class not in classes:
+            raise ValueError(
+                f"batch_latency_class '{self.batch_latency_class}' is not one of the latency classes "
+                f"{sorted(classes)}; '' sends every call that names no class to default_latency_class"
             )
         ports = [(n, getattr(self, n)) for n in ("grpc_port", "http_port", "metrics_port", "health_port")]
         for i, (a, pa) in enumerate(ports):

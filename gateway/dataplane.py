@@ -32,6 +32,7 @@ from batchgate.gateway.repository import (
 from batchgate.gateway.result_cache import build_cache
 from batchgate.gateway.runtime import ModelRuntime, build_runtime
 from batchgate.gateway.scheduling import LatencyClass, LoopLag
+from batchgate.gateway.selection import Selector, recorded_variant
 
 __all__ = ["DataPlane", "ModelRuntime", "ReloadFailed"]
 
@@ -55,15 +56,28 @@ class DataPlane:
     draining: bool = False
     last_refused: float = 0.0  # monotonic time of the last request refused while draining
     classes: dict[str, LatencyClass] = field(default_factory=dict)
+    batch_class: str | None = None  # a call of several rows that states no budget (settings.batch_class)
     cache: TieredCache | None = None  # result cache tiers shared by every model that enables it
     redis: RedisLink | None = None  # the process's one Redis client and breaker (the server's, or none)
     lag: LoopLag = field(default_factory=LoopLag)  # the event loop's lag, a margin for every deadline
+    selector: Selector | None = None  # the host's variant per model, selected in the background
     _reload_locks: dict[str, asyncio.Lock] = field(
         default_factory=dict
     )  # one load/unload per model at a time
 
     def __post_init__(self) -> None:
         self.classes = self.settings.classes
+        self.batch_class = self.settings.batch_class
+        s = self.settings
+        self.selector = Selector(
+            Path(s.model_repository), s.variant_selection, self.reload, s.variant_selection_memory_mb,
+            s.variant_selection_repeats, s.variant_selection_candidates,
+        )  # fmt: skip
+
+    @property
+    def _choose(self):
+        """What ``load_model`` serves where a config names no variant: the host's recorded choice."""
+        return None if self.settings.variant_selection == "off" else recorded_variant
 
     @property
     def ready(self) -> bool:
@@ -74,7 +88,9 @@ class DataPlane:
     async def read_repository(self) -> Repository:
         """The repository's model specs, read and checked (no engine started yet)."""
         root = Path(self.settings.model_repository)
-        return await asyncio.to_thread(load_repository, root, self.settings.default_max_batch_size)
+        return await asyncio.to_thread(
+            load_repository, root, self.settings.default_max_batch_size, self._choose
+        )
 
     async def load(self, repo: Repository | None = None) -> None:
         """Start every model of ``repo`` (read here when not given)."""
@@ -99,11 +115,15 @@ class DataPlane:
                 self.latest[name] = max(self.models[name], key=int)
         self.loaded = True
         _freeze_startup_objects()
+        self.selector.start()  # after the freeze: the selection's objects come and go
 
     async def _start(self, spec: ModelSpec) -> ModelRuntime:
         if spec.config.response_cache.enable and self.cache is None:
             self.cache = await build_cache(self.settings, self.redis)  # when the first model asks for it
-        return await build_runtime(spec, self.settings, self.classes, self.lag, self.cache)
+        rt = await build_runtime(spec, self.settings, self.classes, self.lag, self.cache)
+        cpu = all(getattr(w, "device", None) is None or w.device.kind == "cpu" for w in rt.pool.workers)
+        rt.choice = self.selector.note(spec, cpu)
+        return rt
 
     async def reload(self, name: str) -> None:
         """Load model ``name`` again from its directory (config, versions, model files): start and
@@ -116,7 +136,9 @@ class DataPlane:
             raise not_found(f"no model directory '{name}' in the repository {root}")
         async with self._reload_locks.setdefault(name, asyncio.Lock()):
             try:
-                specs = await asyncio.to_thread(load_model, root / name, self.settings.default_max_batch_size)
+                specs = await asyncio.to_thread(
+                    load_model, root / name, self.settings.default_max_batch_size, None, self._choose
+                )
             except ConfigError as exc:
                 raise self._reload_failed(name, str(exc)) from None
             if not specs:
@@ -213,12 +235,14 @@ class DataPlane:
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new work and wait for every accepted request to be answered."""
         self.draining = True
+        await self.selector.close()  # a selection under way is not finished (nothing recorded)
         rts = self.runtimes()
         results = await asyncio.gather(*(rt.scheduler.drain(timeout_s) for rt in rts))
         return all(results)
 
     async def close(self) -> None:
         self.lag.stop()
+        await self.selector.close()
         for rt in self.runtimes():
             await rt.scheduler.close()
             await asyncio.to_thread(rt.pool.close)

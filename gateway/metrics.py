@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -248,6 +249,7 @@ class _PlaneCollector:
         yield from _scheduler_families(snaps)
         yield from _worker_families(snaps)
         yield _loop_lag_family(plane)
+        yield from _selection_families(plane)
         yield from _overload_families(m)
         yield from _cache_families(plane)
         if m.usage is not None:
@@ -257,6 +259,28 @@ class _PlaneCollector:
 
 P = "batchgate_"
 MV = ["model", "version"]
+
+
+def _selection_families(plane) -> Iterator:
+    """The host's variant selection per model (gateway/selection.py): its state and wall time."""
+    state = GaugeMetricFamily(
+        P + "variant_selection",
+        "1 for each model's variant selection state on this host's CPU class (off, pinned, recorded, "
+        "pending, selecting, switched, kept, failed, waiting), with the variant serving",
+        labels=["model", "host_class", "state", "variant"],
+    )
+    seconds = GaugeMetricFamily(
+        P + "variant_selection_seconds",
+        "wall time of the model's background selection (so far, or taken)",
+        labels=["model"],
+    )
+    selector = getattr(plane, "selector", None)
+    for s in selector.states.values() if selector is not None else ():
+        state.add_metric([s.model, s.host_class, s.state, s.variant], 1)
+        if s.started is not None:
+            seconds.add_metric([s.model], s.seconds if s.seconds is not None else time.time() - s.started)
+    yield state
+    yield seconds
 
 
 def _server_families(m: Metrics, plane) -> Iterator:

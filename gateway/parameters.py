@@ -306,6 +306,11 @@ DECLARED: tuple[Declared, ...] = (
              "openvino-fp32 and -bf16 run model.onnx itself through OpenVINO); refused at load unless its "
              "report model.<variant>.report.json passed and matches both files",
              _choice(*VARIANTS), "variant"),
+    Declared("variant_selection", "'auto' or 'off'", "auto", "one of the two", "repository, selection",
+             "auto: with no `variant` set, serve the variant selected for this host's CPU class and, while "
+             "none is, select one in the background (gateway/selection.py; the server's "
+             "variant_selection must allow it); off: serve the config's variant, never select",
+             _choice("auto", "off"), "variant_selection"),
     Declared("engine", "'onnxruntime' or 'openvino'", "onnxruntime (an openvino-* variant: openvino)",
              "one of the two; openvino needs the openvino package", "repository, workers",
              "the runtime that runs the model file; Triton's backend: \"openvino\" says the same "
@@ -362,6 +367,7 @@ class ModelParameters:
     shed_at_admission: bool = True
     gpu_fallback: str = "fail"
     variant: str = "fp32"
+    variant_selection: str = "auto"  # off: never the host's selected variant (gateway/selection.py)
     engine: str | None = None  # None: the variant's (onnxruntime unless an openvino-* variant)
     precision: str = "auto"
     text_pair: bool = False

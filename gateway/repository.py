@@ -549,10 +549,13 @@ def select_versions(model_dir: Path, config: mc.ModelConfig) -> list[str]:
 
 
 def load_model(
-    model_dir: Path, default_max_batch_size: int = 64, variant: str | None = None
+    model_dir: Path, default_max_batch_size: int = 64, variant: str | None = None, choose=None
 ) -> list[ModelSpec]:
     """Parse, complete and check one model directory; one spec per served version. ``variant``
-    overrides the config's (``batchgate optimize`` reads the original, whatever serves)."""
+    overrides the config's (``batchgate optimize`` reads the original, whatever serves).
+    ``choose(model_dir, version, model_file)``: the variant selected for this host
+    (gateway/selection.py ``recorded_variant``), served where the config sets no ``variant`` and
+    the model's ``variant_selection`` is auto; None: the config's."""
     config = mc.ModelConfig()
     cfg_path = model_dir / CONFIG_FILE
     if cfg_path.exists():
@@ -594,6 +597,12 @@ def load_model(
         check_kind(cfg, params)
         if variant is not None:
             params = replace(params, variant=variant)
+        elif (
+            choose is not None
+            and VARIANT_PARAMETER not in params.given
+            and params.variant_selection == "auto"
+        ):
+            params = replace(params, variant=choose(model_dir, version, path) or params.variant)
         engine, compute = resolve_engine(cfg, params)
         engine_file = check_variant(cfg.name, version, path, params.variant)
         # ModelConfig answers which variant serves, also when the config left it at its default.
@@ -733,13 +742,13 @@ def model_identity(file_fp: str, engine: str, compute: str, variant: str) -> str
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
-def load_repository(root: Path, default_max_batch_size: int = 64) -> Repository:
+def load_repository(root: Path, default_max_batch_size: int = 64, choose=None) -> Repository:
     if not root.is_dir():
         raise FileNotFoundError(f"model repository {root} does not exist")
     repo = Repository(models={}, failures={})
     for model_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
         try:
-            specs = load_model(model_dir, default_max_batch_size)
+            specs = load_model(model_dir, default_max_batch_size, choose=choose)
         except ConfigError as exc:
             repo.failures[model_dir.name] = LoadFailure(model_dir.name, "", str(exc))
             log.error("model %s failed to load: %s", model_dir.name, exc)

@@ -82,6 +82,17 @@ class ModelRuntime:
     text: TextStage | None = None  # parameter `tokenizer`: texts in, token inputs made in the workers
     row_limit: Callable[[Hashable], int] | None = None  # the token budget: rows a batch of a bucket takes
     inflight: int = 0  # calls inside ``infer``: a runtime swapped out by a reload is closed at 0
+    choice: object | None = None  # gateway/selection.py Selection: the host's variant for this model
+    cut_limit: Callable[[Hashable], int] | None = None  # row_limit held to the learned limit (None: off)
+
+    @property
+    def selection(self) -> dict:
+        """The host's variant selection for this model (gateway/selection.py): state (off, pinned,
+        recorded, selecting, switched, kept, failed, waiting), the variant serving, the CPU class,
+        and once chosen the choice (variant, why, x the original, report, date, seconds)."""
+        if self.choice is None:
+            return {"state": "off", "variant": self.spec.variant}
+        return self.choice.as_dict()
 
     def snapshot(self) -> RuntimeSnapshot:
         return RuntimeSnapshot(
@@ -164,7 +175,10 @@ class ModelRuntime:
         scheduled as one call, reassembled. ``texts``: each row's text decoded once on the loop,
         or its encoding (``texts``): the worker tokenizes the one and reads the other as it is."""
         sched = self.scheduler
-        cap, limit = self.spec.max_batch_size, self.row_limit
+        # A call is cut where its bucket's batches stop making more rows a second on this host (the
+        # latency model's learned limit, ``cut_limit``): one request of 32 rows would run as one
+        # batch past that size, whatever the queue holds its batches to.
+        cap, limit = self.spec.max_batch_size, self.cut_limit or self.row_limit
         if self.text is not None and self.spec.batched:
             name = self.text.input
             if keys is None:
@@ -202,6 +216,20 @@ class ModelRuntime:
         ]
         outs = await sched.submit(parts, budget)
         return {n: np.concatenate([o[n] for o in outs]) for n in outs[0]}
+
+
+def _learned_limit(
+    latency: LatencyModel, limit: Callable[[Hashable], int] | None
+) -> Callable[[Hashable], int]:
+    """``limit`` (the token budget's rows per bucket; None: no limit) held to the rows the latency
+    model learned still pay in each bucket."""
+
+    def rows(key: Hashable) -> int:
+        useful = latency.useful_rows(key)
+        base = _NO_LIMIT if limit is None else limit(key)
+        return base if useful is None else min(base, useful)
+
+    return rows
 
 
 def _assemble(outs: list[dict[str, np.ndarray]], index: list[np.ndarray], rows: int) -> dict[str, np.ndarray]:
@@ -362,6 +390,9 @@ async def build_runtime(
     )
     scheduler.start()
     variable = tuple(t.name for t in spec.inputs if -1 in t.dims)
-    return ModelRuntime(
+    rt = ModelRuntime(
         spec, Codec(spec), pool, scheduler, variable, schedule, model_cache(spec, cache), text, row_limit
     )
+    if spec.params.learned_batch_limit and policy == "deadline":  # the deadline queue learns it
+        rt.cut_limit = _learned_limit(latency, row_limit)
+    return rt

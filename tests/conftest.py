@@ -147,7 +147,9 @@ def start_server(
     SERVING (over TLS with ``credentials``); ``cpus``: pinned to those cores (taskset -c)."""
     grpc_port, http_port = ports or free_ports(2)
     log_path = tmp / f"server-{grpc_port}.log"
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    # No background variant selection unless the test asks (env or --variant-selection): the
+    # suite pays only for the selection's own tests (gateway/selection.py).
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "BATCHGATE_VARIANT_SELECTION": "off", **(env or {})}
     cmd = [
         sys.executable, "-m", "batchgate", "serve",
         "--model-repository", str(repo), "--host", "127.0.0.1",

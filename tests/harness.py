@@ -96,7 +96,8 @@ class FakePool:
     (``ShapePlan``, ``WorkerPool.shape_key``), so rows are grouped by bucket as in production.
 
     Controls, safe to change while calls run: ``per_batch_s`` + ``per_row_s`` x rows is what a batch
-    costs (slept on the worker thread, reported as its infer time, so the latency model learns it);
+    costs, or ``cost(rows)`` when set (slept on the worker thread, reported as its infer time, so
+    the latency model learns it);
     ``fail_when(pred)`` fails every batch holding a request whose inputs ``pred`` accepts;
     ``hold()`` makes batches wait (a hung engine) until ``release()``. ``batches`` lists what ran."""
 
@@ -110,6 +111,7 @@ class FakePool:
         self.workers = [FakeWorker(f"{name}-{d}-{i}") for d in devices for i in range(count)]
         self.per_batch_s = 0.0
         self.per_row_s = 0.0
+        self.cost: Callable[[int], float] | None = None  # seconds a batch of n rows costs (wins over the two)
         self.batches: list[Batch] = []
         self.running = 0  # batches on a worker thread now
         self._fail: Callable[[dict[str, np.ndarray]], bool] | None = None
@@ -184,7 +186,8 @@ class FakePool:
             self.running += 1
         try:
             self._go.wait()
-            delay = self.per_batch_s + self.per_row_s * sum(rows)
+            cost = self.cost
+            delay = cost(sum(rows)) if cost is not None else self.per_batch_s + self.per_row_s * sum(rows)
             if delay > 0:
                 time.sleep(delay)
             fail = self._fail
@@ -351,6 +354,7 @@ async def serving(repo: Path, **settings) -> AsyncIterator[Gateway]:
     from batchgate.gateway.transport import server as server_mod
     from batchgate.gateway.transport.server import Server
 
+    settings.setdefault("variant_selection", "off")  # no background selection unless the test asks
     s = Settings(  # device cpu: no GPU probe (a fake pool runs anywhere)
         model_repository=repo, host="127.0.0.1", grpc_port=0, http_port=0, device="cpu",
         build_bundled_models=False, drain_linger_s=0.0, **settings,

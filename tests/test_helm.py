@@ -110,6 +110,10 @@ VALUE_SETS: dict[str, dict] = {
         "config": {"workers_per_device": 2},
     },
     "pvc": {"modelRepository": {"source": "pvc", "pvc": {"existingClaim": "models", "subPath": "v3"}}},
+    "pvc-selection": {
+        "modelRepository": {"source": "pvc", "pvc": {"existingClaim": "models", "subPath": "v3"}},
+        "variantSelection": {"initContainer": {"enabled": True}},
+    },
     "init-container": {
         "modelRepository": {
             "source": "initContainer",
@@ -1362,3 +1366,19 @@ if __name__ == "__main__":
         print(f"wrote the config section of {SCHEMA_PATH.relative_to(ROOT)} from gateway.config.Settings")
     else:
         sys.exit("usage: python tests/test_helm.py --sync-schema")
+
+
+def test_the_variant_selection_runs_before_serving_with_the_repository_writable():
+    """variantSelection.initContainer: `batchgate select` over the claim mounted writable, before the
+    gateway (which mounts it read-only and serves the recorded choice); never with source image."""
+    pod = _cached("pvc-selection").pod
+    (init,) = pod["initContainers"]
+    assert init["name"] == "variant-selection" and init["args"] == ["select"]
+    mount = next(m for m in init["volumeMounts"] if m["name"] == "model-repository")
+    assert not mount.get("readOnly") and mount["subPath"] == "v3"
+    gateway = next(c for c in pod["containers"] if c["name"] == "gateway")
+    assert next(m for m in gateway["volumeMounts"] if m["name"] == "model-repository")["readOnly"] is True
+    assert "initContainers" not in _cached("pvc").pod
+    with helm.Chart.load(CHART) as c:
+        baked = render(c, {"variantSelection": {"initContainer": {"enabled": True}}})
+    assert "initContainers" not in baked.pod  # the image's repository cannot be written

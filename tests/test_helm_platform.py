@@ -640,7 +640,7 @@ def _start_unready(tmp: Path, repo: Path, env: dict) -> tuple[ServerProcess, dic
     log_path = tmp / "server.log"
     cmd = [sys.executable, "-m", "batchgate", "serve", "--no-build-models", "--model-repository", str(repo),
            "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--http-port", str(http_port)]  # fmt: skip
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env,
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "BATCHGATE_VARIANT_SELECTION": "off", **env,
                 "BATCHGATE_METRICS_PORT": str(metrics_port), "BATCHGATE_HEALTH_PORT": str(health_port)}  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
     srv = ServerProcess(proc, grpc_port, http_port, log_path, env)

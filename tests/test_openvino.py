@@ -286,7 +286,10 @@ def test_auto_writes_one_table_and_picks_the_fastest_passing(tmp_path):
     names = [c["candidate"] for c in data["candidates"]]
     assert names[0] == "fp32 (original)" and set(names[1:]) == set(res.candidates)
     for c in data["candidates"]:
-        assert set(c["rows_per_s"]) == {"1", "8", "32"} and c["p99_ms"] >= c["p50_ms"] > 0
+        if c["status"] == "failed":  # only what passed the gate is timed
+            assert c["rows_per_s"] == {} and c["p50_ms"] is None
+        else:
+            assert set(c["rows_per_s"]) == {"1", "8", "32"} and c["p99_ms"] >= c["p50_ms"] > 0
     assert "Intel" in md or "AMD" in md or "cores" in md  # the CPU is named
     assert data["cpu_class"] == cpu_class()
     passed = {v: r for v, r in res.candidates.items() if r.status == "passed"}
@@ -301,6 +304,28 @@ def test_auto_writes_one_table_and_picks_the_fastest_passing(tmp_path):
         assert res.chosen == "fp32"
     for v in skipped:
         assert v in md
+
+
+@needs_bf16
+def test_auto_times_only_the_candidates_that_passed_the_gate(tmp_path):
+    enc = _copy("encoder", tmp_path)
+    said: list[str] = []
+    opts = Options("int8", thresholds=Thresholds(batch_tolerance_bf16=-1.0), **QUICK)  # BF16 fails its bound
+    res = optimize_auto(enc, opts, log=said.append, candidates=["openvino-fp32", "openvino-bf16"])
+    assert (
+        res.candidates["openvino-bf16"].status == "failed"
+        and res.candidates["openvino-fp32"].status == "passed"
+    )
+    timing = [line for line in said if line.startswith("timing on core")]
+    assert len(timing) == 1 and "openvino-fp32" in timing[0] and "openvino-bf16" not in timing[0], said
+    data = json.loads(report_path(enc / "1" / "model.onnx", "auto").read_text())
+    row = {c["candidate"]: c for c in data["candidates"]}
+    assert row["openvino-bf16"]["p50_ms"] is None and row["openvino-bf16"]["rows_per_s"] == {}
+    assert row["openvino-fp32"]["p50_ms"] > 0
+    bf16 = res.candidates["openvino-bf16"].report
+    assert set(bf16["speed"]) == {"original"} and bf16["speedup"] is None
+    md = report_path(enc / "1" / "model.onnx", "auto").with_suffix(".md").read_text()
+    assert "| openvino-bf16 | openvino | BF16 | failed |" in md
 
 
 def test_never_slower_means_at_every_batch_size():

@@ -113,7 +113,7 @@ def test_wheel_serves_beside_proto_plus(tmp_path):
     (repo / "ranker").symlink_to(ROOT / "model_repository/ranker", target_is_directory=True)
     grpc_port, http_port = free_ports(2)
     log = (tmp_path / "server.log").open("w")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"BATCHGATE_VARIANT_SELECTION": "off"}
     proc = subprocess.Popen(
         [str(venv / "bin" / "batchgate"), "serve", "--model-repository", str(repo), "--host", "127.0.0.1",
          "--grpc-port", str(grpc_port), "--http-port", str(http_port)],

@@ -183,10 +183,12 @@ async def _until(pred) -> None:
         await asyncio.sleep(0.001)
 
 
-def test_an_idle_queue_refuses_on_its_estimate_alone_at_most_all_but_one_call_a_second():
-    """Nothing ahead: a call whose expected compute is over its budget is refused, but one a second
-    is let through, so an estimate that has become too high is corrected by a run, never kept for
-    ever by refusing everything."""
+def test_an_idle_queue_refuses_a_call_its_own_compute_cannot_fit_every_time():
+    """Nothing ahead: a call whose own batch alone cannot end by its due time is refused at
+    admission every time, saying no server could meet it. (It was let through once a second, a
+    probe meant to correct an estimate grown too high, but the queue's expiry test, the same
+    estimate, dropped it before compute at once: it corrected nothing, and the caller heard a
+    different refusal.) A call that fits is never refused."""
     from batchgate.gateway.scheduling import Request
 
     q = DeadlineQueue(8, (), 0.0, CLASSES, trained({256: (0.040, 0.0)}))
@@ -196,7 +198,7 @@ def test_an_idle_queue_refuses_on_its_estimate_alone_at_most_all_but_one_call_a_
         return [Request({}, 1, 256, now, None, now + budget_s, c)]
 
     assert q.refuse(call(0.0, 0.100), 0.0, 0.0, 1) is None  # fits: 40 ms of 100
-    assert q.refuse(call(0.0, 0.010), 0.0, 0.0, 1) is None  # over, but the probe of this second
-    assert q.refuse(call(0.5, 0.010), 0.5, 0.0, 1) is not None  # refused
-    assert q.refuse(call(1.1, 0.010), 1.1, 0.0, 1) is None  # the next second's probe
+    for now in (0.0, 0.5, 1.1):  # 10 ms for 40 ms of compute: every time, no probe
+        refusal = q.refuse(call(now, 0.010), now, 0.0, 1)
+        assert refusal is not None and refusal.alone and refusal.own_s == pytest.approx(0.040)
     assert q.refuse(call(1.2, 0.100), 1.2, 0.0, 1) is None  # a call that fits is never refused

@@ -77,6 +77,49 @@ def cpu_class(flags: str | None = None) -> str:
     return platform.machine() or "cpu"
 
 
+# The flags that change which engine and precision win on a CPU (docs/engines.md): the host class
+# of a variant selection names those present.
+SELECTION_FLAGS = (
+    "avx2",
+    "avx512f",
+    "avx512_vnni",
+    "avx_vnni",
+    "avx512_bf16",
+    "amx_bf16",
+    "amx_int8",
+    "avx512_fp16",
+)
+
+
+@cache
+def _cpuinfo_head() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read(8192)
+    except OSError:
+        return ""
+
+
+def host_class(cpuinfo: str | None = None) -> str:
+    """This host's CPU class for a variant selection (gateway/selection.py): vendor, family, model
+    and the instruction sets that decide which variant wins, e.g.
+    ``AuthenticAMD-25-17-avx2+avx512_bf16+avx512_vnni+avx512f``. A choice measured on one class is
+    reused on that class only; a CPU of another model or other flags measures for itself."""
+    text = _cpuinfo_head() if cpuinfo is None else cpuinfo
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        key = key.strip()
+        if sep and key not in fields:
+            fields[key] = value.strip()
+    vendor = fields.get("vendor_id") or fields.get("CPU implementer") or platform.machine() or "cpu"
+    family = fields.get("cpu family") or fields.get("CPU architecture") or "-"
+    model = fields.get("model") or fields.get("CPU part") or "-"
+    have = flag_set(fields.get("flags") or fields.get("Features") or "")
+    isa = "+".join(sorted(f for f in SELECTION_FLAGS if f in have)) or "base"
+    return "-".join(x.replace(" ", "_") for x in (vendor, family, model, isa))
+
+
 def int8_saturates(flags: str | None = None, arch: str | None = None) -> bool:
     """Whether ONNX Runtime's UINT8 x INT8 GEMM saturates here: on x86 without VNNI it multiplies
     with VPMADDUBSW, whose pairwise 16-bit sums clip (docs/engines.md measures 14 % off), so INT8

@@ -290,6 +290,8 @@ def wasted(exc: BaseException) -> bool:
     refuses only calls that would miss, and a closed loop at capacity meets none."""
     if isinstance(exc, asyncio.CancelledError):  # the caller gave up (its deadline, usually)
         return True
+    if isinstance(exc, GatewayError) and exc.outcome == "impossible":
+        return False  # a budget under the call's own compute: the caller's, whatever the load
     return isinstance(exc, GatewayError) and (
         exc.kind is Kind.DEADLINE or (exc.kind is Kind.UNAVAILABLE and exc.outcome != "overloaded")
     )

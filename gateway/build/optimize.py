@@ -1269,7 +1269,7 @@ def _report(spec: ModelSpec, variant: str, file: Path, status: str, failures: li
         if engine == "onnxruntime" or variant == "openvino-int8"
         else precision.upper()
     )
-    mine, base = timing[variant], timing["original"]
+    mine, base = timing.get(variant), timing["original"]  # (--auto times only what passed the gate)
     return {
         "model": spec.name,
         "version": spec.version,
@@ -1289,11 +1289,13 @@ def _report(spec: ModelSpec, variant: str, file: Path, status: str, failures: li
         "accuracy_by_kind": by_kind(acc, held.kinds),
         "batch_independence_max_abs": indep["max_abs"],
         "batch_independence_bound": indep["bound"],
-        "speed": {k: timing[k] for k in ("original", variant)},
-        "speedup": {
+        "speed": {k: timing[k] for k in ("original", variant) if k in timing},
+        "speedup": None
+        if mine is None
+        else {
             "latency_p50": base["latency_ms"]["p50"] / mine["latency_ms"]["p50"],
             "peak_rows_per_s": mine["peak_rows_per_s"] / base["peak_rows_per_s"],
-        },
+        },  # fmt: skip
         "memory_rss_bytes": {k: memory.get(k) for k in ("original", variant) if k in memory},
         "build": build,
         "calibration": {"source": calib.source, "rows": len(calib), "sha256": calib.digest},
@@ -1440,7 +1442,10 @@ def optimize_auto(
             build["build_seconds"] = round(time.perf_counter() - t0, 1)
             built[v] = (file, build, acc, failures, indep)
             log(f"{v}: gate {'passed' if not failures else 'FAILED — ' + '; '.join(failures)}")
-        engines = {"original": (src, "fp32")} | {v: (b[0], v) for v, b in built.items()}
+        # Only what passed the gate is timed: a failed candidate never serves, and timing it cost a
+        # base model most of --auto's ~20 minutes on one core (issue 57). The gate ran first, each
+        # candidate's right after its build.
+        engines = {"original": (src, "fp32")} | {v: (b[0], v) for v, b in built.items() if not b[3]}
         if serving not in ("fp32", *built):
             try:  # what serves now is measured too: --auto never picks anything slower
                 engines[serving] = (check_variant(spec.name, spec.version, src, serving), serving)
@@ -1510,7 +1515,9 @@ def _serving_variant(model_dir: Path, version: str | None) -> str:
 def _auto_report(spec, serving, chosen, results, skipped, timing, memory, held, opts, core, started) -> dict:
     rows = []
     base = timing["original"]["score_rows_per_s"]
-    for k, t in timing.items():
+    untimed = {"latency_ms": {"p50": None, "p99": None}, "batches": [], "score_rows_per_s": None}
+    for k in [*timing, *(v for v in results if v not in timing)]:  # the failed candidates last, untimed
+        t = timing.get(k, untimed)
         r = results.get(k)
         rep = r.report if r else None
         entry = {
@@ -1523,7 +1530,7 @@ def _auto_report(spec, serving, chosen, results, skipped, timing, memory, held, 
             "p99_ms": t["latency_ms"]["p99"],
             "rows_per_s": {str(b["batch"]): b["rows_per_s"] for b in t["batches"]},
             "score_rows_per_s": t["score_rows_per_s"],
-            "x_original": t["score_rows_per_s"] / base,
+            "x_original": None if t["score_rows_per_s"] is None else t["score_rows_per_s"] / base,
             "rss_bytes": memory.get(k),
         }
         if rep:
@@ -1581,11 +1588,14 @@ def auto_markdown(r: dict) -> str:
         bi = (f"{c['batch_independence_max_abs']:.1e} ({c['batch_independence_bound']:g})"
               if "batch_independence_max_abs" in c else "-")  # fmt: skip
         rss = c["rss_bytes"]
+        if c["p50_ms"] is None:  # failed the gate: not timed
+            speed = " | ".join(["-"] * (3 + len(sizes)))
+        else:
+            speed = (f"{c['p50_ms']:.2f} | {c['p99_ms']:.2f} | "
+                     + " | ".join(f"{c['rows_per_s'][b]:.1f}" for b in sizes) + f" | {c['x_original']:.2f}")  # fmt: skip
         lines.append(
             f"| {c['candidate']} | {c['engine']} | {c['precision']} | {c['status']} | {cos[0]} | {cos[1]} | {bi} | "
-            f"{c['p50_ms']:.2f} | {c['p99_ms']:.2f} | "
-            + " | ".join(f"{c['rows_per_s'][b]:.1f}" for b in sizes)
-            + f" | {c['x_original']:.2f} | {'-' if rss is None else f'{rss / 2**20:.0f}'} |"
+            f"{speed} | {'-' if rss is None else f'{rss / 2**20:.0f}'} |"
         )
     lines.append("")
     for c in r["candidates"]:
@@ -1607,7 +1617,8 @@ def auto_markdown(r: dict) -> str:
             lines.append(f"| {cand} | " + " | ".join(f"{per[out][n][fig]:.5f}" for n in names) + " |")
     lines += ["", "x original: the geometric mean of rows/s over the batch sizes, against ONNX Runtime FP32 "
               "(the original) in the same run. --auto serves the fastest (by that mean) candidate that passed "
-              "the gate and is no slower than what served before at any batch size; else it keeps what served."]  # fmt: skip
+              "the gate and is no slower than what served before at any batch size; else it keeps what served. "
+              "A candidate that failed the gate is not timed (-)."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -1681,8 +1692,15 @@ def markdown(r: dict, png: str | None) -> str:
             + f" | {s['peak_rows_per_s']:.1f} | {'-' if rss is None else f'{rss / 2**20:.0f}'} |"
         )
     sp = r["speedup"]
-    lines += ["", f"Speed-up over the original: x{sp['latency_p50']:.2f} p50 latency of one row, "
-              f"x{sp['peak_rows_per_s']:.2f} peak rows/s (one thread, pinned core, same run, same rows).", ""]  # fmt: skip
+    if sp is None:
+        lines += [
+            "",
+            "Not timed: a candidate that fails the gate never serves (--auto times only those that pass).",
+            "",
+        ]
+    else:
+        lines += ["", f"Speed-up over the original: x{sp['latency_p50']:.2f} p50 latency of one row, "
+                  f"x{sp['peak_rows_per_s']:.2f} peak rows/s (one thread, pinned core, same run, same rows).", ""]  # fmt: skip
     b = r["build"]
     if "fusions" in b:
         lines.append(f"Fusions: {', '.join(f'{k} x{n}' for k, n in b['fusions'].items()) or 'none'}.")

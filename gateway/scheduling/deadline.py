@@ -198,7 +198,11 @@ class DeadlineQueue:
         behind is still dropped before compute (``take_expired``)."""
         self.prediction = None
         first = reqs[0]
-        if first.cls is None or first.deadline == math.inf or not self.latency.confident_model():
+        if first.cls is None or first.deadline == math.inf:
+            return None
+        if (alone := self._hopeless(reqs, now)) is not None:
+            return alone
+        if not self.latency.confident_model():
             return None  # no estimate worth refusing work on yet: admit, the queue still expires it
         # Its requests run one after another on one slot at worst: their expected times add up.
         # A request of a bucket with work queued joins one of its batches and adds its rows' share
@@ -230,6 +234,21 @@ class DeadlineQueue:
                 self._probe_at = now
                 return None
         return Refusal(wait, own, max(wait, 0.001))
+
+    def _hopeless(self, reqs: list[Request], now: float) -> Refusal | None:
+        """A call one of whose requests ``take_expired`` would drop the moment the batcher looks,
+        by its own test: even alone on an idle worker it would end past its due time (its
+        bucket's high estimate and the loop's expected lag). Refused here, with no retry hint, so
+        an impossible budget is told the same way on every route and under any load, instead of
+        being queued only to be dropped before compute (or, by the probe, let through)."""
+        lag = self.lag_expected()
+        latency = self.latency
+        for r in reqs:
+            if latency.confident(r.key):
+                est = latency.estimate_hi(r.key, r.rows)
+                if now > self.due(r) - est - lag:
+                    return Refusal(0.0, est, 0.0, alone=True)
+        return None
 
     # Admission predictions checked against the calls' real times: enough samples before the
     # ratio moves the decision, and then the lowest of the last RATIO_WINDOW ratios. A refusal is

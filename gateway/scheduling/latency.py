@@ -91,13 +91,17 @@ class LatencyModel:
     # A batch stops growing where doubling it would make a row less than this much cheaper.
     WORTH = 0.02
     LEARN_AFTER = 20  # batches of a bucket before its batch-size limit is learned
+    MEASURED = 3  # batches of a size class before its rows/s counts toward the limit
+    STALE = 150  # batches of its bucket after which an unseen size class stops counting
 
     def __init__(self, decay: float = 0.98, prior_s: float = 0.002, alpha: float = 0.2) -> None:
         self.decay = decay
         self.prior_s = prior_s  # assumed batch time before any batch has run
         self.alpha = alpha
         self._fits: dict[Hashable, _Fit] = {}
-        self._sizes: dict[tuple[Hashable, int], list[float]] = {}  # -> [ewma s, samples, ewma |dev| s]
+        # -> [ewma s, samples, ewma |dev| s, ewma rows, the bucket's batch count when last seen]
+        self._sizes: dict[tuple[Hashable, int], list[float]] = {}
+        self._classes: dict[Hashable, list[int]] = {}  # bucket -> its size classes seen, ascending
         self._any = _Fit()  # across buckets: the estimate for a bucket not seen yet
         # bucket -> rows worth batching (absent: no limit); learned in observe(), once per batch,
         # so the request path only looks it up
@@ -123,21 +127,27 @@ class LatencyModel:
             seconds = min(seconds, 3.0 * max(self.estimate(key, rows), 1e-5))
         first = fit.batches == 0
         fit.add(rows, seconds, self.decay)
-        useful = self._learn_limit(fit)
-        if useful is None:
-            self._useful.pop(key, None)
-        else:
-            self._useful[key] = useful
         if not first:  # a bucket's first run pays one-off set-up; keep it out of the shared fit
             self._any.add(rows, seconds, self.decay)
-            size = self._sizes.get((key, _size_class(rows)))
+            c = _size_class(rows)
+            size = self._sizes.get((key, c))
             if size is None:
-                self._sizes[(key, _size_class(rows))] = [seconds, 1, 0.0]
+                self._sizes[(key, c)] = [seconds, 1, 0.0, float(rows), fit.batches]
+                classes = self._classes.setdefault(key, [])
+                classes.append(c)
+                classes.sort()
             else:
                 err = seconds - size[0]
                 size[0] += self.alpha * err
                 size[1] += 1
                 size[2] += self.alpha * (abs(err) - size[2])
+                size[3] += self.alpha * (rows - size[3])
+                size[4] = fit.batches
+        useful = self._learn_limit(fit, key)
+        if useful is None:
+            self._useful.pop(key, None)
+        else:
+            self._useful[key] = useful
 
     def estimate(self, key: Hashable, rows: int) -> float:
         """Seconds one batch of ``rows`` rows of bucket ``key`` is expected to take."""
@@ -165,7 +175,37 @@ class LatencyModel:
         limit."""
         return self._useful.get(key)
 
-    def _learn_limit(self, fit: _Fit) -> int | None:
+    def _measured_limit(self, fit: _Fit, key: Hashable) -> int | None:
+        """Rows beyond which bucket ``key``'s measured batches stop making more rows a second: by
+        batch-size class (1, 2, 3-4, 5-8, ...) seen at least MEASURED times and within the last
+        STALE batches of the bucket, rows/s = the class's mean rows over its mean time; the limit
+        is the largest size of the first class whose next larger measured class is not WORTH
+        more rows a second. None: rows/s still rises at the largest class measured. What a base
+        model on one CPU core shows (issue 57: all-mpnet-base-v2, ONNX Runtime FP32 on one Zen 4
+        core, 16.7 rows/s alone and 11.7 in batches of 32) is a time that grows faster than its
+        rows, which the line a + b·rows cannot bend to. A class unseen for STALE batches drops out, so a limit lifts by itself
+        and the next busy moment measures bigger batches again."""
+        rates = []
+        for c in self._classes.get(key, ()):
+            size = self._sizes[(key, c)]
+            if size[1] >= self.MEASURED and fit.batches - size[4] <= self.STALE and size[0] > 0:
+                rates.append((c, size[3] / size[0]))
+        if len(rates) < 2:
+            return None
+        for (c, rate), (_, bigger) in zip(rates, rates[1:]):
+            if bigger < rate * (1.0 + self.WORTH):
+                return c
+        return None
+
+    def _learn_limit(self, fit: _Fit, key: Hashable = None) -> int | None:
+        """The bucket's batch-size limit once LEARN_AFTER batches ran: measured rows/s by size
+        class where it stops rising (``_measured_limit``), else the line's answer (below)."""
+        if fit.batches < self.LEARN_AFTER:
+            return None
+        measured = self._measured_limit(fit, key)
+        return measured if measured is not None else self._line_limit(fit)
+
+    def _line_limit(self, fit: _Fit) -> int | None:
         """Rows beyond which a batch of the bucket ``fit`` describes stops paying: per-row time a/n + b gains
         a/2n by doubling n, worth it while that is at least WORTH of the row's time, i.e. up to
         n = a(1/2 - WORTH) / (WORTH b). None: no limit (batching pays, or not known yet). On CPU a
@@ -198,7 +238,7 @@ class LatencyModel:
         for key, fit in self._fits.items():
             a, b = fit.coefficients()
             out[bucket_label(key)] = {"intercept_s": a, "per_row_s": b, "batches": fit.batches, "sizes": {}}
-        for (key, size_class), (mean, samples, dev) in self._sizes.items():
+        for (key, size_class), (mean, samples, dev, *_) in self._sizes.items():
             entry = out.get(bucket_label(key))
             if entry is not None:
                 entry["sizes"][size_class] = {"mean_s": mean, "dev_s": dev, "batches": int(samples)}

@@ -4,7 +4,12 @@ class it belongs to and the absolute deadline it must meet.
 
 Resolution, first that applies:
   deadline  = gRPC deadline  >  parameter ``latency_budget_ms``  >  the class's budget
-  class     = parameter ``latency_class``  >  the tenant's default class  >  the server default
+  class     = parameter ``latency_class``  >  the tenant's default class  >  the batch class (a call of
+              several rows that states no budget)  >  the server default
+Client libraries (OpenAI, TEI, Cohere) send documents in batches and cannot state a budget, so a
+call of several rows that states none (no deadline, no ``latency_budget_ms``) is bulk work: it goes
+to the batch class (``batch_latency_class``, by default ``bulk``) unless its tenant names a class;
+a single row, or a call that states a budget, keeps the default class.
 Triton's schedule-policy parameters are honoured too: ``priority`` (1 = highest level) and
 ``timeout`` (µs, a queue timeout; only lowers the model's default when allow_timeout_override).
 """
@@ -149,13 +154,20 @@ def resolve(
     classes: dict[str, LatencyClass],
     default_class: str,
     schedule: SchedulePolicy,
+    rows: int = 1,
+    batch_class: str | None = None,
 ) -> Budget:
-    """Budget of one request from its parameters and gRPC deadline (``time_remaining`` seconds)."""
+    """Budget of one request from its parameters and gRPC deadline (``time_remaining`` seconds).
+    ``rows``: the call's rows (texts); ``batch_class``: the class of a call of several rows that
+    states no budget (None: the tenant names a class, or the server has none)."""
     name = default_class
+    stated = time_remaining is not None and time_remaining < 1e6  # grpc.aio reports "no deadline" as huge
     if "latency_class" in params:
         name = params["latency_class"]
         if not isinstance(name, str) or name not in classes:
             raise invalid(f"parameter 'latency_class' is '{name}'; expected one of {sorted(classes)}")
+    elif batch_class is not None and rows > 1 and not stated and "latency_budget_ms" not in params:
+        name = batch_class
     cls = classes[name]
     budget = cls.budget_s
     if "latency_budget_ms" in params:
@@ -165,7 +177,7 @@ def resolve(
                 f"parameter 'latency_budget_ms' must be a finite number of milliseconds, at least {MIN_BUDGET_MS:g}"
             )
         budget = value / 1000
-    if time_remaining is not None and time_remaining < 1e6:  # grpc.aio reports "no deadline" as huge
+    if stated:
         budget = max(time_remaining, 0.0)
     level = 0
     if schedule.priority_levels:
@@ -241,3 +253,6 @@ class Refusal:
     wait_s: float  # queued (and running) work ahead of the call, per worker slot
     own_s: float  # the call's own rows' compute
     retry_after_s: float  # when a retry could fit: the time the work ahead takes to drain
+    # Even alone on an idle worker the call ends past its due time: its budget is below its own
+    # compute, the margin and the loop's lag (waiting cannot help: no retry hint).
+    alone: bool = False

@@ -299,12 +299,15 @@ class Scheduler:
         self.stats.shed += 1
         self.stats.count_class(req.class_name, "shed")
         budget_ms = (req.deadline - now) * 1e3
-        if refusal.own_s * 1e3 >= budget_ms:  # its own compute alone: waiting cannot help, no retry hint
+        if refusal.alone or refusal.own_s * 1e3 >= budget_ms:  # waiting cannot help: no retry hint
             return GatewayError(
                 Kind.DEADLINE,
                 f"model '{self.name}': the request's budget ({budget_ms:.1f} ms left) is below its own "
-                f"compute (estimated {refusal.own_s * 1e3:.1f} ms): not even an idle server could "
-                "meet it; send a larger budget", outcome="shed",
+                f"compute (estimated {refusal.own_s * 1e3:.1f} ms) and the time kept for the network and "
+                "the event loop: not even an idle server could meet it; send a larger budget",
+                # its own compute alone past the whole budget: the caller's budget, not the load
+                # (the overload gate does not count it, gateway/admission/gate.py ``wasted``)
+                outcome="impossible" if refusal.own_s * 1e3 >= budget_ms else "shed",
             )  # fmt: skip
         return GatewayError(
             Kind.DEADLINE,

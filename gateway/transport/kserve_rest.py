@@ -388,7 +388,19 @@ class KServeRest:
 
     async def model_metadata(self, req: web.Request) -> web.Response:
         name, version = req.match_info["model"], req.match_info.get("version", "")
-        return await self._answer(req, lambda: self.pipeline.model_metadata(name, version))
+        try:
+            doc = _to_json(self.pipeline.model_metadata(name, version), False)
+            rt = self.plane.get(doc["name"], version)
+        except GatewayError as exc:
+            return _refused(exc)
+        # batchgate's extension (KServe's metadata has no parameters): which engine variant serves
+        # and how this host's selection chose it (gateway/selection.py).
+        doc["batchgate"] = {
+            "variant": rt.spec.variant,
+            "precision": rt.spec.precision,
+            "selection": rt.selection,
+        }
+        return web.json_response(doc)
 
     async def model_config(self, req: web.Request) -> web.Response:
         name, version = req.match_info["model"], req.match_info.get("version", "")
