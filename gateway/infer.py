@@ -240,7 +240,9 @@ class Pipeline:
         with tracing.TRACER.start_as_current_span("admission", attributes={"batchgate.rows": rows}):
             return await self.door.admit(pass_, model, rows, tokens)
 
-    def _budget(self, rt, parameters: dict, time_left: float | None, default_class: str | None, rows: int = 1):
+    def _budget(
+        self, rt, parameters: dict, time_left: float | None, default_class: str | None, rows: int = 1
+    ):
         plane = self.plane
         return resolve_budget(
             parameters, time_left, rt.scheduler.clock(), plane.classes,
@@ -249,7 +251,9 @@ class Pipeline:
         )  # fmt: skip
 
     async def _run(self, rt, call: Call, time_left, default_class, namespace) -> Answer:
-        budget = self._budget(rt, call.parameters, time_left, default_class, call.rows if rt.spec.batched else 1)
+        budget = self._budget(
+            rt, call.parameters, time_left, default_class, call.rows if rt.spec.batched else 1
+        )
         codec = rt.codec
         wanted = codec.requested(call)
         arrays, rows = codec.decode(call)
@@ -489,6 +493,11 @@ class Pipeline:
     @staticmethod
     def server_metadata() -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name="batchgate", version=VERSION, extensions=list(EXTENSIONS))
+
+    def variant_info(self, name: str, version: str) -> dict:
+        """Which engine variant serves the model and how this host's selection chose it."""
+        rt = self.plane.get(name, version)
+        return {"variant": rt.spec.variant, "precision": rt.spec.precision, "selection": rt.selection}
 
     def require(self, name: str, version: str) -> None:
         """Refuses (NOT_FOUND, UNAVAILABLE) unless the model's version serves now."""

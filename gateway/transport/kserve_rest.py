@@ -390,16 +390,11 @@ class KServeRest:
         name, version = req.match_info["model"], req.match_info.get("version", "")
         try:
             doc = _to_json(self.pipeline.model_metadata(name, version), False)
-            rt = self.plane.get(doc["name"], version)
+            # batchgate's extension (KServe's metadata has no parameters): which engine variant
+            # serves and how this host's selection chose it (gateway/selection.py)
+            doc["batchgate"] = self.pipeline.variant_info(doc["name"], version)
         except GatewayError as exc:
             return _refused(exc)
-        # batchgate's extension (KServe's metadata has no parameters): which engine variant serves
-        # and how this host's selection chose it (gateway/selection.py).
-        doc["batchgate"] = {
-            "variant": rt.spec.variant,
-            "precision": rt.spec.precision,
-            "selection": rt.selection,
-        }
         return web.json_response(doc)
 
     async def model_config(self, req: web.Request) -> web.Response:
