@@ -240,20 +240,16 @@ class Pipeline:
         with tracing.TRACER.start_as_current_span("admission", attributes={"batchgate.rows": rows}):
             return await self.door.admit(pass_, model, rows, tokens)
 
-    def _budget(
-        self, rt, parameters: dict, time_left: float | None, default_class: str | None, rows: int = 1
-    ):
+    def _budget(self, rt, parameters: dict, time_left: float | None, default_class: str | None, rows=1):
         plane = self.plane
         return resolve_budget(
             parameters, time_left, rt.scheduler.clock(), plane.classes,
             default_class or plane.settings.default_latency_class, rt.schedule,
-            rows, None if default_class else plane.batch_class,
+            rows if rt.spec.batched else 1, None if default_class else plane.batch_class,
         )  # fmt: skip
 
     async def _run(self, rt, call: Call, time_left, default_class, namespace) -> Answer:
-        budget = self._budget(
-            rt, call.parameters, time_left, default_class, call.rows if rt.spec.batched else 1
-        )
+        budget = self._budget(rt, call.parameters, time_left, default_class, call.rows)
         codec = rt.codec
         wanted = codec.requested(call)
         arrays, rows = codec.decode(call)

@@ -47,3 +47,28 @@ async def test_batches_stop_where_rows_per_second_stops_rising(tmp_path):
         ))  # fmt: skip
         sizes = [b.total for b in pool.batches[ran:]]
         assert sum(sizes) == 32 and max(sizes) == 8, sizes
+
+
+def _fed(times: dict[int, float], rounds: int = 6):
+    from batchgate.gateway.scheduling.latency import LatencyModel
+
+    m = LatencyModel()
+    for _ in range(rounds):
+        for rows, seconds in times.items():
+            m.observe("k", rows, seconds)
+    return m
+
+
+def test_a_limit_moves_only_for_a_clearly_faster_size():
+    m = _fed({n: cost(n) for n in (1, 2, 4, 8, 16)})
+    assert m.useful_rows("k") == 8
+    # 16 rows now measure 5 % more rows a second than 8: within the hysteresis, the limit stays
+    for _ in range(30):
+        m.observe("k", 8, cost(8))
+        m.observe("k", 16, 16 / (1.05 * 8 / cost(8)))
+    assert m.useful_rows("k") == 8
+    # 25 % more: it moves (rows/s still rises at 16, the largest size measured: at least 16)
+    for _ in range(30):
+        m.observe("k", 8, cost(8))
+        m.observe("k", 16, 16 / (1.25 * 8 / cost(8)))
+    assert m.useful_rows("k") >= 16

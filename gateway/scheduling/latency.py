@@ -93,6 +93,7 @@ class LatencyModel:
     LEARN_AFTER = 20  # batches of a bucket before its batch-size limit is learned
     MEASURED = 3  # batches of a size class before its rows/s counts toward the limit
     STALE = 150  # batches of its bucket after which an unseen size class stops counting
+    HYSTERESIS = 0.10  # a learned limit moves to a size this much faster per row, not for less
 
     def __init__(self, decay: float = 0.98, prior_s: float = 0.002, alpha: float = 0.2) -> None:
         self.decay = decay
@@ -175,35 +176,61 @@ class LatencyModel:
         limit."""
         return self._useful.get(key)
 
-    def _measured_limit(self, fit: _Fit, key: Hashable) -> int | None:
-        """Rows beyond which bucket ``key``'s measured batches stop making more rows a second: by
-        batch-size class (1, 2, 3-4, 5-8, ...) seen at least MEASURED times and within the last
-        STALE batches of the bucket, rows/s = the class's mean rows over its mean time; the limit
-        is the largest size of the first class whose next larger measured class is not WORTH
-        more rows a second. None: rows/s still rises at the largest class measured. What a base
+    def _measured_limit(self, fit: _Fit, key: Hashable) -> tuple[int | None, int | None]:
+        """(stop, top): by batch-size class (1, 2, 3-4, 5-8, ...) seen at least MEASURED times and
+        within the last STALE batches of bucket ``key``, rows/s = the class's mean rows over its
+        mean time; ``stop`` is the largest size of the first class whose next larger measured
+        class is not WORTH more rows a second (None: rows/s still rises at the largest measured
+        class), ``top`` that largest class (None: fewer than two classes measured). What a base
         model on one CPU core shows (issue 57: all-mpnet-base-v2, ONNX Runtime FP32 on one Zen 4
         core, 16.7 rows/s alone and 11.7 in batches of 32) is a time that grows faster than its
-        rows, which the line a + b·rows cannot bend to. A class unseen for STALE batches drops out, so a limit lifts by itself
-        and the next busy moment measures bigger batches again."""
+        rows, which the line a + b·rows cannot bend to. A class unseen for STALE batches drops
+        out, so a limit lifts by itself and the next busy moment measures bigger batches again."""
         rates = []
         for c in self._classes.get(key, ()):
-            size = self._sizes[(key, c)]
-            if size[1] >= self.MEASURED and fit.batches - size[4] <= self.STALE and size[0] > 0:
-                rates.append((c, size[3] / size[0]))
+            rate = self._rate(fit, key, c)
+            if rate is not None:
+                rates.append((c, rate))
         if len(rates) < 2:
-            return None
+            return None, None
         for (c, rate), (_, bigger) in zip(rates, rates[1:]):
             if bigger < rate * (1.0 + self.WORTH):
-                return c
-        return None
+                return c, rates[-1][0]
+        return None, rates[-1][0]
 
     def _learn_limit(self, fit: _Fit, key: Hashable = None) -> int | None:
         """The bucket's batch-size limit once LEARN_AFTER batches ran: measured rows/s by size
-        class where it stops rising (``_measured_limit``), else the line's answer (below)."""
+        class where it stops rising (``_measured_limit``), else the line's answer (below), at
+        least the largest size measured to pay."""
         if fit.batches < self.LEARN_AFTER:
             return None
-        measured = self._measured_limit(fit, key)
-        return measured if measured is not None else self._line_limit(fit)
+        stop, top = self._measured_limit(fit, key)
+        if stop is not None:
+            new = stop
+        else:  # rising at the largest size measured, or too few sizes: the line extrapolates,
+            new = self._line_limit(fit)  # never below a size measured to pay
+            if new is not None and top is not None:
+                new = max(new, top)
+        old = self._useful.get(key)
+        if new is None or old is None or new == old:
+            return new
+        # Hysteresis: a limit moves only for a clearly better size (HYSTERESIS more rows a second,
+        # both sizes measured lately), so noise near the WORTH threshold does not flip it batch to
+        # batch, and a call is cut the same way as the same call a moment ago (FP32 answers are
+        # bit-identical only within one batch shape).
+        now_rate, new_rate = self._rate(fit, key, old), self._rate(fit, key, new)
+        if new_rate is None and top is not None and new > top:  # past what was measured: its best evidence
+            new_rate = self._rate(fit, key, top)
+        if now_rate is not None and new_rate is not None and new_rate < now_rate * (1.0 + self.HYSTERESIS):
+            return old
+        return new
+
+    def _rate(self, fit: _Fit, key: Hashable, rows: int) -> float | None:
+        """Measured rows/s of bucket ``key``'s batches in ``rows``' size class, if seen lately."""
+        size = self._sizes.get((key, _size_class(rows)))
+        if size is None or size[1] < self.MEASURED or fit.batches - size[4] > self.STALE or size[0] <= 0:
+            return None
+        return size[3] / size[0]
 
     def _line_limit(self, fit: _Fit) -> int | None:
         """Rows beyond which a batch of the bucket ``fit`` describes stops paying: per-row time a/n + b gains
