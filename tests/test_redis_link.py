@@ -49,7 +49,7 @@ async def _users(tmp_path: Path, url: str, monkeypatch):
     monkeypatch.setattr(codec, "LIMITS", codec.LIMITS)  # Server() sets the process's codec limits
 
     async def no_runtime(spec, settings, classes, lag, cache):
-        return None
+        return SimpleNamespace(pool=SimpleNamespace(workers=[]))  # no engine: only the cache is wanted
 
     monkeypatch.setattr(dataplane, "build_runtime", no_runtime)
     settings = Settings(
@@ -60,6 +60,7 @@ async def _users(tmp_path: Path, url: str, monkeypatch):
         ratelimit_probe_initial_ms=20, ratelimit_probe_max_ms=160, cache_breaker_failures=FAILURES,
     )  # fmt: skip
     server = Server(settings)
+    monkeypatch.setattr(type(server.plane.selector), "note", lambda self, spec, cpu=True: None)  # nothing to select
     await server.plane._start(
         SimpleNamespace(config=SimpleNamespace(response_cache=SimpleNamespace(enable=True)))
     )
