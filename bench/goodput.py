@@ -396,7 +396,8 @@ def _thread_cpu(pid: int) -> Counter:
 
 
 def _serve(policy: str, port: int, http_port: int, extra: list[str], cpus: str = "") -> subprocess.Popen:
-    env = {**os.environ, "BATCHGATE_SCHEDULING_POLICY": policy, "PYTHONUNBUFFERED": "1"}
+    env = {"BATCHGATE_VARIANT_SELECTION": "off", **os.environ, "BATCHGATE_SCHEDULING_POLICY": policy,
+           "PYTHONUNBUFFERED": "1"}  # fmt: skip
     pin = ["taskset", "-c", cpus] if cpus else []
     return subprocess.Popen(
         [*pin, sys.executable, "-m", "batchgate", "serve", "--host", "127.0.0.1", "--grpc-port", str(port),

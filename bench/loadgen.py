@@ -590,7 +590,8 @@ class Started:
         self.name = name
         self.url = url
         self.http_url = http_url  # host:port of the REST listener, when it has one
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # a bench measures what it serves: no variant selection switching engines mid-run (unless set)
+        env = {"BATCHGATE_VARIANT_SELECTION": "off", **os.environ, "PYTHONUNBUFFERED": "1"}
         self.log = tempfile.TemporaryFile()  # a pipe nobody reads would block a chatty server
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
 
