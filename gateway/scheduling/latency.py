@@ -94,6 +94,7 @@ class LatencyModel:
     MEASURED = 3  # batches of a size class before its rows/s counts toward the limit
     STALE = 150  # batches of its bucket after which an unseen size class stops counting
     HYSTERESIS = 0.10  # a learned limit moves to a size this much faster per row, not for less
+    DROP = 0.10  # a batch size stops paying where the next measured size makes this much fewer rows/s
 
     def __init__(self, decay: float = 0.98, prior_s: float = 0.002, alpha: float = 0.2) -> None:
         self.decay = decay
@@ -180,7 +181,7 @@ class LatencyModel:
         """(stop, top): by batch-size class (1, 2, 3-4, 5-8, ...) seen at least MEASURED times and
         within the last STALE batches of bucket ``key``, rows/s = the class's mean rows over its
         mean time; ``stop`` is the largest size of the first class whose next larger measured
-        class is not WORTH more rows a second (None: rows/s still rises at the largest measured
+        class makes DROP fewer rows a second (None: rows/s does not fall up to the largest measured
         class), ``top`` that largest class (None: fewer than two classes measured). What a base
         model on one CPU core shows (issue 57: all-mpnet-base-v2, ONNX Runtime FP32 on one Zen 4
         core, 16.7 rows/s alone and 11.7 in batches of 32) is a time that grows faster than its
@@ -194,7 +195,9 @@ class LatencyModel:
         if len(rates) < 2:
             return None, None
         for (c, rate), (_, bigger) in zip(rates, rates[1:]):
-            if bigger < rate * (1.0 + self.WORTH):
+            # a bigger class clearly slower per row (not noise on a shared host: a limit learned
+            # from noise cut a tiny model's calls into several batches)
+            if bigger < rate * (1.0 - self.DROP):
                 return c, rates[-1][0]
         return None, rates[-1][0]
 

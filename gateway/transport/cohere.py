@@ -29,6 +29,7 @@ from batchgate.gateway.transport.fields import (
     flag,
     json_response,
     latency_of,
+    model_of,
     openai_error,
     positive,
     ranked,
@@ -82,18 +83,12 @@ def cohere_error(exc: GatewayError, echo: dict | None = None) -> web.Response:
     return web.json_response(body, status=COHERE[exc.kind], headers=retry_headers(exc, echo or {}))
 
 
-def _model(doc: dict) -> str | None:
-    model = doc.get("model")
-    if model is not None and (not isinstance(model, str) or not model):
-        raise invalid("'model' must be the name of a served model", "model")
-    return model
-
-
 def _meta(answer, **extra) -> dict:
     return {"api_version": {"version": "2"}, "billed_units": {"input_tokens": sum(answer.tokens), **extra}}
 
 
-def v2_rerank_call(request: web.Request, doc: dict) -> TextCall:
+def _rerank_call(request: web.Request, doc: dict, **cut) -> TextCall:
+    """Cohere's rerank body, v1 or v2 (``cut``: v2's ``max_tokens`` or v1's ``max_chunks``)."""
     if "documents" not in doc:
         raise invalid("'documents' is required: a list of texts", "documents")
     query = doc.get("query")
@@ -101,9 +96,13 @@ def v2_rerank_call(request: web.Request, doc: dict) -> TextCall:
         raise invalid("'query' is required: a non-empty string", "query")
     positive(doc, "top_n")
     return TextCall(
-        "scores", _model(doc), texts=documents_of(doc["documents"]), query=query,
-        max_tokens=positive(doc, "max_tokens_per_doc"), parameters=latency_of(request, doc), field="documents",
+        "scores", model_of(doc), texts=documents_of(doc["documents"]), query=query,
+        parameters=latency_of(request, doc), field="documents", **cut,
     )  # fmt: skip
+
+
+def v2_rerank_call(request: web.Request, doc: dict) -> TextCall:
+    return _rerank_call(request, doc, max_tokens=positive(doc, "max_tokens_per_doc"))
 
 
 def v2_rerank_body(doc: dict, call: TextCall, answer, headers: dict) -> web.Response:
@@ -131,7 +130,7 @@ def v2_embed_call(request: web.Request, doc: dict) -> TextCall:
         raise invalid(f"'truncate' must be one of {list(TRUNCATE)}, not {clip(str(truncate))!r}", "truncate")
     wanted = tuple(dict.fromkeys("float" if t == "base64" else t for t in types))
     return TextCall(
-        "dense", _model(doc), texts=texts_of(texts, "texts"), input_type=input_type, types=wanted,
+        "dense", model_of(doc), texts=texts_of(texts, "texts"), input_type=input_type, types=wanted,
         dimensions=positive(doc, "output_dimension"), max_tokens=positive(doc, "max_tokens"),
         parameters=latency_of(request, doc), field="texts", **TRUNCATE[truncate],
     )  # fmt: skip
@@ -161,16 +160,7 @@ def v2_embed_body(doc: dict, call: TextCall, answer, headers: dict) -> web.Respo
 
 
 def v1_rerank_call(request: web.Request, doc: dict) -> TextCall:
-    if "documents" not in doc:
-        raise invalid("'documents' is required: a list of texts", "documents")
-    query = doc.get("query")
-    if not isinstance(query, str):
-        raise invalid("'query' is required: a non-empty string", "query")
-    positive(doc, "top_n")
-    return TextCall(
-        "scores", _model(doc), texts=documents_of(doc["documents"]), query=query,
-        max_chunks=positive(doc, "max_chunks_per_doc"), parameters=latency_of(request, doc), field="documents",
-    )  # fmt: skip
+    return _rerank_call(request, doc, max_chunks=positive(doc, "max_chunks_per_doc"))
 
 
 def v1_rerank_body(doc: dict, call: TextCall, answer, headers: dict) -> web.Response:

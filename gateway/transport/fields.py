@@ -324,3 +324,11 @@ def long_inputs_of(doc: dict) -> str | None:
     if value is not None and value not in ("truncate", "chunk"):
         raise invalid(f"'long_inputs' must be 'truncate' or 'chunk', not {clip(str(value))!r}", "long_inputs")
     return value
+
+
+def model_of(doc: dict) -> str | None:
+    """The body's ``model``: a served model's name, or None (the server's default)."""
+    model = doc.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise invalid("'model' must be the name of a served model", "model")
+    return model

@@ -26,6 +26,7 @@ from batchgate.gateway.transport.fields import (
     json_response,
     latency_of,
     left_of,
+    model_of,
     openai_error,
     texts_of,
 )
@@ -38,13 +39,6 @@ _COMMON = {"model", "user", "truncate", "truncation_direction", "latency_class",
            "truncate_prompt_tokens", "encoding_format", "priority"}  # fmt: skip
 _CLASSIFY = Body({"input", *_COMMON}, "'model' and 'input'")
 _SCORE = Body({"text_1", "text_2", *_COMMON}, "'model', 'text_1' and 'text_2'")
-
-
-def _model(doc: dict) -> str | None:
-    model = doc.get("model")
-    if model is not None and (not isinstance(model, str) or not model):
-        raise invalid("'model' must be the name of a served model", "model")
-    return model
 
 
 def _truncation(doc: dict) -> dict:
@@ -74,7 +68,7 @@ def classify_call(request: web.Request, doc: dict) -> TextCall:
         raise invalid("'user' must be a string", "user")
     texts, pairs = _rows(doc["input"])
     return TextCall(
-        "labels", _model(doc), texts=texts, pairs=pairs, parameters=latency_of(request, doc), field="input",
+        "labels", model_of(doc), texts=texts, pairs=pairs, parameters=latency_of(request, doc), field="input",
         **_truncation(doc),
     )  # fmt: skip
 
@@ -105,7 +99,7 @@ def score_call(request: web.Request, doc: dict) -> TextCall:
     if isinstance(first, str) or (isinstance(first, list) and len(first) == 1):
         query = first if isinstance(first, str) else texts_of(first, "text_1")[0]
         return TextCall(
-            "scores", _model(doc), texts=seconds, query=query, parameters=latency_of(request, doc),
+            "scores", model_of(doc), texts=seconds, query=query, parameters=latency_of(request, doc),
             field="text_2", **_truncation(doc),
         )  # fmt: skip
     firsts = texts_of(first, "text_1")
@@ -118,7 +112,7 @@ def score_call(request: web.Request, doc: dict) -> TextCall:
         if PAIR_SEPARATOR in t:
             raise invalid(f"'text_1[{i}]' may not hold U+001F", "text_1")
     return TextCall(
-        "scores", _model(doc), texts=[a + PAIR_SEPARATOR + b for a, b in zip(firsts, seconds)], pairs=True,
+        "scores", model_of(doc), texts=[a + PAIR_SEPARATOR + b for a, b in zip(firsts, seconds)], pairs=True,
         parameters=latency_of(request, doc), field="text_2", **_truncation(doc),
     )  # fmt: skip
 
