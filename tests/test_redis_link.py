@@ -60,7 +60,9 @@ async def _users(tmp_path: Path, url: str, monkeypatch):
         ratelimit_probe_initial_ms=20, ratelimit_probe_max_ms=160, cache_breaker_failures=FAILURES,
     )  # fmt: skip
     server = Server(settings)
-    monkeypatch.setattr(type(server.plane.selector), "note", lambda self, spec, cpu=True: None)  # nothing to select
+    monkeypatch.setattr(
+        type(server.plane.selector), "note", lambda self, spec, cpu=True: None
+    )  # nothing to select
     await server.plane._start(
         SimpleNamespace(config=SimpleNamespace(response_cache=SimpleNamespace(enable=True)))
     )
