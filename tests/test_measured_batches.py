@@ -72,3 +72,21 @@ def test_a_limit_moves_only_for_a_clearly_faster_size():
         m.observe("k", 8, cost(8))
         m.observe("k", 16, 16 / (1.25 * 8 / cost(8)))
     assert m.useful_rows("k") >= 16
+
+
+def test_noise_alone_does_not_learn_a_limit():
+    """Sub-millisecond batches on a shared host: times jitter by ±30 %, and a bigger size class can
+    come out a few per cent slower per row by chance. Steady times that say the same stop the batch;
+    noisy ones must show a clear fall (a limit learned from noise cut the ranker's 5-row calls)."""
+    from batchgate.gateway.scheduling.latency import LatencyModel
+
+    rng = np.random.default_rng(1)
+    steady, noisy = LatencyModel(), LatencyModel()
+    for _ in range(12):
+        for rows in (1, 2, 4, 8):
+            per_row = 0.0003 * (1.04 if rows >= 4 else 1.0)  # 4 % slower per row from 4 rows on
+            steady.observe("k", rows, per_row * rows)
+            noisy.observe("k", rows, per_row * rows * rng.uniform(0.7, 1.3))
+    assert steady.useful_rows("k") == 1  # steady: no size makes 2 % more rows/s than one row
+    limit = noisy.useful_rows("k")
+    assert limit is None or limit >= 8, limit  # noisy: a 4 % difference is not a fall

@@ -94,7 +94,10 @@ class LatencyModel:
     MEASURED = 3  # batches of a size class before its rows/s counts toward the limit
     STALE = 150  # batches of its bucket after which an unseen size class stops counting
     HYSTERESIS = 0.10  # a learned limit moves to a size this much faster per row, not for less
-    DROP = 0.10  # a batch size stops paying where the next measured size makes this much fewer rows/s
+    DROP = (
+        0.10  # with noisy times, a batch size stops paying only where the next makes this much fewer rows/s
+    )
+    NOISY = 0.10  # a size class's times are noisy where their mean deviation is this much of their mean
 
     def __init__(self, decay: float = 0.98, prior_s: float = 0.002, alpha: float = 0.2) -> None:
         self.decay = decay
@@ -181,7 +184,7 @@ class LatencyModel:
         """(stop, top): by batch-size class (1, 2, 3-4, 5-8, ...) seen at least MEASURED times and
         within the last STALE batches of bucket ``key``, rows/s = the class's mean rows over its
         mean time; ``stop`` is the largest size of the first class whose next larger measured
-        class makes DROP fewer rows a second (None: rows/s does not fall up to the largest measured
+        class is not WORTH more rows a second (DROP fewer, where times are noisy) (None: rows/s rises up to the largest measured
         class), ``top`` that largest class (None: fewer than two classes measured). What a base
         model on one CPU core shows (issue 57: all-mpnet-base-v2, ONNX Runtime FP32 on one Zen 4
         core, 16.7 rows/s alone and 11.7 in batches of 32) is a time that grows faster than its
@@ -194,10 +197,12 @@ class LatencyModel:
                 rates.append((c, rate))
         if len(rates) < 2:
             return None, None
-        for (c, rate), (_, bigger) in zip(rates, rates[1:]):
-            # a bigger class clearly slower per row (not noise on a shared host: a limit learned
-            # from noise cut a tiny model's calls into several batches)
-            if bigger < rate * (1.0 - self.DROP):
+        for (c, rate), (c2, bigger) in zip(rates, rates[1:]):
+            # Where both classes' times are steady, "not WORTH more rows a second" stops the batch;
+            # where they are noisy (a shared host, a model of sub-millisecond batches) only a clear
+            # fall does: a limit learned from noise cut the ranker's 5-row calls into 3 batches.
+            noisy = max(self._noise(key, c), self._noise(key, c2)) > self.NOISY
+            if bigger < rate * (1.0 - self.DROP) or (not noisy and bigger < rate * (1.0 + self.WORTH)):
                 return c, rates[-1][0]
         return None, rates[-1][0]
 
@@ -217,6 +222,8 @@ class LatencyModel:
         old = self._useful.get(key)
         if new is None or old is None or new == old:
             return new
+        if stop is None and new > old and self._noise(key, old) > self.NOISY:
+            return new  # no size shows a stop now, and the old one stood on noisy times: lift it
         # Hysteresis: a limit moves only for a clearly better size (HYSTERESIS more rows a second,
         # both sizes measured lately), so noise near the WORTH threshold does not flip it batch to
         # batch, and a call is cut the same way as the same call a moment ago (FP32 answers are
@@ -227,6 +234,11 @@ class LatencyModel:
         if now_rate is not None and new_rate is not None and new_rate < now_rate * (1.0 + self.HYSTERESIS):
             return old
         return new
+
+    def _noise(self, key: Hashable, rows: int) -> float:
+        """Mean deviation of a size class's batch times, relative to their mean."""
+        size = self._sizes.get((key, _size_class(rows)))
+        return size[2] / size[0] if size is not None and size[0] > 0 else 1.0
 
     def _rate(self, fit: _Fit, key: Hashable, rows: int) -> float | None:
         """Measured rows/s of bucket ``key``'s batches in ``rows``' size class, if seen lately."""
