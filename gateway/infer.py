@@ -267,17 +267,6 @@ class Pipeline:
         """Served text models -> their kind, by name."""
         return text_calls.text_models(self.plane)
 
-    def text_models(self, pairs: bool | None = None) -> list[str]:
-        """Served models that take text (parameter ``tokenizer``), sorted; ``pairs``: only those that
-        do (True: rerank models) or do not (False: embedding models) take pairs."""
-        plane = self.plane
-        out = []
-        for name, versions in plane.models.items():
-            stage = versions[plane.latest[name]].text if versions else None
-            if stage is not None and (pairs is None or stage.settings.pair == pairs):
-                out.append(name)
-        return sorted(out)
-
     async def texts(self, pass_: Pass, edge: TransportCounters, call: TextCall) -> TextAnswer:
         """A text call (gateway/call.py ``TextCall``, from any text wire) as one call: through the
         door once (``pass_``), the model looked up and every decision about the call made once
@@ -371,14 +360,16 @@ class Pipeline:
                 )
         return self._ranges[key]
 
-    def text_runtime(self, model: str | None, output: str | None = None):
+    def text_runtime(self, model: str | None):
         """A served text model's runtime for the calls that read the model rather than compute
         with it (TEI's /info, /tokenize, /decode): ``model`` or the default for ``output``."""
         if model is None:
-            model = text_calls.default_model(self.plane, self.settings, output)
+            model = text_calls.default_model(self.plane, self.settings, None)
         rt = self._text_runtime(model)
         if rt.text is None or rt.spec.kind is None:
-            raise invalid(f"model '{model}' does not take text; text models: {self.text_models()}", "model")
+            raise invalid(
+                f"model '{model}' does not take text; text models: {sorted(self.text_kinds())}", "model"
+            )
         return rt
 
     def text_info(self, model: str | None) -> dict:

@@ -606,9 +606,12 @@ def dense(vectors: np.ndarray, size: int | None, normalize: bool | None) -> np.n
     """The Matryoshka cut and normalisation, in one place for every wire: the leading ``size``
     values re-normalised (unless the call said ``normalize: false``); without a cut, rows made unit
     length when the call asked for it, else as the model made them."""
-    if size is not None:
-        head = np.ascontiguousarray(vectors[:, :size], dtype=np.float32)
-        return head if normalize is False else _unit(head)
+    if size is not None:  # the cut the int8/uint8 ranges were calibrated on (vector_types.cut)
+        return (
+            np.ascontiguousarray(vectors[:, :size], dtype=np.float32)
+            if normalize is False
+            else vector_types.cut(vectors, size)
+        )
     return _unit(vectors) if normalize else vectors
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from batchgate.gateway.errors import GatewayError, Kind, clip, invalid, retry_headers, too_large
+from batchgate.gateway.text_calls import MAX_INPUTS  # texts per call, one limit for every wire
 from batchgate.gateway.logs import REQUEST_ID_KEY, adopt_request_id
 from batchgate.gateway.scheduling.request import MIN_BUDGET_MS
 
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_INPUTS = 2048  # texts per request: OpenAI's own limit; larger bodies are refused before any work
 LATENCY_CLASS_HEADER = "X-Latency-Class"
 LATENCY_BUDGET_HEADER = "X-Latency-Budget-Ms"
 
