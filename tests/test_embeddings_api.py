@@ -118,6 +118,13 @@ def stage(minilm_dir) -> TextStage:
     return TextStage(load_model(minilm_dir)[0])
 
 
+def same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal as the same rows through the same path: the measured batch limit (scheduling/latency.py)
+    may split one call's rows into other batches than the next call's, which moves a value by a
+    float32 rounding step, never more."""
+    return a.shape == b.shape and float(np.abs(a - b).max()) <= 1e-6
+
+
 def kserve(triton, texts: list[str], model: str = "minilm") -> np.ndarray:
     """One KServe request (tritonclient, BYTES [n, 1]) holding ``texts``."""
     arr = np.array([[t.encode()] for t in texts], dtype=object)
@@ -150,7 +157,7 @@ def test_float_many_texts_equal_the_kserve_path_and_usage_counts_real_tokens(oai
     assert [d.index for d in resp.data] == list(range(len(TEXTS)))
     assert resp.model == "minilm" and resp.object == "list" and resp.data[0].object == "embedding"
     # the scheduler splits its rows by length, as it does any KServe request's
-    assert np.array_equal(got, kserve(triton, TEXTS))
+    assert same(got, kserve(triton, TEXTS))
     # and the same texts as a KServe request each (batches of other lengths pad differently, so
     # equal to float rounding, not bit for bit)
     single = np.concatenate([kserve(triton, [t]) for t in TEXTS])
@@ -165,21 +172,21 @@ def test_base64_one_string_equals_the_kserve_path(oai, triton, stage):
     raw = resp.data[0].embedding
     assert isinstance(raw, str)  # the SDK hands base64 back untouched when asked for it
     vec = np.frombuffer(base64.b64decode(raw), dtype="<f4")
-    assert vec.shape == (384,) and np.array_equal(vec, kserve(triton, [TEXTS[0]])[0])
+    assert vec.shape == (384,) and same(vec, kserve(triton, [TEXTS[0]])[0])
     # the SDK's own default (encoding_format omitted: base64 on the wire, decoded by the SDK)
     default = oai.embeddings.create(model="minilm", input=TEXTS[:2])
     vectors = np.array([d.embedding for d in default.data], np.float32)
-    assert np.array_equal(vectors, kserve(triton, TEXTS[:2]))
+    assert same(vectors, kserve(triton, TEXTS[:2]))
 
 
 def test_float_one_string_and_more_texts_than_max_batch_size(oai, triton):
     one = oai.embeddings.create(model="minilm", input="Short.", encoding_format="float")
     assert len(one.data) == 1
-    assert np.array_equal(np.float32(one.data[0].embedding), kserve(triton, ["Short."])[0])
+    assert same(np.float32(one.data[0].embedding), kserve(triton, ["Short."])[0])
     texts = [f"sentence number {i} about batching" for i in range(100)]  # 64 + 36: two KServe requests
     resp = oai.embeddings.create(model="minilm", input=texts, encoding_format="float")
     got = np.array([d.embedding for d in resp.data], dtype=np.float32)
-    assert np.array_equal(got, np.concatenate([kserve(triton, texts[:64]), kserve(triton, texts[64:])]))
+    assert same(got, np.concatenate([kserve(triton, texts[:64]), kserve(triton, texts[64:])]))
 
 
 def test_unknown_model_is_404_with_openais_error_json(oai, base):
@@ -305,14 +312,14 @@ def test_oversized_requests_are_refused_before_any_work(base):
 
 def test_tei_embed_one_string_and_many_equal_the_kserve_path(base, triton, stage):
     status, headers, body = post(base + "/embed", {"inputs": TEXTS[0]})
-    assert status == 200 and np.array_equal(np.float32(body), kserve(triton, [TEXTS[0]]))
+    assert status == 200 and same(np.float32(body), kserve(triton, [TEXTS[0]]))
     many = [t for t in TEXTS if t is not LONG]
     status, headers, body = post(base + "/embed", {"inputs": many, "normalize": True})
-    assert status == 200 and np.array_equal(np.float32(body), kserve(triton, many))
+    assert status == 200 and same(np.float32(body), kserve(triton, many))
     assert int(headers["x-compute-tokens"]) > 0
     # minilm's graph normalises: normalize false returns the model's vectors as they are
     status, _, raw = post(base + "/embed", {"inputs": many, "normalize": False})
-    assert status == 200 and np.array_equal(np.float32(raw), kserve(triton, many))
+    assert status == 200 and same(np.float32(raw), kserve(triton, many))
 
 
 def test_tei_truncate(base, triton, stage):
@@ -322,7 +329,7 @@ def test_tei_truncate(base, triton, stage):
     assert "input 1 is" in body["error"] and "at most 256" in body["error"]
     for asked in ({"truncate": True}, {}):
         status, _, body = post(base + "/embed", {"inputs": ["fine", LONG], **asked})
-        assert status == 200 and np.array_equal(np.float32(body), kserve(triton, ["fine", LONG]))
+        assert status == 200 and same(np.float32(body), kserve(triton, ["fine", LONG]))
 
 
 @pytest.mark.parametrize(
@@ -405,7 +412,7 @@ def test_an_over_length_text_is_cut_by_the_models_setting_unless_the_call_refuse
     assert "input 1 is" in str(e.value) and "tokens; model 'minilm' takes at most 256" in str(e.value)
     for asked in ({"truncate": True}, None):  # minilm's own setting: truncate
         resp = oai.embeddings.create(model="minilm", input=["fine", LONG], extra_body=asked)
-        assert np.array_equal(np.float32([d.embedding for d in resp.data]), kserve(triton, ["fine", LONG]))
+        assert same(np.float32([d.embedding for d in resp.data]), kserve(triton, ["fine", LONG]))
     # over the 32 KiB text bound: refused by its size when the call refuses truncation, else cut
     huge = "word " * 8000  # 40,000 bytes
     status, _, body = post(base + "/v1/embeddings", {"model": "minilm", "input": [huge], "truncate": False})
