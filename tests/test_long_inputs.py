@@ -26,7 +26,15 @@ QUERY = "which river flooded the villages"
 
 
 @pytest.fixture(scope="module")
-def repo(minilm_dir, tmp_path_factory):
+def emb_folder(minilm_dir, tmp_path_factory):
+    """A BertModel folder (numpy-made weights) served as 'tok': mean pooled, with token vectors."""
+    return bert_cross_encoder(
+        tmp_path_factory.mktemp("emb"), minilm_dir / "tokenizer.json", head=False, seed=3
+    )
+
+
+@pytest.fixture(scope="module")
+def repo(minilm_dir, emb_folder, tmp_path_factory):
     repo = tmp_path_factory.mktemp("long-repo")
     shutil.copytree(minilm_dir, repo / "minilm", symlinks=True)
     over = repo / "minilm_o"
@@ -39,8 +47,7 @@ def repo(minilm_dir, tmp_path_factory):
         'parameters { key: "chunk_overlap" value { string_value: "32" } }\n'
     )
     tok = minilm_dir / "tokenizer.json"
-    prepare(bert_cross_encoder(tmp_path_factory.mktemp("emb"), tok, head=False, seed=3), "tok", repo,
-            "--pooling", "mean", "--normalize", "--token-embeddings")  # fmt: skip
+    prepare(emb_folder, "tok", repo, "--pooling", "mean", "--normalize", "--token-embeddings")
     prepare(bert_cross_encoder(tmp_path_factory.mktemp("ce"), tok), "ce", repo)
     return repo
 
@@ -136,6 +143,31 @@ def test_late_chunking_pools_each_chunk_from_one_pass(base, tok):
     assert min(cosine(g, a) for g, a in zip(got, alone)) < 0.9999  # context changed them
     status, body = post(base + "/v1/embeddings", {"model": "minilm", "input": chunks, "late_chunking": True})
     assert status == 400 and body["error"]["param"] == "late_chunking" and "token" in body["error"]["message"]
+
+
+def test_late_chunking_equals_transformers_last_hidden_state_pooled_per_span(base, tok, emb_folder):
+    """The reference: transformers' BertModel over the joined text, its last hidden state
+    mean-pooled over each chunk's tokens (Jina's late chunking), normalised."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    chunks = ["The river rose after three days of rain.", "It flooded the low villages downstream.",
+              "Their people moved to the hills.", "Nobody was hurt."]  # fmt: skip
+    joined = " ".join(chunks)
+    enc = tok.encode(joined)
+    model = transformers.BertModel.from_pretrained(str(emb_folder), add_pooling_layer=False).eval()
+    with torch.no_grad():
+        hidden = model(input_ids=torch.tensor([enc.ids]), token_type_ids=torch.tensor([enc.type_ids]),
+                       attention_mask=torch.tensor([enc.attention_mask])).last_hidden_state[0].double().numpy()  # fmt: skip
+    want, at = [], 0
+    for c in chunks:
+        start = joined.index(c, at)
+        span = [k for k, (a, b) in enumerate(enc.offsets) if not enc.special_tokens_mask[k] and a >= start and b <= start + len(c) and b > a]  # fmt: skip
+        v = hidden[span[0] : span[-1] + 1].mean(0)
+        want.append(v / np.linalg.norm(v))
+        at = start + len(c)
+    got = embed(base, "tok", chunks, late_chunking=True)
+    for g, w in zip(got, want, strict=True):
+        assert cosine(g, w) >= 0.999999
 
 
 def test_late_chunking_past_the_models_length_windows_consecutive_chunks(base, tok):

@@ -68,7 +68,10 @@ def m3(tmp_path_factory):
         tok.no_truncation()
         raw = torch.cat([(sparse(model.eval()(input_ids=torch.tensor([e.ids])).last_hidden_state) - sparse.bias)
                          .flatten() for e in enc])  # fmt: skip
-        sparse.bias.fill_(-float(raw.median()))
+        # Between the two middle values, so no token's weight sits at 0 (where float rounding
+        # would decide whether relu keeps it).
+        middle = raw.sort().values[raw.numel() // 2 - 1 : raw.numel() // 2 + 1]
+        sparse.bias.fill_(-float(middle.mean()))
     d = tmp_path_factory.mktemp("bge-m3") / "bge-m3"
     model.eval().save_pretrained(d)
     tok.save(str(d / "tokenizer.json"))

@@ -169,6 +169,21 @@ def test_maxsim_equals_pylate(pylate, repo):
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def test_prepared_from_a_hub_id_in_an_offline_cache(pylate, repo, tmp_path, monkeypatch):
+    """A PyLate folder from its Hub ID in an offline Hugging Face cache (1_Dense beside the
+    weights): the same files as from the folder."""
+    from tests.test_prepare_sources import cache_layout
+
+    cache = tmp_path / "hub"
+    cache_layout(cache, "acme/tiny-colbert", pylate[0], "e" * 40, ("main",))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    out = prepare_model("acme/tiny-colbert", "colbert", tmp_path / "repo", log=print)
+    for f in ("1/model.onnx", "config.pbtxt", "tokenizer.json"):
+        assert (out / f).read_bytes() == (repo / "colbert" / f).read_bytes(), f
+
+
 def test_config_records_markers_lengths_and_kind(repo):
     (spec,) = load_model(repo / "colbert")
     p = spec.params

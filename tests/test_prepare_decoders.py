@@ -339,16 +339,19 @@ def test_sharded_weights_build_the_same_model(folders, repo, tmp_path):
         prepare_model(folder, "mistral", tmp_path / "repo2", log=print)
 
 
-def test_embeddinggemma_from_a_hub_id_in_an_offline_cache(folders, repo, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_family_from_a_hub_id_in_an_offline_cache(name, folders, repo, tmp_path, monkeypatch):
+    """EmbeddingGemma, Mistral, Llama and Qwen2 from a Hub ID, offline: the same files as
+    from the folder."""
     from tests.test_prepare_sources import cache_layout
 
     cache = tmp_path / "hub"
-    cache_layout(cache, "acme/tiny-embeddinggemma", folders["gemma"][0], "d" * 40, ("main",))
+    cache_layout(cache, f"acme/tiny-{name}", folders[name][0], "d" * 40, ("main",))
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)
-    out = prepare_model("acme/tiny-embeddinggemma", "gemma", tmp_path / "repo", log=print)
-    assert _entry(out) == _entry(repo / "gemma")
+    out = prepare_model(f"acme/tiny-{name}", name, tmp_path / "repo", log=print)
+    assert _entry(out) == _entry(repo / name)
 
 
 def test_qwen2_is_causal_false_attends_both_ways(folders, tmp_path):

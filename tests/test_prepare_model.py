@@ -13,6 +13,7 @@ architecture by name, a missing file, a module or pooling the graph does not do.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import shutil
@@ -24,7 +25,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import tritonclient.grpc as tc
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
 
 from batchgate.gateway.build.hf_model import PrepareError, read_folder
 from batchgate.gateway.build.prepare import prepare_model
@@ -84,13 +85,22 @@ def wordpiece() -> Tokenizer:
     return tok
 
 
+# A sentencepiece character map as XLM-R's tokenizer.json holds one (its own is ~240 KB of
+# NFKC): made by sentencepiece 0.2.3's trainer from the rules ﬁ -> fi, Ａ -> A, ｄ -> d and
+# tab, newline and ideographic space -> space (normalization_rule_tsv).
+CHARSMAP = "AAQAAAAgAAAJCQAACgUAAAAAAICABAIAgBkAAKwAAgCBOQAAoQkAAAYAAIACAACAhB0AAAQAAIAMAAAADwAAAA4AAAARAAAAEAAAABMAAAASAAAAFQAAABQAAAC8/AIAvWACABkAAAAYAAAAGwAAABoAAAAdAAAAHAAAAB8AAAAeAAAAIQAAACAAAAAjAAAAIgAAACUAAAAkAAAAJwAAACYAAAApAAAAKAAAACsAAAAqAAAALQAAACwAAAAvAAAALgAAADEAAAAwAAAAMwAAADIAAAA1AAAANAAAADcAAAA2AAAAOQAAADgAAAA7AAAAOgAAAD0AAAA8AAAAPwAAAD4AAABBAAAAQAAAAEMAAABCAAAARQAAAEQAAABHAAAARgAAAEkAAABIAAAASwAAAEoAAABNAAAATAAAAE8AAABOAAAAUQAAAFAAAABTAAAAUgAAAFUAAABUAAAAVwAAAFYAAABZAAAAWAAAAFsAAABaAAAAXQAAAFwAAABfAAAAXgAAAGEAAABgAAAAYwAAAGIAAABlAAAAZAAAAGcAAABmAAAAaQAAAGgAAABrAAAAagAAAG0AAABsAAAAbwAAAG4AAABxAAAAcAAAAHMAAAByAAAAdQAAAHQAAAB3AAAAdgAAAHkAAAB4AAAAewAAAHoAAAB9AAAAfAAAAH8AAAB+AAAAgQAAAIAAAACDAAAAggAAAIUAAACEAAAAhwAAAIYAAACJAAAAiAAAAIsAAACKAAAAjQAAAIwAAACPAAAAjgAAAJEAAACQAAAAkwAAAJIAAACVAAAAlAAAAJcAAACWAAAAmQAAAJgAAACbAAAAmgAAAJ0AAACcAAAAnwAAAJ4AAAChAAAAoAAAAKMAAACiAAAApQAAAKQAAACnAAAApgAAAKkAAACoAAAAqwAAAKoAAACtAAAArAAAAK8AAACuAAAAsQAAALAAAACzAAAAsgAAALUAAAC0AAAAtwAAALYAAAC5AAAAuAAAALsAAAC6AAAAvQAAALwAAAC/AAAAvgAAAMEAAADAAAAAwwAAAMIAAADFAAAAxAAAAMcAAADGAAAAyQAAAMgAAADLAAAAygAAAM0AAADMAAAAzwAAAM4AAADRAAAA0AAAANMAAADSAAAA1QAAANQAAADXAAAA1gAAANkAAADYAAAA2wAAANoAAADdAAAA3AAAAN8AAADeAAAA4QAAAOAAAADjAAAA4gAAAOUAAADkAAAA5wAAAO80AQDpAAAA6AAAAOsAAADjvAEA7QAAAOwAAADvAAAA7gAAAPEAAADwAAAA8wAAAPIAAAD1AAAA9AAAAPcAAAD2AAAA+QAAAPgAAAD7AAAA+gAAAP0AAAD8AAAA/wAAAP4AAAAgAEEAZABmaQA="
+
+
 def unigram() -> Tokenizer:
     """XLM-R's layout: <s>=0, <pad>=1, </s>=2, <unk>=3, Metaspace pieces, RobertaProcessing."""
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
     pieces = [("<s>", 0.0), ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
     pieces += [(f"▁{w}", -1.0 - len(w) / 10) for w in WORDS] + [(c, -5.0) for c in letters + ["."]]
     tok = Tokenizer(models.Unigram(pieces, unk_id=3, byte_fallback=False))
-    tok.normalizer = normalizers.Lowercase()
+    # XLM-R's normaliser: its sentencepiece map (here a small one), then space runs to one space
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.Precompiled(base64.b64decode(CHARSMAP)), normalizers.Replace(Regex(" {2,}"), " ")]
+    )
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
     return tok
@@ -192,15 +202,18 @@ def reference(folder: Path, model, pooling: str | None, normalize: bool | None, 
     as sentence-transformers' Pooling and Normalize modules do."""
     import torch
 
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    pad = "[PAD]" if tok.token_to_id("[PAD]") is not None else "<pad>"
-    tok.enable_padding(pad_id=tok.token_to_id(pad), pad_token=pad)
-    tok.enable_truncation(max_tokens(folder))
-    enc = tok.encode_batch(rows)
-    feeds = {
-        "input_ids": torch.tensor([e.ids for e in enc]),
-        "attention_mask": torch.tensor([e.attention_mask for e in enc]),
-    }
+    if model.config.model_type == "xlm-roberta":  # transformers 5 builds its own (xlm_roberta.py)
+        feeds = auto_tokenized(folder, rows)
+    else:
+        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        pad = "[PAD]" if tok.token_to_id("[PAD]") is not None else "<pad>"
+        tok.enable_padding(pad_id=tok.token_to_id(pad), pad_token=pad)
+        tok.enable_truncation(max_tokens(folder))
+        enc = tok.encode_batch(rows)
+        feeds = {
+            "input_ids": torch.tensor([e.ids for e in enc]),
+            "attention_mask": torch.tensor([e.attention_mask for e in enc]),
+        }
     if model.config.model_type == "bert":  # XLM-R's tokenizer in transformers sends no token types
         feeds["token_type_ids"] = torch.tensor([e.type_ids for e in enc])
     with torch.no_grad():
@@ -208,6 +221,19 @@ def reference(folder: Path, model, pooling: str | None, normalize: bool | None, 
     if pooling is None:
         return out.logits[:, 0].numpy()
     return st_pool(out.last_hidden_state, feeds["attention_mask"], pooling, normalize).numpy()
+
+
+def auto_tokenized(folder: Path, rows: list) -> dict:
+    """``rows`` (texts or pairs) as sentence-transformers tokenises them: transformers'
+    AutoTokenizer from the folder, padded, cut at the model's length."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    pairs = isinstance(rows[0], tuple)
+    args = ([a for a, _ in rows], [b for _, b in rows]) if pairs else (rows,)
+    enc = tok(*args, padding=True, truncation="longest_first" if pairs else True,
+              max_length=max_tokens(folder), return_tensors="pt")  # fmt: skip
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
 
 def st_pool(states, mask, pooling: str, normalize: bool):

@@ -63,7 +63,7 @@ from pathlib import Path
 import numpy as np
 from google.protobuf import text_encoding
 
-from batchgate.gateway.build import bge_m3, colbert, decoder
+from batchgate.gateway.build import bge_m3, colbert, decoder, xlm_roberta
 from batchgate.gateway.build.encoder import (
     ACTIVATIONS,
     POOLINGS,
@@ -934,8 +934,11 @@ def prepare_weights(source: Path, name: str, repo: Path, *, pooling: str | None 
         raise PrepareError(f"{plan.model_dir / 'model.safetensors'} has no tensor {exc.args[0]}") from None
     out = Path(repo) / name
     write_model(out / VERSION / "model.onnx", model)  # past 2 GiB with its weights beside it
-    # A family whose reference builds its own tokenizer from the folder (deberta_v2.py) says how.
+    # A family whose reference builds its own tokenizer from the folder (deberta_v2.py,
+    # xlm_roberta.py) says how.
     served = getattr(module, "served_tokenizer", None)
+    if plan.model_type == "xlm-roberta":  # RoBERTa's graph, its own tokenizer
+        served = xlm_roberta.served_tokenizer
     write_atomic(
         out / "tokenizer.json",
         served(plan.model_dir, plan.tokenizer) if served else plan.tokenizer.read_bytes(),
