@@ -394,37 +394,3 @@ def test_external_data_path_covers_the_decoder_graph(folders, repo, tmp_path, mo
     assert external_data_path(model_file).stat().st_size > model_file.stat().st_size
     feeds = TextStage(spec_of(out))({"text": np.array(TEXTS, dtype=object)})
     np.testing.assert_array_equal(run_graph(out, feeds), run_graph(repo / "gemma", feeds))
-
-
-def test_the_decoder_builder_computes_qwen3_as_qwen3_py(tmp_path):
-    """decoder.QWEN3 (query/key norms, no Gemma switches) answers what qwen3.py's graph does on a
-    Qwen3 checkpoint, so qwen3.py can become one more family entry of the shared builder."""
-    import torch
-    import transformers as t
-
-    from batchgate.gateway.build import qwen3
-    from batchgate.gateway.build.encoder import Head
-    from batchgate.gateway.build.hf_model import _read_safetensors
-
-    torch.manual_seed(7)
-    cfg = t.Qwen3Config(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=16, intermediate_size=64, vocab_size=40, max_position_embeddings=64,
-                        rope_parameters={"rope_type": "default", "rope_theta": 1000.0})  # fmt: skip
-    model = t.Qwen3Model(cfg)
-    scramble(model)
-    model.save_pretrained(tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    weights = _read_safetensors(tmp_path / "model.safetensors")
-    head = Head(pooling="lasttoken", normalize=True, token_states=True)
-    ids = np.random.default_rng(0).integers(0, 40, (3, 17)).astype(np.int64)
-    mask = np.ones_like(ids)
-    mask[1, 9:] = mask[2, 3:] = 0
-    outs = []
-    for build, c in ((qwen3.build_model, qwen3.encoder_config(config, 64)),
-                     (decoder.build_model, decoder.QWEN3.encoder_config(config, 64))):  # fmt: skip
-        path = tmp_path / f"{len(outs)}.onnx"
-        path.write_bytes(build(weights, c, head, name="q", producer="t").SerializeToString())
-        sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        outs.append(sess.run(None, {"input_ids": ids, "attention_mask": mask}))
-    for a, b in zip(*outs):
-        np.testing.assert_allclose(a, b, atol=2e-5)

@@ -16,8 +16,8 @@ Dense stack). Spelled out from safetensors weights as transformers computes them
 * a gated MLP (SiLU; Gemma: tanh GELU), then the final RMSNorm and the embedding head
   (encoder.py ``finish_head``).
 
-Qwen3 keeps its own module (qwen3.py) for now; ``QWEN3`` below builds the same graph's numbers
-(tests/test_prepare_decoders.py checks it), so qwen3.py can become a family entry here.
+Qwen3 (qwen3.py: its embedders, classifier and yes/no reranker) is built here too (``QWEN3``:
+query/key RMSNorm); a classifier head on the last state comes from heads.py.
 
 The language-model head (``lm_head``) is not part of an embedding and is left out. Positions are
 each token's index in the padded row (what transformers uses without position_ids): rotary
@@ -34,6 +34,7 @@ import onnx
 from onnx import TensorProto
 
 from batchgate.gateway.build.encoder import MASK_PENALTY, Head, _Graph, finish_head, key_padding_bias
+from batchgate.gateway.build.heads import classify
 from batchgate.gateway.build.onnx_graph import GraphBuilder, attend
 from batchgate.gateway.build.rotary import linear, positions, rms_norm
 
@@ -210,7 +211,7 @@ def _rope_parameters(config: dict, per_layer_type: bool) -> dict[str, dict]:
     return {FULL: scaling}
 
 
-# Qwen3 through this builder (per-head query/key RMSNorm); hf_model.py still routes qwen3 to qwen3.py.
+# Qwen3's graph (per-head query/key RMSNorm); qwen3.py holds its architectures and card defaults.
 QWEN3 = DecoderFamily(
     "qwen3", "Qwen3", ("Model", "ForCausalLM"), pooling="lasttoken", prompts={}, qk_norm=True
 )
@@ -366,9 +367,10 @@ def _layer(g: GraphBuilder, i: int, x: str, w: dict[str, np.ndarray], cfg: Decod
 
 
 def build_model(weights: dict[str, np.ndarray], cfg: DecoderConfig, head: Head, *, name: str,
-                producer: str) -> onnx.ModelProto:  # fmt: skip
-    """input_ids, attention_mask (INT64 [batch, seq]) -> the head's outputs (encoder.py Head).
-    ``weights`` are named as in the bare model (no ``model.`` prefix)."""
+                producer: str, head_weights: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:  # fmt: skip
+    """input_ids, attention_mask (INT64 [batch, seq]) -> the head's outputs (encoder.py Head; a
+    classifier head reads ``head_weights``). ``weights`` are named as in the bare model (no
+    ``model.`` prefix)."""
     g = _Graph()
     g.const("one_f", np.array(1.0, np.float32))
     g.const("half_f", np.array(0.5, np.float32))
@@ -392,6 +394,9 @@ def build_model(weights: dict[str, np.ndarray], cfg: DecoderConfig, head: Head, 
     for i in range(cfg.layers):
         x = _layer(g, i, x, weights, cfg, rope, bias)
     x = _norm(g, "final_norm", x, weights["norm.weight"], cfg)
+    if head.classifier:  # a seq-cls score, or Qwen3-Reranker's yes/no logits
+        classify(g, x, mask, head, head_weights or {})
+        x = None
     return finish_head(
         g, x, mask, head, cfg.hidden, ["input_ids", "attention_mask"], name=name, producer=producer
     )
