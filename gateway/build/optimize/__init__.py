@@ -87,7 +87,7 @@ VARIANTS = ("optimized", "fp16", "int8", "openvino-fp32", "openvino-bf16", "open
 # measured beside them as the baseline): ONNX Runtime's INT8 and OpenVINO's FP32, BF16 (where the
 # CPU computes it natively) and INT8 (where NNCF is installed).
 AUTO_CANDIDATES = ("int8", "openvino-fp32", "openvino-bf16", "openvino-int8")
-TEXTS = Path(__file__).resolve().parent / "texts"
+TEXTS = Path(__file__).resolve().parent.parent / "texts"  # gateway/build/texts
 CALIBRATION_TEXTS = TEXTS / "calibration.txt"
 HELDOUT_TEXTS = TEXTS / "heldout.txt"
 # Synthetic rows for models without text: calibration and held-out draw from other seeds.
