@@ -16,8 +16,8 @@ transport), entered once by each transport before any body is read. Here:
   and the runtime's text path;
 - model control (load/unload) behind ``model_control`` and the tenant file's ``admin`` flag, the
   name checked before any state is made for it;
-- the metadata, statistics and repository index answers, as protobuf messages the transports
-  either send as they are (gRPC) or turn into JSON (REST).
+- the metadata, statistics and repository index answers, as plain types (gateway/metadata.py)
+  each transport writes in its wire form; the model's config as the repository parsed it.
 """
 
 from __future__ import annotations
@@ -41,8 +41,17 @@ from batchgate.gateway.scheduling.stats import COST, CallCost
 from batchgate.gateway.scheduling.request import resolve as resolve_budget
 from batchgate.gateway.dataplane import DataPlane, ReloadFailed
 from batchgate.gateway.errors import ECHO_MAX, GatewayError, Kind, clip, invalid, not_found
+from batchgate.gateway.metadata import (
+    BatchStats,
+    Duration,
+    IndexEntry,
+    InferStats,
+    ModelInfo,
+    ModelStats,
+    ServerInfo,
+    TensorInfo,
+)
 from batchgate.gateway.metrics import TransportCounters
-from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -478,8 +487,8 @@ class Pipeline:
     # -- metadata -------------------------------------------------------------------------------
 
     @staticmethod
-    def server_metadata() -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(name="batchgate", version=VERSION, extensions=list(EXTENSIONS))
+    def server_metadata() -> ServerInfo:
+        return ServerInfo(name="batchgate", version=VERSION, extensions=list(EXTENSIONS))
 
     def variant_info(self, name: str, version: str) -> dict:
         """Which engine variant serves the model and how this host's selection chose it."""
@@ -504,16 +513,14 @@ class Pipeline:
             return self.plane.get(name, version)
         return self.plane.runtimes(name, version)[-1]  # metadata stays readable while draining
 
-    def model_metadata(self, name: str, version: str) -> pb.ModelMetadataResponse:
+    def model_metadata(self, name: str, version: str) -> ModelInfo:
         spec = self._runtime_for_metadata(name, version).spec
         versions = sorted(self.plane.models[spec.name], key=int)
 
         def meta(t):
-            return pb.ModelMetadataResponse.TensorMetadata(
-                name=t.name, datatype=t.datatype, shape=((-1,) + t.dims) if spec.batched else t.dims
-            )
+            return TensorInfo(t.name, t.datatype, list(((-1,) + t.dims) if spec.batched else t.dims))
 
-        return pb.ModelMetadataResponse(
+        return ModelInfo(
             name=spec.name,
             versions=versions,
             platform=spec.config.platform or "onnxruntime_onnx",
@@ -521,49 +528,58 @@ class Pipeline:
             outputs=[meta(t) for t in spec.outputs],
         )
 
-    def model_config(self, name: str, version: str) -> pb.ModelConfigResponse:
-        return pb.ModelConfigResponse(config=self._runtime_for_metadata(name, version).spec.config)
+    def model_config(self, name: str, version: str):
+        """The model's config as the repository parsed it from its config.pbtxt (Triton's
+        ModelConfig, the one schema both wires show)."""
+        return self._runtime_for_metadata(name, version).spec.config
 
-    def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
+    def statistics(self, name: str, version: str) -> list[ModelStats]:
         if len(name) > ECHO_MAX or len(version) > ECHO_MAX:
             raise not_found(f"unknown model '{clip(name)}'")
-        resp = pb.ModelStatisticsResponse()
+        out = []
         for rt in self.plane.runtimes(name, version):
             st = rt.scheduler.stats
-            m = resp.model_stats.add(
-                name=rt.spec.name,
-                version=rt.spec.version,
-                last_inference=st.last_inference_ms,
-                inference_count=st.inference_count,
-                execution_count=st.execution_count,
+            s = InferStats(
+                success=Duration(st.success_count, st.success_ns),
+                fail=Duration(st.fail_count, st.fail_ns),
+                queue=Duration(st.queue_count, st.queue_ns),
+                compute_input=Duration(st.input_count, st.input_ns),
+                compute_infer=Duration(st.infer_count, st.infer_ns),
+                compute_output=Duration(st.output_count, st.output_ns),
             )
-            s = m.inference_stats
-            s.success.count, s.success.ns = st.success_count, st.success_ns
-            s.fail.count, s.fail.ns = st.fail_count, st.fail_ns
-            s.queue.count, s.queue.ns = st.queue_count, st.queue_ns
-            s.compute_input.count, s.compute_input.ns = st.input_count, st.input_ns
-            s.compute_infer.count, s.compute_infer.ns = st.infer_count, st.infer_ns
-            s.compute_output.count, s.compute_output.ns = st.output_count, st.output_ns
             # Triton: cache hits are in success but in none of queue/compute (gateway/result_cache.py).
             if rt.cache is not None:
+                s.cache_hit, s.cache_miss = Duration(), Duration()
                 rt.cache.fill_statistics(s)
+            batches = []
             for size in sorted(st.by_batch_size):
                 b = st.by_batch_size[size]
-                bs = m.batch_stats.add(batch_size=size)
-                bs.compute_input.count, bs.compute_input.ns = b.count, b.input_ns
-                bs.compute_infer.count, bs.compute_infer.ns = b.count, b.infer_ns
-                bs.compute_output.count, bs.compute_output.ns = b.count, b.output_ns
-        return resp
+                batches.append(
+                    BatchStats(
+                        size, Duration(b.count, b.input_ns), Duration(b.count, b.infer_ns),
+                        Duration(b.count, b.output_ns),
+                    )
+                )  # fmt: skip
+            out.append(
+                ModelStats(
+                    name=rt.spec.name,
+                    version=rt.spec.version,
+                    last_inference=st.last_inference_ms,
+                    inference_count=st.inference_count,
+                    execution_count=st.execution_count,
+                    inference_stats=s,
+                    batch_stats=batches,
+                )
+            )
+        return out
 
-    def repository_index(self, ready: bool) -> pb.RepositoryIndexResponse:
+    def repository_index(self, ready: bool) -> list[IndexEntry]:
         plane = self.plane
-        resp = pb.RepositoryIndexResponse()
+        out = []
         for name in sorted(set(plane.models) | set(plane.failures)):
             for ver in sorted(plane.models.get(name, {}), key=int):
-                resp.models.add(name=name, version=ver, state="READY")
+                out.append(IndexEntry(name, ver, "READY"))
             failure = plane.failures.get(name)
             if failure is not None and not ready:
-                resp.models.add(
-                    name=name, version=failure.version, state="UNAVAILABLE", reason=failure.reason
-                )
-        return resp
+                out.append(IndexEntry(name, failure.version, "UNAVAILABLE", failure.reason))
+        return out

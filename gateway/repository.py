@@ -39,8 +39,8 @@ ONNX_PLATFORMS = {"", "onnxruntime_onnx"}
 ONNX_BACKENDS = {"", "onnxruntime", "openvino"}  # OpenVINO reads the ONNX file itself
 TOKENIZER_PARAMETER = "tokenizer"
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
-# Engine variants `batchgate optimize` builds beside model.onnx (gateway/build/optimize.py), and the
-# precision each computes in; parameter `variant` chooses one (docs/engines.md).
+# Engine variants `batchgate optimize` builds beside model.onnx (gateway/build/optimize/candidates.py),
+# and the precision each computes in; parameter `variant` chooses one (docs/engines.md).
 VARIANT_PARAMETER = "variant"
 VARIANT_PRECISION = {
     "fp32": "FP32", "optimized": "FP32", "fp16": "FP16", "int8": "INT8",

@@ -1,5 +1,5 @@
 """The OpenVINO engine (workers/openvino_engine.py) and `batchgate optimize`'s OpenVINO candidates
-and ``--auto`` (gateway/build/optimize.py).
+and ``--auto`` (gateway/build/optimize/auto.py).
 
 Real parts: the bundled encoder (token ids in, pooled vector out) run by OpenVINO and by ONNX
 Runtime, a real server on loopback answering tritonclient, the real ``batchgate optimize`` CLI.

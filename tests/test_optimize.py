@@ -1,4 +1,4 @@
-"""``batchgate optimize``: variants built, gated, refused and served (gateway/build/optimize.py).
+"""``batchgate optimize``: variants built, gated, refused and served (gateway/build/optimize/).
 
 Real models (the bundled encoder and ranker), real ONNX Runtime, a real server on loopback. The
 variants are built once per module with one timing repeat and no RSS child, to keep it quick.

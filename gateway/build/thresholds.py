@@ -1,5 +1,5 @@
 """The accuracy gate's thresholds and the calibration methods of `batchgate optimize`: apart from
-gateway/build/optimize.py so the CLI can describe its flags without importing ONNX or a runtime
+gateway/build/optimize/ so the CLI can describe its flags without importing ONNX or a runtime
 (a serving-only install has neither the quantiser nor, before its check, a runtime)."""
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from batchgate.gateway.errors import GatewayError, Kind, clip, invalid
 from batchgate.gateway.admission.door import NONE_PRIOR, PRIOR, Door, Prior
 from batchgate.gateway.infer import Pipeline
 from batchgate.gateway.logs import REQUEST_ID_KEY, adopt_request_id
+from batchgate.gateway.metadata import Duration, ModelInfo, ModelStats, TensorInfo
 from batchgate.gateway.metrics import Metrics
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
@@ -136,6 +137,54 @@ def message_of(answer: Answer) -> pb.ModelInferResponse:
     return resp
 
 
+def _tensor(t: TensorInfo) -> pb.ModelMetadataResponse.TensorMetadata:
+    return pb.ModelMetadataResponse.TensorMetadata(name=t.name, datatype=t.datatype, shape=t.shape)
+
+
+def metadata_message(m: ModelInfo) -> pb.ModelMetadataResponse:
+    return pb.ModelMetadataResponse(
+        name=m.name,
+        versions=m.versions,
+        platform=m.platform,
+        inputs=[_tensor(t) for t in m.inputs],
+        outputs=[_tensor(t) for t in m.outputs],
+    )
+
+
+def _duration(d: Duration) -> pb.StatisticDuration:
+    return pb.StatisticDuration(count=d.count, ns=d.ns)
+
+
+def statistics_message(stats: list[ModelStats]) -> pb.ModelStatisticsResponse:
+    resp = pb.ModelStatisticsResponse()
+    for s in stats:
+        i = s.inference_stats
+        durations = {
+            "success": i.success, "fail": i.fail, "queue": i.queue, "compute_input": i.compute_input,
+            "compute_infer": i.compute_infer, "compute_output": i.compute_output,
+            "cache_hit": i.cache_hit, "cache_miss": i.cache_miss,
+        }  # fmt: skip
+        resp.model_stats.add(
+            name=s.name,
+            version=s.version,
+            last_inference=s.last_inference,
+            inference_count=s.inference_count,
+            execution_count=s.execution_count,
+            # every duration set, zeros too, but the cache's only with a cache (as Triton answers)
+            inference_stats=pb.InferStatistics(
+                **{k: _duration(d) for k, d in durations.items() if d is not None}
+            ),
+            batch_stats=[
+                pb.InferBatchStatistics(
+                    batch_size=b.batch_size, compute_input=_duration(b.compute_input),
+                    compute_infer=_duration(b.compute_infer), compute_output=_duration(b.compute_output),
+                )
+                for b in s.batch_stats
+            ],
+        )  # fmt: skip
+    return resp
+
+
 def _request_id(context) -> str:
     """Adopt the caller's ``x-request-id`` and echo it back (trailing metadata)."""
     md = context.invocation_metadata() or ()
@@ -228,28 +277,37 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelReadyResponse(ready=self.pipeline.model_ready(request.name, request.version))
 
     async def ServerMetadata(self, request, context):
-        return self.pipeline.server_metadata()
+        s = self.pipeline.server_metadata()
+        return pb.ServerMetadataResponse(name=s.name, version=s.version, extensions=s.extensions)
 
     async def ModelMetadata(self, request, context):
         try:
-            return self.pipeline.model_metadata(request.name, request.version)
+            return metadata_message(self.pipeline.model_metadata(request.name, request.version))
         except GatewayError as exc:
             await self._abort(context, exc)
 
     async def ModelConfig(self, request, context):
         try:
-            return self.pipeline.model_config(request.name, request.version)
+            return pb.ModelConfigResponse(config=self.pipeline.model_config(request.name, request.version))
         except GatewayError as exc:
             await self._abort(context, exc)
 
     async def ModelStatistics(self, request, context):
         try:
-            return self.pipeline.statistics(request.name, request.version)
+            return statistics_message(self.pipeline.statistics(request.name, request.version))
         except GatewayError as exc:
             await self._abort(context, exc)
 
     async def RepositoryIndex(self, request, context):
-        return self.pipeline.repository_index(request.ready)
+        index = self.pipeline.repository_index(request.ready)
+        return pb.RepositoryIndexResponse(
+            models=[
+                pb.RepositoryIndexResponse.ModelIndex(
+                    name=m.name, version=m.version, state=m.state, reason=m.reason
+                )
+                for m in index
+            ]
+        )
 
     async def RepositoryModelLoad(self, request, context):
         """Triton's load/reload (see ``Pipeline.load``); only with model_control, admin tenants only."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,6 +27,7 @@ from batchgate.gateway.call import Answer, Call, Output, Tensor, Wanted
 from batchgate.gateway.codec import serialize_bytes
 from batchgate.gateway.errors import GatewayError, Kind, clip, invalid, retry_headers
 from batchgate.gateway.logs import REQUEST_ID_KEY, adopt_request_id
+from batchgate.gateway.metadata import IndexEntry, ModelStats
 
 if TYPE_CHECKING:
     from batchgate.gateway.admission import Account
@@ -75,6 +77,22 @@ def _to_json(msg, defaults: bool = False) -> dict:
         else:
             out[fd.name] = _value(fd, value, defaults)
     return out
+
+
+def _statistics_json(stats: list[ModelStats]) -> dict:
+    """Triton's statistics JSON: every figure, zeros too (a model without a result cache shows its
+    cache's as zeros), and the fields batchgate does not measure, empty, as Triton's JSON has them."""
+    docs = []
+    for s in stats:
+        doc = asdict(s)
+        doc["inference_stats"] = {k: v or {"count": 0, "ns": 0} for k, v in doc["inference_stats"].items()}
+        doc["memory_usage"], doc["response_stats"] = [], {}
+        docs.append(doc)
+    return {"model_stats": docs}
+
+
+def _index_json(entry: IndexEntry) -> dict:
+    return {k: v for k, v in asdict(entry).items() if v}  # an empty reason is left out, as before
 
 
 def _value(fd, value, defaults: bool):
@@ -362,17 +380,15 @@ class KServeRest:
             raise invalid("the request body must be a JSON object")
         return doc
 
-    async def _answer(
-        self, req: web.Request, make, defaults: bool = False, keyed: bool = False
-    ) -> web.Response:
-        """A metadata-style call: ``make()`` gives a protobuf message (or raises GatewayError)."""
+    async def _answer(self, req: web.Request, make, keyed: bool = False) -> web.Response:
+        """A metadata-style call: ``make()`` gives its JSON document (or raises GatewayError)."""
         try:
             if keyed:
                 self._caller(req)
-            msg = make()
+            doc = make()
         except GatewayError as exc:
             return _refused(exc)
-        return web.json_response(_to_json(msg, defaults))
+        return web.json_response(doc)
 
     # -- health and metadata --------------------------------------------------------------------
 
@@ -384,12 +400,12 @@ class KServeRest:
         return web.json_response({"ready": ok}, status=200 if ok else 503)
 
     async def server_metadata(self, req: web.Request) -> web.Response:
-        return await self._answer(req, self.pipeline.server_metadata)
+        return await self._answer(req, lambda: asdict(self.pipeline.server_metadata()))
 
     async def model_metadata(self, req: web.Request) -> web.Response:
         name, version = req.match_info["model"], req.match_info.get("version", "")
         try:
-            doc = _to_json(self.pipeline.model_metadata(name, version), False)
+            doc = asdict(self.pipeline.model_metadata(name, version))
             # batchgate's extension (KServe's metadata has no parameters): which engine variant
             # serves and how this host's selection chose it (gateway/selection.py)
             doc["batchgate"] = self.pipeline.variant_info(doc["name"], version)
@@ -400,12 +416,12 @@ class KServeRest:
     async def model_config(self, req: web.Request) -> web.Response:
         name, version = req.match_info["model"], req.match_info.get("version", "")
         # Triton: the config itself
-        return await self._answer(req, lambda: self.pipeline.model_config(name, version).config)
+        return await self._answer(req, lambda: _to_json(self.pipeline.model_config(name, version)))
 
     async def statistics(self, req: web.Request) -> web.Response:
         name, version = req.match_info.get("model", ""), req.match_info.get("version", "")
-        make = lambda: self.pipeline.statistics(name, version)  # noqa: E731
-        return await self._answer(req, make, defaults=True, keyed=True)
+        make = lambda: _statistics_json(self.pipeline.statistics(name, version))  # noqa: E731
+        return await self._answer(req, make, keyed=True)
 
     async def model_ready(self, req: web.Request) -> web.Response:
         name = req.match_info["model"]
@@ -427,8 +443,7 @@ class KServeRest:
             if exc.kind is Kind.INVALID:
                 return _error(400, 'the request body must be a JSON object such as {"ready": true}')
             return _refused(exc)
-        resp = self.pipeline.repository_index(ready)
-        return web.json_response([_to_json(m) for m in resp.models])
+        return web.json_response([_index_json(m) for m in self.pipeline.repository_index(ready)])
 
     async def repository_load(self, req: web.Request) -> web.Response:
         """KServe/Triton ``POST /v2/repository/models/{m}/load``: the gRPC RepositoryModelLoad's
