@@ -82,11 +82,12 @@ from batchgate.gateway.repository import (
     variant_path,
 )
 
-VARIANTS = ("optimized", "fp16", "int8", "openvino-fp32", "openvino-bf16", "openvino-int8")
+VARIANTS = ("optimized", "fp16", "int8", "openvino-fp32", "openvino-bf16", "openvino-int8", "int8-mixed")
 # What `--auto` builds and measures on a host, in this order (the original, ONNX Runtime FP32, is
 # measured beside them as the baseline): ONNX Runtime's INT8 and OpenVINO's FP32, BF16 (where the
-# CPU computes it natively) and INT8 (where NNCF is installed).
-AUTO_CANDIDATES = ("int8", "openvino-fp32", "openvino-bf16", "openvino-int8")
+# CPU computes it natively) and INT8 (where NNCF is installed), and ONNX Runtime's INT8 with the
+# GEMMs measured sensitive on odd tuning rows kept FP32 (int8-mixed, gateway/build/mixed_precision.py).
+AUTO_CANDIDATES = ("int8", "openvino-fp32", "openvino-bf16", "openvino-int8", "int8-mixed")
 TEXTS = Path(__file__).resolve().parent / "texts"
 CALIBRATION_TEXTS = TEXTS / "calibration.txt"
 HELDOUT_TEXTS = TEXTS / "heldout.txt"
@@ -1204,6 +1205,10 @@ def build_variant(
         build = build_int8(src, tmp_dst, calib, dataclass_replace(opts, variant=variant), log)
     elif variant == "openvino-int8":
         build = build_openvino_int8(src, tmp_dst, calib, opts, log)
+    elif variant == "int8-mixed":  # its own module (it imports this one)
+        from batchgate.gateway.build.mixed_precision import build_int8_mixed
+
+        build = build_int8_mixed(src, tmp_dst, calib, dataclass_replace(opts, variant=variant), log)
     else:
         build = build_fp16(src, tmp_dst, calib, opts, log)
     return tmp_dst, build
