@@ -13,6 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 
@@ -20,12 +21,13 @@ from batchgate.gateway.build import mixed_precision as mp
 from batchgate.gateway.build.optimize import (
     HELDOUT_TEXTS,
     Options,
+    model_rows,
     Thresholds,
     optimize,
     optimize_auto,
     read_texts,
 )
-from batchgate.gateway.repository import ConfigError, check_variant, variant_path
+from batchgate.gateway.repository import ConfigError, check_variant, load_model, variant_path
 from tests.conftest import REPO
 
 QUICK = {"timing_repeats": 1, "memory": False}
@@ -78,6 +80,17 @@ def test_the_choice_is_tuned_on_odd_rows_that_are_not_the_gates(mixed):
     kinds = report["build"]["tuning_accuracy_by_kind"]["embedding"]
     assert {"punctuation", "emoji", "one_word", "calibration"} <= set(kinds)
     assert not set(read_texts(mp.TUNING_TEXTS)) & set(read_texts(HELDOUT_TEXTS))
+
+
+@pytest.mark.parametrize("model", ["encoder", "minilm"])
+def test_no_tuning_row_is_a_held_out_row_as_the_model_sees_it(model):
+    # Other texts can be the same input: the encoder hashes words (one tuning text collides), and
+    # minilm's WordPiece reads any lone emoji as [UNK] alone.
+    spec = load_model(REPO / model)[0]
+    calib, held = model_rows(spec, "calibration"), model_rows(spec, "heldout")
+    tune = mp.tuning_rows(spec, calib, 48, held)
+    seen = {np.ascontiguousarray(f["input_ids"]).tobytes() for f in held.feeds}
+    assert len(tune) > 48 and not [f for f in tune.feeds if f["input_ids"].tobytes() in seen]
 
 
 def test_auto_gates_it_and_never_serves_a_failing_one(tmp_path):

@@ -52,9 +52,14 @@ def group_of(node_name: str) -> str:
     return f"layer{int(m.group(1))}.{part}"
 
 
-def tuning_rows(spec, calib: opt.Rows, search_rows: int, path: Path = TUNING_TEXTS) -> opt.Rows:
+def tuning_rows(
+    spec, calib: opt.Rows, search_rows: int, held: opt.Rows, path: Path = TUNING_TEXTS
+) -> opt.Rows:
     """The first ``search_rows`` calibration rows and the tuning file's odd rows (token models),
-    or the calibration rows alone (models without text: their synthetic rows have no odd kinds)."""
+    or the calibration rows alone (models without text: their synthetic rows have no odd kinds);
+    any row whose model input equals a held-out row's is left out (other texts can be the same
+    token ids: a lone emoji is [UNK] alone in a WordPiece vocabulary), so the choice never sees a
+    row the gate judges."""
     feeds = list(calib.feeds[: max(1, search_rows)])
     kinds = ["calibration"] * len(feeds)
     source = f"{calib.source} (first {len(feeds)})"
@@ -63,6 +68,15 @@ def tuning_rows(spec, calib: opt.Rows, search_rows: int, path: Path = TUNING_TEX
         feeds += opt._token_rows(spec, texts)
         kinds += tk
         source += f" + gateway/build/texts/{path.name} ({len(texts)} rows)"
+    gate = {opt._digest([f]) for f in held.feeds}
+    keep = [i for i, f in enumerate(feeds) if opt._digest([f]) not in gate]
+    if len(keep) < len(feeds):
+        source += f", less {len(feeds) - len(keep)} the same as held-out rows"
+    feeds, kinds = [feeds[i] for i in keep], [kinds[i] for i in keep]
+    if not feeds:
+        raise opt.OptimizeError(
+            "every tuning row is also a held-out row; the choice needs rows the gate never sees"
+        )
     return opt.Rows(feeds, source, opt._digest(feeds), kinds)
 
 
@@ -78,7 +92,8 @@ def build_int8_mixed(src: Path, dst: Path, calib: opt.Rows, opts: opt.Options, l
     started = time.perf_counter()
     spec = opt._spec(src.parent.parent, src.parent.name)  # its tokenizer turns the tuning texts into rows
     wtype = opt.weight_type(opts.weights)
-    tune = tuning_rows(spec, calib, opts.search_rows)
+    held = opt.model_rows(spec, "heldout", opts.heldout)
+    tune = tuning_rows(spec, calib, opts.search_rows, held)
     with tempfile.TemporaryDirectory(prefix="batchgate-int8-mixed-") as tmp_dir:
         tmp = Path(tmp_dir)
         pre = tmp / "pre.onnx"
