@@ -6,13 +6,14 @@ nothing stays FP32; the gate's odd rows (punctuation, emoji, one word) then miss
 Zen 4: min cosine 0.95 on punctuation). This candidate chooses on rows that include odd rows:
 
 1. Tuning rows: the first ``Options.search_rows`` calibration sentences and ``texts/tuning.txt``
-   (the held-out file's kinds of row, other texts). The gate's held-out rows are never among
-   them, so its figures are on rows the choice never saw.
+   (the held-out file's kinds of row, other texts), less any row whose model input equals a
+   held-out row's. The gate's held-out rows are never among them, so its figures are on rows the
+   choice never saw.
 2. Everything INT8 is tried first; if it misses the tightened targets (``Thresholds.tightened``)
    on the tuning rows, each weight GEMM is quantised alone and its damage (the worst tuning row's
    1 - cosine, or abs error) measured, and the worst go back to FP32 one at a time until the rest
    meets the targets. Bounded: at most 2 x GEMMs + 1 quantise-and-run passes over ~100 rows
-   (minilm: 24 GEMMs, 30 passes, ~1-2 minutes on one busy Zen 4 core). Per GEMM, not per layer
+   (minilm: 24 GEMMs, 30 passes, 161 s of wall time on a shared, busy Zen 4 core). Per GEMM, not per layer
    part: measured on minilm, only the second FFN GEMM of layers 0-4 is sensitive (its input is
    GELU's output), so per-layer groups (attention / FFN) kept both FFN GEMMs of those layers FP32:
    14 of 24 GEMMs INT8 instead of 19, and slower (docs/engines.md). The report names each GEMM
