@@ -154,7 +154,7 @@ def _parser() -> argparse.ArgumentParser:
 
 # parameters.VARIANTS, spelt out: importing it here would import the runtime before the CLI can say
 # that none is installed (tests/test_optimize.py checks the two agree).
-USE_CHOICES = ["fp32", "optimized", "fp16", "int8", "openvino-fp32", "openvino-bf16", "openvino-int8"]
+USE_CHOICES = ["fp32", "optimized", "fp16", "int8", "openvino-fp32", "openvino-bf16", "openvino-int8", "int8-mixed"]
 
 
 def _optimize_parser(sub) -> None:
@@ -173,6 +173,8 @@ def _optimize_parser(sub) -> None:
     which = opt.add_mutually_exclusive_group(required=True)
     which.add_argument("--int8", dest="variant", action="store_const", const="int8",
                        help="INT8 weights and activations (--scales); measured-sensitive nodes kept in FP32")  # fmt: skip
+    which.add_argument("--int8-mixed", dest="variant", action="store_const", const="int8-mixed",
+                       help="INT8 with the GEMMs measured sensitive on odd tuning rows kept FP32 (an --auto candidate)")  # fmt: skip
     which.add_argument("--fp16", dest="variant", action="store_const", const="fp16",
                        help="FP16 with FP32 inputs/outputs (for GPUs; checked for accuracy here)")  # fmt: skip
     which.add_argument("--optimized", dest="variant", action="store_const", const="optimized",
@@ -182,8 +184,8 @@ def _optimize_parser(sub) -> None:
     which.add_argument("--fp32", dest="variant", action="store_const", const="fp32",
                        help="FP32 (with --engine openvino: OpenVINO running the original file)")  # fmt: skip
     which.add_argument("--auto", dest="variant", action="store_const", const="auto",
-                       help="build every candidate this host supports (ONNX Runtime INT8, OpenVINO FP32, BF16 "
-                       "and INT8), gate and time them all in one run, write one report "
+                       help="build every candidate this host supports (ONNX Runtime INT8 and INT8 mixed with FP32, "
+                       "OpenVINO FP32, BF16 and INT8), gate and time them all in one run, write one report "
                        "(model.auto.report.md) and serve the fastest that passes; exit 1 when none passes")  # fmt: skip
     which.add_argument("--use", choices=USE_CHOICES,
                        help="build nothing: make this (already gated) variant what the model serves")  # fmt: skip

@@ -27,7 +27,9 @@ from typing import Any
 from batchgate.workers.buckets import DEFAULT_MASK_INPUT, BucketConfig
 
 # Engine variants (gateway/repository.py VARIANT_PRECISION says what each computes in).
-VARIANTS = ("fp32", "optimized", "fp16", "int8", "openvino-fp32", "openvino-bf16", "openvino-int8")
+VARIANTS = (
+    "fp32", "optimized", "fp16", "int8", "openvino-fp32", "openvino-bf16", "openvino-int8", "int8-mixed",
+)  # fmt: skip
 
 DEFAULT_MAX_TEXT_BYTES = 32768
 # What a text model serves (gateway/build/encoder.py KINDS); each kind's outputs are fixed by name
@@ -300,8 +302,8 @@ DECLARED: tuple[Declared, ...] = (
              "let the deadline queue learn the largest batch that still meets deadlines", _bool,
              "learned_batch_limit"),
     # engine file (gateway/repository.py; built by `batchgate optimize`, docs/engines.md)
-    Declared("variant", "'fp32', 'optimized', 'fp16', 'int8', 'openvino-fp32', 'openvino-bf16' or "
-             "'openvino-int8'", "fp32", "one of the seven", "repository",
+    Declared("variant", "'fp32', 'optimized', 'fp16', 'int8', 'openvino-fp32', 'openvino-bf16', "
+             "'openvino-int8' or 'int8-mixed'", "fp32", "one of the eight", "repository",
              "which engine serves: model.onnx (fp32) or the variant built beside it (model.<variant>.onnx; "
              "openvino-fp32 and -bf16 run model.onnx itself through OpenVINO); refused at load unless its "
              "report model.<variant>.report.json passed and matches both files",

@@ -45,6 +45,7 @@ VARIANT_PARAMETER = "variant"
 VARIANT_PRECISION = {
     "fp32": "FP32", "optimized": "FP32", "fp16": "FP16", "int8": "INT8",
     "openvino-fp32": "FP32", "openvino-bf16": "BF16", "openvino-int8": "INT8",
+    "int8-mixed": "INT8",  # gateway/build/mixed_precision.py: INT8 with its sensitive GEMMs in FP32
 }  # fmt: skip
 assert tuple(VARIANT_PRECISION) == VARIANTS
 # OpenVINO variants that run model.onnx itself (the precision is a compile setting, not a file).
@@ -503,7 +504,7 @@ def check_variant(name: str, version: str, model_file: Path, variant: str) -> Pa
             f"FP32, and its gate figures (measured where BF16 is native) do not hold here; serve fp32 or "
             f"run `batchgate optimize {name} --auto` on this machine"
         )
-    if variant == "int8" and _int8_weights(data) == "int8" and int8_saturates():
+    if variant in ("int8", "int8-mixed") and _int8_weights(data) == "int8" and int8_saturates():
         raise ConfigError(
             f"{where}: its INT8 weights are signed, and on this CPU (x86 without VNNI) ONNX Runtime's "
             f"UINT8 x INT8 kernel saturates (docs/engines.md measures 14 % off), so its gate figures do "
@@ -716,7 +717,7 @@ def resolve_engine(cfg: mc.ModelConfig, params: ModelParameters) -> tuple[str, s
             raise ConfigError(f"{where}: precision 'bf16' needs engine 'openvino' (ONNX Runtime serves FP32 "
                               "or a variant built by `batchgate optimize`)")  # fmt: skip
         return engine, "fp32"
-    if params.variant in ("optimized", "fp16", "int8"):
+    if params.variant in ("optimized", "fp16", "int8", "int8-mixed"):
         raise ConfigError(
             f"{where}: variant '{params.variant}' is an ONNX Runtime graph; with engine 'openvino' serve fp32 "
             "or an openvino-* variant (`batchgate optimize --engine openvino`)"

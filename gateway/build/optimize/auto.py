@@ -26,8 +26,9 @@ from batchgate.gateway.repository import ConfigError, check_variant, report_path
 
 # What `--auto` builds and measures on a host, in this order (the original, ONNX Runtime FP32, is
 # measured beside them as the baseline): ONNX Runtime's INT8 and OpenVINO's FP32, BF16 (where the
-# CPU computes it natively) and INT8 (where NNCF is installed).
-AUTO_CANDIDATES = ("int8", "openvino-fp32", "openvino-bf16", "openvino-int8")
+# CPU computes it natively) and INT8 (where NNCF is installed), and ONNX Runtime's INT8 with the
+# GEMMs measured sensitive on odd tuning rows kept FP32 (int8-mixed, gateway/build/mixed_precision.py).
+AUTO_CANDIDATES = ("int8", "openvino-fp32", "openvino-bf16", "openvino-int8", "int8-mixed")
 
 
 @dataclass(slots=True)

@@ -86,6 +86,10 @@ def build_variant(
         build = build_int8(src, tmp_dst, calib, dataclass_replace(opts, variant=variant), log)
     elif variant == "openvino-int8":
         build = build_openvino_int8(src, tmp_dst, calib, opts, log)
+    elif variant == "int8-mixed":  # its own module (it imports this package)
+        from batchgate.gateway.build.mixed_precision import build_int8_mixed
+
+        build = build_int8_mixed(src, tmp_dst, calib, dataclass_replace(opts, variant=variant), log)
     else:
         build = build_fp16(src, tmp_dst, calib, opts, log)
     return tmp_dst, build

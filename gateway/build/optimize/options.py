@@ -13,7 +13,7 @@ from batchgate.gateway.build.thresholds import METHODS, SCALES, Thresholds
 from batchgate.gateway.repository import CONFIG_FILE, ConfigError, ModelSpec, load_model
 
 
-VARIANTS = ("optimized", "fp16", "int8", "openvino-fp32", "openvino-bf16", "openvino-int8")
+VARIANTS = ("optimized", "fp16", "int8", "openvino-fp32", "openvino-bf16", "openvino-int8", "int8-mixed")
 Log = Callable[[str], None]
 
 
