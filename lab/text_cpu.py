@@ -10,6 +10,9 @@ on the server's core, on the batches the scheduler would form from that many out
 (bucketed as minilm's length buckets, each batch at its longest row: ``lab.text_ceiling``'s
 replay), in the same run. CPU time, so the other load of a shared machine does not count.
 
+``--loop-turns`` runs the server under ``lab/loopcount.py`` and prints its loop's turns
+(wake-ups) and callbacks per call (answered or refused).
+
 ``--tree LABEL=DIR`` (repeatable) serves the code of another checkout (its top-level folders
 put first on PYTHONPATH, e.g. an exported older commit), and the trees alternate round by round:
 before/after in one run.
@@ -36,7 +39,7 @@ import grpc
 import numpy as np
 
 from batchgate.bench.loadgen import Started, free_ports, thread_cpu
-from lab.profile import _pyspy
+from lab.profile import _pyspy, read_loop_counts
 from batchgate.bench.text_batches import load, make_repo, padded_feeds, texts
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pbg
@@ -90,7 +93,13 @@ def serve_window(label: str, pkg: Path, repo: Path, args, all_texts) -> dict:
         os.environ["PYTHONPATH"] = str(pkg)
     grpc_port, http_port = free_ports(2)
     url = f"127.0.0.1:{grpc_port}"
-    cmd = ["taskset", "-c", str(args.server_core), sys.executable, "-m", "batchgate", "serve",
+    counts = None
+    if args.loop_turns:  # the server under lab/loopcount.py: its loop's turns and callbacks counted
+        fd, counts = tempfile.mkstemp(suffix=".json", prefix="text-cpu-loop-")
+        os.close(fd)
+        os.unlink(counts)
+    wrap = ["-m", "lab.loopcount", counts] if counts else []
+    cmd = ["taskset", "-c", str(args.server_core), sys.executable, *wrap, "-m", "batchgate", "serve",
            "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
            "--model-repository", str(repo), "--no-build-models", "--log-level", "WARNING"]  # fmt: skip
     server = Started("batchgate", cmd, url)
@@ -114,9 +123,14 @@ def serve_window(label: str, pkg: Path, repo: Path, args, all_texts) -> dict:
                  "-r", "200", "-o", out, "-d", "3600"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
             time.sleep(1.0)  # while it attaches
+        lc0 = asyncio.run(read_loop_counts(pid, counts)) if counts else None
         th0 = thread_cpu(pid)
         r = asyncio.run(load(url, "minilm", all_texts, args.callers, 1, args.cls, args.seconds))
         th1 = thread_cpu(pid)
+        if lc0 is not None:
+            lc1 = asyncio.run(read_loop_counts(pid, counts))
+            calls = r["answered"] + sum(r["refused"].values())
+            r["loop"] = {k: (lc1[k] - lc0[k]) / max(calls, 1) for k in ("turns", "callbacks")}
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # py-spy writes its file on ^C
             spy.wait(30)
@@ -193,6 +207,7 @@ def main() -> int:
         "--cls", default="standard", help="latency class of the calls (bulk: no refusal on a busy core)"
     )
     p.add_argument("--py-spy", help="record py-spy raw samples of each window to PREFIX.LABEL.TIME.raw")
+    p.add_argument("--loop-turns", action="store_true", help="count the loop's turns and callbacks per call")
     p.add_argument("--per-thread", action="store_true", help="print every thread, not only the roles")
     args = p.parse_args()
     trees = [t.split("=", 1) for t in args.tree] or [["this", str(ROOT)]]
@@ -240,6 +255,9 @@ def main() -> int:
                   f"{1 / total:6.1f} texts per server CPU-s = x{a / total:.2f} the engine alone; "
                   f"worker threads x{a / work:.2f} (tokenizing included); p50 {r['p50_ms']:.0f} ms, "
                   f"p99 {r['p99_ms']:.0f} ms, refused {r['refused'] or 0}")  # fmt: skip
+            if "loop" in r:
+                print(f"    event loop: {r['loop']['turns']:.2f} turns and {r['loop']['callbacks']:.2f} callbacks "
+                      "per call (under lab/loopcount.py: its counters cost CPU, so take CPU from a run without)")  # fmt: skip
             if args.per_thread:
                 for (tid, comm), c in sorted(r["per_tid"].items(), key=lambda kv: -kv[1]):
                     if c / r["texts"] > 1e-5:
