@@ -153,6 +153,8 @@ def serve_window(label: str, pkg: Path, repo: Path, args, all_texts) -> dict:
         return r
     finally:
         server.stop()
+        if counts and os.path.exists(counts):
+            os.unlink(counts)
 
 
 def engine_alone(model_dir: Path, all_texts: list[str], k: int, rounds: int) -> float:
@@ -230,6 +232,9 @@ def main() -> int:
                       f"refused {r['refused'] or 0}", file=sys.stderr, flush=True)  # fmt: skip
     finally:
         shutil.rmtree(repo, ignore_errors=True)
+        for _, pkg in pkgs:
+            if str(pkg) != ".":  # a copy made by pkg_root
+                shutil.rmtree(pkg, ignore_errors=True)
     a = float(np.median(alone))
     print(f"ONNX Runtime FP32 alone on the batches of {args.callers} outstanding, core {args.server_core}: "
           f"{a * 1e3:.2f} ms CPU a text ({', '.join(f'{x * 1e3:.2f}' for x in alone)}): {1 / a:.1f} texts per CPU-s")  # fmt: skip
