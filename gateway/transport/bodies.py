@@ -353,9 +353,12 @@ class ScoreRequest(VllmCommon, kw_only=True, omit_defaults=True):
 ParamValue = Annotated[bool | int | float | str, Meta(description="bool, int64, double or string")]
 
 
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+
+
 class InferInputTensor(Struct, omit_defaults=True):
     name: Annotated[str, Meta(max_length=128)]
-    shape: list[int]
+    shape: list[Int64]
     datatype: Annotated[
         str,
         Meta(max_length=16, examples=["FP32", "INT64", "BYTES"],
@@ -379,7 +382,7 @@ class InferenceRequest(Body, kw_only=True, omit_defaults=True):
 
     required: ClassVar = {"inputs": "a non-empty list of tensors"}
     inputs: Annotated[list[InferInputTensor], Meta(min_length=1)]
-    id: str | int = ""
+    id: str | int | None = ""
     parameters: dict[str, ParamValue] | None = None
     outputs: list[InferRequestedOutput] | None = None
 
@@ -398,6 +401,7 @@ class RepositoryModelRequest(Body, kw_only=True, omit_defaults=True):
 
 # -- decoding --------------------------------------------------------------------------------------
 
+UNSET = msgspec.UNSET  # a field the body does not hold (KServe: a tensor sent as binary data)
 _DECODERS: dict[type, msgspec.json.Decoder] = {}
 _KEYS = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
@@ -413,7 +417,7 @@ def decode(raw: bytes | memoryview, cls: type[Body]) -> Any:
         return decoder.decode(raw)
     except msgspec.ValidationError as exc:
         _valid_json(raw)  # msgspec checks types as it reads: "[1," is refused as a list, not as JSON
-        raise refusal(cls, str(exc)) from None
+        raise refusal(cls, str(exc), raw) from None
     except msgspec.DecodeError as exc:
         raise invalid(f"the request body is not valid JSON: {clip(exc, 200)}") from None
     except RecursionError:  # msgspec's decoder recurses per level: 100,000 '[' end here, cheaply
@@ -454,11 +458,18 @@ def model_field(raw: msgspec.Raw) -> str | None:
         raise refusal(None, f"{exc} - at `$.model`") from None
 
 
-def refusal(cls: type | None, message: str) -> GatewayError:
+def refusal(cls: type | None, message: str, raw: bytes | memoryview | None = None) -> GatewayError:
     """msgspec's validation message in the wire's words: the field named, as a path
-    (``inputs[0].shape``), and ``field`` the top-level name (OpenAI's ``param``)."""
+    (``inputs[0].shape``; a KServe tensor's field by the tensor's name, ``input 'x': 'shape'``),
+    and ``field`` the top-level name (OpenAI's ``param``)."""
     m = _AT.match(message)
     msg, path = m["msg"], (m["path"] or "").lstrip(".")
+    where = f"'{path}'"
+    tensor = re.fullmatch(r"(inputs|outputs)\[(\d+)\]\.(\w+)(.*)", path) if raw is not None else None
+    if tensor and tensor[3] != "name":
+        name = _tensor_name(raw, tensor[1], int(tensor[2]))
+        if name is not None:
+            where = f"{tensor[1][:-1]} '{clip(name)}': '{tensor[3]}{tensor[4]}'"
     missing = re.fullmatch(r"Object missing required field `(.+)`", msg)
     if missing:
         name = f"{path}.{missing[1]}" if path else missing[1]
@@ -474,8 +485,18 @@ def refusal(cls: type | None, message: str) -> GatewayError:
     choices = _choices(cls, path)
     if msg.startswith("Invalid enum value") and choices:
         value = msg.removeprefix("Invalid enum value ").strip()
-        return invalid(f"'{path}' must be {' or '.join(map(repr, choices))}, not {clip(value, 64)}", _top(path))
-    return invalid(f"'{path}'{_words(msg)}", _top(path))
+        return invalid(f"{where} must be {' or '.join(map(repr, choices))}, not {clip(value, 64)}", _top(path))
+    return invalid(f"{where}{_words(msg)}", _top(path))
+
+
+def _tensor_name(raw: bytes | memoryview, key: str, i: int) -> str | None:
+    """The name of a refused body's ``inputs[i]`` (read again, untyped: a refusal's cost only)."""
+    try:
+        item = msgspec.json.decode(raw)[key][i]
+    except (msgspec.DecodeError, RecursionError, LookupError, TypeError):
+        return None
+    name = item.get("name") if isinstance(item, dict) else None
+    return name if isinstance(name, str) else None
 
 
 def _top(path: str) -> str:
@@ -494,8 +515,13 @@ def _words(msg: str) -> str:
     if m is None:
         return ": " + msg[:1].lower() + msg[1:].replace("`", "")
     kinds = [_KINDS.get(k, k) for k in m[1].split(" | ") if k != "null"] or ["null"]
+    bound = m[2]
+    if bound == " of length >= 1":
+        kinds, bound = [k.replace("a ", "a non-empty ", 1) for k in kinds], ""
+    elif bound in (f" <= {2**63 - 1}", f" >= {-(2**63)}"):  # Int64's bounds
+        kinds, bound = ["a 64-bit integer"], ""
     got = _KINDS.get(m[3], m[3]) if m[3] else None
-    return f" must be {' or '.join(kinds)}{m[2]}" + (f", not {clip(got, 64)}" if got else "")
+    return f" must be {' or '.join(kinds)}{bound}" + (f", not {clip(got, 64)}" if got else "")
 
 
 def _choices(cls: type | None, path: str) -> tuple:
