@@ -158,7 +158,9 @@ def wires(ref: str) -> dict[str, dict[str, Any]]:
         return old_openai.embeddings_call(request, doc)
 
     def after_embeddings():
-        return openai.embeddings_call(request, bodies.read(EMBEDDINGS, bodies.EmbeddingsRequest, "/v1/embeddings"))
+        return openai.embeddings_call(
+            request, bodies.read(EMBEDDINGS, bodies.EmbeddingsRequest, "/v1/embeddings")
+        )
 
     return {
         "embeddings → TextCall": {"before": before_embeddings, "after": after_embeddings},

@@ -50,7 +50,10 @@ Direction = Annotated[
 LatencyClass = Annotated[str, Meta(description="The call's latency class (an extension).")]
 Budget = Annotated[
     float,
-    Meta(description=f"The call's latency budget in milliseconds (an extension), at least {MIN_BUDGET_MS:g}."),
+    Meta(
+        ge=MIN_BUDGET_MS,
+        description=f"The call's latency budget in milliseconds (an extension), at least {MIN_BUDGET_MS:g}.",
+    ),
 ]
 Texts = Annotated[
     str | list[Any],
@@ -105,7 +108,9 @@ class EmbeddingsRequest(Latency, kw_only=True, omit_defaults=True, forbid_unknow
              "vocabulary, used as they are) or `refuse` (400 naming `input`). `usage` counts the model's tokens."),
     ]  # fmt: skip
     encoding_format: Literal["float", "base64"] | None = None
-    dimensions: Annotated[int, Meta(ge=1, description="A Matryoshka size the model declares, or its own.")] | None = None
+    dimensions: (
+        Annotated[int, Meta(ge=1, description="A Matryoshka size the model declares, or its own.")] | None
+    ) = None
     user: str | None = None
     prompt_name: Prompt | None = None  # an extension: sentence-transformers' word for a prompt
     truncate: Truncate | None = None  # an extension (OpenAI refuses a text over the length)
@@ -114,9 +119,12 @@ class EmbeddingsRequest(Latency, kw_only=True, omit_defaults=True, forbid_unknow
         Meta(description="An extension: `chunk` embeds a text over the model's length in pieces and averages "
              "them (vLLM's chunked processing); default: the model's parameter."),
     ] | None = None  # fmt: skip
-    late_chunking: Annotated[
-        bool, Meta(description="Jina's: the inputs are chunks of one document, embedded in one pass.")
-    ] | None = None
+    late_chunking: (
+        Annotated[
+            bool, Meta(description="Jina's: the inputs are chunks of one document, embedded in one pass.")
+        ]
+        | None
+    ) = None
 
 
 # -- TEI -------------------------------------------------------------------------------------------
@@ -176,7 +184,9 @@ class EmbedSparseRequest(TeiCommon, kw_only=True, omit_defaults=True):
     required: ClassVar = {"inputs": "a string or a list of strings"}
     inputs: TextsOrIds
     prompt_name: Prompt | None = None
-    top_k: Annotated[int, Meta(ge=1, description="Keep only the k largest weights (an extension).")] | None = None
+    top_k: (
+        Annotated[int, Meta(ge=1, description="Keep only the k largest weights (an extension).")] | None
+    ) = None
 
 
 class PredictRequest(TeiCommon, kw_only=True, omit_defaults=True):
@@ -248,9 +258,12 @@ class V2RerankRequest(Latency, kw_only=True, omit_defaults=True):
     query: Query
     documents: Documents
     top_n: Positive | None = None
-    max_tokens_per_doc: Annotated[
-        int, Meta(ge=1, description="Each document cut to its first this many tokens before scoring.")
-    ] | None = None
+    max_tokens_per_doc: (
+        Annotated[
+            int, Meta(ge=1, description="Each document cut to its first this many tokens before scoring.")
+        ]
+        | None
+    ) = None
     return_documents: bool | None = None
     priority: Priority | None = None
 
@@ -288,9 +301,12 @@ class V2EmbedRequest(Latency, kw_only=True, omit_defaults=True):
     required: ClassVar = {"texts": "a list of texts (images are not served)"}
     model: Model | None = None
     texts: Texts | None = None
-    inputs: Annotated[
-        list[CohereInput], Meta(description="v2's mixed inputs, instead of `texts`: text content only.")
-    ] | None = None
+    inputs: (
+        Annotated[
+            list[CohereInput], Meta(description="v2's mixed inputs, instead of `texts`: text content only.")
+        ]
+        | None
+    ) = None
     input_type: Annotated[
         Literal[INPUT_TYPES],  # type: ignore[valid-type]
         Meta(description="Mapped to the model's prompts (search_query: `query`; search_document: `document`, "
@@ -307,9 +323,9 @@ class V2EmbedRequest(Latency, kw_only=True, omit_defaults=True):
         Meta(description="A text over the model's length: refused (NONE), or cut keeping its end (START) or "
              "its start (END, the default)."),
     ] | None = None  # fmt: skip
-    output_dimension: Annotated[
-        int, Meta(ge=1, description="A Matryoshka size the model declares, or its own.")
-    ] | None = None
+    output_dimension: (
+        Annotated[int, Meta(ge=1, description="A Matryoshka size the model declares, or its own.")] | None
+    ) = None
     max_tokens: Annotated[int, Meta(ge=1, description="Each text cut to this many tokens.")] | None = None
     priority: Priority | None = None
 
@@ -485,7 +501,9 @@ def refusal(cls: type | None, message: str, raw: bytes | memoryview | None = Non
     choices = _choices(cls, path)
     if msg.startswith("Invalid enum value") and choices:
         value = msg.removeprefix("Invalid enum value ").strip()
-        return invalid(f"{where} must be {' or '.join(map(repr, choices))}, not {clip(value, 64)}", _top(path))
+        return invalid(
+            f"{where} must be {' or '.join(map(repr, choices))}, not {clip(value, 64)}", _top(path)
+        )
     return invalid(f"{where}{_words(msg)}", _top(path))
 
 
@@ -520,7 +538,7 @@ def _words(msg: str) -> str:
         kinds, bound = [k.replace("a ", "a non-empty ", 1) for k in kinds], ""
     elif bound in (f" <= {2**63 - 1}", f" >= {-(2**63)}"):  # Int64's bounds
         kinds, bound = ["a 64-bit integer"], ""
-    got = _KINDS.get(m[3], m[3]) if m[3] else None
+    got = {**_KINDS, "bool": "a boolean"}.get(m[3], m[3]) if m[3] else None
     return f" must be {' or '.join(kinds)}{bound}" + (f", not {clip(got, 64)}" if got else "")
 
 

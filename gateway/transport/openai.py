@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from batchgate.gateway.transport.http import Http
     from batchgate.gateway.transport.server import Server
 
+
 def _openai_vector(vec: np.ndarray, fmt: str) -> Any:
     if fmt == "base64":  # OpenAI's form: the little-endian float32 bytes, base64
         return base64.b64encode(vec.astype("<f4", copy=False).tobytes()).decode()

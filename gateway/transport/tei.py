@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from batchgate.gateway.transport.http import Http
     from batchgate.gateway.transport.server import Server
 
+
 def _model(request: web.Request, named: str | None) -> str | None:
     """The model a TEI call names: the path's (``/tei/{model}``), else the body's ``model`` (an
     extension), else None (the server's default)."""

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from batchgate.gateway.transport.http import Http
     from batchgate.gateway.transport.server import Server
 
+
 def _truncation(body: ClassifyRequest | ScoreRequest) -> dict:
     return {"truncate": body.truncate, "left": left_of(body.truncation_direction)}
 
