@@ -19,6 +19,7 @@ from aiohttp import web
 
 from batchgate.gateway.call import TextCall
 from batchgate.gateway.errors import GatewayError, Kind, not_found
+from batchgate.gateway.transport.answers import Embedding, EmbeddingsResponse, EmbeddingsUsage
 from batchgate.gateway.transport.bodies import EmbeddingsRequest
 from batchgate.gateway.transport.fields import (
     TextRoutes,
@@ -62,15 +63,12 @@ def embeddings_call(request: web.Request, body: EmbeddingsRequest) -> TextCall:
 def embeddings_body(body: EmbeddingsRequest, call: TextCall, answer, headers: dict) -> web.Response:
     fmt = body.encoding_format or "float"
     total = sum(answer.tokens)
-    out = {
-        "object": "list",
-        "data": [
-            {"object": "embedding", "index": i, "embedding": _openai_vector(v, fmt)}
-            for i, v in enumerate(answer.dense["float"])
-        ],
-        "model": answer.model,
-        "usage": {"prompt_tokens": total, "total_tokens": total},
-    }
+    out = EmbeddingsResponse(
+        "list",
+        [Embedding("embedding", i, _openai_vector(v, fmt)) for i, v in enumerate(answer.dense["float"])],
+        answer.model,
+        EmbeddingsUsage(total, total),
+    )
     return json_response(out, headers)
 
 
