@@ -1,82 +1,34 @@
-"""What the text wires share: the JSON body reader, the fields several of them carry (read once
-each, into a ``TextCall``: gateway/call.py), and the two error shapes other servers' clients read
-(OpenAI's, which vLLM, infinity, Jina and Cohere's compatibility routes answer in, and TEI's).
+"""What the text wires share: one text call's handler (the body decoded into its type from
+gateway/transport/bodies.py), what the types cannot say about the fields several wires carry (a
+list of texts or of token ids, the latency budget from a header), and the two error shapes other
+servers' clients read (OpenAI's, which vLLM, infinity, Jina and Cohere's compatibility routes answer
+in, and TEI's).
 
-Each reader refuses with a ``GatewayError`` naming the field (OpenAI's ``param``). Parsing only:
+Each check refuses with a ``GatewayError`` naming the field (OpenAI's ``param``). Parsing only:
 nothing here looks a model up or computes on an answer (gateway/text_calls.py decides).
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import math
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from aiohttp import web
 
-from batchgate.gateway.errors import GatewayError, Kind, clip, invalid, retry_headers, too_large
-from batchgate.gateway.text_calls import MAX_INPUTS  # texts per call, one limit for every wire
+from batchgate.gateway.errors import GatewayError, Kind, invalid, retry_headers, too_large
 from batchgate.gateway.logs import REQUEST_ID_KEY, adopt_request_id
 from batchgate.gateway.scheduling.request import MIN_BUDGET_MS
+from batchgate.gateway.text_calls import MAX_INPUTS  # texts per call, one limit for every wire
+from batchgate.gateway.transport.bodies import Body, Document, Latency, read
 
 if TYPE_CHECKING:
     from batchgate.gateway.call import TextAnswer
     from batchgate.gateway.transport.http import Http
     from batchgate.gateway.transport.server import Server
 
-log = logging.getLogger(__name__)
-
 LATENCY_CLASS_HEADER = "X-Latency-Class"
 LATENCY_BUDGET_HEADER = "X-Latency-Budget-Ms"
-
-
-async def json_body(http: Http, request: web.Request) -> Any:
-    """The request's JSON body, by the listener's one body reader (read only once the door has
-    taken the call: a key-less caller costs its headers, not its body)."""
-    raw = await http.body(request)
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise invalid(f"the request body is not valid JSON: {exc}") from None
-
-
-async def json_object(
-    http: Http, request: web.Request, allowed: set[str] | frozenset[str] | None, shape: str,
-    unknown_words: str | None = None,
-) -> dict:  # fmt: skip
-    """``json_body``, which must be an object (``shape``: what it must hold). A field outside
-    ``allowed`` is refused with the API's own ``unknown_words``, naming it (OpenAI refuses them);
-    with ``unknown_words`` None it is ignored, as TEI, infinity and Cohere ignore them (logged once
-    per field name); ``allowed`` None: any field (the caller checks them once it knows the shape)."""
-    doc = await json_body(http, request)
-    if not isinstance(doc, dict):
-        raise invalid(f"the request body must be a JSON object with {shape}")
-    if allowed is None:
-        return doc
-    if len(doc) > len(allowed):
-        unknown = sorted(k for k in doc if k not in allowed)
-    else:
-        unknown = [k for k in doc if k not in allowed]
-    if unknown:
-        if unknown_words is not None:
-            unknown.sort()
-            raise invalid(f"{unknown_words}: {unknown}", unknown[0])
-        ignored(request.path, unknown)
-    return doc
-
-
-_IGNORED: set[str] = set()
-_IGNORED_MAX = 256  # distinct names logged; past it, none more (a caller cannot grow the set)
-
-
-def ignored(path: str, names: list[str]) -> None:
-    for name in names:
-        key = clip(name, 64)
-        if key not in _IGNORED and len(_IGNORED) < _IGNORED_MAX:
-            _IGNORED.add(key)
-            log.info("ignoring unknown field %r (first seen on %s; TEI, infinity and Cohere ignore them too)",
-                     key, clip(path, 64))  # fmt: skip
 
 
 class TextRoutes:
@@ -89,31 +41,20 @@ class TextRoutes:
         self.pipeline = server.pipeline
         self.edge = server.metrics.transport("http")
 
-    async def answer(self, request: web.Request, body: Body, parse, fmt, error) -> web.Response:
-        """One text call: the door entered before the body is read, the body parsed into a
-        ``TextCall`` (``parse(request, doc)``), the pipeline, the answer formatted
-        (``fmt(doc, call, answer, headers)``); a refusal in the wire's shape (``error``)."""
+    async def answer(self, request: web.Request, body: type[Body], parse, fmt, error) -> web.Response:
+        """One text call: the door entered before the body is read, the body decoded into its
+        type (gateway/transport/bodies.py) and parsed into a ``TextCall`` (``parse(request,
+        body)``), the pipeline, the answer formatted (``fmt(body, call, answer, headers)``); a
+        refusal in the wire's shape (``error``)."""
         echo = request_echo(request)
         try:
             with self.door.enter(self.http.metadata(request)) as pass_:
-                doc = await json_object(self.http, request, body.fields, body.shape, body.unknown_words)
+                doc = read(await self.http.body(request), body, request.path)
                 call = parse(request, doc)
                 answer = await self.pipeline.texts(pass_, self.edge, call)
         except GatewayError as exc:
             return error(exc, echo)
         return fmt(doc, call, answer, {**echo, **dict(pass_.limits)})
-
-
-class Body:
-    """A route's JSON body: its fields, what it must hold (for the refusal of another shape), and
-    what an unknown field gets (the API's words refusing it; None: ignored)."""
-
-    __slots__ = ("fields", "shape", "unknown_words")
-
-    def __init__(self, fields: set[str], shape: str, unknown_words: str | None = None) -> None:
-        self.fields = frozenset(fields)
-        self.shape = shape
-        self.unknown_words = unknown_words
 
 
 def texts_of(value: Any, field: str) -> list[str]:
@@ -131,20 +72,20 @@ def texts_of(value: Any, field: str) -> list[str]:
     return value
 
 
-def latency_of(request: web.Request, doc: dict) -> dict:
+def latency_of(request: web.Request, body: Latency) -> dict:
     """The call's parameters ``latency_class`` and ``latency_budget_ms``: the body's extension
     fields, else the headers."""
-    cls = doc.get("latency_class", request.headers.get(LATENCY_CLASS_HEADER))
-    if cls is not None and not isinstance(cls, str):
-        raise invalid("'latency_class' must be a string such as 'realtime'", "latency_class")
-    in_body = "latency_budget_ms" in doc
-    budget = doc["latency_budget_ms"] if in_body else request.headers.get(LATENCY_BUDGET_HEADER)
+    cls = body.latency_class
+    if cls is None:
+        cls = request.headers.get(LATENCY_CLASS_HEADER)
+    in_body = body.latency_budget_ms is not None
+    budget = body.latency_budget_ms if in_body else request.headers.get(LATENCY_BUDGET_HEADER)
     if budget is not None:
         try:
             budget = float(budget)
         except (TypeError, ValueError, OverflowError):
             budget = math.nan
-        if isinstance(doc.get("latency_budget_ms"), bool) or not MIN_BUDGET_MS <= budget < math.inf:
+        if not MIN_BUDGET_MS <= budget < math.inf:
             name = "'latency_budget_ms'" if in_body else f"header {LATENCY_BUDGET_HEADER}"
             raise invalid(
                 f"{name} must be a finite number of milliseconds, at least {MIN_BUDGET_MS:g} "
@@ -158,35 +99,15 @@ def latency_of(request: web.Request, doc: dict) -> dict:
     return params
 
 
-def flag(doc: dict, key: str, default: bool) -> bool:
-    value = doc.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid(f"'{key}' must be true or false", key)
-    return value
+def either(value: bool | None, default: bool) -> bool:
+    """A body's optional flag: its value, or the wire's default when absent or null."""
+    return default if value is None else value
 
 
 def request_echo(request: web.Request) -> dict:
     """The caller's x-request-id, adopted for the call's log lines, as headers to send back."""
     rid = adopt_request_id(request.headers.get(REQUEST_ID_KEY))
     return {REQUEST_ID_KEY: rid} if rid else {}
-
-
-def dimensions_of(doc: dict, key: str = "dimensions") -> int | None:
-    value = doc.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise invalid(f"'{key}' must be a positive integer", key)
-    return value
-
-
-def prompt_name_of(doc: dict) -> str | None:
-    name = doc.get("prompt_name")
-    if name is not None and (not isinstance(name, str) or not name):
-        raise invalid("'prompt_name' must be the name of one of the model's prompts", "prompt_name")
-    return name
 
 
 def is_ids(value: Any) -> bool:
@@ -202,38 +123,15 @@ def ids_rows(value: list) -> list[list[int]]:
     return value if isinstance(value[0], list) else [value]
 
 
-def left_of(doc: dict) -> bool:
+def left_of(direction: str | None) -> bool:
     """TEI's ``truncation_direction``: whether a text over the model's length keeps its last
-    tokens (``Left``) rather than its first (``Right``, the default)."""
-    value = doc.get("truncation_direction")
-    if value is None or value in ("Right", "right"):
-        return False
-    if value in ("Left", "left"):
-        return True
-    raise invalid(
-        f"'truncation_direction' must be 'Left' or 'Right', not {clip(value)!r}", "truncation_direction"
-    )
+    tokens (``Left``) rather than its first (``Right``, the default; the body's type refuses others)."""
+    return direction in ("Left", "left")
 
 
-def positive(doc: dict, key: str) -> int | None:
-    value = doc.get(key)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise invalid(f"'{key}' must be a positive integer", key)
-    return value
-
-
-def documents_of(value: Any, field: str = "documents") -> list[str]:
+def documents_of(value: list[str | Document], field: str = "documents") -> list[str]:
     """Cohere's, Jina's and infinity's ``documents``: strings, or objects with a ``text``."""
-    if not isinstance(value, list):
-        raise invalid(f"'{field}' must be a list of strings or {{'text': ...}} objects", field)
-    out = []
-    for i, d in enumerate(value):
-        if isinstance(d, dict) and isinstance(d.get("text"), str):
-            d = d["text"]
-        if not isinstance(d, str):
-            raise invalid(f"'{field}[{i}]' must be a string or an object with 'text'", field)
-        out.append(d)
-    return texts_of(out, field)
+    return texts_of([d if isinstance(d, str) else d.text for d in value], field)
 
 
 def ranked(answer: TextAnswer, top_n: int | None, return_documents: bool) -> list[dict]:
@@ -250,11 +148,16 @@ def ranked(answer: TextAnswer, top_n: int | None, return_documents: bool) -> lis
     return results
 
 
+_ENCODER = msgspec.json.Encoder()
+
+
 def json_response(body: Any, headers: dict | None = None, status: int = 200) -> web.Response:
+    """An answer as compact JSON, by msgspec: an answer's types (answers.py) or plain lists and
+    dicts alike; 8 vectors of 384 floats encode in ~0.3 ms where ``json.dumps`` took ~3 ms
+    (2026-12-07, Zen 4, shared)."""
     return web.Response(
-        text=json.dumps(body, separators=(",", ":")), content_type="application/json", headers=headers,
-        status=status,
-    )  # fmt: skip
+        body=_ENCODER.encode(body), content_type="application/json", headers=headers, status=status
+    )
 
 
 # -- the error shapes ----------------------------------------------------------------------------
@@ -316,19 +219,3 @@ def tei_error(exc: GatewayError, echo: dict | None = None) -> web.Response:
         status, type_ = 400, "empty"
     body = {"error": exc.message, "error_type": type_}
     return web.json_response(body, status=status, headers=retry_headers(exc, echo or {}))
-
-
-def long_inputs_of(doc: dict) -> str | None:
-    """The extension field ``long_inputs``: "truncate" or "chunk" (None: the model's parameter)."""
-    value = doc.get("long_inputs")
-    if value is not None and value not in ("truncate", "chunk"):
-        raise invalid(f"'long_inputs' must be 'truncate' or 'chunk', not {clip(str(value))!r}", "long_inputs")
-    return value
-
-
-def model_of(doc: dict) -> str | None:
-    """The body's ``model``: a served model's name, or None (the server's default)."""
-    model = doc.get("model")
-    if model is not None and (not isinstance(model, str) or not model):
-        raise invalid("'model' must be the name of a served model", "model")
-    return model

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from aiohttp import web
@@ -28,12 +28,21 @@ from batchgate.gateway.codec import serialize_bytes
 from batchgate.gateway.errors import GatewayError, Kind, clip, invalid, retry_headers
 from batchgate.gateway.logs import REQUEST_ID_KEY, adopt_request_id
 from batchgate.gateway.metadata import IndexEntry, ModelStats
+from batchgate.gateway.transport.bodies import (
+    UNSET,
+    Body,
+    InferenceRequest,
+    RepositoryIndexRequest,
+    RepositoryModelRequest,
+    decode,
+)
 
 if TYPE_CHECKING:
     from batchgate.gateway.admission import Account
     from batchgate.gateway.transport.http import Http
     from batchgate.gateway.transport.server import Server
 
+B = TypeVar("B", bound=Body)
 HTTP_STATUS = {
     Kind.INVALID: 400,
     Kind.NOT_FOUND: 404,
@@ -168,43 +177,20 @@ def build_request(model: str, version: str, body: bytes, header_length: str | No
     else:
         header, binary = body, memoryview(b"")
     try:
-        doc = json.loads(header)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise invalid(f"the request body is not valid JSON: {clip(exc, 200)}") from None
-    except RecursionError:  # json's decoder recurses per level: 100,000 '[' end here, cheaply
-        raise invalid("the request body is not valid JSON: nested too deeply") from None
-    if not isinstance(doc, dict):
-        raise invalid("the request body must be a JSON object with 'inputs'")
-    rid = doc.get("id", "")
-    rid = rid if isinstance(rid, str) else str(rid)[:256]
-    params = doc.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise invalid("'parameters' must be an object")
+        req: InferenceRequest = decode(header, InferenceRequest)
+    except GatewayError as exc:
+        if "surrogate" in exc.message:
+            _name_surrogate(header)
+        raise
+    rid = req.id if isinstance(req.id, str) else str(req.id or "")[:256]
+    params = req.parameters or {}
     binary_default = bool(params.get("binary_data_output", False))
     call = Call(model, version, rid, parameters=_parameters(params, "binary_data_output"))
 
-    inputs = doc.get("inputs")
-    if not isinstance(inputs, list) or not inputs:
-        raise invalid(f"model '{model}': 'inputs' must be a non-empty list of tensors")
     offset = 0
-    for i, inp in enumerate(inputs):
-        if not isinstance(inp, dict) or not isinstance(inp.get("name"), str):
-            raise invalid(f"inputs[{i}] must be an object with 'name', 'shape', 'datatype' and 'data'")
-        name = inp["name"]
-        if len(name) > 128:
-            raise invalid(f"inputs[{i}]: name '{clip(name)}' is longer than 128 characters")
-        shape, datatype = inp.get("shape"), inp.get("datatype")
-        if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and -(2**63) <= d < 2**63 for d in shape
-        ):  # (int64 on the wire: a larger number is refused here)
-            raise invalid(f"input '{name}': 'shape' must be a list of (64-bit) integers")
-        if not isinstance(datatype, str):
-            raise invalid(f"input '{name}': 'datatype' must be a string such as FP32 or INT64")
-        if len(datatype) > 16:
-            raise invalid(f"input '{name}': datatype '{clip(datatype, 16)}' is no KServe datatype")
-        in_params = inp.get("parameters") or {}
-        if not isinstance(in_params, dict):
-            raise invalid(f"input '{name}': 'parameters' must be an object")
+    for inp in req.inputs:  # the types checked the fields: names, shapes (int64) and datatypes
+        name, shape, datatype = inp.name, inp.shape, inp.datatype
+        in_params = inp.parameters or {}
         t = Tensor(name, datatype, shape, parameters=_parameters(in_params, "binary_data_size"))
         if "binary_data_size" in in_params:
             value = in_params["binary_data_size"]
@@ -218,7 +204,7 @@ def build_request(model: str, version: str, body: bytes, header_length: str | No
             t.raw = binary[offset : offset + value]
             offset += value
         else:
-            if "data" not in inp:
+            if inp.data is UNSET:
                 raise invalid(f"input '{name}' has neither 'data' nor a binary_data_size parameter")
             need = _count(shape)
             limit = codec_module.LIMITS.max_tensor_elements
@@ -227,7 +213,7 @@ def build_request(model: str, version: str, body: bytes, header_length: str | No
                     f"input '{name}' has shape {shape}: {need} elements; the server accepts at most {limit} "
                     "per tensor (limit max_tensor_elements, BATCHGATE_MAX_TENSOR_ELEMENTS)"
                 )
-            flat = _flatten(inp["data"], name, limit)
+            flat = _flatten(inp.data, name, limit)
             if need is not None and len(flat) != need:
                 raise invalid(f"input '{name}': 'data' holds {len(flat)} values; shape {shape} needs {need}")
             _typed(t, flat)
@@ -236,22 +222,36 @@ def build_request(model: str, version: str, body: bytes, header_length: str | No
         raise invalid(f"the body holds {len(binary) - offset} bytes of binary data that no input claims")
 
     binary_out: dict[str, bool] = {}
-    outputs = doc.get("outputs")
-    if outputs is not None:
-        if not isinstance(outputs, list):
-            raise invalid("'outputs' must be a list of {'name': ...} objects")
-        for i, out in enumerate(outputs):
-            if not isinstance(out, dict) or not isinstance(out.get("name"), str):
-                raise invalid(f"outputs[{i}] must be an object with a 'name'")
-            if len(out["name"]) > 128:
-                raise invalid(f"outputs[{i}]: name '{clip(out['name'])}' is longer than 128 characters")
-            out_params = out.get("parameters") or {}
-            if not isinstance(out_params, dict):
-                raise invalid(f"output '{out['name']}': 'parameters' must be an object")
-            call.outputs.append(Wanted(out["name"], _parameters(out_params, "binary_data")))
-            binary_out[out["name"]] = bool(out_params.get("binary_data", binary_default))
+    for out in req.outputs or ():
+        out_params = out.parameters or {}
+        call.outputs.append(Wanted(out.name, _parameters(out_params, "binary_data")))
+        binary_out[out.name] = bool(out_params.get("binary_data", binary_default))
     binary_out[""] = binary_default  # outputs not named in the request
     return call, binary_out
+
+
+def _name_surrogate(header: bytes) -> None:
+    """A lone surrogate escape (the only way JSON names a non-UTF-8 byte) refused by the input
+    that holds it; msgspec refuses it as malformed JSON, by byte offset (a refusal's cost only)."""
+    try:
+        doc = json.loads(header)
+        inputs = [i for i in doc["inputs"] if isinstance(i, dict)]
+    except (ValueError, RecursionError, LookupError, TypeError):
+        return
+    for inp in inputs:
+        try:
+            flat = _flatten(inp.get("data"), "", codec_module.LIMITS.max_tensor_elements)
+        except GatewayError:
+            continue
+        for v in flat:
+            if isinstance(v, str):
+                try:
+                    v.encode()
+                except UnicodeEncodeError:
+                    raise invalid(
+                        f"input '{clip(str(inp.get('name')))}': 'data' holds a value that is not BYTES: a lone "
+                        "surrogate escape (no UTF-8 text)"
+                    ) from None
 
 
 # JSON value types each datatype's values may have: what KServe's typed contents take.
@@ -366,19 +366,14 @@ class KServeRest:
             return None
         return self.pipeline.identify(self.http.metadata(req))
 
-    async def _json_body(self, req: web.Request) -> dict:
+    async def _body(self, req: web.Request, cls: type[B]) -> B:
+        """A repository call's body as its type; none (or blank) is the type's defaults."""
         if not req.can_read_body:
-            return {}
+            return cls()
         body = await self.http.body(req)
         if not body.strip():
-            return {}
-        try:
-            doc = json.loads(body)
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            raise invalid("the request body must be a JSON object") from None
-        if not isinstance(doc, dict):
-            raise invalid("the request body must be a JSON object")
-        return doc
+            return cls()
+        return decode(body, cls)
 
     async def _answer(self, req: web.Request, make, keyed: bool = False) -> web.Response:
         """A metadata-style call: ``make()`` gives its JSON document (or raises GatewayError)."""
@@ -436,12 +431,10 @@ class KServeRest:
     async def repository_index(self, req: web.Request) -> web.Response:
         try:
             self._caller(req)
-            ready = (await self._json_body(req)).get("ready", False)
-            if not isinstance(ready, bool):
-                raise invalid("'ready' must be true or false")
+            ready = (await self._body(req, RepositoryIndexRequest)).ready
         except GatewayError as exc:
             if exc.kind is Kind.INVALID:
-                return _error(400, 'the request body must be a JSON object such as {"ready": true}')
+                return _error(400, f'{exc.message} (a JSON object such as {{"ready": true}})')
             return _refused(exc)
         return web.json_response([_index_json(m) for m in self.pipeline.repository_index(ready)])
 
@@ -450,9 +443,7 @@ class KServeRest:
         semantics and rule (model_control on; admin tenants only); ``parameters`` as there."""
         try:
             caller = self._caller(req)
-            params = (await self._json_body(req)).get("parameters") or {}
-            if not isinstance(params, dict):
-                raise invalid("'parameters' must be an object")
+            params = (await self._body(req, RepositoryModelRequest)).parameters or {}
             await self.pipeline.load(caller, req.match_info["model"], params)
         except GatewayError as exc:
             return _refused(exc)
@@ -462,7 +453,7 @@ class KServeRest:
         """``POST /v2/repository/models/{m}/unload`` (``unload_dependents`` has nothing to act on)."""
         try:
             caller = self._caller(req)
-            await self._json_body(req)
+            await self._body(req, RepositoryModelRequest)
             await self.pipeline.unload(caller, req.match_info["model"])
         except GatewayError as exc:
             return _refused(exc)

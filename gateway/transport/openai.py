@@ -18,37 +18,23 @@ import numpy as np
 from aiohttp import web
 
 from batchgate.gateway.call import TextCall
-from batchgate.gateway.errors import GatewayError, Kind, invalid, not_found
+from batchgate.gateway.errors import GatewayError, Kind, not_found
+from batchgate.gateway.transport.answers import Embedding, EmbeddingsResponse, EmbeddingsUsage
+from batchgate.gateway.transport.bodies import EmbeddingsRequest
 from batchgate.gateway.transport.fields import (
-    Body,
     TextRoutes,
-    dimensions_of,
-    flag,
+    either,
     ids_rows,
     is_ids,
     json_response,
     latency_of,
-    long_inputs_of,
     openai_error,
-    prompt_name_of,
     texts_of,
 )
 
 if TYPE_CHECKING:
     from batchgate.gateway.transport.http import Http
     from batchgate.gateway.transport.server import Server
-
-_EMBEDDINGS = Body(
-    {
-        "model", "input", "encoding_format", "dimensions", "user", "latency_class", "latency_budget_ms",
-        "prompt_name",  # an extension: sentence-transformers' word for one of the model's prompts
-        "truncate",  # an extension: cut texts over the model's length instead of refusing them (OpenAI refuses)
-        "long_inputs",  # an extension: "chunk" a text over the model's length (vLLM's chunked processing)
-        "late_chunking",  # Jina's: the inputs are chunks of one document, embedded in one pass
-    },
-    "'model' and 'input'",
-    "unrecognized request argument(s)",  # OpenAI refuses a field it does not know
-)  # fmt: skip
 
 
 def _openai_vector(vec: np.ndarray, fmt: str) -> Any:
@@ -61,50 +47,36 @@ def _model_card(name: str, kind: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "batchgate", "kind": kind}
 
 
-def embeddings_call(request: web.Request, doc: dict) -> TextCall:
+def embeddings_call(request: web.Request, body: EmbeddingsRequest) -> TextCall:
     """OpenAI's embeddings body as a ``TextCall``: token-id arrays are OpenAI's tokens (what
     tiktoken made), unless the server or model says otherwise (setting ``openai_token_ids``)."""
-    model = doc.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid("'model' is required: the name of a text model (GET /v1/models lists them)", "model")
-    if "input" not in doc:
-        raise invalid("'input' is required: a string, a list of strings, or token ids", "input")
-    fmt = doc.get("encoding_format") or "float"
-    if fmt not in ("float", "base64"):
-        raise invalid(f"'encoding_format' must be 'float' or 'base64', not {fmt!r}", "encoding_format")
-    if "user" in doc and not isinstance(doc["user"], str):
-        raise invalid("'user' must be a string", "user")
-    value = doc["input"]
+    value = body.input
     ids = ids_rows(value) if is_ids(value) else None
-    truncate = doc.get("truncate")
     return TextCall(
-        "dense", model, texts=[] if ids is not None else texts_of(value, "input"), ids=ids, ids_from="openai",
-        truncate=None if truncate is None else flag(doc, "truncate", False),
-        prompt_name=prompt_name_of(doc), dimensions=dimensions_of(doc), parameters=latency_of(request, doc),
-        long_inputs=long_inputs_of(doc), late_chunking=flag(doc, "late_chunking", False),
+        "dense", body.model, texts=[] if ids is not None else texts_of(value, "input"), ids=ids, ids_from="openai",
+        truncate=body.truncate, prompt_name=body.prompt_name, dimensions=body.dimensions,
+        parameters=latency_of(request, body), long_inputs=body.long_inputs,
+        late_chunking=either(body.late_chunking, False),
     )  # fmt: skip
 
 
-def embeddings_body(doc: dict, call: TextCall, answer, headers: dict) -> web.Response:
-    fmt = doc.get("encoding_format") or "float"
+def embeddings_body(body: EmbeddingsRequest, call: TextCall, answer, headers: dict) -> web.Response:
+    fmt = body.encoding_format or "float"
     total = sum(answer.tokens)
-    body = {
-        "object": "list",
-        "data": [
-            {"object": "embedding", "index": i, "embedding": _openai_vector(v, fmt)}
-            for i, v in enumerate(answer.dense["float"])
-        ],
-        "model": answer.model,
-        "usage": {"prompt_tokens": total, "total_tokens": total},
-    }
-    return json_response(body, headers)
+    out = EmbeddingsResponse(
+        "list",
+        [Embedding("embedding", i, _openai_vector(v, fmt)) for i, v in enumerate(answer.dense["float"])],
+        answer.model,
+        EmbeddingsUsage(total, total),
+    )
+    return json_response(out, headers)
 
 
 class OpenAI(TextRoutes):
     async def embeddings(self, request: web.Request) -> web.Response:
         """``POST /v1/embeddings`` (and ``POST /embeddings``, as TEI, infinity and vLLM serve it):
         OpenAI's body and answer."""
-        return await self.answer(request, _EMBEDDINGS, embeddings_call, embeddings_body, openai_error)
+        return await self.answer(request, EmbeddingsRequest, embeddings_call, embeddings_body, openai_error)
 
     async def usage(self, request: web.Request) -> web.Response:
         """OpenAI's usage API for embeddings: a tenant marked admin sees every tenant, another

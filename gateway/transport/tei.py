@@ -25,24 +25,31 @@ from aiohttp import web
 from batchgate.gateway.call import TextCall
 from batchgate.gateway.errors import GatewayError, clip, invalid, not_found
 from batchgate.gateway.text import PAIR_SEPARATOR
+from batchgate.gateway.transport.bodies import (
+    DecodeRequest,
+    SimilarityParameters,
+    EmbedAllRequest,
+    EmbedRequest,
+    EmbedSparseRequest,
+    PredictRequest,
+    RerankRequest,
+    SimilarityRequest,
+    TokenizeRequest,
+    keys,
+    model_field,
+    read,
+)
 from batchgate.gateway.transport.fields import (
     EMPTY,
     MAX_INPUTS,
-    Body,
     TextRoutes,
-    dimensions_of,
     documents_of,
-    flag,
+    either,
     ids_rows,
-    ignored,
     is_ids,
-    json_object,
     json_response,
     latency_of,
     left_of,
-    long_inputs_of,
-    positive,
-    prompt_name_of,
     ranked,
     request_echo,
     tei_error,
@@ -53,43 +60,18 @@ if TYPE_CHECKING:
     from batchgate.gateway.transport.http import Http
     from batchgate.gateway.transport.server import Server
 
-_COMMON = {"model", "latency_class", "latency_budget_ms", "truncate", "truncation_direction"}
-BODIES = {
-    "embed": Body(
-        {"inputs", "normalize", "prompt_name", "dimensions", "long_inputs", "late_chunking", *_COMMON},
-        "'inputs'",
-    ),
-    "rerank": Body(
-        {"query", "texts", "raw_scores", "return_text", "top_n", "documents", "return_documents", *_COMMON},
-        "'query' and 'texts'",
-    ),  # fmt: skip
-    "embed_all": Body({"inputs", "prompt_name", "normalize", *_COMMON}, "'inputs'"),
-    "embed_sparse": Body({"inputs", "prompt_name", "top_k", *_COMMON}, "'inputs'"),
-    "predict": Body({"inputs", "raw_scores", *_COMMON}, "'inputs'"),
-    "similarity": Body({"inputs", "parameters", *_COMMON}, "'inputs': {'source_sentence', 'sentences'}"),
-    "tokenize": Body({"inputs", "add_special_tokens", "prompt_name", "model"}, "'inputs'"),
-    "decode": Body({"ids", "skip_special_tokens", "model"}, "'ids'"),
-}
-_SIMILARITY_PARAMETERS = ("truncate", "truncation_direction", "prompt_name")
 
-
-def _model(request: web.Request, doc: Any) -> str | None:
+def _model(request: web.Request, named: str | None) -> str | None:
     """The model a TEI call names: the path's (``/tei/{model}``), else the body's ``model`` (an
     extension), else None (the server's default)."""
     path = request.match_info.get("model")
-    named = doc.get("model") if isinstance(doc, dict) else None
-    if named is not None and (not isinstance(named, str) or not named):
-        raise invalid("'model' must be the name of a served text model", "model")
     if path is not None and named is not None and named != path:
         raise invalid(f"'model' names another model than this base URL's ('{clip(path)}')", "model")
     return path or named
 
 
-def _inputs(doc: dict, call: TextCall) -> TextCall:
+def _inputs(value: str | list, call: TextCall) -> TextCall:
     """TEI's ``inputs``: a text, texts, or the model's own token ids."""
-    value = doc.get("inputs")
-    if value is None:
-        raise invalid("'inputs' is required: a string or a list of strings", "inputs")
     if value == []:
         raise invalid(EMPTY, "inputs")
     if is_ids(value):
@@ -99,133 +81,118 @@ def _inputs(doc: dict, call: TextCall) -> TextCall:
     return call
 
 
-def _truncation(doc: dict) -> dict:
-    truncate = doc.get("truncate")
-    return {
-        "truncate": None if truncate is None else flag(doc, "truncate", False),
-        "left": left_of(doc),
-    }
+def _truncation(body) -> dict:
+    return {"truncate": body.truncate, "left": left_of(body.truncation_direction)}
 
 
-def embed_call(request: web.Request, doc: dict) -> TextCall:
+def embed_call(request: web.Request, body: EmbedRequest) -> TextCall:
     call = TextCall(
-        "dense", _model(request, doc), normalize=flag(doc, "normalize", True), prompt_name=prompt_name_of(doc),
-        dimensions=dimensions_of(doc), parameters=latency_of(request, doc), field="inputs",
-        long_inputs=long_inputs_of(doc), late_chunking=flag(doc, "late_chunking", False), **_truncation(doc),
+        "dense", _model(request, body.model), normalize=either(body.normalize, True), prompt_name=body.prompt_name,
+        dimensions=body.dimensions, parameters=latency_of(request, body), field="inputs",
+        long_inputs=body.long_inputs, late_chunking=either(body.late_chunking, False), **_truncation(body),
     )  # fmt: skip
-    return _inputs(doc, call)
+    return _inputs(body.inputs, call)
 
 
 def _headers(headers: dict, answer) -> dict:
     return {**headers, "x-compute-tokens": str(sum(answer.tokens))}
 
 
-def embed_body(doc: dict, call: TextCall, answer, headers: dict) -> web.Response:
+def embed_body(body: EmbedRequest, call: TextCall, answer, headers: dict) -> web.Response:
     headers = _headers(headers, answer)
     headers["x-compute-characters"] = str(sum(map(len, call.texts)))
     return json_response(answer.dense["float"].tolist(), headers)
 
 
-def rerank_call(request: web.Request, doc: dict) -> TextCall:
-    cohere = "documents" in doc and "texts" not in doc
+def rerank_call(request: web.Request, body: RerankRequest) -> TextCall:
+    cohere = body.documents is not None and body.texts is None
     if cohere:
-        texts = documents_of(doc["documents"])
+        texts = documents_of(body.documents)
     else:
-        if doc.get("texts") == []:
+        if body.texts is None:
+            raise invalid("'texts' is required: a list of texts", "texts")
+        if body.texts == []:
             raise invalid(EMPTY, "texts")
-        texts = texts_of(doc.get("texts"), "texts")
-    query = doc.get("query")
-    if not isinstance(query, str):
-        raise invalid("'query' is required: a non-empty string", "query")
-    positive(doc, "top_n")
+        texts = texts_of(body.texts, "texts")
     return TextCall(
-        "scores", _model(request, doc), texts=texts, query=query, raw_scores=flag(doc, "raw_scores", False),
-        parameters=latency_of(request, doc), field="documents" if cohere else "texts", **_truncation(doc),
+        "scores", _model(request, body.model), texts=texts, query=body.query,
+        raw_scores=either(body.raw_scores, False), parameters=latency_of(request, body),
+        field="documents" if cohere else "texts", **_truncation(body),
     )  # fmt: skip
 
 
-def rerank_body(doc: dict, call: TextCall, answer, headers: dict) -> web.Response:
-    top_n = doc.get("top_n")
+def rerank_body(body: RerankRequest, call: TextCall, answer, headers: dict) -> web.Response:
+    top_n = body.top_n
     if call.field == "documents":  # infinity's and vLLM's Cohere-shaped answer
         total = sum(answer.tokens)
-        body = {
+        out = {
             "object": "rerank", "id": f"rerank-{uuid.uuid4().hex}", "created": int(time.time()),
-            "model": answer.model, "results": ranked(answer, top_n, flag(doc, "return_documents", False)),
+            "model": answer.model, "results": ranked(answer, top_n, either(body.return_documents, False)),
             "usage": {"prompt_tokens": total, "total_tokens": total},
         }  # fmt: skip
-        return json_response(body, _headers(headers, answer))
+        return json_response(out, _headers(headers, answer))
     scores = answer.scores
     order = sorted(range(len(scores)), key=lambda i: -float(scores[i]))[: top_n or len(scores)]
-    return_text = flag(doc, "return_text", False)
-    body = []
+    return_text = either(body.return_text, False)
+    items = []
     for i in order:
         item: dict[str, Any] = {"index": i, "score": float(scores[i])}
         if return_text:
             item["text"] = call.texts[i]
-        body.append(item)
-    return json_response(body, _headers(headers, answer))
+        items.append(item)
+    return json_response(items, _headers(headers, answer))
 
 
-def embed_all_call(request: web.Request, doc: dict) -> TextCall:
-    flag(doc, "normalize", True)  # sent by TEI's clients; TEI does not normalise token vectors
+def embed_all_call(request: web.Request, body: EmbedAllRequest) -> TextCall:
     call = TextCall(
-        "tokens", _model(request, doc), prompt_name=prompt_name_of(doc), parameters=latency_of(request, doc),
-        field="inputs", **_truncation(doc),
+        "tokens", _model(request, body.model), prompt_name=body.prompt_name, parameters=latency_of(request, body),
+        field="inputs", **_truncation(body),
     )  # fmt: skip
-    return _inputs(doc, call)
+    return _inputs(body.inputs, call)
 
 
-def embed_all_body(doc: dict, call: TextCall, answer, headers: dict) -> web.Response:
+def embed_all_body(body: EmbedAllRequest, call: TextCall, answer, headers: dict) -> web.Response:
     return json_response([v.tolist() for v in answer.token_vectors], _headers(headers, answer))
 
 
-def embed_sparse_call(request: web.Request, doc: dict) -> TextCall:
-    positive(doc, "top_k")
+def embed_sparse_call(request: web.Request, body: EmbedSparseRequest) -> TextCall:
     call = TextCall(
-        "sparse", _model(request, doc), prompt_name=prompt_name_of(doc), parameters=latency_of(request, doc),
-        field="inputs", **_truncation(doc),
+        "sparse", _model(request, body.model), prompt_name=body.prompt_name, parameters=latency_of(request, body),
+        field="inputs", **_truncation(body),
     )  # fmt: skip
-    return _inputs(doc, call)
+    return _inputs(body.inputs, call)
 
 
-def embed_sparse_body(doc: dict, call: TextCall, answer, headers: dict) -> web.Response:
+def embed_sparse_body(body: EmbedSparseRequest, call: TextCall, answer, headers: dict) -> web.Response:
     """Each text's non-zero vocabulary weights as ``{index, value}`` by index; ``top_k`` (an
     extension) keeps the k largest."""
-    top_k = doc.get("top_k")
-    body = []
+    top_k = body.top_k
+    out = []
     for index, values in answer.sparse:
         if top_k is not None and len(index) > top_k:
             keep = np.sort(np.argsort(-values, kind="stable")[:top_k])
             index, values = index[keep], values[keep]
-        body.append([{"index": int(i), "value": float(v)} for i, v in zip(index, values)])
-    return json_response(body, _headers(headers, answer))
+        out.append([{"index": int(i), "value": float(v)} for i, v in zip(index, values)])
+    return json_response(out, _headers(headers, answer))
 
 
-def similarity_call(request: web.Request, doc: dict) -> TextCall:
+def similarity_call(request: web.Request, body: SimilarityRequest) -> TextCall:
     """TEI's (and ``InferenceClient.sentence_similarity``'s) ``{inputs: {source_sentence,
     sentences}, parameters}``: the cosine of the source's embedding with each sentence's."""
-    inputs = doc.get("inputs")
-    if not isinstance(inputs, dict):
-        raise invalid("'inputs' must be an object {'source_sentence': text, 'sentences': [text]}", "inputs")
-    source = inputs.get("source_sentence")
-    if not isinstance(source, str):
-        raise invalid("'inputs.source_sentence' must be a text", "inputs")
-    sentences = inputs.get("sentences")
+    sentences = body.inputs.sentences
     if sentences == []:
         raise invalid(EMPTY, "inputs")
     sentences = texts_of(sentences, "inputs")
     if len(sentences) >= MAX_INPUTS:
         raise invalid(f"'inputs.sentences' holds {len(sentences)} texts; at most {MAX_INPUTS - 1}", "inputs")
-    params = doc.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise invalid(f"'parameters' must be an object with {list(_SIMILARITY_PARAMETERS)}", "parameters")
+    params = body.parameters or SimilarityParameters()
     return TextCall(
-        "dense", _model(request, doc), texts=sentences, query=source, prompt_name=prompt_name_of(params),
-        parameters=latency_of(request, doc), field="inputs", **_truncation(params),
+        "dense", _model(request, body.model), texts=sentences, query=body.inputs.source_sentence,
+        prompt_name=params.prompt_name, parameters=latency_of(request, body), field="inputs", **_truncation(params),
     )  # fmt: skip
 
 
-def similarity_body(doc: dict, call: TextCall, answer, headers: dict) -> web.Response:
+def similarity_body(body: SimilarityRequest, call: TextCall, answer, headers: dict) -> web.Response:
     return json_response([float(c) for c in answer.scores], _headers(headers, answer))
 
 
@@ -248,7 +215,7 @@ def _predict_rows(value: Any) -> tuple[list[list[str]], bool]:
     return value, True
 
 
-def labels_call(request: web.Request, doc: dict, rows: list[list[str]], field: str, raw: bool) -> TextCall:
+def labels_call(request: web.Request, body, rows: list[list[str]], field: str, raw: bool) -> TextCall:
     """Rows of one text or of a pair as one classification call (all rows alike)."""
     pairs = len(rows[0]) == 2
     for i, row in enumerate(rows):
@@ -257,36 +224,36 @@ def labels_call(request: web.Request, doc: dict, rows: list[list[str]], field: s
         if pairs and PAIR_SEPARATOR in row[0]:
             raise invalid(f"'{field}[{i}]': the first text may not hold U+001F (the pair separator)", field)
     return TextCall(
-        "labels", _model(request, doc), texts=[PAIR_SEPARATOR.join(r) for r in rows], pairs=pairs,
-        raw_scores=raw, parameters=latency_of(request, doc), field=field, **_truncation(doc),
+        "labels", _model(request, body.model), texts=[PAIR_SEPARATOR.join(r) for r in rows], pairs=pairs,
+        raw_scores=raw, parameters=latency_of(request, body), field=field, **_truncation(body),
     )  # fmt: skip
 
 
-def predict_call(request: web.Request, doc: dict) -> TextCall:
-    if doc.get("inputs") == []:
+def predict_call(request: web.Request, body: PredictRequest) -> TextCall:
+    if body.inputs == []:
         raise invalid(EMPTY, "inputs")
-    rows, _ = _predict_rows(doc.get("inputs"))
-    return labels_call(request, doc, rows, "inputs", flag(doc, "raw_scores", False))
+    rows, _ = _predict_rows(body.inputs)
+    return labels_call(request, body, rows, "inputs", either(body.raw_scores, False))
 
 
-def predict_body(doc: dict, call: TextCall, answer, headers: dict) -> web.Response:
+def predict_body(body: PredictRequest, call: TextCall, answer, headers: dict) -> web.Response:
     """Per row every label's score, highest first."""
     out = []
     for row in answer.scores:
         order = np.argsort(-row, kind="stable")
         out.append([{"score": float(row[j]), "label": answer.labels[j]} for j in order])
-    _, batch = _predict_rows(doc.get("inputs"))
+    _, batch = _predict_rows(body.inputs)
     return json_response(out if batch else out[0], _headers(headers, answer))
 
 
 # A model's kind -> the TEI route ``POST /`` answers it with (TEI's router does the same).
 _BY_KIND = {
-    "embedding": (BODIES["embed"], embed_call, embed_body),
-    "sparse_embedding": (BODIES["embed_sparse"], embed_sparse_call, embed_sparse_body),
-    "rerank": (BODIES["rerank"], rerank_call, rerank_body),
-    "classification": (BODIES["predict"], predict_call, predict_body),
+    "embedding": (EmbedRequest, embed_call, embed_body),
+    "sparse_embedding": (EmbedSparseRequest, embed_sparse_call, embed_sparse_body),
+    "rerank": (RerankRequest, rerank_call, rerank_body),
+    "classification": (PredictRequest, predict_call, predict_body),
 }
-_SIMILARITY = (BODIES["similarity"], similarity_call, similarity_body)
+_SIMILARITY = (SimilarityRequest, similarity_call, similarity_body)
 
 
 class Tei(TextRoutes):
@@ -294,7 +261,7 @@ class Tei(TextRoutes):
         body, parse, fmt = {
             "embed": _BY_KIND["embedding"], "rerank": _BY_KIND["rerank"], "predict": _BY_KIND["classification"],
             "embed_sparse": _BY_KIND["sparse_embedding"], "similarity": _SIMILARITY,
-            "embed_all": (BODIES["embed_all"], embed_all_call, embed_all_body),
+            "embed_all": (EmbedAllRequest, embed_all_call, embed_all_body),
         }[name]  # fmt: skip
 
         async def handler(request: web.Request) -> web.Response:
@@ -308,16 +275,16 @@ class Tei(TextRoutes):
         echo = request_echo(request)
         try:
             with self.door.enter(self.http.metadata(request)) as pass_:
-                doc = await json_object(self.http, request, None, "'inputs'")
-                inputs = doc.get("inputs")
-                if isinstance(inputs, dict) and "source_sentence" in inputs:
-                    body, parse, fmt = _SIMILARITY
+                raw = await self.http.body(request)
+                fields = keys(raw, "'inputs'")
+                inputs = fields.get("inputs")
+                if inputs is not None and bytes(inputs).lstrip().startswith(b"{"):  # an object: similarity
+                    cls, parse, fmt = _SIMILARITY
                 else:
-                    _, kind = self.pipeline.kind_of(_model(request, doc))
-                    body, parse, fmt = _BY_KIND[kind]
-                unknown = [k for k in doc if k not in body.fields]
-                if unknown:
-                    ignored(request.path, unknown)
+                    named = model_field(fields["model"]) if "model" in fields else None
+                    _, kind = self.pipeline.kind_of(_model(request, named))
+                    cls, parse, fmt = _BY_KIND[kind]
+                doc = read(raw, cls, request.path, fields)
                 call = parse(request, doc)
                 answer = await self.pipeline.texts(pass_, self.edge, call)
         except GatewayError as exc:
@@ -334,7 +301,7 @@ class Tei(TextRoutes):
 
     async def info(self, request: web.Request) -> web.Response:
         try:
-            info = self.pipeline.text_info(_model(request, None))
+            info = self.pipeline.text_info(_model(request, None))  # (the path's model, or the default)
             self._visible(request, info["model_id"])
             return web.json_response(info)
         except GatewayError as exc:
@@ -355,36 +322,33 @@ class Tei(TextRoutes):
         echo = request_echo(request)
         try:
             with self.door.enter(self.http.metadata(request)):
-                b = BODIES["tokenize"]
-                doc = await json_object(self.http, request, b.fields, b.shape)
-                model = _model(request, doc)
-                if doc.get("inputs") == []:
+                doc = read(await self.http.body(request), TokenizeRequest, request.path)
+                model = _model(request, doc.model)
+                if doc.inputs == []:
                     raise invalid(EMPTY, "inputs")
-                texts = texts_of(doc.get("inputs"), "inputs")
-                special = flag(doc, "add_special_tokens", True)
+                texts = texts_of(doc.inputs, "inputs")
+                special = either(doc.add_special_tokens, True)
                 name, _ = self.pipeline.kind_of(model)
                 self._visible(request, name)
-                body = await self.pipeline.tokenize(name, texts, special, prompt_name_of(doc))
+                tokens = await self.pipeline.tokenize(name, texts, special, doc.prompt_name)
         except GatewayError as exc:
             return tei_error(exc, echo)
-        return json_response(body, echo)
+        return json_response(tokens, echo)
 
     async def decode(self, request: web.Request) -> web.Response:
         echo = request_echo(request)
         try:
             with self.door.enter(self.http.metadata(request)):
-                b = BODIES["decode"]
-                doc = await json_object(self.http, request, b.fields, b.shape)
-                ids = doc.get("ids")
-                if not is_ids(ids):
+                doc = read(await self.http.body(request), DecodeRequest, request.path)
+                if not is_ids(doc.ids):
                     raise invalid("'ids' must be a list of token ids or a list of such lists", "ids")
-                skip = flag(doc, "skip_special_tokens", True)
-                name, _ = self.pipeline.kind_of(_model(request, doc))
+                skip = either(doc.skip_special_tokens, True)
+                name, _ = self.pipeline.kind_of(_model(request, doc.model))
                 self._visible(request, name)
-                body = await self.pipeline.decode(name, ids_rows(ids), skip)
+                texts = await self.pipeline.decode(name, ids_rows(doc.ids), skip)
         except GatewayError as exc:
             return tei_error(exc, echo)
-        return json_response(body, echo)
+        return json_response(texts, echo)
 
 
 def routes(server: Server, http: Http) -> list[web.RouteDef]:

@@ -18,15 +18,13 @@ from aiohttp import web
 from batchgate.gateway.call import TextCall
 from batchgate.gateway.errors import invalid
 from batchgate.gateway.text import PAIR_SEPARATOR
+from batchgate.gateway.transport.bodies import ClassifyRequest, ScoreRequest
 from batchgate.gateway.transport.fields import (
     MAX_INPUTS,
-    Body,
     TextRoutes,
-    flag,
     json_response,
     latency_of,
     left_of,
-    model_of,
     openai_error,
     texts_of,
 )
@@ -35,15 +33,9 @@ if TYPE_CHECKING:
     from batchgate.gateway.transport.http import Http
     from batchgate.gateway.transport.server import Server
 
-_COMMON = {"model", "user", "truncate", "truncation_direction", "latency_class", "latency_budget_ms",
-           "truncate_prompt_tokens", "encoding_format", "priority"}  # fmt: skip
-_CLASSIFY = Body({"input", *_COMMON}, "'model' and 'input'")
-_SCORE = Body({"text_1", "text_2", *_COMMON}, "'model', 'text_1' and 'text_2'")
 
-
-def _truncation(doc: dict) -> dict:
-    truncate = doc.get("truncate")
-    return {"truncate": None if truncate is None else flag(doc, "truncate", False), "left": left_of(doc)}
+def _truncation(body: ClassifyRequest | ScoreRequest) -> dict:
+    return {"truncate": body.truncate, "left": left_of(body.truncation_direction)}
 
 
 def _rows(value: Any) -> tuple[list[str], bool]:
@@ -61,15 +53,11 @@ def _rows(value: Any) -> tuple[list[str], bool]:
     return texts_of(value, "input"), False
 
 
-def classify_call(request: web.Request, doc: dict) -> TextCall:
-    if "input" not in doc:
-        raise invalid("'input' is required: a text or a list of texts", "input")
-    if "user" in doc and not isinstance(doc["user"], str):
-        raise invalid("'user' must be a string", "user")
-    texts, pairs = _rows(doc["input"])
+def classify_call(request: web.Request, body: ClassifyRequest) -> TextCall:
+    texts, pairs = _rows(body.input)
     return TextCall(
-        "labels", model_of(doc), texts=texts, pairs=pairs, parameters=latency_of(request, doc), field="input",
-        **_truncation(doc),
+        "labels", body.model, texts=texts, pairs=pairs, parameters=latency_of(request, body), field="input",
+        **_truncation(body),
     )  # fmt: skip
 
 
@@ -82,7 +70,7 @@ def _head(kind: str, answer) -> dict:
     }  # fmt: skip
 
 
-def classify_body(doc: dict, call: TextCall, answer, headers: dict) -> web.Response:
+def classify_body(body: ClassifyRequest, call: TextCall, answer, headers: dict) -> web.Response:
     data = []
     for i, row in enumerate(answer.scores):
         data.append({"index": i, "label": answer.labels[int(np.argmax(row))], "probs": row.tolist(),
@@ -90,17 +78,15 @@ def classify_body(doc: dict, call: TextCall, answer, headers: dict) -> web.Respo
     return json_response({**_head("classify", answer), "data": data}, headers)
 
 
-def score_call(request: web.Request, doc: dict) -> TextCall:
+def score_call(request: web.Request, body: ScoreRequest) -> TextCall:
     """``text_1`` against ``text_2``: one query against many texts, or pairs index by index."""
-    first, second = doc.get("text_1"), doc.get("text_2")
-    if first is None or second is None:
-        raise invalid("'text_1' and 'text_2' are required: texts or lists of texts", "text_1")
+    first, second = body.text_1, body.text_2
     seconds = texts_of(second, "text_2")
     if isinstance(first, str) or (isinstance(first, list) and len(first) == 1):
         query = first if isinstance(first, str) else texts_of(first, "text_1")[0]
         return TextCall(
-            "scores", model_of(doc), texts=seconds, query=query, parameters=latency_of(request, doc),
-            field="text_2", **_truncation(doc),
+            "scores", body.model, texts=seconds, query=query, parameters=latency_of(request, body),
+            field="text_2", **_truncation(body),
         )  # fmt: skip
     firsts = texts_of(first, "text_1")
     if len(firsts) != len(seconds):
@@ -112,12 +98,12 @@ def score_call(request: web.Request, doc: dict) -> TextCall:
         if PAIR_SEPARATOR in t:
             raise invalid(f"'text_1[{i}]' may not hold U+001F", "text_1")
     return TextCall(
-        "scores", model_of(doc), texts=[a + PAIR_SEPARATOR + b for a, b in zip(firsts, seconds)], pairs=True,
-        parameters=latency_of(request, doc), field="text_2", **_truncation(doc),
+        "scores", body.model, texts=[a + PAIR_SEPARATOR + b for a, b in zip(firsts, seconds)], pairs=True,
+        parameters=latency_of(request, body), field="text_2", **_truncation(body),
     )  # fmt: skip
 
 
-def score_body(doc: dict, call: TextCall, answer, headers: dict) -> web.Response:
+def score_body(body: ScoreRequest, call: TextCall, answer, headers: dict) -> web.Response:
     data = [{"index": i, "object": "score", "score": float(s)} for i, s in enumerate(answer.scores)]
     return json_response({**_head("score", answer), "data": data}, headers)
 
@@ -125,11 +111,11 @@ def score_body(doc: dict, call: TextCall, answer, headers: dict) -> web.Response
 class Vllm(TextRoutes):
     async def classify(self, request: web.Request) -> web.Response:
         """``{data: [{index, label, probs, num_classes}], usage}``, the label the most probable one."""
-        return await self.answer(request, _CLASSIFY, classify_call, classify_body, openai_error)
+        return await self.answer(request, ClassifyRequest, classify_call, classify_body, openai_error)
 
     async def score(self, request: web.Request) -> web.Response:
         """``{data: [{index, object: "score", score}], usage}``: each pair's relevance (sigmoid)."""
-        return await self.answer(request, _SCORE, score_call, score_body, openai_error)
+        return await self.answer(request, ScoreRequest, score_call, score_body, openai_error)
 
 
 def routes(server: Server, http: Http) -> list[web.RouteDef]:

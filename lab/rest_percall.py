@@ -1,0 +1,102 @@
+"""Server CPU per REST call, this tree against another source tree, alternated in one run: KServe
+REST infer on ``ranker`` (a JSON body of 2 rows) and OpenAI ``/v1/embeddings`` on ``minilm`` (one
+short text), each as the server process's utime + stime (all threads, from /proc) over the calls
+answered: robust on a shared machine, where calls/s are not.
+
+    .venv/bin/python -m lab.rest_percall --before /tmp/before [--calls 2000] [--rounds 2]
+
+``--before DIR``: a folder holding the other tree as ``DIR/batchgate`` (e.g. ``git archive REF |
+tar -x -C DIR/batchgate``, with ``model_repository/minilm`` linked in); its server runs with
+``PYTHONPATH=DIR``, which finds that ``batchgate`` before this tree's editable install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+
+import aiohttp
+import numpy as np
+
+from batchgate.bench.loadgen import process_cpu, start_batchgate
+
+CONCURRENCY = 8
+RANKER = {
+    "inputs": [
+        {"name": "dense", "shape": [2, 64], "datatype": "FP32", "data": np.linspace(0, 1, 128).tolist()},
+        {"name": "sparse_ids", "shape": [2, 8], "datatype": "INT64", "data": list(range(16))},
+    ]
+}
+EMBEDDINGS = {"model": "minilm", "input": "A man is eating food."}
+
+
+async def _calls(url: str, body: bytes, calls: int) -> int:
+    ok = 0
+    async with aiohttp.ClientSession(headers={"Content-Type": "application/json"}) as session:
+
+        async def worker(n: int) -> None:
+            nonlocal ok
+            for _ in range(n):
+                async with session.post(url, data=body) as resp:
+                    await resp.read()
+                    ok += resp.status == 200
+
+        await asyncio.gather(*(worker(calls // CONCURRENCY) for _ in range(CONCURRENCY)))
+    return ok
+
+
+def measure(tree: str, calls: int) -> dict[str, float]:
+    """µs of server CPU per call, per route, for one server of ``tree`` ("" this one)."""
+    old = os.environ.get("PYTHONPATH")
+    if tree:
+        os.environ["PYTHONPATH"] = tree
+    try:
+        server = start_batchgate()
+    finally:
+        if tree:
+            os.environ.pop("PYTHONPATH") if old is None else os.environ.__setitem__("PYTHONPATH", old)
+    try:
+        server.ready(120)
+        out = {}
+        for name, path, body in (
+            ("kserve infer", "/v2/models/ranker/infer", RANKER),
+            ("/v1/embeddings", "/v1/embeddings", EMBEDDINGS),
+        ):
+            url = f"http://{server.http_url}{path}"
+            raw = json.dumps(body).encode()
+            asyncio.run(_calls(url, raw, 200))  # warm: the first calls build engines and caches
+            before = process_cpu(server.proc.pid)
+            ok = asyncio.run(_calls(url, raw, calls))
+            sent = calls // CONCURRENCY * CONCURRENCY
+            if ok < sent:
+                raise SystemExit(f"{name}: {sent - ok} calls failed")
+            out[name] = (process_cpu(server.proc.pid) - before) / ok * 1e6
+        return out
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", required=True, metavar="DIR")
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args(argv)
+    runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
+    for _ in range(args.rounds):  # alternated: a burst of other load hits one round of each
+        for label, tree in (("before", args.before), ("after", "")):
+            runs[label].append(measure(tree, args.calls))
+            print(label, {k: round(v) for k, v in runs[label][-1].items()}, flush=True)
+    for route in runs["before"][0]:
+        b = min(r[route] for r in runs["before"])
+        a = min(r[route] for r in runs["after"])
+        print(
+            f"{route:15s} server CPU per call, best round: before {b:.0f} µs, after {a:.0f} µs ({b / a:.2f}x)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
