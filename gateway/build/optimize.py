@@ -74,6 +74,8 @@ from batchgate.gateway.repository import (
     VARIANT_PRECISION,
     ConfigError,
     SAME_FILE_VARIANTS,
+    TOKEN_MASK_OUTPUT,
+    TOKEN_OUTPUT,
     ModelSpec,
     check_variant,
     load_model,
@@ -346,12 +348,20 @@ def engine_session(path: Path, variant: str):
     return openvino_engine.Session(path, precision=precision, threads=1)
 
 
+def judged(sess) -> list[str]:
+    """The outputs the gate judges and the timings fetch: those a call gets without asking. A
+    pooled output's per-token companions (minilm's token_embeddings, given on request) are left
+    out: rows of other lengths do not stack, and serving copies them only for calls that ask."""
+    names = [o.name for o in sess.get_outputs()]
+    return [n for n in names if n not in (TOKEN_OUTPUT, TOKEN_MASK_OUTPUT)] or names
+
+
 def run_rows(sess, feeds: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """Each row alone; outputs stacked by name (rows on axis 0)."""
-    names = [o.name for o in sess.get_outputs()]
+    names = judged(sess)
     outs: dict[str, list[np.ndarray]] = {n: [] for n in names}
     for f in feeds:
-        for n, v in zip(names, sess.run(None, f)):
+        for n, v in zip(names, sess.run(names, f)):
             outs[n].append(np.asarray(v, np.float64))
     return {n: np.concatenate(v) for n, v in outs.items()}
 
@@ -452,12 +462,12 @@ def batch_independence(sess, feeds: list[dict[str, np.ndarray]], alone: dict[str
     """Largest difference between a row's output alone and in a batch with rows of other lengths
     padded to the longest (groups of 8 spread over the lengths, as a length bucket holds)."""
     order = sorted(range(len(feeds)), key=lambda i: _row_len(feeds[i]))
-    names = [o.name for o in sess.get_outputs()]
+    names = judged(sess)
     worst = 0.0
     step = max(1, len(order) // 8)
     for start in range(min(step, 4)):
         group = order[start::step][:8]
-        outs = sess.run(None, pad_batch([feeds[i] for i in group]))
+        outs = sess.run(names, pad_batch([feeds[i] for i in group]))
         for n, v in zip(names, outs):
             ref = alone[n][group]
             worst = max(worst, float(np.abs(np.asarray(v, np.float64) - ref).max()))
@@ -486,15 +496,16 @@ def speed(engines: dict[str, tuple[Path, str]], feeds: list[dict[str, np.ndarray
     server's length bucket pads; each batch at its quickest of the repeats)."""
     paths = engines
     sessions = {k: engine_session(p, v) for k, (p, v) in engines.items()}
-    for s in sessions.values():  # first runs pay for allocation
+    fetch = {k: judged(s) for k, s in sessions.items()}  # what a call gets by default
+    for k, s in sessions.items():  # first runs pay for allocation
         for f in feeds[:3]:
-            s.run(None, f)
+            s.run(fetch[k], f)
     lat: dict[str, list[float]] = {k: [] for k in paths}
     for _ in range(repeats):
         for f in feeds:
             for k, s in sessions.items():
                 t0 = time.perf_counter()
-                s.run(None, f)
+                s.run(fetch[k], f)
                 lat[k].append(time.perf_counter() - t0)
     result = {
         k: {"latency_ms": {"p50": _pct(v, 50) * 1e3, "p99": _pct(v, 99) * 1e3}, "batches": []}
@@ -504,13 +515,13 @@ def speed(engines: dict[str, tuple[Path, str]], feeds: list[dict[str, np.ndarray
     for b in sorted({min(b, max_batch) for b in BATCH_SIZES if max_batch >= 1}):
         batches = [pad_batch(by_len[i : i + b]) for i in range(0, len(by_len), b)]
         times: dict[str, list[list[float]]] = {k: [[] for _ in batches] for k in paths}
-        for s in sessions.values():
-            s.run(None, batches[0])
+        for k, s in sessions.items():
+            s.run(fetch[k], batches[0])
         for _ in range(max(2, repeats)):
             for i, batch in enumerate(batches):
                 for k, s in sessions.items():
                     t0 = time.perf_counter()
-                    s.run(None, batch)
+                    s.run(fetch[k], batch)
                     times[k][i].append(time.perf_counter() - t0)
         for k, per_batch in times.items():
             # A pass is each batch at its quickest repeat: on a shared core a stall lands on one
