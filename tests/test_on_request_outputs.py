@@ -291,6 +291,11 @@ def test_pooled_slots_bind_the_token_output_only_for_batches_that_ask(repo, tmp_
         assert all(TOKEN_OUTPUT not in b.outputs for b in engine._buffers.values())
         both, _ = pool.submit(parts, [1, 1], True, ("embedding", TOKEN_OUTPUT)).result(timeout=120)
         assert any(TOKEN_OUTPUT in s.outputs for s in engine._slots.values())
+        slots = len(engine._slots)
+        pool.submit(parts, [1, 1], True, (TOKEN_OUTPUT, "embedding")).result(timeout=120)
+        assert len(engine._slots) == slots  # the same set named in another order: the same slot
+        with pytest.raises(ValueError, match="no output \\['token_embedings'\\]"):
+            pool.submit(parts, [1, 1], True, ("token_embedings",)).result(timeout=120)
     finally:
         pool.close()
     flat = load_model(repo / "minilm")[0]

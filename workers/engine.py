@@ -363,10 +363,12 @@ class Engine:
         if outputs is None:
             names = self.default_outputs
         else:
-            names = tuple(outputs)
-            if not self._known.issuperset(names):
-                unknown = sorted(set(names) - self._known)
+            asked = set(outputs)
+            if not self._known.issuperset(asked):
+                unknown = sorted(asked - self._known)
                 raise ValueError(f"the model has no output {unknown}; its outputs: {self.output_names}")
+            # In the model's order: one bound slot per set, whatever order the callers named them in.
+            names = tuple(n for n in self.output_names if n in asked)
         fetched = self.fetched
         for n in names:
             fetched[n] += 1
