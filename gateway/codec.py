@@ -153,8 +153,9 @@ class Codec:
         self.ranges = {name: _Range(low, high) for name, (low, high) in spec.params.input_range.items()}
         self.max_dim = dict(spec.params.max_dim)
         self._fast = self._fast_inputs()
-        # What a request that names no outputs gets: every output, raw (one shared list, read only).
-        self._all_raw = [(name, True) for name in self.outputs]
+        # What a request that names no outputs gets: every output but those computed on request
+        # (parameter on_request_outputs), raw (one shared list, read only).
+        self._all_raw = [(name, True) for name in spec.default_outputs]
 
     def _fast_inputs(self) -> dict[str, tuple] | None:
         """The common request, decoded in one pass (``_decode_fast``): a batched model whose
@@ -380,7 +381,8 @@ class Codec:
     # -- encode -------------------------------------------------------------------------------
 
     def requested(self, call: Call) -> list[tuple[str, bool]]:
-        """(output name, as raw bytes) for each output to return; all outputs, raw, by default."""
+        """(output name, as raw bytes) for each output to return; by default the model's default
+        outputs (all but its on-request ones), raw."""
         if not call.outputs:
             return self._all_raw
         out = []

@@ -156,6 +156,14 @@ def _weights3(text: str) -> tuple[float, float, float]:
     return values
 
 
+def _names(text: str) -> tuple[str, ...]:
+    """'a, b' -> ('a', 'b'): names separated by commas, each once."""
+    names = tuple(n.strip() for n in text.split(","))
+    if not all(names) or len(set(names)) != len(names):
+        raise ValueError("output names separated by commas, each once")
+    return names
+
+
 def _nonempty(text: str) -> str:
     if not text.strip():
         raise ValueError("a file name")
@@ -293,6 +301,12 @@ DECLARED: tuple[Declared, ...] = (
     Declared("max_dim.<input>", "int", "none", ">= 1; <input> a config input", "codec, buckets",
              "every variable (-1) dim of that input at most this; also caps its default length buckets",
              _int(1), "max_dim"),
+    Declared("on_request_outputs", "output names", "none (every output is a default one)",
+             "config outputs, not all of them", "codec, workers",
+             "outputs computed only for a call that asks for them: a KServe call naming no outputs gets the "
+             "others, a text call only what its route reads, and an engine fetches and copies an output only "
+             "for a batch holding a request that asked for it; model metadata still lists them",
+             _names, "on_request_outputs"),
     # scheduling (gateway/dataplane.py)
     Declared("scheduling_policy", "'deadline' or 'fifo'", "the server's --scheduling-policy",
              "one of the two", "queue factory",
@@ -364,6 +378,7 @@ class ModelParameters:
     pad_value: Mapping[str, float] = field(default_factory=dict)
     input_range: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     max_dim: Mapping[str, int] = field(default_factory=dict)
+    on_request_outputs: tuple[str, ...] = ()  # fetched only when a call names them (repository checks)
     scheduling_policy: str | None = None  # None: the server's
     learned_batch_limit: bool = True
     shed_at_admission: bool = True

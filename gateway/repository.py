@@ -163,6 +163,12 @@ class ModelSpec:
         return next((t for t in self.outputs if t.name == name), None)
 
     @property
+    def default_outputs(self) -> tuple[str, ...]:
+        """The outputs a call that names none gets, in config order: all but ``on_request_outputs``."""
+        later = self.params.on_request_outputs
+        return tuple(t.name for t in self.outputs if t.name not in later)
+
+    @property
     def labels(self) -> tuple[str, ...]:
         """A classifier's label names by output index (parameters ``label.<index>``, else LABEL_i)."""
         if self.kind != "classification":
@@ -596,6 +602,7 @@ def load_model(
                           reshape_outputs=_reshapes(cfg.output, True))  # fmt: skip
         ignored = ignored + [f"parameters.{k}" for k in hints if f"parameters.{k}" not in ignored]
         check_kind(cfg, params)
+        check_on_request(cfg, params)
         if variant is not None:
             params = replace(params, variant=variant)
         elif (
@@ -699,6 +706,22 @@ def check_kind(cfg: mc.ModelConfig, params: ModelParameters) -> None:
         raise ConfigError(
             f"{where}: parameter score_weights combines the outputs embedding, sparse_embedding and "
             f"{TOKEN_OUTPUT}; the model's: {sorted(outputs)}"
+        )
+
+
+def check_on_request(cfg: mc.ModelConfig, params: ModelParameters) -> None:
+    """ConfigError unless ``on_request_outputs`` names config outputs and leaves at least one
+    for a call that names none."""
+    names = [t.name for t in cfg.output]
+    for name in params.on_request_outputs:
+        if name not in names:
+            raise ConfigError(
+                f"model '{cfg.name}': parameter on_request_outputs names no output '{name}'; the model's: {names}"
+            )
+    if names and set(names) <= set(params.on_request_outputs):
+        raise ConfigError(
+            f"model '{cfg.name}': parameter on_request_outputs names every output ({names}); leave at least "
+            "one for calls that name none"
         )
 
 

@@ -261,19 +261,28 @@ class ModelCache:
         self.stat = ModelCacheStats()
         self._inputs = list(spec.inputs)
         self._outputs = list(spec.outputs)
-        self._all = tuple(t.name for t in spec.outputs)
+        # What a request naming no outputs reads: all but the on-request outputs (layout None).
+        self._all = spec.default_outputs
+        self._on_request = bool(spec.params.on_request_outputs)
         self._variable_inputs = any(-1 in t.dims for t in spec.inputs)
         self._layouts: dict[Hashable, _Layout] = {}
-        # The usual request (all outputs, no namespace, fixed shapes) skips building a lookup key.
+        # The usual request (the default outputs, no namespace, fixed shapes) skips building a lookup key.
         self._plain: _Layout | None = None
+
+    def _defaults(self, wanted: Sequence[tuple[str, bool]]) -> bool:
+        """Whether ``wanted`` is the default outputs. Names are unique, so as many as the model's
+        outputs is all of them; beside outputs given on request it must also be none of those."""
+        return len(wanted) == len(self._all) and (
+            not self._on_request or all(n in self._all for n, _ in wanted)
+        )
 
     # -- layouts -----------------------------------------------------------------------------
 
     def _layout(
         self, arrays: dict[str, np.ndarray], wanted: Sequence[tuple[str, bool]] | None, namespace: str | None
     ) -> _Layout:
-        if wanted is None or len(wanted) == len(self._all):
-            names = None  # all outputs (names are unique, so as many as the model has is all)
+        if wanted is None or self._defaults(wanted):
+            names = None  # the default outputs
         else:
             names = tuple(sorted(n for n, _ in wanted))
         # The input shapes are part of the key: read from the arrays, whatever the batcher groups by.
@@ -326,7 +335,14 @@ class ModelCache:
         t0 = _now()
         st = self.stat
         layout = self._plain  # only ever set for a batched model with fixed input shapes
-        if layout is None or namespace is not None or (wanted is not None and len(wanted) != len(self._all)):
+        if (
+            layout is None
+            or namespace is not None
+            or (
+                wanted is not None
+                and (len(wanted) != len(self._all) or (self._on_request and not self._defaults(wanted)))
+            )
+        ):
             layout = self._layout(arrays, wanted, namespace)
         keys = layout.keys(arrays, rows)
         vals = self.tiers.local(keys)

@@ -84,6 +84,8 @@ class ModelRuntime:
     inflight: int = 0  # calls inside ``infer``: a runtime swapped out by a reload is closed at 0
     choice: object | None = None  # gateway/selection.py Selection: the host's variant for this model
     cut_limit: Callable[[Hashable], int] | None = None  # row_limit held to the learned limit (None: off)
+    defaults: frozenset[str] = frozenset()  # the outputs a call naming none reads (spec.default_outputs)
+    on_request: bool = False  # the model has outputs fetched only when asked for (on_request_outputs)
 
     @property
     def selection(self) -> dict:
@@ -108,7 +110,8 @@ class ModelRuntime:
         self, arrays: dict[str, np.ndarray], rows: int, budget: Budget | None = None, *,
         wanted: list[tuple[str, bool]] | None = None, namespace: str | None = None,
     ) -> dict[str, np.ndarray]:  # fmt: skip
-        """``wanted`` (Codec.requested) and ``namespace`` (the tenant's) only shape cache keys."""
+        """``wanted`` (Codec.requested) says which outputs the engine fetches (and the cache keys
+        on); ``namespace`` (the tenant's) only shapes cache keys."""
         # Counted from the first line: callers get the runtime and call this with no await in
         # between, so a reload never closes a runtime that a call is about to enter.
         self.inflight += 1
@@ -121,13 +124,24 @@ class ModelRuntime:
         keys = texts = None
         if self.text is not None:  # checks the texts; each row's key is its estimated length bucket
             keys, texts = await self.text.check(arrays)
+        outputs = self._outputs(wanted)
         if self.cache is None:
-            return await self._schedule(arrays, rows, budget, keys, texts)
+            return await self._schedule(arrays, rows, budget, keys, texts, outputs)
         # The cache hands on only the rows it could not answer; their buckets are estimated again
         # (microseconds a text), their texts decoded in the worker.
         return await self.cache.infer(
-            arrays, rows, lambda a, n: self._schedule(a, n, budget), wanted, namespace
+            arrays, rows, lambda a, n: self._schedule(a, n, budget, outputs=outputs), wanted, namespace
         )
+
+    def _outputs(self, wanted) -> tuple[str, ...] | None:
+        """The output names ``wanted`` reads; None where they are the model's defaults (the
+        engine's own list: the usual call carries nothing)."""
+        if wanted is None:
+            return None
+        defaults = self.defaults
+        if len(wanted) == len(defaults) and (not self.on_request or all(n in defaults for n, _ in wanted)):
+            return None  # (names are unique: as many as the defaults, all of them defaults, is them)
+        return tuple(n for n, _ in wanted)
 
     async def texts(
         self, texts: list[bytes], output: str | tuple[str, ...], budget: Budget | None, namespace: str | None,
@@ -149,8 +163,9 @@ class ModelRuntime:
             tokens = [len(e.ids) for e in encodings]
             names = (output,) if isinstance(output, str) else output  # a tuple: those outputs, by name
             wanted = [(name, True) for name in names]
+            outputs = self._outputs(wanted)
             if self.cache is None:
-                outs = await self._schedule(arrays, n, budget, keys, encodings)
+                outs = await self._schedule(arrays, n, budget, keys, encodings, outputs)
             else:
                 by_text = dict(zip(texts, encodings, strict=True))
 
@@ -159,7 +174,7 @@ class ModelRuntime:
                 def compute(a: dict[str, np.ndarray], rows: int):
                     column = a[stage.input].reshape(-1)
                     return self._schedule(
-                        a, rows, budget, [key_of[b] for b in column], [by_text[b] for b in column]
+                        a, rows, budget, [key_of[b] for b in column], [by_text[b] for b in column], outputs
                     )
 
                 outs = await self.cache.infer(arrays, n, compute, wanted, namespace)
@@ -169,11 +184,12 @@ class ModelRuntime:
 
     async def _schedule(
         self, arrays: dict[str, np.ndarray], rows: int, budget: Budget | None,
-        keys: list[int] | None = None, texts: list | None = None,
+        keys: list[int] | None = None, texts: list | None = None, outputs: tuple[str, ...] | None = None,
     ) -> dict[str, np.ndarray]:  # fmt: skip
         """The call's rows as requests of one bucket each (and of at most max_batch_size rows),
         scheduled as one call, reassembled. ``texts``: each row's text decoded once on the loop,
-        or its encoding (``texts``): the worker tokenizes the one and reads the other as it is."""
+        or its encoding (``texts``): the worker tokenizes the one and reads the other as it is.
+        ``outputs``: what the engine fetches for these rows (None: the model's defaults)."""
         sched = self.scheduler
         # A call is cut where its bucket's batches stop making more rows a second on this host (the
         # latency model's learned limit, ``cut_limit``): one request of 32 rows would run as one
@@ -191,7 +207,7 @@ class ModelRuntime:
                 column = column.reshape(arrays[name].shape)
             first = keys[0]
             if rows <= batch_rows(cap, limit, first) and all(k == first for k in keys):  # the common case
-                return (await sched.submit([({name: column}, rows, first)], budget))[0]
+                return (await sched.submit([({name: column}, rows, first)], budget, outputs))[0]
             groups: dict[int, list[int]] = {}
             for i, k in enumerate(keys):
                 groups.setdefault(k, []).append(i)
@@ -203,18 +219,18 @@ class ModelRuntime:
                     sel = np.array(rows_of[s : s + step], dtype=np.intp)
                     parts.append(({name: column[sel]}, len(sel), k))
                     index.append(sel)
-            return _assemble(await sched.submit(parts, budget), index, rows)
+            return _assemble(await sched.submit(parts, budget, outputs), index, rows)
         # Numeric: every row of a call has the call's shape, so one bucket; the batcher groups by
         # length bucket (lengths 20 and 30 share a batch padded to 32), the cache keeps exact shapes.
         key = self.pool.shape_key(arrays) if self.variable_inputs else None
         step = batch_rows(cap, limit, key)
         if not self.spec.batched or rows <= step:
-            return (await sched.submit([(arrays, rows, key)], budget))[0]
+            return (await sched.submit([(arrays, rows, key)], budget, outputs))[0]
         parts = [
             ({n: a[s : s + step] for n, a in arrays.items()}, min(step, rows - s), key)
             for s in range(0, rows, step)
         ]
-        outs = await sched.submit(parts, budget)
+        outs = await sched.submit(parts, budget, outputs)
         return {n: np.concatenate([o[n] for o in outs]) for n in outs[0]}
 
 
@@ -339,7 +355,8 @@ async def build_runtime(
     options = EngineOptions(intra_op_threads=s.intra_op_threads, inter_op_threads=s.inter_op_threads,
                             preprocess=text, mode=s.engine_mode, warmup=s.engine_warmup,
                             cache_dir=(s.engine_cache_dir or default_cache_dir()) if s.engine_cache else None,
-                            cuda_graphs=s.cuda_graphs, engine=spec.engine, precision=spec.compute)  # fmt: skip
+                            cuda_graphs=s.cuda_graphs, engine=spec.engine, precision=spec.compute,
+                            on_request=spec.params.on_request_outputs)  # fmt: skip
     pool = WorkerPool(
         f"{spec.name}-v{spec.version}", spec.path, devices, count, options, spec.buckets, spec.fingerprint
     )
@@ -387,12 +404,15 @@ async def build_runtime(
         batched=spec.batched,
         latency=latency,
         split_failures=True,
+        default_outputs=spec.default_outputs,
     )
     scheduler.start()
     variable = tuple(t.name for t in spec.inputs if -1 in t.dims)
     rt = ModelRuntime(
         spec, Codec(spec), pool, scheduler, variable, schedule, model_cache(spec, cache), text, row_limit
     )
+    rt.defaults = frozenset(spec.default_outputs)
+    rt.on_request = bool(spec.params.on_request_outputs)
     if spec.params.learned_batch_limit and policy == "deadline":  # the deadline queue learns it
         rt.cut_limit = _learned_limit(latency, row_limit)
     return rt

@@ -49,6 +49,9 @@ def repo(minilm_dir, emb_folder, tmp_path_factory):
     tok = minilm_dir / "tokenizer.json"
     prepare(emb_folder, "tok", repo, "--pooling", "mean", "--normalize", "--token-embeddings")
     prepare(bert_cross_encoder(tmp_path_factory.mktemp("ce"), tok), "ce", repo)
+    # an embedder without a per-token output: late chunking is refused on it
+    prepare(bert_cross_encoder(tmp_path_factory.mktemp("plain"), tok, head=False, seed=4), "plain", repo,
+            "--pooling", "mean", "--normalize")  # fmt: skip
     return repo
 
 
@@ -121,11 +124,12 @@ def test_chunk_and_pool_is_the_token_weighted_mean_of_the_chunks(base, tok, mode
     )
 
 
-def test_late_chunking_pools_each_chunk_from_one_pass(base, tok):
+@pytest.mark.parametrize("model", ["tok", "minilm"])  # minilm: its token output, given on request
+def test_late_chunking_pools_each_chunk_from_one_pass(base, tok, model):
     chunks = ["The river rose after three days of rain.", "It flooded the low villages downstream.",
               "Their people moved to the hills.", "Nobody was hurt."]  # fmt: skip
     joined = " ".join(chunks)
-    status, tokens = post(base + "/embed_all", {"model": "tok", "inputs": joined})
+    status, tokens = post(base + "/embed_all", {"model": model, "inputs": joined})
     assert status == 200, tokens
     hidden = np.array(tokens[0], dtype=np.float64)  # the pass's token vectors, [CLS] first
     enc = tok.encode(joined)
@@ -136,12 +140,12 @@ def test_late_chunking_pools_each_chunk_from_one_pass(base, tok):
         v = hidden[span[0] : span[-1] + 1].mean(0)
         want.append(v / np.linalg.norm(v))
         at = start + len(c)
-    got = embed(base, "tok", chunks, late_chunking=True)
+    got = embed(base, model, chunks, late_chunking=True)
     for g, w in zip(got, want, strict=True):
         assert cosine(g, w) >= 0.999999
-    alone = embed(base, "tok", chunks)
+    alone = embed(base, model, chunks)
     assert min(cosine(g, a) for g, a in zip(got, alone)) < 0.9999  # context changed them
-    status, body = post(base + "/v1/embeddings", {"model": "minilm", "input": chunks, "late_chunking": True})
+    status, body = post(base + "/v1/embeddings", {"model": "plain", "input": chunks, "late_chunking": True})
     assert status == 400 and body["error"]["param"] == "late_chunking" and "token" in body["error"]["message"]
 
 

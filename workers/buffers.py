@@ -8,6 +8,10 @@ on the bound memory, and outputs are read from the slot's output views; nothing 
 call except the per-request result arrays the caller keeps (the buffers are reused, so results
 must be copied out).
 
+A slot binds only the outputs it is made for (a model's on-request outputs are bound in slots of
+their own, made when a batch first asks for them); an output's buffer is allocated the first time
+a slot binds it, so one nobody asks for costs no memory.
+
 CPU: plain numpy arrays, bound as OrtValues that share their memory.
 GPU: pinned host arrays (the copy-in/copy-out side) and device arrays from a CuPy memory pool
 (the bound side); a run is host->device copy, run, device->host copy, on one CUDA stream.
@@ -15,7 +19,7 @@ GPU: pinned host arrays (the copy-in/copy-out side) and device arrays from a CuP
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -53,7 +57,15 @@ class HostBuffers:
     def __init__(self, input_shapes: dict[str, tuple[tuple[int, ...], np.dtype]],
                  output_shapes: dict[str, tuple[tuple[int, ...], np.dtype]]) -> None:  # fmt: skip
         self.inputs = {n: np.zeros(shape, dtype) for n, (shape, dtype) in input_shapes.items()}
-        self.outputs = {n: np.zeros(shape, dtype) for n, (shape, dtype) in output_shapes.items()}
+        self._output_shapes = output_shapes
+        self.outputs: dict[str, np.ndarray] = {}  # allocated when a slot first binds them
+
+    def _outputs(self, names: Sequence[str] | None) -> dict[str, np.ndarray]:
+        for n in self._output_shapes if names is None else names:
+            if n not in self.outputs:
+                shape, dtype = self._output_shapes[n]
+                self.outputs[n] = np.zeros(shape, dtype)
+        return self.outputs if names is None else {n: self.outputs[n] for n in names}
 
     @property
     def host_bytes(self) -> int:
@@ -61,9 +73,13 @@ class HostBuffers:
 
     device_bytes = 0
 
-    def slot(self, bucket, rows: int, seqs, session: ort.InferenceSession, run_options=None) -> Slot:
+    def slot(
+        self, bucket, rows: int, seqs, session: ort.InferenceSession, run_options=None,
+        output_names: Sequence[str] | None = None,
+    ) -> Slot:  # fmt: skip
+        """``output_names``: the outputs this slot binds (None: all)."""
         inputs = {n: a[:rows] for n, a in self.inputs.items()}
-        outputs = {n: a[:rows] for n, a in self.outputs.items()}
+        outputs = {n: a[:rows] for n, a in self._outputs(output_names).items()}
         if hasattr(session, "bind"):  # OpenVINO (workers/openvino_engine.py): tensors share the views
             return Slot(bucket, rows, seqs, session, None, run_options, inputs, outputs,
                         session.bind(inputs, outputs))  # fmt: skip
@@ -113,8 +129,19 @@ class CudaBuffers:
 
         self.host_in = {n: pinned(s, d) for n, (s, d) in input_shapes.items()}
         self.dev_in = {n: device_array(s, d) for n, (s, d) in input_shapes.items()}
-        self.host_out = {n: pinned(s, d) for n, (s, d) in output_shapes.items()}
-        self.dev_out = {n: device_array(s, d) for n, (s, d) in output_shapes.items()}
+        self._output_shapes = output_shapes
+        self._pinned, self._device_array = pinned, device_array
+        self.host_out: dict = {}  # allocated when a slot first binds them
+        self.dev_out: dict = {}
+
+    def _outputs(self, names: Sequence[str] | None) -> list[str]:
+        names = list(self._output_shapes) if names is None else list(names)
+        for n in names:
+            if n not in self.host_out:
+                shape, dtype = self._output_shapes[n]
+                self.host_out[n] = self._pinned(shape, dtype)
+                self.dev_out[n] = self._device_array(shape, dtype)
+        return names
 
     @property
     def host_bytes(self) -> int:
@@ -124,13 +151,18 @@ class CudaBuffers:
     def device_bytes(self) -> int:
         return sum(a.nbytes for a in self.dev_in.values()) + sum(a.nbytes for a in self.dev_out.values())
 
-    def slot(self, bucket, rows: int, seqs, session: ort.InferenceSession, run_options=None) -> Slot:
+    def slot(
+        self, bucket, rows: int, seqs, session: ort.InferenceSession, run_options=None,
+        output_names: Sequence[str] | None = None,
+    ) -> Slot:  # fmt: skip
+        """``output_names``: the outputs this slot binds (None: all)."""
         binding = session.io_binding()
+        names = self._outputs(output_names)
         host_in = {n: a[:rows] for n, a in self.host_in.items()}
-        host_out = {n: a[:rows] for n, a in self.host_out.items()}
+        host_out = {n: self.host_out[n][:rows] for n in names}
         # Views made once here, so a run creates no array objects on either side.
         dev_in = {n: a[:rows] for n, a in self.dev_in.items()}
-        dev_out = {n: a[:rows] for n, a in self.dev_out.items()}
+        dev_out = {n: self.dev_out[n][:rows] for n in names}
         dev = self.device_id
         for n, a in dev_in.items():
             binding.bind_input(n, "cuda", dev, a.dtype.type, list(a.shape), a.data.ptr)

@@ -72,6 +72,9 @@ class EngineOptions:
     # OpenVINO's inference precision ("fp32", "bf16", or "auto": BF16 where the CPU has it).
     engine: str = "onnxruntime"
     precision: str = "fp32"
+    # Outputs fetched only for a batch that asks for them (the model's on_request_outputs): a
+    # batch with no ``outputs`` named fetches, binds and copies out the others alone.
+    on_request: tuple[str, ...] = ()
 
     def resolved_mode(self, device: Device) -> str:
         if self.engine == "openvino":
@@ -182,6 +185,11 @@ class Engine:
         else:
             self.input_names = [i.name for i in ref.get_inputs()]
             self.output_names = [o.name for o in ref.get_outputs()]
+        # What a batch that names no outputs fetches: all but the on-request ones.
+        self.default_outputs = tuple(n for n in self.output_names if n not in options.on_request)
+        self._known = frozenset(self.output_names)
+        # Batches that fetched each output (a test and a debugger read it; one add per name a batch).
+        self.fetched: dict[str, int] = dict.fromkeys(self.output_names, 0)
         # A model whose graph reads or writes strings runs through ORT's C API (ort_capi.py), the
         # one way string tensors reach it byte for byte; every other model keeps the Python
         # binding. (Such models are never pooled, so ``ref`` is their dynamic session.)
@@ -241,9 +249,15 @@ class Engine:
             self.session = self._dynamic
         return self._dynamic
 
-    def _slot(self, rows: int, seqs: tuple[int, ...]) -> Slot:
+    def _slot(self, rows: int, seqs: tuple[int, ...], names: tuple[str, ...] | None = None) -> Slot:
+        """The bound slot of bucket (rows, *seqs) for the outputs ``names`` (None: the defaults);
+        other outputs than the defaults get slots of their own, bound on first use."""
         bucket = (rows, *seqs)
-        slot = self._slots.get(bucket)
+        if names is None or names == self.default_outputs:
+            key, names = bucket, self.default_outputs
+        else:
+            key = (bucket, names)
+        slot = self._slots.get(key)
         if slot is not None:
             return slot
         plan = self.plan
@@ -271,8 +285,8 @@ class Engine:
                 # One session, one captured graph per bucket (ORT keys graphs by gpu_graph_id).
                 run_options = ort.RunOptions()
                 run_options.add_run_config_entry("gpu_graph_id", str(len(self._slots)))
-        slot = buffers.slot(bucket, rows, seqs, session, run_options)
-        self._slots[bucket] = slot
+        slot = buffers.slot(bucket, rows, seqs, session, run_options, names)
+        self._slots[key] = slot
         self.slot_allocations += 1
         if self.cuda_graphs:
             self.graph_slots.add(bucket)
@@ -337,17 +351,32 @@ class Engine:
     # -- running a batch ----------------------------------------------------------------------
 
     def run_batch(
-        self, parts: list[dict[str, np.ndarray]], rows: list[int], batched: bool
-    ) -> tuple[list[dict[str, np.ndarray]], BatchTiming]:
+        self, parts: list[dict[str, np.ndarray]], rows: list[int], batched: bool,
+        outputs: tuple[str, ...] | None = None,
+    ) -> tuple[list[dict[str, np.ndarray]], BatchTiming]:  # fmt: skip
         """Run the requests ``parts`` as one batch and split the outputs back by ``rows``.
 
         With ``batched`` false (max_batch_size 0) there is exactly one part and no batch dim.
+        ``outputs``: the outputs to fetch (the union of what the batch's requests read); None:
+        ``default_outputs``. No other output is bound or copied out.
         """
+        if outputs is None:
+            names = self.default_outputs
+        else:
+            asked = set(outputs)
+            if not self._known.issuperset(asked):
+                unknown = sorted(asked - self._known)
+                raise ValueError(f"the model has no output {unknown}; its outputs: {self.output_names}")
+            # In the model's order: one bound slot per set, whatever order the callers named them in.
+            names = tuple(n for n in self.output_names if n in asked)
+        fetched = self.fetched
+        for n in names:
+            fetched[n] += 1
         if self.options.preprocess is not None:
-            return self._run_preprocessed(parts, rows, batched)
-        return self._run(parts, rows, batched)
+            return self._run_preprocessed(parts, rows, batched, names)
+        return self._run(parts, rows, batched, names)
 
-    def _run(self, parts, rows, batched) -> tuple[list[dict[str, np.ndarray]], BatchTiming]:
+    def _run(self, parts, rows, batched, names) -> tuple[list[dict[str, np.ndarray]], BatchTiming]:
         if self.pooled and batched:
             plan = self.plan
             lengths = [plan.lengths(p) for p in parts]
@@ -356,16 +385,18 @@ class Engine:
             # dims where padding is safe are ever padded here.
             seqs = plan.seq_buckets_for(longest)
             if seqs is not None:
-                return self._run_pooled(parts, rows, lengths, seqs)
-        return self._run_dynamic(parts, rows, batched)
+                return self._run_pooled(parts, rows, lengths, seqs, names)
+        return self._run_dynamic(parts, rows, batched, names)
 
-    def _run_preprocessed(self, parts, rows, batched) -> tuple[list[dict[str, np.ndarray]], BatchTiming]:
+    def _run_preprocessed(
+        self, parts, rows, batched, names
+    ) -> tuple[list[dict[str, np.ndarray]], BatchTiming]:
         t0 = time.perf_counter_ns()
         merged = parts[0] if len(parts) == 1 else {n: np.concatenate([p[n] for p in parts]) for n in parts[0]}
         feeds = self.options.preprocess(merged)
         pre_ns = time.perf_counter_ns() - t0
         total = sum(rows) if batched else 1
-        outputs, timing = self._run([feeds], [total], batched)
+        outputs, timing = self._run([feeds], [total], batched, names)
         timing.input_ns += pre_ns
         if not batched or len(parts) == 1:
             return outputs, timing
@@ -402,12 +433,14 @@ class Engine:
             start += n
         return own
 
-    def _run_pooled(self, parts, rows, lengths, seqs) -> tuple[list[dict[str, np.ndarray]], BatchTiming]:
+    def _run_pooled(
+        self, parts, rows, lengths, seqs, names
+    ) -> tuple[list[dict[str, np.ndarray]], BatchTiming]:
         plan = self.plan
         if not plan.groups:
             total = sum(rows)
             if total <= plan.max_rows(seqs):
-                done = self._run_pooled_fixed(parts, rows, total, seqs)
+                done = self._run_pooled_fixed(parts, rows, total, seqs, names)
                 if done is not None:
                     return done
         timing = BatchTiming()
@@ -418,7 +451,8 @@ class Engine:
         results = []
         for n, ls in zip(rows, lengths):
             # The answers' own memory (the pooled outputs are reused by the next batch).
-            results.append({t.name: np.empty(_trimmed(plan, t.name, n, ls), t.dtype) for t in plan.outputs})
+            results.append({t.name: np.empty(_trimmed(plan, t.name, n, ls), t.dtype)
+                            for t in plan.outputs if t.name in names})  # fmt: skip
             timing.tokens += n * math.prod(ls)
         timing.rows = total
         input_ns = time.perf_counter_ns() - t0
@@ -427,7 +461,7 @@ class Engine:
         while done < total:
             n = min(cap, total - done)
             b = plan.batch_bucket(n)
-            slot = self._slot(b, seqs)
+            slot = self._slot(b, seqs, names)
             t1 = time.perf_counter_ns()
             # Which rows of which request land where: (part, first row in it, first row in slot, count).
             pieces = []
@@ -481,7 +515,7 @@ class Engine:
         timing.output_ns = output_ns
         return results, timing
 
-    def _run_pooled_fixed(self, parts, rows, total, seqs):
+    def _run_pooled_fixed(self, parts, rows, total, seqs, names):
         """A batch of fixed-shape rows (no length to pad or trim) that fits one run: each input's
         parts copied into the pooled buffer in one call, each output copied out of it once, and
         every request's answer a view of that copy (the pooled buffers are the next batch's).
@@ -490,7 +524,7 @@ class Engine:
         timing = BatchTiming()
         t0 = time.perf_counter_ns()
         b = plan.batch_bucket(total)
-        slot = self._slot(b, seqs)
+        slot = self._slot(b, seqs, names)
         inputs = slot.inputs
         for name, buf in inputs.items():
             tail = buf.shape[1:]
@@ -529,7 +563,7 @@ class Engine:
         timing.bucket = slot.bucket
         return results, timing
 
-    def _run_dynamic(self, parts, rows, batched) -> tuple[list[dict[str, np.ndarray]], BatchTiming]:
+    def _run_dynamic(self, parts, rows, batched, names) -> tuple[list[dict[str, np.ndarray]], BatchTiming]:
         plan = self.plan
         timing = BatchTiming()
         t0 = time.perf_counter_ns()
@@ -544,18 +578,18 @@ class Engine:
                 feeds, lengths = self._pad_to_longest(parts, rows)
         t1 = time.perf_counter_ns()
         if self._strings is not None:  # exact bytes both ways (the conversion is part of run)
-            outputs = self._strings.run(self.output_names, feeds)
+            outputs = self._strings.run(list(names), feeds)
         else:
-            outputs = self._run_python(feeds)
+            outputs = self._run_python(feeds, names)
         t2 = time.perf_counter_ns()
         if not batched or len(parts) == 1:
-            split = [dict(zip(self.output_names, outputs))]
+            split = [dict(zip(names, outputs))]
         else:
             split = []
             start = 0
             for i, n in enumerate(rows):
                 out = {}
-                for name, arr in zip(self.output_names, outputs):
+                for name, arr in zip(names, outputs):
                     piece = arr[start : start + n]
                     if lengths is not None and plan.output_axes(name):
                         piece = piece[_trim(piece.ndim, plan.output_axes(name), lengths[i])]
@@ -563,7 +597,7 @@ class Engine:
                 split.append(out)
                 start += n
             total = start
-            for name, out in zip(self.output_names, outputs):
+            for name, out in zip(names, outputs):
                 if out.shape[0] != total:
                     raise RuntimeError(
                         f"output '{name}' has {out.shape[0]} rows for a batch of {total}; "
@@ -585,12 +619,12 @@ class Engine:
         timing.runs = 1
         return split, timing
 
-    def _run_python(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    def _run_python(self, feeds: dict[str, np.ndarray], names: tuple[str, ...]) -> list[np.ndarray]:
         session = self._dynamic_session()
         # Only where the C API is not usable does a string tensor get here (UTF-8 only, see below).
         feeds = {name: to_ort_strings(name, a) if a.dtype == object else a for name, a in feeds.items()}
         try:
-            outputs = session.run(self.output_names, feeds, self._no_graph)
+            outputs = session.run(names, feeds, self._no_graph)
         except UnicodeDecodeError as exc:  # raised by ORT's binding while it converts a string output
             raise ValueError(
                 f"the model produced a string output holding bytes that are not UTF-8 ({exc.reason} at "

@@ -153,9 +153,13 @@ class Session:
         return ["OpenVINO CPU"]
 
     def run(self, output_names, feeds: dict[str, np.ndarray], run_options=None) -> list[np.ndarray]:
-        """Outputs as arrays of their own (the request's tensors are reused by the next run)."""
+        """The outputs ``output_names`` (None: all) as arrays of their own (the request's tensors
+        are reused by the next run); the others are never copied out of the request."""
         names = [o.name for o in self._outputs] if output_names is None else list(output_names)
-        result = self._request.infer({k: np.ascontiguousarray(v) for k, v in feeds.items()})
+        # share_outputs: views of the request's tensors, so only the named ones are copied, here.
+        result = self._request.infer(
+            {k: np.ascontiguousarray(v) for k, v in feeds.items()}, share_outputs=True
+        )
         by_name = {port.get_any_name(): value for port, value in result.items()}
         return [np.array(by_name[n], copy=True) for n in names]
 

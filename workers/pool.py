@@ -67,6 +67,7 @@ class _Job:
     rows: list[int]
     batched: bool
     future: Future
+    outputs: tuple[str, ...] | None = None  # the names to fetch; None: the engine's defaults
     worker: _Worker | None = None  # whose ``outstanding`` counts it (moves when retried)
     retried: bool = False  # its worker died holding it; the future is already running
 
@@ -165,10 +166,10 @@ class _Worker:
                 try:
                     plan = self.plan
                     if plan is None:
-                        result = engine.run_batch(job.parts, job.rows, job.batched)
+                        result = engine.run_batch(job.parts, job.rows, job.batched, job.outputs)
                     else:  # config `reshape`: the model sees its own shapes, the caller the config's
                         parts = plan.to_model(job.parts, job.batched)
-                        outs, timing = engine.run_batch(parts, job.rows, job.batched)
+                        outs, timing = engine.run_batch(parts, job.rows, job.batched, job.outputs)
                         result = (plan.to_client(outs, job.batched), timing)
                 except BaseException as exc:  # one bad batch must not take the worker down
                     job.future.set_exception(exc)
@@ -286,8 +287,12 @@ class WorkerPool:
         # Exact (unbucketed) lengths: an engine binds each length the first time a batch has it.
         return f"{text}{mode}, {' x '.join(dims)} (bound on first use{cap})"
 
-    def submit(self, parts: list[dict[str, np.ndarray]], rows: list[int], batched: bool) -> Future:
-        """Queue one batch on the least-loaded worker; the future yields ``(outputs, timing)``."""
+    def submit(
+        self, parts: list[dict[str, np.ndarray]], rows: list[int], batched: bool,
+        outputs: tuple[str, ...] | None = None,
+    ) -> Future:  # fmt: skip
+        """Queue one batch on the least-loaded worker; the future yields ``(outputs, timing)``.
+        ``outputs``: the output names to fetch (None: the engine's defaults)."""
         future: Future = Future()
         with self._lock:
             if self._closed:
@@ -299,7 +304,7 @@ class WorkerPool:
                 )
             worker = min(live, key=lambda w: w.outstanding)
             worker.outstanding += 1
-            job = _Job(parts, rows, batched, future, worker)
+            job = _Job(parts, rows, batched, future, outputs, worker)
         future.add_done_callback(lambda _f, j=job: self._done(j))
         worker.put(job)
         return future

@@ -322,8 +322,9 @@ def standard_constants(g: GraphBuilder, cfg: EncoderConfig) -> None:
     g.const("qkv_split", np.array([cfg.hidden] * 3, np.int64))
 
 
-def _pool(g: _Graph, x: str, mask: str, pooling: str) -> str:
-    """sentence-transformers' Pooling over [batch, seq, hidden] -> [batch, hidden]."""
+def _pool(g: _Graph, x: str, mask: str, pooling: str, masked: str = "masked_states") -> str:
+    """sentence-transformers' Pooling over [batch, seq, hidden] -> [batch, hidden]. Mean pooling
+    names its masked states ``masked`` (each token's state, zero on padding)."""
     if pooling == "cls":
         return g.op("Gather", [x, g.scalar("first_token", np.array(0, np.int64))], "pooled", axis=1)
     seq_axes = g.const("seq_axes", np.array([1], np.int64))
@@ -340,9 +341,7 @@ def _pool(g: _Graph, x: str, mask: str, pooling: str) -> str:
         return g.op("ReduceSum", [g.op("Mul", [x, pick], "picked_states"), seq_axes], "pooled", keepdims=0)
     # Mean over real tokens.
     mask_3d = g.op("Unsqueeze", [mask, g.const("mask_axes", np.array([2], np.int64))], "mask_3d")
-    total = g.op(
-        "ReduceSum", [g.op("Mul", [x, mask_3d], "masked_states"), seq_axes], "pooled_sum", keepdims=0
-    )
+    total = g.op("ReduceSum", [g.op("Mul", [x, mask_3d], masked), seq_axes], "pooled_sum", keepdims=0)
     count = g.op("ReduceSum", [mask, seq_axes], "token_count", keepdims=1)
     count = g.op(
         "Max", [count, g.const("pool_eps", np.array(POOL_EPSILON, np.float32))], "token_count_clamped"
@@ -457,7 +456,11 @@ def finish_head(
     elif head.colbert is not None:
         head.colbert.add(g, x, mask)  # colbert.py's head (it builds on this module)
     elif not head.classifier:
-        pooled = add_dense(g, _pool(g, x, mask, head.pooling), head.dense)
+        # Mean pooling already masks every token's state: that tensor is the token output, so
+        # serving it computes nothing more in the graph.
+        shared = head.token_states and head.pooling == "mean"
+        masked = "token_embeddings" if shared else "masked_states"
+        pooled = add_dense(g, _pool(g, x, mask, head.pooling, masked), head.dense)
         if head.normalize:
             # ReduceL2 still takes axes as an attribute at opset 17 (ReduceSum moved them to an input).
             norm = g.op("ReduceL2", [pooled], "norm", axes=[1], keepdims=1)
@@ -469,7 +472,7 @@ def finish_head(
             g.op("Identity", [pooled], "embedding")
         if head.m3 is not None:
             head.m3.add(g, x, mask)  # bge_m3.py's heads (it builds on this module)
-        if head.token_states:
+        if head.token_states and not shared:
             # Padding positions are zeros, so a row padded to a longer batch says where it ends.
             token_mask = g.op("Unsqueeze", [mask, g.const("token_mask_axes", np.array([2], np.int64))],
                               "token_mask_3d")  # fmt: skip

@@ -3,7 +3,8 @@
 ``batchgate prepare-minilm [--out model_repository] [--source PATH] [--force]`` (and ``batchgate
 serve`` on first use) writes::
 
-    <repo>/minilm/config.pbtxt        text (BYTES) in, embedding (FP32 [384]) out, tokenizer stage
+    <repo>/minilm/config.pbtxt        text (BYTES) in, embedding (FP32 [384]) out, tokenizer stage;
+                                      token_embeddings (FP32 [-1, 384]) out on request
     <repo>/minilm/tokenizer.json      the model's Hugging Face tokenizer, unchanged
     <repo>/minilm/1/model.onnx        BERT encoder + masked mean pooling + L2 normalisation
 
@@ -22,7 +23,10 @@ so it is downloaded *without* its dependencies and only read as a zip, never imp
 The ONNX graph is spelled out with ``onnx.helper`` from the safetensors weights (no PyTorch, no
 exporter): the same arithmetic as Hugging Face's ``BertModel`` (post-LN blocks, erf GELU), then
 sentence-transformers' mean pooling over real tokens and L2 normalisation, so the served output
-is the finished sentence embedding. Building is deterministic: same weights, same bytes.
+is the finished sentence embedding. The masked token states that mean pooling sums are a second
+output, ``token_embeddings`` (TEI's ``/embed_all``): the graph computes them anyway, and the config
+marks them ``on_request_outputs``, so the engines fetch and copy them only for a call that asks.
+Building is deterministic: same weights, same bytes.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import onnx
 
 from batchgate.gateway.build.encoder import EncoderConfig, Head, build_model
 from batchgate.gateway.build.onnx_graph import write_atomic
+from batchgate.gateway.repository import TOKEN_OUTPUT
 
 Log = Callable[[str], object]
 
@@ -224,8 +229,10 @@ def load_source(source: Path | None = None, log: Log = print) -> Source:
 
 def build_onnx(weights: dict[str, np.ndarray], cfg: BertConfig) -> onnx.ModelProto:
     """input_ids, attention_mask, token_type_ids (INT64 [batch, seq]) -> embedding (FP32 [batch, hidden]):
-    the encoder, sentence-transformers' mean pooling over real tokens, L2 normalisation."""
-    return build_model(weights, cfg, Head(pooling="mean", normalize=True), name=MODEL_NAME, producer=PRODUCER)
+    the encoder, sentence-transformers' mean pooling over real tokens, L2 normalisation; and
+    token_embeddings (FP32 [batch, seq, hidden]): the masked token states that pooling sums."""
+    head = Head(pooling="mean", normalize=True, token_states=True)
+    return build_model(weights, cfg, head, name=MODEL_NAME, producer=PRODUCER)
 
 
 # --------------------------------------------------------------------------------------------
@@ -251,11 +258,18 @@ def text_parameters(max_tokens: int) -> dict[str, str]:
 
 
 def render_text_config(
-    name: str, generated_by: str, output: str, dims: int, params: dict[str, str], notes: Sequence[str] = ()
+    name: str,
+    generated_by: str,
+    output: str,
+    dims: int,
+    params: dict[str, str],
+    notes: Sequence[str] = (),
+    more: Sequence[tuple[str, str]] = (),
 ) -> str:
-    """A text model's config.pbtxt: one TYPE_STRING input ``text``, one FP32 output and the
-    text stage's ``params`` (values already escaped for text format); ``notes`` are comment
-    lines under the first."""
+    """A text model's config.pbtxt: one TYPE_STRING input ``text``, one FP32 output (then the FP32
+    outputs ``more``: (name, dims text)) and the text stage's ``params`` (values already escaped
+    for text format); ``notes`` are comment lines under the first."""
+    outputs = [(output, str(dims)), *more]
     return (
         "\n".join(
             [
@@ -272,11 +286,10 @@ def render_text_config(
                 "  }",
                 "]",
                 "output [",
-                "  {",
-                f'    name: "{output}"',
-                "    data_type: TYPE_FP32",
-                f"    dims: [ {dims} ]",
-                "  }",
+                ",\n".join(
+                    f'  {{\n    name: "{n}"\n    data_type: TYPE_FP32\n    dims: [ {d} ]\n  }}'
+                    for n, d in outputs
+                ),
                 "]",
                 "dynamic_batching {",
                 # No wait timer: on CPU a held row buys little (batching pays only on short texts), and
@@ -303,12 +316,21 @@ def render_text_config(
 
 
 def render_config(cfg: BertConfig, max_tokens: int) -> str:
+    params = text_parameters(max_tokens)
+    # TEI's /embed_all reads it; a KServe call that names no outputs, and every /v1/embeddings
+    # call, gets the embedding alone and never pays for copying rows x tokens x 384 floats.
+    params["on_request_outputs"] = TOKEN_OUTPUT
     return render_text_config(
         MODEL_NAME,
         "gateway/build/minilm.py (batchgate prepare-minilm)",
         "embedding",
         cfg.hidden,
-        text_parameters(max_tokens),
+        params,
+        notes=(
+            f"{TOKEN_OUTPUT}: each token's final state (the states mean pooling sums), zero past the row's own",
+            "tokens; computed by every run, fetched only for calls that name it (on_request_outputs).",
+        ),
+        more=((TOKEN_OUTPUT, f"-1, {cfg.hidden}"),),
     )
 
 
@@ -317,8 +339,20 @@ def render_config(cfg: BertConfig, max_tokens: int) -> str:
 
 
 def model_dir_complete(repo: Path) -> bool:
+    """Every file there, and not an older build's (``outdated``)."""
     d = Path(repo) / MODEL_NAME
-    return all((d / f).is_file() for f in ("config.pbtxt", "tokenizer.json", "1/model.onnx"))
+    files = all((d / f).is_file() for f in ("config.pbtxt", "tokenizer.json", "1/model.onnx"))
+    return files and not outdated(repo)
+
+
+def outdated(repo: Path) -> bool:
+    """Whether ``<repo>/minilm``'s config was generated by a build before minilm had its token
+    output (TEI's /embed_all refuses it there). A config not generated here is never called old."""
+    try:
+        text = (Path(repo) / MODEL_NAME / "config.pbtxt").read_text()
+    except OSError:
+        return False
+    return "Generated by gateway/build/minilm.py" in text and f'name: "{TOKEN_OUTPUT}"' not in text
 
 
 def prepare_minilm(repo: Path, *, source: Path | None = None, force: bool = False, log: Log = print) -> bool:
@@ -359,11 +393,20 @@ def prepare_minilm(repo: Path, *, source: Path | None = None, force: bool = Fals
 
 def prepare_missing(repo: Path, logger: logging.Logger) -> None:
     """``serve``'s first-use build: only when ``minilm/config.pbtxt`` is absent (the config is
-    written last, so a directory without one is an interrupted build), and a failure is logged,
-    not raised, so the other models still serve."""
+    written last, so a directory without one is an interrupted build) or an older build wrote it
+    (``outdated``), and a failure is logged, not raised, so the other models still serve."""
     if (Path(repo) / MODEL_NAME / "config.pbtxt").exists():
-        return
-    logger.info("%s: not in %s yet; preparing it (one-time, about 10 s after the download)", MODEL_NAME, repo)
+        if not outdated(repo):
+            return
+        logger.info(
+            "%s: %s was built before minilm had its token output (/embed_all); rebuilding it",
+            MODEL_NAME,
+            repo,
+        )
+    else:
+        logger.info(
+            "%s: not in %s yet; preparing it (one-time, about 10 s after the download)", MODEL_NAME, repo
+        )
     try:
         prepare_minilm(repo, force=True, log=logger.info)
     except Exception as exc:

@@ -209,7 +209,7 @@ class Request:
 
     __slots__ = (
         "inputs", "rows", "key", "arrival", "future", "deadline", "cls", "level", "queue_deadline", "delay", "call",
-        "trace", "compute_s",
+        "trace", "compute_s", "outputs",
     )  # fmt: skip
 
     def __init__(
@@ -240,6 +240,9 @@ class Request:
         # The call's requests when it has several (None when it is the whole call): one that
         # fails drops the others before compute, nobody would read their rows.
         self.call: list[Request] | None = None
+        # The outputs the call reads, when not the model's defaults (None): a batch fetches the
+        # union of its requests', so an output computed on request is copied only when asked for.
+        self.outputs: tuple[str, ...] | None = None
 
     @property
     def class_name(self) -> str:

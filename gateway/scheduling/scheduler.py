@@ -44,7 +44,9 @@ __all__ = ["Part", "Scheduler"]
 
 log = logging.getLogger(__name__)
 
-Execute = Callable[[list[dict[str, np.ndarray]], list[int], bool], Future]
+# (parts, rows, batched[, outputs]): outputs, the names to fetch, is passed only when a request of
+# the batch asked for other outputs than the model's defaults.
+Execute = Callable[..., Future]
 Part = tuple[dict[str, np.ndarray], int, Hashable]  # (inputs, rows, shape bucket) of one request
 
 
@@ -59,8 +61,10 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         latency: LatencyModel | None = None,
         split_failures: bool = False,
+        default_outputs: tuple[str, ...] = (),
     ) -> None:
         self.name = name
+        self.default_outputs = default_outputs  # what a request with ``outputs`` None reads
         self.queue = queue
         self._spans: dict[int, tuple] = {}  # batch -> its spans, while tracing is on
         self.latency = latency or getattr(queue, "latency", None) or LatencyModel()
@@ -125,10 +129,14 @@ class Scheduler:
 
     # -- request side ---------------------------------------------------------------------------
 
-    async def submit(self, parts: list[Part], budget: Budget | None = None) -> list[dict[str, np.ndarray]]:
+    async def submit(
+        self, parts: list[Part], budget: Budget | None = None, outputs: tuple[str, ...] | None = None
+    ) -> list[dict[str, np.ndarray]]:
         """Admit one call of one or more parts (rows of one bucket each; most calls are one part),
-        queue them, and return their outputs in order once the last is done. Raises DEADLINE_EXCEEDED (refused: nothing
-        queued, with a retry hint), UNAVAILABLE (queue full or draining), or a part's failure."""
+        queue them, and return their outputs in order once the last is done. ``outputs``: the
+        names the call reads when not the model's defaults (None). Raises DEADLINE_EXCEEDED
+        (refused: nothing queued, with a retry hint), UNAVAILABLE (queue full or draining), or a
+        part's failure."""
         if self._closing:
             raise unavailable(f"model '{self.name}' is draining; retry on another replica")
         loop = asyncio.get_running_loop()
@@ -151,6 +159,9 @@ class Scheduler:
                 )  # fmt: skip
                 for inputs, rows, key in parts
             ]
+        if outputs is not None:
+            for r in reqs:
+                r.outputs = outputs
         first = reqs[0]
         if tracing.TRACER is not None:
             trace = tracing.current()
@@ -424,7 +435,12 @@ class Scheduler:
             tracing.queue_spans(batch, start)
             self._spans[id(batch)] = tracing.batch_span(batch, start, self.name)
         try:
-            fut = self.execute([r.inputs for r in batch], rows, self.batched)
+            inputs = [r.inputs for r in batch]
+            outputs = self._outputs(batch)
+            if outputs is None:  # every request reads the defaults: the engine's own list
+                fut = self.execute(inputs, rows, self.batched)
+            else:
+                fut = self.execute(inputs, rows, self.batched, outputs)
         except BaseException as exc:
             # Refused before it ran (e.g. the pool is closed): not the rows' fault, never split.
             if not isinstance(exc, GatewayError):
@@ -435,6 +451,18 @@ class Scheduler:
             return
         loop = self._loop
         fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._on_done, batch, start, f, retry))
+
+    def _outputs(self, batch: list[Request]) -> tuple[str, ...] | None:
+        """The union of the batch's requests' outputs, in first-asked order; None when every
+        request reads the model's defaults."""
+        if all(r.outputs is None for r in batch):
+            return None
+        names: list[str] = []
+        for r in batch:
+            for n in self.default_outputs if r.outputs is None else r.outputs:
+                if n not in names:
+                    names.append(n)
+        return tuple(names)
 
     def _on_done(self, batch: list[Request], start: float, fut: Future, retry: bool = False) -> None:
         if fut.cancelled():

@@ -10,7 +10,7 @@ import numpy as np
 
 from batchgate.gateway.build.optimize.options import Options
 from batchgate.gateway.build.optimize.rows import Rows, pad_batch, row_len
-from batchgate.gateway.build.optimize.sessions import engine_precision, engine_session, run_rows
+from batchgate.gateway.build.optimize.sessions import engine_precision, engine_session, judged, run_rows
 from batchgate.gateway.build.thresholds import NN_TIE, Thresholds
 
 
@@ -110,12 +110,12 @@ def batch_independence(sess, feeds: list[dict[str, np.ndarray]], alone: dict[str
     """Largest difference between a row's output alone and in a batch with rows of other lengths
     padded to the longest (groups of 8 spread over the lengths, as a length bucket holds)."""
     order = sorted(range(len(feeds)), key=lambda i: row_len(feeds[i]))
-    names = [o.name for o in sess.get_outputs()]
+    names = judged(sess)
     worst = 0.0
     step = max(1, len(order) // 8)
     for start in range(min(step, 4)):
         group = order[start::step][:8]
-        outs = sess.run(None, pad_batch([feeds[i] for i in group]))
+        outs = sess.run(names, pad_batch([feeds[i] for i in group]))
         for n, v in zip(names, outs):
             ref = alone[n][group]
             worst = max(worst, float(np.abs(np.asarray(v, np.float64) - ref).max()))

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from batchgate.gateway.repository import TOKEN_MASK_OUTPUT, TOKEN_OUTPUT
+
 
 def session(path: Path, threads: int = 1):
     """A session as a batchgate CPU worker makes one: one thread, no spinning, all graph passes
@@ -46,11 +48,19 @@ def engine_session(path: Path, variant: str):
     return openvino_engine.Session(path, precision=precision, threads=1)
 
 
+def judged(sess) -> list[str]:
+    """The outputs the gate judges and the timings fetch: those a call gets without asking. A
+    pooled output's per-token companions (minilm's token_embeddings, given on request) are left
+    out: rows of other lengths do not stack, and serving copies them only for calls that ask."""
+    names = [o.name for o in sess.get_outputs()]
+    return [n for n in names if n not in (TOKEN_OUTPUT, TOKEN_MASK_OUTPUT)] or names
+
+
 def run_rows(sess, feeds: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """Each row alone; outputs stacked by name (rows on axis 0)."""
-    names = [o.name for o in sess.get_outputs()]
+    names = judged(sess)
     outs: dict[str, list[np.ndarray]] = {n: [] for n in names}
     for f in feeds:
-        for n, v in zip(names, sess.run(None, f)):
+        for n, v in zip(names, sess.run(names, f)):
             outs[n].append(np.asarray(v, np.float64))
     return {n: np.concatenate(v) for n, v in outs.items()}
