@@ -147,3 +147,46 @@ def test_predictions_over_unconfident_buckets_do_not_calibrate():
     assert q.push([make_req("n", "standard", 0.0, rows=4, key="new")])
     q.refuse(call, 0.0, 0.0, 1)
     assert q.prediction is not None and not q.prediction_sound
+
+
+async def test_a_live_server_after_a_stall_refuses_none_of_a_closed_loops_calls(tmp_path):
+    """The real server (gRPC, door, gate, scheduler; ``FakePool`` workers whose batches take the
+    recorded host's times, with one stall of 2.5 s), 64 closed-loop callers of one row with 2 s
+    deadlines for 5 s: the stall makes calls miss, and the gate, which then sheds, takes every
+    call whose deadline leaves more than the work queued ahead of it: none refused at the door."""
+    import grpc
+    import numpy as np
+
+    from tests.harness import model_repo, serving
+    from tests.helpers import encoder_request
+
+    host = Host.recorded(speed=SPEED)
+    a, b = host.lines[16]
+    n = [0]
+
+    def cost(rows: int) -> float:
+        n[0] += 1
+        return 2.5 if n[0] == 6 else (a + b * rows) * host.noise[n[0] % len(host.noise)] / SPEED
+
+    async with serving(model_repo(tmp_path, {"encoder": ""}), workers_per_device=1) as gw:
+        gw.pool("encoder").cost = cost
+        rng = np.random.default_rng(0)
+        reqs = [encoder_request(rng, 1, 16, {}) for _ in range(64)]
+        refused: dict[str, int] = {}
+        answered = [0]
+        loop = asyncio.get_running_loop()
+        stop = loop.time() + 5.0
+
+        async def caller(i: int) -> None:
+            while loop.time() < stop:
+                try:
+                    await gw.stub.ModelInfer(reqs[i], timeout=2.0)
+                    answered[0] += 1
+                except grpc.aio.AioRpcError as exc:
+                    why = "gate" if "server overloaded" in (exc.details() or "") else exc.code().name
+                    refused[why] = refused.get(why, 0) + 1
+
+        await asyncio.gather(*(caller(i) for i in range(64)))
+        assert n[0] > 6, "the stall never ran"
+        assert answered[0] > 64, (answered[0], refused)
+        assert not refused.get("gate"), (answered[0], refused, gw.server.shedder.refused)
