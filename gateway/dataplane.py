@@ -232,6 +232,18 @@ class DataPlane:
             raise unknown_version(name, version)
         return [versions[version]]
 
+    def backlog_s(self) -> float | None:
+        """The longest any model's queued work would keep a call waiting (``Scheduler.backlog_s``);
+        None when one with work queued keeps no estimate."""
+        most = 0.0
+        for versions in self.models.values():
+            for rt in versions.values():
+                s = rt.scheduler.backlog_s()
+                if s is None:
+                    return None
+                most = max(most, s)
+        return most
+
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new work and wait for every accepted request to be answered."""
         self.draining = True

@@ -164,6 +164,10 @@ class Pipeline:
         """The event loop's lag monitor (the shedder's ``Load``)."""
         return self.plane.lag
 
+    def backlog_s(self) -> float | None:
+        """The work queued ahead of a new call, in seconds (the shedder's ``Load``)."""
+        return self.plane.backlog_s()
+
     @property
     def open(self) -> bool:
         return self.admission.open

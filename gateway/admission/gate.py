@@ -23,6 +23,10 @@ class Load(Protocol):
     @property
     def lag(self) -> LoopLag: ...  # the event loop's lag monitor (its beat is the shedder's timer)
 
+    # Optional: seconds the work queued in the schedulers would keep a new call waiting (None:
+    # not known). A load without it is never vouched for (every call is subject to the share).
+    # def backlog_s(self) -> float | None: ...
+
 
 RETRY_S = 0.05  # the overload refusal's retry hint
 _RETRY_TRAILERS = (("grpc-retry-pushback-ms", "50"), ("retry-after-ms", "50"))
@@ -56,6 +60,17 @@ class LoadShedder:
     tests/test_capacity_live.py).
 
     With neither, the share grows back by half a percent per look (all of it within two seconds).
+
+    While shedding, a call whose deadline leaves it more time than the work queued ahead of it
+    (the schedulers' backlog, looked at once a look, and the loop's lag in and out) is taken
+    whatever the share: it is no overload's call, and refusing it refuses an answer it would have
+    had. At capacity a closed loop's calls are all such calls; a stall there (a noisy neighbour, a
+    batch five times its usual time) drops a few, and before this the share that followed refused
+    hundreds more, each retried at once and refused again (issue 57: 215 calls in a 15 s run of 64
+    single-text callers; docs/benchmarks.md, "False refusals at capacity"). A call that waited in
+    gRPC core until its deadline is nearly spent, or arrives while the queue holds more work than
+    its budget, is still subject to the share; the scheduler's estimate refuses, after decoding,
+    the vouched-for call whose own compute does not fit.
 
     Which calls are taken while shedding: the door sees no request body, so no latency class; it
     does see a gRPC call's deadline. Calls are put in buckets by the time they have left when they
@@ -118,6 +133,9 @@ class LoadShedder:
             len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         )
         self._cpu_at = (0.0, 0.0, 0.0)
+        # While shedding: the schedulers' backlog plus the loop's lag in and out, in seconds, as of
+        # the last look (None: not known, no call is vouched for)
+        self.vouch_s: float | None = None
 
     def start(self, load: Load | None = None) -> None:
         if load is not None:
@@ -185,6 +203,12 @@ class LoadShedder:
         else:
             admit = min(1.0, self.admit + self.GROW)
         self._set_admit(admit)
+        self.vouch_s = None
+        if self.shedding:
+            backlog = getattr(self.load, "backlog_s", None)
+            queued = backlog() if backlog is not None else None
+            if queued is not None:
+                self.vouch_s = queued + 2.0 * self.load.lag.s
         self.arrived *= self.DECAY
         self.ended *= self.DECAY
         self.dropped *= self.DECAY
@@ -230,6 +254,8 @@ class LoadShedder:
         self.arrived += 1
         b = bucket(remaining)
         self.arrivals[b] += 1
+        if remaining is not None and self.vouch_s is not None and remaining > self.vouch_s:
+            return True  # more time left than the work ahead of it: not an overload's call
         credit = self._credit[b] + min(1.0, self.weight[b] * self.admit)
         if credit >= 1.0:
             self._credit[b] = credit - 1.0

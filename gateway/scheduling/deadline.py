@@ -89,6 +89,9 @@ class DeadlineQueue:
         self.shed = shed
         self._probe_at = -math.inf  # when an idle queue last admitted a call its estimate refused
         self.prediction: float | None = None  # the last ``refuse`` that computed one (seconds)
+        # Whether that prediction may calibrate (``calibrate``): every bucket it counted had run
+        # enough for its estimate to stand (see ``refuse``).
+        self.prediction_sound = False
         self._ratio = (0, 1.0, 0.0)  # actual / predicted time of admitted calls: (n, mean, mean |dev|)
         self._recent: deque[float] = deque(maxlen=self.RATIO_WINDOW)  # the last ratios themselves
         self._lanes: dict[Hashable, dict[str, _Lane]] = {}
@@ -224,6 +227,15 @@ class DeadlineQueue:
             return None
         wait = (self.work_before_s(reqs) + running_s) / per_slot
         self.prediction = wait + own  # checked against the call's real time (``calibrate``)
+        # A prediction that counted a bucket not yet confident (its work guessed from other
+        # buckets, its own compute left out) says nothing of the predictions made once the model
+        # has learned: in the model's first batches such predictions ran 3-8x short, and a window
+        # of those ratios then scaled every later prediction up 3x and refused calls that made
+        # their deadlines, the refusals themselves leaving no sample to correct it
+        # (tests/test_false_refusals.py: the warm-up).
+        self.prediction_sound = all(latency.confident(r.key) for r in reqs) and all(
+            latency.confident(key) for key in self._lanes
+        )
         if self.prediction * self._ratio_low() - spread <= left:
             return None
         if wait <= 0.0:
@@ -330,6 +342,17 @@ class DeadlineQueue:
             est = self.latency.estimate_hi(r.key, r.rows) if self.latency.confident(r.key) else 0.0
             at = min(at, self.due(r) - est - lag, r.queue_deadline)
         return None if at == math.inf else at
+
+    def backlog_s(self, now: float) -> float | None:
+        """Compute seconds of everything queued (every class), bucket by bucket as
+        ``work_ahead_s`` counts it; None while the model has not run enough to say."""
+        if not self.size:
+            return 0.0
+        if not self.latency.confident_model():
+            return None
+        rank = max(c.rank for c in self.classes.values())
+        cap = self._batch_time_cap(now)
+        return sum(self._bucket_work_s(key, lanes, rank, cap) for key, lanes in self._lanes.items())
 
     def work_ahead_s(self, req: Request) -> float:
         """Compute seconds queued ahead of ``req`` (classes at least as urgent), bucket by bucket:

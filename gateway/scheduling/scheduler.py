@@ -169,6 +169,7 @@ class Scheduler:
                 r.trace = trace
         predicted_miss = self._admit(reqs, first, now)
         prediction = self.queue.prediction  # set by the admission test of this call, if it made one
+        sound = getattr(self.queue, "prediction_sound", True)  # ... and whether it may calibrate
         try:
             if len(reqs) == 1:
                 # If our caller is cancelled, awaiting cancels req.future too; the batcher then
@@ -179,14 +180,14 @@ class Scheduler:
                     r.call = reqs
                 out = await self._gather(reqs, loop)
             if prediction is not None:
-                self._judge(first, now, prediction, predicted_miss)
+                self._judge(first, now, prediction, predicted_miss, sound=sound)
             if (cost := COST.get()) is not None:
                 cost.computed += sum(r.rows for r in reqs)
                 cost.compute_s += sum(r.compute_s for r in reqs)
             return out
         except (GatewayError, asyncio.CancelledError) as exc:
             if prediction is not None:
-                self._judge(first, now, prediction, predicted_miss, exc)
+                self._judge(first, now, prediction, predicted_miss, exc, sound)
             raise
         finally:
             self._in_flight -= 1
@@ -226,7 +227,7 @@ class Scheduler:
 
     def _judge(
         self, first: Request, admitted_at: float, prediction: float, predicted_miss: bool,
-        exc: BaseException | None = None,
+        exc: BaseException | None = None, sound: bool = True,
     ) -> None:  # fmt: skip
         """A call admitted with a prediction has ended (``exc``: how it failed): its real time
         calibrates the queue's estimate, and with shedding off the shadow check counts whether a
@@ -241,7 +242,8 @@ class Scheduler:
             made_it = False
         else:
             return  # a failure that says nothing of time
-        self.queue.calibrate(prediction, end - admitted_at)
+        if sound:  # (a prediction from buckets still warming up would skew later ones)
+            self.queue.calibrate(prediction, end - admitted_at)
         if predicted_miss:
             self._shadow(first, made_it)
 
@@ -304,6 +306,17 @@ class Scheduler:
         if self._free:
             return 0.0
         return sum(max(start + est - now, 0.0) for start, est in self._running.values())
+
+    def backlog_s(self) -> float | None:
+        """How long a call queued now would wait before its own compute, as the queue estimates
+        it: everything queued (every class) and what the running batches have left, per worker
+        slot; None when the queue keeps no estimate. Read by the overload gate once a look
+        (``LoadShedder.vouch_s``)."""
+        backlog = getattr(self.queue, "backlog_s", None)
+        queued = backlog(self.clock()) if backlog is not None else (None if self.queue.size else 0.0)
+        if queued is None:
+            return None
+        return (queued + self._running_s(self.clock())) / max(self._slots, 1)
 
     def _shed(self, req: Request, refusal, now: float) -> GatewayError:
         self.stats.fail_count += 1  # Triton counts refused requests as failed
