@@ -154,7 +154,16 @@ def _parser() -> argparse.ArgumentParser:
 
 # parameters.VARIANTS, spelt out: importing it here would import the runtime before the CLI can say
 # that none is installed (tests/test_optimize.py checks the two agree).
-USE_CHOICES = ["fp32", "optimized", "fp16", "int8", "openvino-fp32", "openvino-bf16", "openvino-int8", "int8-mixed"]
+USE_CHOICES = [
+    "fp32",
+    "optimized",
+    "fp16",
+    "int8",
+    "openvino-fp32",
+    "openvino-bf16",
+    "openvino-int8",
+    "int8-mixed",
+]
 
 
 def _optimize_parser(sub) -> None:

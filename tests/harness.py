@@ -175,7 +175,9 @@ class FakePool:
 
     # -- the WorkerPool interface ---------------------------------------------------------------------
 
-    def submit(self, parts: list[dict[str, np.ndarray]], rows: list[int], batched: bool, outputs=None) -> Future:
+    def submit(
+        self, parts: list[dict[str, np.ndarray]], rows: list[int], batched: bool, outputs=None
+    ) -> Future:
         # ``outputs`` (the names a batch reads) is ignored: every row gets every output, a superset.
         if self._closed or self._executor is None:
             raise RuntimeError(f"worker pool '{self.name}' is closed")

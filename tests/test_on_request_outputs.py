@@ -361,8 +361,12 @@ def test_serve_rebuilds_a_minilm_built_before_its_token_output(minilm_dir, tmp_p
     (d / "1" / "model.onnx").write_bytes(b"an older build")
     shutil.copy(minilm_dir / "tokenizer.json", d / "tokenizer.json")
     text = (minilm_dir / "config.pbtxt").read_text()
-    old = text.replace(text[text.index(",\n  {\n    name: \"token_embeddings\"") : text.index("\n]\ndynamic")], "")
-    old = "\n".join(line for line in old.splitlines() if "on_request" not in line and TOKEN_OUTPUT not in line)
+    old = text.replace(
+        text[text.index(',\n  {\n    name: "token_embeddings"') : text.index("\n]\ndynamic")], ""
+    )
+    old = "\n".join(
+        line for line in old.splitlines() if "on_request" not in line and TOKEN_OUTPUT not in line
+    )
     (d / "config.pbtxt").write_text(old + "\n")
     assert TOKEN_OUTPUT not in old and outdated(tmp_path)
     prepare_missing(tmp_path, logging.getLogger("batchgate"))
