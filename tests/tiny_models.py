@@ -210,7 +210,9 @@ class TransformersModel:
             pytest.importorskip("torch")
             transformers = pytest.importorskip("transformers")
             architecture = json.loads((self.folder / "config.json").read_text())["architectures"][0]
-            model, info = getattr(transformers, architecture).from_pretrained(self.folder, output_loading_info=True)
+            model, info = getattr(transformers, architecture).from_pretrained(
+                self.folder, output_loading_info=True
+            )
             # every weight read from the folder, none left at transformers' random init
             assert not info["missing_keys"] and not info["unexpected_keys"], info
             self._model = model.eval()
