@@ -222,4 +222,6 @@ class TransformersModel:
         return self.load()(*args, **kwargs)
 
     def __getattr__(self, name: str):
+        if name.startswith("__") or name == "_model":  # copy/pickle probing a half-made instance
+            raise AttributeError(name)
         return getattr(self.load(), name)
