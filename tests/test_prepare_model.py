@@ -224,24 +224,6 @@ def st_pool(states, mask, pooling: str, normalize: bool):
     return pooled
 
 
-def tiny_bert(tok: Tokenizer):
-    """A scrambled TINY BertModel for ``tok``'s vocabulary (64 positions)."""
-    import transformers
-
-    cfg = transformers.BertConfig(**TINY, vocab_size=tok.get_vocab_size(), max_position_embeddings=64)
-    model = transformers.BertModel(cfg)
-    scramble(model)
-    return model.eval()
-
-
-def save_folder(model, tok: Tokenizer, d: Path, pooling: str, normalize: bool) -> Path:
-    """``model`` saved as a sentence-transformers folder: weights, tokenizer.json, modules."""
-    model.save_pretrained(d)
-    tok.save(str(d / "tokenizer.json"))
-    st_folder(d, pooling, normalize)
-    return d
-
-
 @contextlib.contextmanager
 def served_client(repo: Path, tmp: Path):
     """A real server on loopback serving ``repo``, and a KServe gRPC client of it."""
