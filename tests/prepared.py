@@ -1,7 +1,7 @@
 """Helpers shared by the tests of prepared classifiers, sparse encoders and token embeddings
-(tests/test_classify.py, test_sparse.py, test_token_embeddings.py): transformers' inputs for a
-folder's rows, the served repository (fixtures ``server`` and ``client`` over a module's ``repo``
-fixture), and one KServe call by gRPC or REST."""
+(tests/test_classify.py, test_sparse.py, test_token_embeddings.py): the tiny models' configs,
+transformers' inputs for a folder's rows, the served repository (fixtures ``server`` and ``client``
+over a module's ``repo`` fixture), and one KServe call by gRPC or REST."""
 
 from __future__ import annotations
 
@@ -18,24 +18,23 @@ from tests.conftest import start_server
 from tests.test_prepare_model import TINY, unigram, wordpiece
 
 
-def tiny_configs(seed: int):
-    """(transformers, the BERT config's fields with the WordPiece tokenizer, XLM-R's with the
-    Unigram one, those two tokenizers): tests/test_prepare_model.py's tiny models, torch seeded."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(seed)
+def tiny_configs():
+    """(the BERT config's fields with the WordPiece tokenizer, XLM-R's with the Unigram one, those
+    two tokenizers): tests/test_prepare_model.py's tiny models, for ``transformers_folder``
+    (tests/tiny_models.py: numpy weights, so the tests that do not compare with transformers run
+    without torch)."""
     wp, ug = wordpiece(), unigram()
     bert = dict(TINY, vocab_size=wp.get_vocab_size(), max_position_embeddings=64)
     # XLM-R: one token type, padding_idx 1, positions from 2, so 40 rows hold 38 tokens.
     xlmr = dict(TINY, vocab_size=ug.get_vocab_size(), max_position_embeddings=40, type_vocab_size=1,
                 pad_token_id=1, bos_token_id=0, eos_token_id=2, layer_norm_eps=1e-5)  # fmt: skip
-    return transformers, bert, xlmr, wp, ug
+    return bert, xlmr, wp, ug
 
 
 def torch_feeds(folder, model, rows: list) -> dict:
     """transformers' inputs for ``rows`` (texts, or pairs as tuples) in one padded batch,
     tokenised by the folder's tokenizer with its real pad token, cut at the model's max length."""
-    import torch
+    torch = pytest.importorskip("torch")  # the reference tests' own: they skip without it
 
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     pad = "[PAD]" if tok.token_to_id("[PAD]") is not None else "<pad>"

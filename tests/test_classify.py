@@ -4,10 +4,10 @@ parameters, rows of single texts or of pairs; served over KServe gRPC as ``proba
 ``logits``.
 
 The models are tiny random-weight transformers classifiers (BERT and XLM-R), SCRAMBLED as in
-tests/test_prepare_model.py so a wrong pooled token, position or activation cannot hide, saved
-with ``save_pretrained`` beside a ``tokenizers`` tokenizer. References are transformers' own
-logits and torch's softmax/sigmoid of them, on the same texts of mixed lengths (past the models'
-limits) and pairs.
+tests/test_prepare_model.py so a wrong pooled token, position or activation cannot hide, written
+by numpy in ``save_pretrained``'s layout beside a ``tokenizers`` tokenizer (tests/tiny_models.py).
+References are transformers' own logits and torch's softmax/sigmoid of them, on the same texts of
+mixed lengths (past the models' limits) and pairs.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from batchgate.gateway.build.prepare import prepare_model
 from batchgate.gateway.repository import ConfigError, load_model
 from batchgate.gateway.text import PAIR_SEPARATOR, TextStage
 from tests.prepared import client, kserve_grpc, kserve_rest, server, tiny_configs, torch_feeds  # noqa: F401  (fixtures)
-from tests.test_prepare_model import PAIRS, TEXTS, scramble
+from tests.test_prepare_model import PAIRS, TEXTS
+from tests.tiny_models import TransformersModel, transformers_folder
 
 MAX_PROB_DIFF = 1e-5  # the acceptance bound against torch's softmax / sigmoid
 MAX_LOGIT_DIFF = 1e-4
@@ -34,31 +35,24 @@ TOPICS = {0: "sport", 1: "music", 2: "food", 3: 'odd "quoted" \\ label'}
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """name -> (folder, transformers model, multi_label, pairs)."""
-    transformers, bert, xlmr, wp, ug = tiny_configs(1)
+    """name -> (folder, transformers' model of it (loaded by the reference tests alone), multi_label,
+    pairs)."""
+    bert, xlmr, wp, ug = tiny_configs()
     root = tmp_path_factory.mktemp("classifiers")
     made = {
         # three labels, softmax, single texts
-        "sentiment": (transformers.BertForSequenceClassification(
-            transformers.BertConfig(**bert, id2label=SENTIMENT)), wp, False, False),
+        "sentiment": ("BertForSequenceClassification", dict(bert, id2label=SENTIMENT), wp, False, False),
         # four labels, each its own sigmoid
-        "topics": (transformers.XLMRobertaForSequenceClassification(transformers.XLMRobertaConfig(
-            **xlmr, id2label=TOPICS, problem_type="multi_label_classification")), ug, True, False),
+        "topics": ("XLMRobertaForSequenceClassification",
+                   dict(xlmr, id2label=TOPICS, problem_type="multi_label_classification"), ug, True, False),
         # an NLI-style pair classifier, as sentence-transformers saves a CrossEncoder
-        "nli": (transformers.BertForSequenceClassification(
-            transformers.BertConfig(**bert, num_labels=3)), wp, False, True),
+        "nli": ("BertForSequenceClassification", dict(bert, num_labels=3, sentence_transformers={
+            "activation_fn": "torch.nn.modules.activation.Softmax"}), wp, False, True),
     }  # fmt: skip
     out = {}
-    for name, (model, tok, multi, pairs) in made.items():
-        scramble(model)
-        d = root / name
-        model.eval().save_pretrained(d)
-        tok.save(str(d / "tokenizer.json"))
-        if name == "nli":
-            config = json.loads((d / "config.json").read_text())
-            config["sentence_transformers"] = {"activation_fn": "torch.nn.modules.activation.Softmax"}
-            (d / "config.json").write_text(json.dumps(config))
-        out[name] = (d, model, multi, pairs)
+    for seed, (name, (architecture, config, tok, multi, pairs)) in enumerate(made.items()):
+        d = transformers_folder(root / name, architecture, config, tok, seed=10 + seed)
+        out[name] = (d, TransformersModel(d), multi, pairs)
     return out
 
 
@@ -76,7 +70,7 @@ def rows_of(name: str, folders) -> list:
 
 def reference(folder, model, rows: list, multi: bool) -> tuple[np.ndarray, np.ndarray]:
     """(probabilities, logits) from transformers, one padded batch."""
-    import torch
+    torch = pytest.importorskip("torch")
 
     feeds = torch_feeds(folder, model, rows)
     with torch.no_grad():

@@ -1,7 +1,8 @@
 """``batchgate prepare-model``: a local sentence-transformers / Hugging Face folder served as is.
 
-Small random-weight models of each supported architecture are built here with ``transformers``
-(the test-only reference extra) and saved as safetensors, beside a ``tokenizers`` tokenizer made
+Small random-weight models of each supported architecture are written here by numpy in the
+layout transformers saves (tests/tiny_models.py; transformers, the test-only reference extra,
+loads them for the comparisons), beside a ``tokenizers`` tokenizer made
 from a small vocabulary: BERT (WordPiece) with mean, CLS and last-token pooling and a plain
 Hugging Face folder, XLM-R (Unigram, position offset, one token type) with CLS pooling, and BERT
 and XLM-R cross-encoders. batchgate's graphs are checked against transformers' own outputs,
@@ -32,6 +33,7 @@ from batchgate.gateway.build.prepare import prepare_model
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import PAIR_SEPARATOR, TextStage
 from tests.conftest import start_server
+from tests.tiny_models import TransformersModel, transformers_folder
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
 # Every family, route and checkpoint dtype measures >= 0.99999988 against transformers (float32
@@ -142,33 +144,26 @@ def scramble(model, std: float = SCRAMBLE_STD) -> None:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """name -> (folder, the transformers model, its tokenizer, pooling, normalize); pooling None
-    for a cross-encoder."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    """name -> (folder, transformers' model of it, pooling, normalize); pooling None for a
+    cross-encoder. The folders are written by numpy in transformers' layout (tests/tiny_models.py);
+    the model is loaded from the folder by the tests that compare with it, alone."""
     root = tmp_path_factory.mktemp("hf-folders")
-    torch.manual_seed(0)
     wp, ug = wordpiece(), unigram()
     bert_cfg = dict(TINY, vocab_size=wp.get_vocab_size(), max_position_embeddings=64)
     # XLM-R: one token type, padding_idx 1, positions from 2, so 40 rows hold 38 tokens.
     xlmr_cfg = dict(TINY, vocab_size=ug.get_vocab_size(), max_position_embeddings=40, type_vocab_size=1,
                     pad_token_id=1, bos_token_id=0, eos_token_id=2, layer_norm_eps=1e-5)  # fmt: skip
     made = {
-        "bert": transformers.BertModel(transformers.BertConfig(**bert_cfg)),
-        "xlmr": transformers.XLMRobertaModel(transformers.XLMRobertaConfig(**xlmr_cfg)),
-        "bert_ce": transformers.BertForSequenceClassification(
-            transformers.BertConfig(**bert_cfg, num_labels=1)
-        ),
-        "xlmr_ce": transformers.XLMRobertaForSequenceClassification(
-            transformers.XLMRobertaConfig(**xlmr_cfg, num_labels=1)
-        ),
+        "bert": ("BertModel", bert_cfg, wp),
+        "xlmr": ("XLMRobertaModel", xlmr_cfg, ug),
+        "bert_ce": ("BertForSequenceClassification", dict(bert_cfg, num_labels=1), wp),
+        "xlmr_ce": ("XLMRobertaForSequenceClassification", dict(xlmr_cfg, num_labels=1), ug),
     }
+    models = {}
+    for seed, (name, (architecture, config, tok)) in enumerate(made.items()):
+        d = transformers_folder(root / name, architecture, config, tok, seed=seed)
+        models[name] = TransformersModel(d)
     out = {}
-    for name, model in made.items():
-        d = root / name
-        scramble(model)
-        model.eval().save_pretrained(d)
-        (wp if name.startswith("bert") else ug).save(str(d / "tokenizer.json"))
     prompts = {"prompts": {"query": "query: ", "passage": ""}, "default_prompt_name": None}
     for name, src, pooling, normalize, extra in (
         ("bert_mean", "bert", "mean", True, {"config_sentence_transformers.json": prompts,
@@ -179,11 +174,11 @@ def folders(tmp_path_factory):
     ):  # fmt: skip
         shutil.copytree(root / src, root / name)
         st_folder(root / name, pooling, normalize, **extra)
-        out[name] = (root / name, made[src], pooling, normalize)
+        out[name] = (root / name, models[src], pooling, normalize)
     # A plain Hugging Face folder: no modules.json, so mean pooling and unit vectors.
-    out["bert_plain"] = (root / "bert", made["bert"], "mean", True)
-    out["bert_ce"] = (root / "bert_ce", made["bert_ce"], None, None)
-    out["xlmr_ce"] = (root / "xlmr_ce", made["xlmr_ce"], None, None)
+    out["bert_plain"] = (root / "bert", models["bert"], "mean", True)
+    out["bert_ce"] = (root / "bert_ce", models["bert_ce"], None, None)
+    out["xlmr_ce"] = (root / "xlmr_ce", models["xlmr_ce"], None, None)
     return out
 
 
@@ -200,7 +195,7 @@ def reference(folder: Path, model, pooling: str | None, normalize: bool | None, 
     """transformers' outputs for ``rows`` (texts, or pairs for a cross-encoder) in one padded
     batch, tokenised by the folder's tokenizer with its real pad token, pooled and normalised
     as sentence-transformers' Pooling and Normalize modules do."""
-    import torch
+    torch = pytest.importorskip("torch")  # a reference test's: it skips without the reference extra
 
     if model.config.model_type == "xlm-roberta":  # transformers 5 builds its own (xlm_roberta.py)
         feeds = auto_tokenized(folder, rows)
@@ -253,24 +248,6 @@ def st_pool(states, mask, pooling: str, normalize: bool):
     if normalize:
         pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
     return pooled
-
-
-def tiny_bert(tok: Tokenizer):
-    """A scrambled TINY BertModel for ``tok``'s vocabulary (64 positions)."""
-    import transformers
-
-    cfg = transformers.BertConfig(**TINY, vocab_size=tok.get_vocab_size(), max_position_embeddings=64)
-    model = transformers.BertModel(cfg)
-    scramble(model)
-    return model.eval()
-
-
-def save_folder(model, tok: Tokenizer, d: Path, pooling: str, normalize: bool) -> Path:
-    """``model`` saved as a sentence-transformers folder: weights, tokenizer.json, modules."""
-    model.save_pretrained(d)
-    tok.save(str(d / "tokenizer.json"))
-    st_folder(d, pooling, normalize)
-    return d
 
 
 @contextlib.contextmanager
@@ -348,7 +325,7 @@ def test_bfloat16_weights_are_read_without_torch(folders, tmp_path):
     """safetensors' numpy API cannot hold bfloat16; the build reads such a file itself."""
     import copy
 
-    import torch
+    torch = pytest.importorskip("torch")  # writes the file and compares with transformers
     from safetensors.torch import save_file
 
     folder, model, pooling, normalize = folders["xlmr_cls"]
@@ -516,10 +493,8 @@ def test_modules_and_pooling_the_graph_does_not_do_are_refused(folders, tmp_path
 
 def test_a_classifier_with_several_labels_is_not_a_reranker(tmp_path, repo):
     """Several labels make a classifier (tests/test_classify.py), one label a reranker."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(**TINY, vocab_size=wordpiece().get_vocab_size(), num_labels=3)
-    transformers.BertForSequenceClassification(cfg).save_pretrained(tmp_path / "nli")
-    wordpiece().save(str(tmp_path / "nli" / "tokenizer.json"))
+    cfg = dict(TINY, vocab_size=wordpiece().get_vocab_size(), max_position_embeddings=64, num_labels=3)
+    transformers_folder(tmp_path / "nli", "BertForSequenceClassification", cfg, wordpiece(), seed=0)
     spec = spec_of(prepare_model(tmp_path / "nli", "nli", tmp_path / "repo", log=print))
     assert spec.kind == "classification" and not spec.params.text_pair
     assert [t.name for t in spec.outputs] == ["probabilities", "logits"]

@@ -39,14 +39,13 @@ from tests.test_prepare_model import (
     TINY,
     cosines,
     prepare_cli,
-    save_folder,
     scramble,
     served_client,
     st_folder,
     st_pool,
-    tiny_bert,
     wordpiece,
 )
+from tests.tiny_models import TransformersModel, transformers_folder
 
 ELECTRA = dict(TINY, embedding_size=16, max_position_embeddings=64)
 # Two Dense modules chained, as modules.json orders them: 32 -> 24 (tanh) -> 16 (no bias).
@@ -243,14 +242,15 @@ def electra(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bert_dense(tmp_path_factory):
-    """The weights route with Dense modules: a BERT folder, CLS pooling, two Dense, Normalize."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    torch.manual_seed(0)
+    """The weights route with Dense modules: a BERT folder (written by numpy in transformers'
+    layout), CLS pooling, two Dense, Normalize."""
     wp = wordpiece()
-    model = tiny_bert(wp)
-    d = save_folder(model, wp, tmp_path_factory.mktemp("bert-dense") / "bert_dense", "cls", True)
-    return d, model, "cls", add_dense(d, seed=2), True
+    config = dict(TINY, vocab_size=wp.get_vocab_size(), max_position_embeddings=64)
+    d = transformers_folder(
+        tmp_path_factory.mktemp("bert-dense") / "bert_dense", "BertModel", config, wp, seed=0
+    )
+    st_folder(d, "cls", True)
+    return d, TransformersModel(d), "cls", add_dense(d, seed=2), True
 
 
 @pytest.fixture(scope="module")

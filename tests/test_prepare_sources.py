@@ -21,7 +21,8 @@ from batchgate.gateway.build import sources
 from batchgate.gateway.build.hf_model import PrepareError
 from batchgate.gateway.build.prepare import prepare_model
 from tests.conftest import free_ports
-from tests.test_prepare_model import prepare_cli, save_folder, tiny_bert, wordpiece
+from tests.test_prepare_model import TINY, prepare_cli, st_folder, wordpiece
+from tests.tiny_models import transformers_folder
 
 REPO_ID = "acme/tiny-bert"
 MAIN = "a" * 40
@@ -47,14 +48,16 @@ def cache_layout(cache: Path, repo_id: str, folder: Path, commit: str, refs: tup
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """Two revisions of one tiny BERT: main pools the mean, v1 the CLS token."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    torch.manual_seed(0)
+    """Two revisions of one tiny BERT (the same weights, written by numpy in transformers' layout):
+    main pools the mean, v1 the CLS token."""
     root = tmp_path_factory.mktemp("hub-folders")
     wp = wordpiece()
-    model = tiny_bert(wp)
-    return {pooling: save_folder(model, wp, root / pooling, pooling, True) for pooling in ("mean", "cls")}
+    config = dict(TINY, vocab_size=wp.get_vocab_size(), max_position_embeddings=64)
+    folders = {}
+    for pooling in ("mean", "cls"):
+        folders[pooling] = transformers_folder(root / pooling, "BertModel", config, wp, seed=0)
+        st_folder(folders[pooling], pooling, True)
+    return folders
 
 
 @pytest.fixture

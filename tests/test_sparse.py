@@ -22,7 +22,8 @@ from batchgate.gateway.build.prepare import prepare_model
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
 from tests.prepared import client, kserve_grpc, kserve_rest, server, tiny_configs, torch_feeds  # noqa: F401  (fixtures)
-from tests.test_prepare_model import TEXTS, TINY, scramble, wordpiece
+from tests.test_prepare_model import TEXTS, TINY, wordpiece
+from tests.tiny_models import TransformersModel, transformers_folder
 
 MAX_DIFF = 1e-4  # the acceptance bound
 ST = "sentence_transformers.sparse_encoder.models."
@@ -50,26 +51,22 @@ def splade_folder(
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """name -> (folder, transformers masked LM, activation, pooling)."""
-    transformers, bert, xlmr, wp, ug = tiny_configs(2)
+    """name -> (folder, transformers' masked LM of it (loaded by the reference tests alone),
+    activation, pooling)."""
+    bert, xlmr, wp, ug = tiny_configs()
     root = tmp_path_factory.mktemp("splade")
     distil = dict(vocab_size=wp.get_vocab_size(), dim=32, n_layers=2, n_heads=2, hidden_dim=64,
                   max_position_embeddings=64)  # fmt: skip
     made = {
-        "bert_splade": (transformers.BertForMaskedLM(transformers.BertConfig(**bert)), wp, "relu", "max"),
-        "xlmr_splade": (transformers.XLMRobertaForMaskedLM(transformers.XLMRobertaConfig(**xlmr)), ug,
-                        "log1p_relu", "max"),
-        "distil_splade": (transformers.DistilBertForMaskedLM(transformers.DistilBertConfig(**distil)), wp,
-                          "relu", "sum"),
-    }  # fmt: skip
+        "bert_splade": ("BertForMaskedLM", bert, wp, "relu", "max"),
+        "xlmr_splade": ("XLMRobertaForMaskedLM", xlmr, ug, "log1p_relu", "max"),
+        "distil_splade": ("DistilBertForMaskedLM", distil, wp, "relu", "sum"),
+    }
     out = {}
-    for name, (model, tok, activation, pooling) in made.items():
-        scramble(model)
-        d = root / name
-        model.eval().save_pretrained(d)
-        tok.save(str(d / "tokenizer.json"))
+    for seed, (name, (architecture, config, tok, activation, pooling)) in enumerate(made.items()):
+        d = transformers_folder(root / name, architecture, config, tok, seed=20 + seed)
         splade_folder(d, activation, pooling)
-        out[name] = (d, model, activation, pooling)
+        out[name] = (d, TransformersModel(d), activation, pooling)
     return out
 
 
@@ -83,7 +80,7 @@ def repo(folders, tmp_path_factory):
 
 def reference(folder, model, activation: str, pooling: str, rows: list[str]) -> np.ndarray:
     """SpladePooling over transformers' masked-LM logits, one padded batch."""
-    import torch
+    torch = pytest.importorskip("torch")
 
     feeds = torch_feeds(folder, model, rows)
     mask = feeds["attention_mask"]
@@ -106,11 +103,12 @@ def check_sparse(got: np.ndarray, want: np.ndarray, name: str) -> None:
 
 
 def test_config_says_sparse_and_vocabulary_sized(repo, folders):
-    for name, (folder, model, *_rest) in folders.items():
+    for name, (folder, *_rest) in folders.items():
         spec = load_model(repo / name)[0]
         assert spec.kind == "sparse_embedding"
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
         assert [(t.name, t.datatype, t.dims) for t in spec.outputs] == [
-            ("sparse_embedding", "FP32", (model.config.vocab_size,))
+            ("sparse_embedding", "FP32", (vocab,))
         ]
         assert not spec.params.text_pair and spec.params.pooling is None
 
@@ -138,13 +136,10 @@ def test_served_over_kserve_rest(folders, server):  # noqa: F811
 
 
 def test_what_a_sparse_encoder_cannot_be_is_refused(folders, tmp_path):
-    transformers = pytest.importorskip("transformers")
     # no masked-LM head: a bare encoder's checkpoint
     bare = tmp_path / "bare"
-    transformers.BertModel(
-        transformers.BertConfig(**TINY, vocab_size=wordpiece().get_vocab_size())
-    ).save_pretrained(bare)
-    wordpiece().save(str(bare / "tokenizer.json"))
+    config = dict(TINY, vocab_size=wordpiece().get_vocab_size(), max_position_embeddings=64)
+    transformers_folder(bare, "BertModel", config, wordpiece(), seed=0)
     splade_folder(bare)
     with pytest.raises(PrepareError, match="a sparse encoder needs a masked-LM checkpoint .* not BertModel"):
         read_folder(bare)

@@ -4,8 +4,8 @@ against a real server with a tenant file, every RPC answered as the same server'
 answer the same text (``/v1/embeddings``, ``/v1/rerank``, ``/predict``, ``/embed_sparse``,
 ``/embed_all``, ``/tokenize``, ``/decode``).
 
-The models: the bundled minilm (the default model) and tiny scrambled transformers models made
-with ``prepare-model``: a cross-encoder (rerank), a three-label classifier, a pair classifier, a
+The models: the bundled minilm (the default model) and tiny scrambled transformers models (written
+by numpy in transformers' layout, tests/tiny_models.py) made servable with ``prepare-model``: a cross-encoder (rerank), a three-label classifier, a pair classifier, a
 SPLADE encoder, and an embedding model with token vectors and prompts.
 """
 
@@ -30,8 +30,9 @@ from batchgate.gateway.build.prepare import prepare_model
 from tests.conftest import ROOT, start_server
 from tests.prepared import tiny_configs
 from tests.test_classify import SENTIMENT
-from tests.test_prepare_model import PAIRS, TEXTS, scramble, st_folder
+from tests.test_prepare_model import PAIRS, TEXTS, st_folder
 from tests.test_sparse import splade_folder
+from tests.tiny_models import transformers_folder
 
 ALL = "tei-grpc-all-models-key-0001"
 SOLO = "tei-grpc-minilm-only-key-002"
@@ -70,19 +71,17 @@ def tei(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    transformers, bert, _xlmr, wp, _ug = tiny_configs(5)
+    bert, _xlmr, wp, _ug = tiny_configs()
     root = tmp_path_factory.mktemp("tei-grpc-folders")
     made = {
-        "sentiment": transformers.BertForSequenceClassification(transformers.BertConfig(**bert, id2label=SENTIMENT)),
-        "nli": transformers.BertForSequenceClassification(transformers.BertConfig(**bert, num_labels=3)),
-        "splade": transformers.BertForMaskedLM(transformers.BertConfig(**bert)),
-        "tokens": transformers.BertModel(transformers.BertConfig(**bert)),
-        "ce": transformers.BertForSequenceClassification(transformers.BertConfig(**bert, num_labels=1)),
-    }  # fmt: skip
-    for name, model in made.items():
-        scramble(model)
-        model.eval().save_pretrained(root / name)
-        wp.save(str(root / name / "tokenizer.json"))
+        "sentiment": ("BertForSequenceClassification", dict(bert, id2label=SENTIMENT)),
+        "nli": ("BertForSequenceClassification", dict(bert, num_labels=3)),
+        "splade": ("BertForMaskedLM", bert),
+        "tokens": ("BertModel", bert),
+        "ce": ("BertForSequenceClassification", dict(bert, num_labels=1)),
+    }
+    for seed, (name, (architecture, config)) in enumerate(made.items()):
+        transformers_folder(root / name, architecture, config, wp, seed=50 + seed)
     config = json.loads((root / "nli" / "config.json").read_text())
     config["sentence_transformers"] = {
         "activation_fn": "torch.nn.modules.activation.Softmax"

@@ -5,10 +5,13 @@ truncation; token-id inputs on ``/v1/embeddings``; latency budgets no call can m
 ``tei-client`` 0.2.4 from PyPI, unchanged, against the root and against ``/tei/{model}``.
 
 The models: minilm (and a ``reject`` copy of it), and tiny scrambled random-weight transformers
-models made here with ``prepare-model`` (tests/test_prepare_model.py's helpers): a three-label
-classifier, a multi-label one, a pair (NLI) one, a SPLADE encoder, an embedding model with token
-vectors and prompts, and a one-label cross-encoder (a reranker). References are transformers'
-own outputs and the models' tokenizers.
+models written by numpy in transformers' layout (tests/tiny_models.py) and made servable here with
+``prepare-model``: a three-label classifier, a multi-label one, a pair (NLI) one, a SPLADE encoder,
+an embedding model with token vectors and prompts, and a one-label cross-encoder (a reranker).
+Each route's numbers are checked against KServe's answer for the same model and rows, and the
+models' tokenizers; KServe's answer against transformers' own outputs in one reference test (the
+graphs' own tests are tests/test_classify.py, test_sparse.py, test_token_embeddings.py), so the
+rest run without torch.
 """
 
 from __future__ import annotations
@@ -23,15 +26,18 @@ import pytest
 import tritonclient.grpc as tc
 from tokenizers import Tokenizer
 
+from batchgate.gateway.build.hf_model import read_folder
 from batchgate.gateway.build.prepare import prepare_model
+from batchgate.gateway.text import PAIR_SEPARATOR
 from tests.conftest import REPO, start_server
 from tests.test_classify import SENTIMENT, TOPICS
 from tests.test_classify import reference as classifier_reference
 from tests.prepared import server, tiny_configs  # noqa: F401  (server: a module fixture over repo)
-from tests.test_prepare_model import PAIRS, TEXTS, scramble, st_folder
+from tests.test_prepare_model import PAIRS, TEXTS, st_folder
 from tests.test_sparse import check_sparse, splade_folder
 from tests.test_sparse import reference as sparse_reference
 from tests.test_token_embeddings import reference as token_reference
+from tests.tiny_models import TransformersModel, transformers_folder
 
 MAX_PROB_DIFF = 1e-5
 MAX_DIFF = 1e-4
@@ -40,26 +46,22 @@ LONG = " ".join(["the quick brown fox jumps over the lazy dog near the river ban
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """name -> (folder, transformers model)."""
-    transformers, bert, xlmr, wp, ug = tiny_configs(4)
+    """name -> (folder, transformers' model of it: loaded by the reference test alone)."""
+    bert, xlmr, wp, ug = tiny_configs()
     root = tmp_path_factory.mktemp("tei-folders")
     made = {
-        "sentiment": (transformers.BertForSequenceClassification(
-            transformers.BertConfig(**bert, id2label=SENTIMENT)), wp),
-        "topics": (transformers.XLMRobertaForSequenceClassification(transformers.XLMRobertaConfig(
-            **xlmr, id2label=TOPICS, problem_type="multi_label_classification")), ug),
-        "nli": (transformers.BertForSequenceClassification(transformers.BertConfig(**bert, num_labels=3)), wp),
-        "splade": (transformers.BertForMaskedLM(transformers.BertConfig(**bert)), wp),
-        "tokens": (transformers.BertModel(transformers.BertConfig(**bert)), wp),
-        "ce": (transformers.BertForSequenceClassification(transformers.BertConfig(**bert, num_labels=1)), wp),
+        "sentiment": ("BertForSequenceClassification", dict(bert, id2label=SENTIMENT), wp),
+        "topics": ("XLMRobertaForSequenceClassification",
+                   dict(xlmr, id2label=TOPICS, problem_type="multi_label_classification"), ug),
+        "nli": ("BertForSequenceClassification", dict(bert, num_labels=3), wp),
+        "splade": ("BertForMaskedLM", bert, wp),
+        "tokens": ("BertModel", bert, wp),
+        "ce": ("BertForSequenceClassification", dict(bert, num_labels=1), wp),
     }  # fmt: skip
     out = {}
-    for name, (model, tok) in made.items():
-        scramble(model)
-        d = root / name
-        model.eval().save_pretrained(d)
-        tok.save(str(d / "tokenizer.json"))
-        out[name] = (d, model)
+    for seed, (name, (architecture, config, tok)) in enumerate(made.items()):
+        d = transformers_folder(root / name, architecture, config, tok, seed=40 + seed)
+        out[name] = (d, TransformersModel(d))
     config = json.loads((root / "nli" / "config.json").read_text())
     config["sentence_transformers"] = {"activation_fn": "torch.nn.modules.activation.Softmax"}
     (root / "nli" / "config.json").write_text(json.dumps(config))
@@ -122,6 +124,19 @@ def kserve(srv, model: str, rows: list[str], output: str) -> np.ndarray:
         x = tc.InferInput("text", [len(rows), 1], "BYTES")
         x.set_data_from_numpy(np.array([[r.encode()] for r in rows], dtype=object))
         return c.infer(model, [x], outputs=[tc.InferRequestedOutput(output)]).as_numpy(output)
+
+
+def served_scores(srv, name: str, rows: list) -> tuple[np.ndarray, np.ndarray]:
+    """(probabilities, logits) of a classifier over KServe (pairs joined as its wire joins them)."""
+    rows = [PAIR_SEPARATOR.join(r) if isinstance(r, tuple) else r for r in rows]
+    return kserve(srv, name, rows, "probabilities"), kserve(srv, name, rows, "logits")
+
+
+def served_tokens(srv, folder, rows: list[str]) -> tuple[np.ndarray, list[int]]:
+    """(the "tokens" model's token vectors over KServe, each row's token count by its tokenizer)."""
+    tok = tokenizer_of(folder)
+    tok.enable_truncation(read_folder(folder).max_tokens)
+    return kserve(srv, "tokens", rows, "token_embeddings"), [len(e.ids) for e in tok.encode_batch(rows)]
 
 
 # -- /info ----------------------------------------------------------------------------------------
@@ -218,11 +233,10 @@ def test_similarity_is_the_cosine_of_the_served_embeddings(base):
     assert got[0] > got[1]  # a real similarity: the paraphrase is closer
 
 
-def test_embed_sparse_equals_transformers(base, folders):
-    folder, model = folders["splade"]
+def test_embed_sparse_equals_the_models_vectors(base, srv):
     status, body, _ = call(base + "/embed_sparse", {"inputs": TEXTS})  # the only sparse model
     assert status == 200, body
-    want = sparse_reference(folder, model, "relu", "max", TEXTS)
+    want = kserve(srv, "splade", TEXTS, "sparse_embedding")
     got = np.zeros_like(want)
     for i, row in enumerate(body):
         idx = [p["index"] for p in row]
@@ -234,16 +248,16 @@ def test_embed_sparse_equals_transformers(base, folders):
         assert [p["index"] for p in row] == sorted(np.argsort(-want[i], kind="stable")[:3].tolist())
 
 
-def test_embed_all_gives_every_token_its_vector(base, folders):
-    folder, model = folders["tokens"]
+def test_embed_all_gives_every_token_its_vector(base, srv, folders):
     rows = TEXTS[:6]
     status, body, _ = call(base + "/tei/tokens/embed_all", {"inputs": rows})
     assert status == 200, body
-    states, counts = token_reference(folder, model, rows)
+    states, counts = served_tokens(srv, folders["tokens"][0], rows)
     for i, n in enumerate(counts):
         got = np.array(body[i], dtype=np.float32)
         assert got.shape == (n, states.shape[2])
         np.testing.assert_allclose(got, states[i, :n], atol=MAX_DIFF, rtol=0)
+        assert not states[i, n:].any()  # the count is the tokenizer's: the graph zeroes the rest
     # minilm (the root's model) serves its token vectors too: [CLS] dog [SEP]
     status, body, _ = call(base + "/embed_all", {"inputs": "dog"})
     assert status == 200 and np.array(body).shape == (1, 3, 384), body
@@ -252,10 +266,9 @@ def test_embed_all_gives_every_token_its_vector(base, folders):
 # -- classifiers ----------------------------------------------------------------------------------
 
 
-def test_predict_scores_equal_transformers(base, folders):
+def test_predict_scores_are_the_models(base, srv):
     for name, multi in (("sentiment", False), ("topics", True)):
-        folder, model = folders[name]
-        probs, logits = classifier_reference(folder, model, TEXTS, multi)
+        probs, logits = served_scores(srv, name, TEXTS)
         labels = SENTIMENT if name == "sentiment" else TOPICS
         status, body, _ = call(f"{base}/tei/{name}/predict", {"inputs": [[t] for t in TEXTS]})
         assert status == 200 and len(body) == len(TEXTS), body
@@ -270,30 +283,27 @@ def test_predict_scores_equal_transformers(base, folders):
         got = {p["label"]: p["score"] for p in body}  # a single text: one list, not a batch
         np.testing.assert_allclose([got[labels[j]] for j in range(len(labels))], logits[1], atol=MAX_DIFF)
     # a pair model takes [a, b]; a single-text model refuses one
-    folder, model = folders["nli"]
-    probs, _ = classifier_reference(folder, model, PAIRS, False)
+    probs, _ = served_scores(srv, "nli", PAIRS)
     status, body, _ = call(base + "/tei/nli/predict", {"inputs": [list(p) for p in PAIRS]})
     assert status == 200, body
     for row, want in zip(body, probs, strict=True):
         got = {p["label"]: p["score"] for p in row}
         np.testing.assert_allclose([got[f"LABEL_{j}"] for j in range(3)], want, atol=MAX_PROB_DIFF)
     # a classifier prepared for single texts takes a pair too, as its tokenizer pairs two texts
-    # (TEI tokenizes a pair for any classifier)
-    folder, model = folders["sentiment"]
-    probs, _ = classifier_reference(folder, model, PAIRS, False)
+    # (TEI tokenizes a pair for any classifier; its numbers: test_the_served_numbers_equal_transformers)
     status, body, _ = call(base + "/tei/sentiment/predict", {"inputs": [list(p) for p in PAIRS]})
-    assert status == 200, body
-    for row, want in zip(body, probs, strict=True):
-        got = {p["label"]: p["score"] for p in row}
-        np.testing.assert_allclose([got[SENTIMENT[j]] for j in range(3)], want, atol=MAX_PROB_DIFF)
+    assert status == 200 and len(body) == len(PAIRS), body
+    singles = served_scores(srv, "sentiment", [" ".join(p) for p in PAIRS])[0]
+    for row, single in zip(body, singles, strict=True):
+        got = [{p["label"]: p["score"] for p in row}[SENTIMENT[j]] for j in range(3)]
+        assert abs(sum(got) - 1) < 1e-5 and not np.allclose(got, single, atol=1e-4)  # a pair, not one text
     # a pair model refuses a single text
     status, body, _ = call(base + "/tei/nli/predict", {"inputs": [["a"], ["b"]]})
     assert status == 422 and "pair" in body["error"], body
 
 
-def test_classify_answers_in_vllms_shape(base, folders):
-    folder, model = folders["sentiment"]
-    probs, _ = classifier_reference(folder, model, TEXTS[:3], False)
+def test_classify_answers_in_vllms_shape(base, srv):
+    probs, _ = served_scores(srv, "sentiment", TEXTS[:3])
     status, body, _ = call(base + "/classify", {"model": "sentiment", "input": TEXTS[:3]})
     assert status == 200 and body["object"] == "list" and body["model"] == "sentiment", body
     assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] > 0
@@ -389,7 +399,7 @@ def test_a_budget_no_call_can_meet_is_invalid_input(base, budget):
 # -- the real TEI client ---------------------------------------------------------------------------
 
 
-def test_the_real_tei_client_at_the_root_and_per_model(base, folders, minilm_dir):
+def test_the_real_tei_client_at_the_root_and_per_model(base, srv, folders, minilm_dir):
     tei_client = pytest.importorskip("tei_client")  # tei-client==0.2.4, the test extra
     root = tei_client.HttpClient(base, timeout=60)
     assert root.health()
@@ -407,16 +417,14 @@ def test_the_real_tei_client_at_the_root_and_per_model(base, folders, minilm_dir
     per = tei_client.HttpClient(base + "/tei/tokens", timeout=60)
     assert per.info().server_model_id == "tokens"
     assert sorted(per.prompt_names()) == ["passage", "query"]
-    folder, model = folders["tokens"]
-    states, counts = token_reference(folder, model, TEXTS[:2])
+    states, counts = served_tokens(srv, folders["tokens"][0], TEXTS[:2])
     got = per.embed_all(TEXTS[:2])
     for i, n in enumerate(counts):
         np.testing.assert_allclose(np.float32(got[i]), states[i, :n], atol=MAX_DIFF, rtol=0)
 
     clf = tei_client.HttpClient(base + "/tei/sentiment", timeout=60)
     assert clf.health() and clf.info().server_model_type.value == "classifier"
-    folder, model = folders["sentiment"]
-    probs, _ = classifier_reference(folder, model, TEXTS[:3], False)
+    probs, _ = served_scores(srv, "sentiment", TEXTS[:3])
     results = clf.classify(TEXTS[:3])
     for r, want in zip(results, probs, strict=True):
         got = {s.label: s.score for s in r.scores}
@@ -439,15 +447,13 @@ def test_the_real_tei_client_at_the_root_and_per_model(base, folders, minilm_dir
 def test_the_batchgate_client_classifies_and_gives_sparse_and_token_vectors(srv, folders):
     from batchgate.client import AsyncClient, Client
 
-    folder, model = folders["sentiment"]
-    probs, logits = classifier_reference(folder, model, TEXTS, False)
+    probs, logits = served_scores(srv, "sentiment", TEXTS)
     with Client(srv.grpc_url, timeout=60) as bg:
         np.testing.assert_allclose(bg.classify(TEXTS, model="sentiment"), probs, atol=MAX_PROB_DIFF)
         np.testing.assert_allclose(
             bg.classify(TEXTS, model="sentiment", raw_scores=True), logits, atol=MAX_DIFF
         )
-        folder, model = folders["splade"]
-        want = sparse_reference(folder, model, "relu", "max", TEXTS)
+        want = kserve(srv, "splade", TEXTS, "sparse_embedding")
         rows = bg.embed_sparse(TEXTS, model="splade")
         got = np.zeros_like(want)
         for i, row in enumerate(rows):
@@ -456,8 +462,7 @@ def test_the_batchgate_client_classifies_and_gives_sparse_and_token_vectors(srv,
         assert list(bg.embed_sparse(TEXTS[:1], model="splade", top_k=2)[0]) == sorted(
             np.argsort(-want[0], kind="stable")[:2].tolist()
         )
-        folder, model = folders["tokens"]
-        states, counts = token_reference(folder, model, TEXTS)
+        states, counts = served_tokens(srv, folders["tokens"][0], TEXTS)
         for i, vectors in enumerate(bg.embed_all(TEXTS, model="tokens")):
             assert vectors.shape == (counts[i], states.shape[2])
             np.testing.assert_allclose(vectors, states[i, : counts[i]], atol=MAX_DIFF, rtol=0)
@@ -468,8 +473,7 @@ def test_the_batchgate_client_classifies_and_gives_sparse_and_token_vectors(srv,
 
     import asyncio
 
-    np.testing.assert_allclose(asyncio.run(run()), classifier_reference(*folders["sentiment"], TEXTS[:3], False)[0],
-                               atol=MAX_PROB_DIFF)  # fmt: skip
+    np.testing.assert_allclose(asyncio.run(run()), probs[:3], atol=MAX_PROB_DIFF)
 
 
 def test_a_server_without_text_models_says_so_on_teis_routes(tmp_path):
@@ -496,9 +500,35 @@ def test_the_default_model_is_a_setting(repo, folders, tmp_path):
     try:
         root = tei_client.HttpClient(f"http://127.0.0.1:{s.http_port}", timeout=60)
         assert root.info().server_model_id == "tokens"
-        folder, model = folders["tokens"]
-        states, counts = token_reference(folder, model, TEXTS[:3])
+        states, counts = served_tokens(s, folders["tokens"][0], TEXTS[:3])
         for i, got in enumerate(root.embed_all(TEXTS[:3])):
             np.testing.assert_allclose(np.float32(got), states[i, : counts[i]], atol=MAX_DIFF, rtol=0)
     finally:
         s.stop()
+
+
+# -- the reference --------------------------------------------------------------------------------
+
+
+def test_the_served_numbers_equal_transformers(base, srv, folders):
+    """The routes above answer what KServe answers for the same model; KServe's answers here are
+    transformers' own (the reference extra), and a single-text classifier's pair scores, which
+    only a TEI route asks for."""
+    for name, multi, rows in (("sentiment", False, TEXTS), ("topics", True, TEXTS), ("nli", False, PAIRS)):
+        probs, logits = classifier_reference(*folders[name], rows, multi)
+        got_p, got_l = served_scores(srv, name, rows)
+        np.testing.assert_allclose(got_p, probs, atol=MAX_PROB_DIFF, rtol=0)
+        np.testing.assert_allclose(got_l, logits, atol=MAX_DIFF, rtol=0)
+    check_sparse(kserve(srv, "splade", TEXTS, "sparse_embedding"),
+                 sparse_reference(*folders["splade"], "relu", "max", TEXTS), "splade")  # fmt: skip
+    states, counts = token_reference(*folders["tokens"], TEXTS)
+    got, want_counts = served_tokens(srv, folders["tokens"][0], TEXTS)
+    assert counts == want_counts
+    for i, n in enumerate(counts):
+        np.testing.assert_allclose(got[i, :n], states[i, :n], atol=MAX_DIFF, rtol=0)
+    probs, _ = classifier_reference(*folders["sentiment"], PAIRS, False)
+    status, body, _ = call(base + "/tei/sentiment/predict", {"inputs": [list(p) for p in PAIRS]})
+    assert status == 200, body
+    for row, want in zip(body, probs, strict=True):
+        got = {p["label"]: p["score"] for p in row}
+        np.testing.assert_allclose([got[SENTIMENT[j]] for j in range(3)], want, atol=MAX_PROB_DIFF)

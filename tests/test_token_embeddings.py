@@ -24,7 +24,8 @@ from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
 from batchgate.workers import EngineOptions, WorkerPool, discover
 from tests.prepared import client, kserve_grpc, kserve_rest, server, tiny_configs, torch_feeds  # noqa: F401  (fixtures)
-from tests.test_prepare_model import TEXTS, cosines, scramble, st_folder
+from tests.test_prepare_model import TEXTS, cosines, st_folder
+from tests.tiny_models import TransformersModel, transformers_folder
 
 MAX_DIFF = 1e-4
 MIN_COSINE = 0.9999
@@ -32,25 +33,18 @@ MIN_COSINE = 0.9999
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    transformers, bert, xlmr, wp, ug = tiny_configs(3)
+    bert, xlmr, wp, ug = tiny_configs()
     root = tmp_path_factory.mktemp("token-folders")
     made = {
-        "bert_tokens": (transformers.BertModel(transformers.BertConfig(**bert)), wp, "mean", True),
-        "xlmr_tokens": (
-            transformers.XLMRobertaModel(transformers.XLMRobertaConfig(**xlmr)),
-            ug,
-            "cls",
-            False,
-        ),
+        "bert_tokens": ("BertModel", bert, wp, "mean", True),
+        "xlmr_tokens": ("XLMRobertaModel", xlmr, ug, "cls", False),
     }
     out = {}
-    for name, (model, tok, pooling, normalize) in made.items():
-        scramble(model)
-        d = root / name
-        model.eval().save_pretrained(d)
-        tok.save(str(d / "tokenizer.json"))
+    for seed, (name, (architecture, config, tok, pooling, normalize)) in enumerate(made.items()):
+        d = transformers_folder(root / name, architecture, config, tok, seed=30 + seed)
         st_folder(d, pooling, normalize, **{"sentence_bert_config.json": {"max_seq_length": 36}})
-        out[name] = (d, model, pooling, normalize)
+        # transformers' model of it, loaded by the reference tests alone
+        out[name] = (d, TransformersModel(d), pooling, normalize)
     return out
 
 
@@ -71,7 +65,7 @@ def repo(folders, tmp_path_factory):
 
 def reference(folder, model, rows: list[str]) -> tuple[np.ndarray, list[int]]:
     """(transformers' last_hidden_state for the padded batch, each row's token count)."""
-    import torch
+    torch = pytest.importorskip("torch")
 
     feeds = torch_feeds(folder, model, rows)
     with torch.no_grad():

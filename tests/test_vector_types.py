@@ -4,7 +4,11 @@ calibrated once on the shipped held-out rows, kept in a file with the model, one
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -74,10 +78,20 @@ def fresh(embed):
 
 @pytest.fixture(scope="module")
 def st_quantize():
-    pytest.importorskip("sentence_transformers")
-    from sentence_transformers import quantize_embeddings
-
-    return quantize_embeddings
+    """sentence-transformers' own ``quantize_embeddings``: its module util/quantization.py (and the
+    util/tensor.py it imports) loaded from the installed package under a private name, without the
+    package's __init__, which imports transformers, scikit-learn and torch.distributed first (47 s
+    of 60 here on a loaded machine; torch and scipy, which the two modules import, stay)."""
+    spec = importlib.util.find_spec("sentence_transformers")  # finds the package, runs none of it
+    if spec is None:
+        pytest.skip("sentence-transformers (the reference extra) is not installed")
+    util = types.ModuleType("_sentence_transformers_util")
+    util.__path__ = [str(Path(spec.origin).parent / "util")]
+    sys.modules[util.__name__] = util
+    try:
+        return importlib.import_module(util.__name__ + ".quantization").quantize_embeddings
+    finally:
+        del sys.modules[util.__name__]
 
 
 def test_default_texts_are_the_shipped_held_out_rows():

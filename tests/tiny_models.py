@@ -79,3 +79,149 @@ def prepare(folder: Path, name: str, repo: Path, *flags: str) -> None:
          "--model-repository", str(repo), *flags],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
+
+
+# -- transformers' own folder layout, written with numpy ---------------------------------------------
+
+# What transformers 5 writes into config.json for these families, beside the sizes a test gives.
+_BASE = {
+    "bert": {"model_type": "bert", "hidden_act": "gelu", "type_vocab_size": 2, "layer_norm_eps": 1e-12,
+             "pad_token_id": 0, "bos_token_id": None, "eos_token_id": None},
+    "xlm-roberta": {"model_type": "xlm-roberta", "hidden_act": "gelu", "type_vocab_size": 1,
+                    "layer_norm_eps": 1e-5, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2},
+    "distilbert": {"model_type": "distilbert", "activation": "gelu", "sinusoidal_pos_embds": False,
+                   "pad_token_id": 0, "dropout": 0.1, "attention_dropout": 0.1, "qa_dropout": 0.1,
+                   "seq_classif_dropout": 0.2},
+}  # fmt: skip
+_COMMON = {"attention_probs_dropout_prob": 0.1, "hidden_dropout_prob": 0.1, "classifier_dropout": None,
+           "initializer_range": 0.02, "is_decoder": False, "use_cache": True, "add_cross_attention": False}  # fmt: skip
+# architecture -> (family, prefix of the encoder's weights, head)
+_ARCHITECTURES = {
+    "BertModel": ("bert", "", "pooler"),
+    "BertForSequenceClassification": ("bert", "bert.", "bert-classifier"),
+    "BertForMaskedLM": ("bert", "bert.", "bert-mlm"),
+    "XLMRobertaModel": ("xlm-roberta", "", "pooler"),
+    "XLMRobertaForSequenceClassification": ("xlm-roberta", "roberta.", "roberta-classifier"),
+    "XLMRobertaForMaskedLM": ("xlm-roberta", "roberta.", "roberta-mlm"),
+    "DistilBertForMaskedLM": ("distilbert", "distilbert.", "distil-mlm"),
+}
+SCRAMBLE_STD = 0.3  # tests/test_prepare_model.py's scramble(): far from transformers' init
+
+
+def transformers_folder(
+    folder: Path, architecture: str, config: dict, tokenizer, seed: int, std: float = SCRAMBLE_STD
+) -> Path:
+    """A folder as transformers' ``save_pretrained`` writes it for ``architecture`` (the names,
+    shapes, tied weights left out and config.json fields it writes), with scrambled random weights
+    drawn by numpy: served and prepared without torch; the reference tests load it into transformers
+    (``TransformersModel``). ``config``: the sizes (BERT's names, or DistilBERT's dim/n_layers/...),
+    ``num_labels`` or ``id2label`` for a classifier, any other field as is; ``tokenizer``: a
+    ``tokenizers.Tokenizer`` saved beside."""
+    from safetensors.numpy import save_file
+
+    family, pre, head = _ARCHITECTURES[architecture]
+    c = {"architectures": [architecture], **_BASE[family], **({} if family == "distilbert" else _COMMON),
+         "dtype": "float32", "tie_word_embeddings": True, **config}  # fmt: skip
+    labels = c.pop("num_labels", None)
+    if labels is not None:
+        c["id2label"] = {i: f"LABEL_{i}" for i in range(labels)}
+    if "id2label" in c:
+        c["id2label"] = {str(i): n for i, n in c["id2label"].items()}
+        c["label2id"] = {n: int(i) for i, n in c["id2label"].items()}
+    distil = family == "distilbert"
+    h, layers = (c["dim"], c["n_layers"]) if distil else (c["hidden_size"], c["num_hidden_layers"])
+    inter, vocab = c["hidden_dim"] if distil else c["intermediate_size"], c["vocab_size"]
+    rng = np.random.default_rng(seed)
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def linear(name: str, n_out: int, n_in: int) -> None:
+        shapes[name + ".weight"], shapes[name + ".bias"] = (n_out, n_in), (n_out,)
+
+    def norm(name: str) -> None:
+        shapes[name + ".weight"] = shapes[name + ".bias"] = (h,)
+
+    shapes[pre + "embeddings.word_embeddings.weight"] = (vocab, h)
+    shapes[pre + "embeddings.position_embeddings.weight"] = (c["max_position_embeddings"], h)
+    if not distil:
+        shapes[pre + "embeddings.token_type_embeddings.weight"] = (c["type_vocab_size"], h)
+    norm(pre + "embeddings.LayerNorm")
+    for i in range(layers):
+        if distil:
+            p = f"{pre}transformer.layer.{i}."
+            for name in ("q_lin", "k_lin", "v_lin", "out_lin"):
+                linear(p + "attention." + name, h, h)
+            norm(p + "sa_layer_norm")
+            linear(p + "ffn.lin1", inter, h)
+            linear(p + "ffn.lin2", h, inter)
+            norm(p + "output_layer_norm")
+            continue
+        p = f"{pre}encoder.layer.{i}."
+        for name in ("query", "key", "value"):
+            linear(p + "attention.self." + name, h, h)
+        linear(p + "attention.output.dense", h, h)
+        norm(p + "attention.output.LayerNorm")
+        linear(p + "intermediate.dense", inter, h)
+        linear(p + "output.dense", h, inter)
+        norm(p + "output.LayerNorm")
+    n = len(c.get("id2label", ()))
+    if head in ("pooler", "bert-classifier"):
+        linear(pre + "pooler.dense", h, h)
+    if head == "bert-classifier":
+        linear("classifier", n, h)
+    elif head == "roberta-classifier":
+        linear("classifier.dense", h, h)
+        linear("classifier.out_proj", n, h)
+    elif head == "bert-mlm":  # the decoder's weight is the word embeddings (tied, not saved)
+        linear("cls.predictions.transform.dense", h, h)
+        norm("cls.predictions.transform.LayerNorm")
+        shapes["cls.predictions.bias"] = (vocab,)
+    elif head == "roberta-mlm":
+        linear("lm_head.dense", h, h)
+        norm("lm_head.layer_norm")
+        shapes["lm_head.bias"] = (vocab,)
+    elif head == "distil-mlm":
+        linear("vocab_transform", h, h)
+        norm("vocab_layer_norm")
+        shapes["vocab_projector.bias"] = (vocab,)
+    tensors = {}
+    for name, shape in shapes.items():
+        mean = 1.0 if name.endswith(("LayerNorm.weight", "layer_norm.weight")) else 0.0
+        tensors[name] = (mean + std * rng.standard_normal(shape)).astype(np.float32)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(c, indent=2))
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+class TransformersModel:
+    """transformers' model of a ``transformers_folder``, loaded on first use: only the tests that
+    compare with transformers touch it (they skip where the reference extra is not installed), so
+    a module's other tests run without torch. Called and read as the model itself."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._model = None
+
+    def load(self):
+        if self._model is None:
+            import pytest
+
+            pytest.importorskip("torch")
+            transformers = pytest.importorskip("transformers")
+            architecture = json.loads((self.folder / "config.json").read_text())["architectures"][0]
+            model, info = getattr(transformers, architecture).from_pretrained(
+                self.folder, output_loading_info=True
+            )
+            # every weight read from the folder, none left at transformers' random init
+            assert not info["missing_keys"] and not info["unexpected_keys"], info
+            self._model = model.eval()
+        return self._model
+
+    def __call__(self, *args, **kwargs):
+        return self.load()(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "_model":  # copy/pickle probing a half-made instance
+            raise AttributeError(name)
+        return getattr(self.load(), name)
