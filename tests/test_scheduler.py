@@ -432,18 +432,20 @@ async def test_outputs_are_split_back_and_stats_count_batches(make_rig):
 
 async def test_each_call_is_billed_its_rows_share_of_the_batch_compute(make_rig):
     """Usage metering's compute seconds: a call pays its share, by rows, of the batch that computed
-    its rows; the shares add up to the batch's engine time (not that time once per call)."""
+    its rows; the shares add up to the batch's engine time (not that time once per call), and a
+    call of several parts (a text call's length buckets) pays for all of them."""
     rig = make_rig(slots=1, max_batch_size=4, max_delay_s=60.0)
     costs: dict[int, CallCost] = {}
 
-    async def billed(rid: int, rows: int):
+    async def billed(rid: int, *rows: int):
         costs[rid] = CallCost()
         COST.set(costs[rid])  # this task's own context, as the pipeline sets it per call
-        return await submit_one(rig.scheduler, inputs_for(rid, rows), rows, "k")
+        parts = [(inputs_for(10 * rid + i, n), n, "k") for i, n in enumerate(rows)]
+        return await rig.scheduler.submit(parts, None)
 
-    tasks = [asyncio.create_task(billed(1, 1)), asyncio.create_task(billed(2, 3))]
+    tasks = [asyncio.create_task(billed(1, 1)), asyncio.create_task(billed(2, 1, 2))]
     rig.tasks += tasks
-    await until(lambda: len(rig.engine.calls) == 1)  # 1 + 3 rows: one full batch
+    await until(lambda: len(rig.engine.calls) == 1)  # 1 + 1 + 2 rows: one full batch
     rig.engine.calls[0].succeed(
         BatchTiming(input_ns=100_000_000, infer_ns=200_000_000, output_ns=100_000_000)
     )
