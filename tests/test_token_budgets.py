@@ -101,6 +101,28 @@ async def test_headers_show_the_tighter_of_the_local_and_global_buckets(local_bu
     assert h["x-ratelimit-reset-tokens"] == "3s"  # 30 tokens at 10 a second
 
 
+async def test_headers_of_a_global_budget_show_what_redis_answered(redis_server):
+    """A budget shared by replicas: the headers say what Redis's decision left (300 of 1,000
+    charged), not a full bucket."""
+    from batchgate.gateway.admission.ratelimit import RedisLimiter
+
+    tenants = parse_tenants({"tenants": [{
+        "name": "t", "key_hashes": [hash_key(KEY)],
+        "global_limits": {"tokens_per_minute": 60, "tokens_burst": 1000},
+    }]})  # fmt: skip
+    adm = Admission(tenants, RedisLimiter.from_url(redis_server.url, timeout_s=0.5))
+    await adm.start()
+    try:
+        ticket = await adm.admit(adm.identify(_md()), "m", 1, 300)
+        ticket.release()
+        assert adm.limiter.fallback_decisions == 0  # Redis decided
+        h = dict(ticket.headers(adm.clock()))
+        assert h["x-ratelimit-limit-tokens"] == "1000"
+        assert 690 <= int(h["x-ratelimit-remaining-tokens"]) <= 700  # refills 1 token a second
+    finally:
+        await adm.close()
+
+
 async def test_reload_changes_the_budget_and_keeps_what_was_used(tmp_path):
     path = tmp_path / "tenants.json"
 
