@@ -9,7 +9,9 @@ sessions and numpy stay real. It is strict where the real thing would be wrong s
 * copies on a stream are *queued* and land only when that stream is synchronised, as a CUDA
   stream's do: a run started before the synchronise reads the previous batch's inputs;
 * every copy, synchronise and run is recorded in order (``events``), so a test can hold a run to
-  host->device copies, synchronise, run, device->host copies, synchronise.
+  host->device copies, synchronise, run, device->host copies, synchronise;
+* each session created records the CUDA device its provider options name (``session_devices``):
+  ORT runs a session without ``device_id`` on GPU 0, whatever device its bound buffers are on.
 
 Bound 'device' memory is handed to ORT as CPU memory (it is numpy memory here), so the CPU session
 runs on exactly the bytes the engine's device buffers hold. Used by tests/test_engines.py and by
@@ -39,6 +41,9 @@ class FakeCuda:
         self.events: list[tuple] = []
         # (input|output, name, device type, device id, the device the memory is on), one per bind.
         self.binds: list[tuple[str, str, str, int, int]] = []
+        # Per session created: the device_id of its CUDA provider (ORT's default 0 when unnamed),
+        # None for a session without the CUDA provider.
+        self.session_devices: list[int | None] = []
         self._allocs: list[tuple[int, int, int, np.ndarray]] = []  # (start, end, device, the memory)
         self._lock = threading.Lock()
         self._current = threading.local()
@@ -158,6 +163,13 @@ class FakeCuda:
                 f"{kind} '{name}' bound as ({device_type!r}, {device_id}); its memory is on ('cuda', {on})"
             )
 
+    def _record_session(self, providers) -> None:
+        cuda = [
+            p for p in providers or () if (p[0] if isinstance(p, tuple) else p) == "CUDAExecutionProvider"
+        ]
+        opts = cuda[0][1] if cuda and isinstance(cuda[0], tuple) else {}
+        self.session_devices.append(int(opts.get("device_id", 0)) if cuda else None)
+
     @staticmethod
     def run_events(stream, n_inputs: int, n_outputs: int) -> list[tuple]:
         """What one slot run must record, in this order (binding shown as None)."""
@@ -178,6 +190,7 @@ class FakeCuda:
         fake = self
         bind_input, bind_output = oic.IOBinding.bind_input, oic.IOBinding.bind_output
         run_with = oic.InferenceSession.run_with_iobinding
+        create = oic.InferenceSession._create_inference_session
 
         def fake_bind_input(binding, name, device_type, device_id, element_type, shape, buffer_ptr):
             fake._check_bind("input", name, device_type, device_id, buffer_ptr)
@@ -194,9 +207,15 @@ class FakeCuda:
             fake.events.append(("run", iobinding))
             return run_with(session, iobinding, run_options)
 
+        def fake_create(session, providers, provider_options, disabled_optimizers=None):
+            # read before ORT's CPU wheel drops the CUDA provider it lacks (with a warning)
+            fake._record_session(providers)
+            return create(session, providers, provider_options, disabled_optimizers)
+
         patches = [(oic.IOBinding, "bind_input", fake_bind_input),
                    (oic.IOBinding, "bind_output", fake_bind_output),
-                   (oic.InferenceSession, "run_with_iobinding", fake_run)]  # fmt: skip
+                   (oic.InferenceSession, "run_with_iobinding", fake_run),
+                   (oic.InferenceSession, "_create_inference_session", fake_create)]  # fmt: skip
         saved_attrs = [(obj, name, obj.__dict__.get(name)) for obj, name, _ in patches]
         saved_mods = {m: sys.modules.get(m) for m in ("cupy", "cupyx")}
         try:

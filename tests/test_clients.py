@@ -325,6 +325,23 @@ def test_token_ids_never_share_a_cache_entry_with_text(base, minilm_dir):
     assert_same_vectors(by_text, own_vectors(base, [text]))
 
 
+def test_left_truncation_of_token_ids_keeps_the_last_ids(base, minilm_dir):
+    """Token ids past the model's 256 cut from the left keep the row's last 256 ids, as the same
+    ids sent already cut do; a right cut keeps the first 256 (another vector)."""
+    tok = Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+    tok.no_padding()
+    tok.no_truncation()
+    ids = tok.encode(" ".join(f"word{i}" for i in range(200)) + " and the very last words").ids
+    assert len(ids) > 300
+    status, left = post(base + "/embed", {"model": "minilm", "inputs": [ids], "truncate": True,
+                                          "truncation_direction": "Left"})  # fmt: skip
+    assert status == 200, left
+    for cut, same in ((ids[-256:], True), (ids[:256], False)):
+        status, want = post(base + "/embed", {"model": "minilm", "inputs": [cut]})
+        assert status == 200, want
+        assert np.allclose(left, want, atol=1e-5) == same
+
+
 def test_left_truncation_never_shares_a_cache_entry_with_right(base):
     long = " ".join(f"word{i}" for i in range(400)) + " and the very last words"
     right = own_vectors(base, [long], truncate=True)

@@ -514,9 +514,9 @@ def test_a_plain_engine_without_a_plan_still_runs(reference):
 )
 def test_cuda_data_path_with_a_fake_cupy(tmp_path, reference, mode, graphs, dev):
     """Pinned host buffers -> device buffers bound by pointer -> run -> device -> host, checked on
-    the CPU (tests/fake_cuda.py): every binding says ("cuda", the worker's device), every run is
-    copies in, synchronise, run, copies out, synchronise on the engine's stream, and the answers
-    are the CPU's (the fake's copies land only at a synchronise, as a stream's do)."""
+    the CPU (tests/fake_cuda.py): every binding and every session's CUDA provider say the worker's
+    device, every run is copies in, synchronise, run, copies out, synchronise on the engine's
+    stream, and the answers are the CPU's (the fake's copies land only at a synchronise, as a stream's do)."""
     with FakeCuda(devices=2).installed() as fake:
         params = {"seq_buckets": "16,64", "batch_buckets": "1,4,16"}
         pool = _pool(tmp_path, params, device=Device("gpu", dev), mode=mode, cuda_graphs=graphs)
@@ -539,6 +539,8 @@ def test_cuda_data_path_with_a_fake_cupy(tmp_path, reference, mode, graphs, dev)
             # Each slot binds each input and output once, on the worker's device.
             assert len(fake.binds) == len(engine._slots) * (n_in + n_out)
             assert {(t, i, on) for _, _, t, i, on in fake.binds} == {("cuda", dev, dev)}
+            # ... and every session runs on that device too (ORT's device_id), not on GPU 0.
+            assert fake.session_devices and set(fake.session_devices) == {dev}
             host, dev_bytes = engine.buffer_bytes()
             assert dev_bytes == engine._cupy_pool.used_bytes() > 0 and host > 0  # all from the pool
             gpu = f"gpu:{dev}"

@@ -27,7 +27,7 @@ from safetensors.numpy import save_file
 
 from batchgate.gateway.build.hf_model import PrepareError
 from batchgate.gateway.build.prepare import prepare_model
-from batchgate.gateway.build.onnx_graph import EXTERNAL_BYTES_ENV
+from batchgate.gateway.build.onnx_graph import EXTERNAL_BYTES_ENV, external_bytes
 from batchgate.gateway.build.optimize import OptimizeError, Options, optimize
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
@@ -161,6 +161,20 @@ def test_a_bad_threshold_is_refused_by_name(folder, tmp_path, monkeypatch):
     monkeypatch.setenv(EXTERNAL_BYTES_ENV, "two gigs")
     with pytest.raises(ValueError, match=f"{EXTERNAL_BYTES_ENV}='two gigs': expected a byte count"):
         prepare_model(folder, "m", tmp_path, log=print)
+
+
+def test_the_threshold_stays_under_protobufs_2_gib(monkeypatch):
+    """One protobuf message cannot pass 2 GiB (2**31 bytes, written out here rather than taken from
+    onnx_graph, so a wrong constant there cannot move the bar): by default, and at the most the env
+    setting allows, a model that big already keeps its weights beside the graph."""
+    monkeypatch.delenv(EXTERNAL_BYTES_ENV, raising=False)
+    default = external_bytes()
+    assert 2**30 < default < 2**31
+    monkeypatch.setenv(EXTERNAL_BYTES_ENV, str(default))
+    assert external_bytes() == default
+    monkeypatch.setenv(EXTERNAL_BYTES_ENV, str(2**31))
+    with pytest.raises(ValueError, match="expected a byte count from 0 to"):
+        external_bytes()
 
 
 def test_fingerprint_covers_the_data_file(repo, tmp_path):

@@ -280,7 +280,8 @@ def test_a_bf16_candidate_outside_its_batch_bound_is_refused_naming_the_figure(t
 def test_auto_writes_one_table_and_picks_the_fastest_passing(tmp_path):
     enc = _copy("encoder", tmp_path)
     take, skipped = auto_candidates()
-    res = optimize_auto(enc, Options("int8", **QUICK), log=lambda m: None)
+    said: list[str] = []
+    res = optimize_auto(enc, Options("int8", **QUICK), log=said.append)
     md = report_path(enc / "1" / "model.onnx", "auto").with_suffix(".md").read_text()
     data = json.loads(report_path(enc / "1" / "model.onnx", "auto").read_text())
     names = [c["candidate"] for c in data["candidates"]]
@@ -298,10 +299,18 @@ def test_auto_writes_one_table_and_picks_the_fastest_passing(tmp_path):
     base = speed["fp32 (original)"]
     faster = [v for v in passed if all(speed[v][b] >= base[b] for b in base)]
     score = {c["candidate"]: c["score_rows_per_s"] for c in data["candidates"]}
-    if faster:  # the fastest by the mean among those no slower at any batch size
-        assert res.chosen == max(faster, key=lambda v: score[v])
-    elif passed:  # nothing beats the original everywhere: it keeps serving FP32
-        assert res.chosen == "fp32"
+    # What it chose, whichever way the timings fell, and why: the fastest by the mean among the
+    # candidates that passed and are no slower at any batch size; else, when some passed, FP32
+    # (what served before); else nothing. Never a candidate the gate failed.
+    if faster:
+        want, why = max(faster, key=lambda v: score[v]), "fastest passing: "
+    elif passed:
+        want, why = "fp32", "none faster than fp32 at every batch size"
+    else:
+        want, why = None, "no candidate passed the gate"
+    assert res.chosen == data["chosen"] == want, (want, speed)
+    assert want in (None, "fp32") or res.candidates[want].status == "passed"
+    assert any(why + (want if faster else "") in line for line in said), (why, said)
     for v in skipped:
         assert v in md
 

@@ -17,7 +17,14 @@ import numpy as np
 import pytest
 import tritonclient.grpc as tc
 
-from batchgate.gateway.build.optimize import Options, Thresholds, optimize, session, set_variant
+from batchgate.gateway.build.optimize import (
+    Options,
+    Thresholds,
+    optimize,
+    optimize_auto,
+    session,
+    set_variant,
+)
 from batchgate.gateway.repository import ConfigError, load_model, report_path, variant_path
 from tests.conftest import REPO, ROOT, start_server
 
@@ -156,6 +163,69 @@ def test_gate_refuses_minmax_calibration_with_an_outlier_and_names_the_figure(tm
         load_model(model, variant="int8")
     r = _cli("ranker", "--use", "int8", "--model-repository", str(tmp_path))
     assert r.returncode == 2 and "failed" in r.stderr
+
+
+NO_INT8_NODE = "int8_nodes 0: no node stays INT8 within the targets (needs >= 1)"
+
+
+def test_an_int8_build_with_no_int8_node_left_is_refused_and_auto_serves_none(tmp_path):
+    """A score bound (1e-4) no INT8 GEMM of the ranker meets sends every node back to FP32: the file
+    computes what the original does, so every accuracy figure passes, and only the INT8 node count
+    refuses an "INT8" variant that holds none. ``--auto`` with that one candidate then chooses
+    nothing (it never serves a candidate that failed the gate) and the model keeps serving FP32."""
+    ranker = _copy("ranker", tmp_path)
+    opts = Options("int8", thresholds=Thresholds(max_abs_err=1e-4), **QUICK)
+    r = optimize(ranker, opts, log=lambda m: None)
+    assert r.report["build"]["int8_nodes"] == 0
+    assert (r.status, r.failures, r.variant_file) == ("failed", [NO_INT8_NODE], None)
+    with pytest.raises(ConfigError, match="model.int8.onnx is missing"):  # a failed variant is not written
+        load_model(ranker, variant="int8")
+    said: list[str] = []
+    res = optimize_auto(ranker, opts, log=said.append, candidates=["int8"])
+    assert res.candidates["int8"].failures == [NO_INT8_NODE]
+    assert (res.chosen, res.serving, res.report["chosen"]) == (None, "fp32", None)
+    assert any("no candidate passed the gate; it keeps serving fp32" in line for line in said), said
+    assert load_model(ranker)[0].variant == "fp32"
+
+
+def test_the_gate_judges_every_kind_of_held_out_row(minilm_dir):
+    """The held-out rows are traffic's odd texts too (punctuation, digits, URLs, code, emoji, other
+    scripts, one word, texts cut at the model's length): every row is run and judged, each kind
+    reported, and answers wrong on one kind of odd row alone fail the gate. The original model
+    stands for the variant, and the reference is made wrong on that kind's rows (each vector's
+    dims rotated): the same comparison as a variant wrong there, on any CPU."""
+    from collections import Counter
+
+    from batchgate.gateway.build.optimize import (
+        HELDOUT_TEXTS,
+        by_kind,
+        gate,
+        model_rows,
+        read_kinded_texts,
+        run_rows,
+    )
+
+    spec = load_model(REPO / "encoder", variant="fp32")[0]
+    _, kinds = read_kinded_texts(HELDOUT_TEXTS)
+    held = model_rows(spec, "heldout")
+    assert len(held) == len(kinds) and held.kinds == kinds
+    ref = run_rows(session(spec.path), held.feeds)
+    acc, failures, _ = gate(ref, spec.path, "optimized", held, Options("optimized"))
+    assert failures == [] and acc["embedding"]["rows"] == len(kinds)
+    assert {k: v["rows"] for k, v in by_kind(acc, held.kinds)["embedding"].items()} == Counter(kinds)
+    odd = sorted(set(kinds) - {"sentences"})
+    assert len(odd) >= 8, odd
+    for kind in odd:
+        rows = [i for i, k in enumerate(kinds) if k == kind]
+        wrong = {name: v.copy() for name, v in ref.items()}
+        wrong["embedding"][rows] = np.roll(wrong["embedding"][rows], 1, axis=-1)
+        _, failures, _ = gate(wrong, spec.path, "optimized", held, Options("optimized"))
+        assert any(f.startswith("embedding min_cosine") for f in failures), (kind, failures)
+    # Through a tokenizer (minilm keeps 256 tokens), the texts past its length stay, cut to it.
+    mini = model_rows(load_model(minilm_dir, variant="fp32")[0], "heldout")
+    assert mini.kinds == kinds
+    cut = {f["input_ids"].shape[1] for f, k in zip(mini.feeds, kinds) if k == "cut_at_length"}
+    assert cut == {256}
 
 
 def test_thresholds_are_settable_and_a_strict_one_refuses():

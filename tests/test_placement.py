@@ -233,3 +233,20 @@ def test_a_cgroup_cpu_quota_caps_the_usable_cores(tmp_path, cpu_max, most):
         path.write_text(cpu_max + "\n")
     mask = len(os.sched_getaffinity(0))
     assert usable_cores(path) == (mask if most is None else min(mask, most))
+
+
+def test_a_cgroup_cpu_quota_caps_the_cpu_workers(tmp_path, monkeypatch):
+    """The quota reaches the worker count, not only usable_cores: a pod limited to one core gets one
+    CPU worker though its mask shows every core (the real usable_cores, reading this file)."""
+    from functools import partial
+
+    from batchgate.gateway import runtime
+
+    spec = next(iter(load_repository(REPO).models["minilm"].values()))  # its config asks for 2
+    one_core = tmp_path / "cpu.max"
+    one_core.write_text("100000 100000\n")
+    monkeypatch.setattr(runtime, "usable_cores", partial(usable_cores, one_core))
+    assert workers_per_device(spec, Settings(), CPU) == 1
+    assert workers_per_device(spec, Settings(), gpus(0)) == 2  # a GPU's workers are not the CPU's
+    one_core.write_text("max 100000\n")
+    assert workers_per_device(spec, Settings(), CPU) == min(2, len(os.sched_getaffinity(0)))

@@ -107,6 +107,18 @@ def test_hf_home_and_the_default_cache(folders, cache, monkeypatch, tmp_path):
     assert sources.hub_cache() == tmp_path / "user" / ".cache" / "huggingface" / "hub"
 
 
+def test_xdg_cache_home_moves_the_default_cache(folders, cache, monkeypatch, tmp_path):
+    """Without HF_HUB_CACHE or HF_HOME, huggingface_hub caches under $XDG_CACHE_HOME (a Linux
+    desktop or a container that sets it): a model it downloaded there is found, offline."""
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    hub = tmp_path / "xdg" / "huggingface" / "hub"
+    assert sources.hub_cache() == hub
+    shutil.copytree(cache, hub, symlinks=True)
+    assert sources.resolve(REPO_ID) == hub / "models--acme--tiny-bert" / "snapshots" / MAIN
+
+
 def test_a_local_folder_wins_over_an_id(folders, cache, tmp_path):
     shutil.copytree(folders["cls"], tmp_path / "acme" / "tiny-bert")  # cwd is tmp_path
     lines: list[str] = []

@@ -33,6 +33,7 @@ import pytest
 from batchgate.gateway.errors import GatewayError, Kind
 from batchgate.gateway.scheduling import Request, Scheduler
 from batchgate.gateway.scheduling.fifo import FifoQueue
+from batchgate.gateway.scheduling.stats import COST, CallCost
 from batchgate.workers.engine import BatchTiming
 
 MODEL = "fake_model"
@@ -427,6 +428,31 @@ async def test_outputs_are_split_back_and_stats_count_batches(make_rig):
     assert st.by_batch_size[6].infer_ns == 22  # per batch
     assert st.infer_ns == 20 * 3 + 2 * 2  # per request, as Triton counts it
     assert rig.loop_errors == []
+
+
+async def test_each_call_is_billed_its_rows_share_of_the_batch_compute(make_rig):
+    """Usage metering's compute seconds: a call pays its share, by rows, of the batch that computed
+    its rows; the shares add up to the batch's engine time (not that time once per call), and a
+    call of several parts (a text call's length buckets) pays for all of them."""
+    rig = make_rig(slots=1, max_batch_size=4, max_delay_s=60.0)
+    costs: dict[int, CallCost] = {}
+
+    async def billed(rid: int, *rows: int):
+        costs[rid] = CallCost()
+        COST.set(costs[rid])  # this task's own context, as the pipeline sets it per call
+        parts = [(inputs_for(10 * rid + i, n), n, "k") for i, n in enumerate(rows)]
+        return await rig.scheduler.submit(parts, None)
+
+    tasks = [asyncio.create_task(billed(1, 1)), asyncio.create_task(billed(2, 1, 2))]
+    rig.tasks += tasks
+    await until(lambda: len(rig.engine.calls) == 1)  # 1 + 1 + 2 rows: one full batch
+    rig.engine.calls[0].succeed(
+        BatchTiming(input_ns=100_000_000, infer_ns=200_000_000, output_ns=100_000_000)
+    )
+    for t in tasks:
+        await answer(t)
+    assert (costs[1].computed, costs[2].computed) == (1, 3)
+    assert costs[1].compute_s == pytest.approx(0.1) and costs[2].compute_s == pytest.approx(0.3)
 
 
 async def test_unbatched_model_gets_one_request_per_execution(make_rig):

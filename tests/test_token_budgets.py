@@ -82,6 +82,47 @@ async def test_a_call_over_the_whole_budget_is_refused_as_too_large_not_limited(
     assert acct.default.tokens.tokens(clock()) == pytest.approx(100)  # nothing charged
 
 
+@pytest.mark.parametrize("local_burst, global_burst", [(100, 1000), (1000, 100)])
+async def test_headers_show_the_tighter_of_the_local_and_global_buckets(local_burst, global_burst):
+    """A tenant limited here and across replicas is told what the tighter bucket holds, whichever
+    of the two it is: the looser one would invite calls that come back 429."""
+    clock = Clock()
+    limits = {"tokens_per_minute": 600}
+    tenants = parse_tenants({"tenants": [{
+        "name": "t", "key_hashes": [hash_key(KEY)],
+        "limits": limits | {"tokens_burst": local_burst},
+        "global_limits": limits | {"tokens_burst": global_burst},
+    }]})  # fmt: skip
+    adm = Admission(tenants, clock=clock)  # no Redis: the global bucket is this replica's share (all of it)
+    ticket = await adm.admit(adm.identify(_md()), "m", 1, 30)
+    ticket.release()
+    h = dict(ticket.headers(clock()))
+    assert (h["x-ratelimit-limit-tokens"], h["x-ratelimit-remaining-tokens"]) == ("100", "70")
+    assert h["x-ratelimit-reset-tokens"] == "3s"  # 30 tokens at 10 a second
+
+
+async def test_headers_of_a_global_budget_show_what_redis_answered(redis_server):
+    """A budget shared by replicas: the headers say what Redis's decision left (300 of 1,000
+    charged), not a full bucket."""
+    from batchgate.gateway.admission.ratelimit import RedisLimiter
+
+    tenants = parse_tenants({"tenants": [{
+        "name": "t", "key_hashes": [hash_key(KEY)],
+        "global_limits": {"tokens_per_minute": 60, "tokens_burst": 1000},
+    }]})  # fmt: skip
+    adm = Admission(tenants, RedisLimiter.from_url(redis_server.url, timeout_s=0.5))
+    await adm.start()
+    try:
+        ticket = await adm.admit(adm.identify(_md()), "m", 1, 300)
+        ticket.release()
+        assert adm.limiter.fallback_decisions == 0  # Redis decided
+        h = dict(ticket.headers(adm.clock()))
+        assert h["x-ratelimit-limit-tokens"] == "1000"
+        assert 690 <= int(h["x-ratelimit-remaining-tokens"]) <= 700  # refills 1 token a second
+    finally:
+        await adm.close()
+
+
 async def test_reload_changes_the_budget_and_keeps_what_was_used(tmp_path):
     path = tmp_path / "tenants.json"
 
@@ -166,6 +207,43 @@ async def test_openai_sdk_told_to_retry_recovers_with_the_headers_alone(tmp_path
         # the other tenant has no budget: untouched
         other = openai.AsyncOpenAI(base_url=gw.http_url + "/v1", api_key=OTHER, max_retries=0)
         assert (await other.embeddings.create(model="minilm", input=[LONG] * 5)).usage.total_tokens > 600
+
+
+async def _embed(gw, texts: list[str]) -> tuple[int, dict, dict]:
+    async with gw.http.post(
+        "/v1/embeddings", json={"model": "minilm", "input": texts}, headers={"Authorization": f"Bearer {KEY}"}
+    ) as r:
+        return r.status, await r.json(), dict(r.headers)
+
+
+# 60 tokens a minute: the bucket refills one token a second, so what it holds after a call shows
+# what the call was charged.
+SLOW = {"tokens_per_minute": 60}
+
+
+async def test_a_failed_call_gives_its_charge_back(tmp_path):
+    async with serving(_repo(tmp_path), api_keys_file=_tenants(tmp_path, SLOW | {"tokens_burst": 400})) as gw:
+        pool = gw.pool("minilm")
+        pool.fail_when(lambda arrays: True)  # admitted, then the engine fails: nothing answered
+        status, body, _ = await _embed(gw, [LONG])
+        assert status >= 500, body
+        pool.fail_when(None)
+        # two long texts (estimated 304) fit the 400 only if the failed call's 152 came back
+        status, body, h = await _embed(gw, [LONG, LONG])
+        assert status == 200, body
+        used = body["usage"]["total_tokens"]
+        assert 400 - used <= int(h["x-ratelimit-remaining-tokens"]) <= 400 - used + 10
+
+
+async def test_a_truncated_text_is_charged_what_the_model_keeps(tmp_path):
+    """minilm keeps 256 tokens of a text (truncate): a text of ~1,200 is charged 256 at admission
+    (a full-length estimate would refuse it as larger than the 300 burst) and 256 when settled."""
+    huge = " ".join(f"word{i}" for i in range(600))
+    async with serving(_repo(tmp_path), api_keys_file=_tenants(tmp_path, SLOW | {"tokens_burst": 300})) as gw:
+        status, body, h = await _embed(gw, [huge])
+        assert status == 200, body
+        assert body["usage"]["total_tokens"] == 256
+        assert 300 - 256 <= int(h["x-ratelimit-remaining-tokens"]) <= 300 - 256 + 10
 
 
 # -- across replicas, through Redis -----------------------------------------------------------------
