@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def cpu_line() -> str:
-    from batchgate.gateway.build.optimize import machine
+    from batchgate.gateway.models.optimize import machine
     from batchgate.workers.devices import cpu_class
 
     return f"{machine()}; arithmetic class {cpu_class()}"
@@ -44,7 +44,7 @@ def main() -> int:
         print(f"{path} is missing (minilm: `batchgate prepare-minilm`)", file=sys.stderr)
         return 2
     os.sched_setaffinity(0, {args.core})
-    from batchgate.gateway.build.optimize import session
+    from batchgate.gateway.models.optimize import session
     from batchgate.workers import openvino_engine
 
     engines = {"onnxruntime FP32": session(path)}

@@ -7,7 +7,7 @@ set), the load generator runs on another core, many callers, the mixed-length te
 server's core, the FP32 model, each text unpadded and alone), measured before and after the load in
 the same run (the ratios use the mean).
 Printed per variant and shape: texts/s, texts per server CPU-second and their ratios to the limit,
-p50/p99; then the served embeddings of the held-out sentences (gateway/build/texts/heldout.txt)
+p50/p99; then the served embeddings of the held-out sentences (gateway/models/texts/heldout.txt)
 from each variant against the served FP32 ones (cosine min/mean).
 
 A variant is served only when its gate report passed (``batchgate optimize minilm --int8`` first).
@@ -37,7 +37,7 @@ from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pbg
 
 ROOT = Path(__file__).resolve().parent.parent
-HELDOUT = ROOT / "gateway" / "build" / "texts" / "heldout.txt"
+HELDOUT = ROOT / "gateway" / "models" / "texts" / "heldout.txt"
 
 
 def make_repo(src: Path, dst: Path, variants: list[str]) -> None:

@@ -167,7 +167,7 @@ USE_CHOICES = [
 
 
 def _optimize_parser(sub) -> None:
-    from batchgate.gateway.build.thresholds import METHODS, SCALES, Thresholds
+    from batchgate.gateway.models.thresholds import METHODS, SCALES, Thresholds
 
     opt = sub.add_parser(
         "optimize",
@@ -245,7 +245,7 @@ def _optimize_parser(sub) -> None:
 
 
 def _optimize(args: argparse.Namespace, argv: list[str]) -> int:
-    from batchgate.gateway.build.optimize import (
+    from batchgate.gateway.models.optimize import (
         Options,
         OptimizeError,
         Thresholds,
@@ -334,16 +334,16 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "build-models":
-        from batchgate.gateway.build.bundled_models import build_bundled_models
+        from batchgate.gateway.models.bundled_models import build_bundled_models
 
         build_bundled_models(Path(args.out), force=args.force)
         return 0
     if args.command == "prepare-minilm":
-        from batchgate.gateway.build.minilm import run as prepare_minilm
+        from batchgate.gateway.models.minilm import run as prepare_minilm
 
         return prepare_minilm(args)
     if args.command == "prepare-model":
-        from batchgate.gateway.build.prepare import run as prepare_model
+        from batchgate.gateway.models.prepare import run as prepare_model
 
         return prepare_model(args)
     if args.command == "optimize":
@@ -382,13 +382,13 @@ def main(argv: list[str] | None = None) -> int:
     repo = Path(settings.model_repository)
     fresh = not repo.exists() or not any(repo.iterdir())
     if settings.build_bundled_models and fresh:
-        from batchgate.gateway.build.bundled_models import build_bundled_models
+        from batchgate.gateway.models.bundled_models import build_bundled_models
 
         logging.getLogger("batchgate").info("building the bundled models into %s", repo)
         build_bundled_models(repo, log=logging.getLogger("batchgate").info)
     if settings.build_bundled_models and (fresh or all((repo / m).is_dir() for m in ("ranker", "encoder"))):
         # minilm joins the bundled repository on first use, never a user's own repository.
-        from batchgate.gateway.build.minilm import prepare_missing
+        from batchgate.gateway.models.minilm import prepare_missing
 
         prepare_missing(repo, logging.getLogger("batchgate"))
     from batchgate.gateway.transport.server import serve

@@ -32,7 +32,7 @@ VARIANTS = (
 )  # fmt: skip
 
 DEFAULT_MAX_TEXT_BYTES = 32768
-# What a text model serves (gateway/build/encoder.py KINDS); each kind's outputs are fixed by name
+# What a text model serves (gateway/models/encoder.py KINDS); each kind's outputs are fixed by name
 # (ModelSpec.kind, gateway/repository.py).
 KINDS = ("embedding", "rerank", "classification", "sparse_embedding", "multi_vector")
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification")
@@ -230,7 +230,7 @@ DECLARED: tuple[Declared, ...] = (
              "a pair is tokenised as this one text with its query and document put in (no special tokens "
              "added), the text after {document} kept whole when it is cut (Qwen3-Reranker's chat)",
              _pair_template, "pair_template"),
-    # recorded by `batchgate prepare-model` (gateway/build/hf_model.py, docs/embeddings.md)
+    # recorded by `batchgate prepare-model` (gateway/models/hf_model.py, docs/embeddings.md)
     Declared("pooling", "'mean', 'cls' or 'lasttoken'", "none", "one of the three", "nothing (recorded)",
              "how the graph pools token states into the embedding; the graph does it, this says which",
              _choice("mean", "cls", "lasttoken"), "pooling"),

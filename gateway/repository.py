@@ -39,13 +39,13 @@ ONNX_PLATFORMS = {"", "onnxruntime_onnx"}
 ONNX_BACKENDS = {"", "onnxruntime", "openvino"}  # OpenVINO reads the ONNX file itself
 TOKENIZER_PARAMETER = "tokenizer"
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
-# Engine variants `batchgate optimize` builds beside model.onnx (gateway/build/optimize/candidates.py),
+# Engine variants `batchgate optimize` builds beside model.onnx (gateway/models/optimize/candidates.py),
 # and the precision each computes in; parameter `variant` chooses one (docs/engines.md).
 VARIANT_PARAMETER = "variant"
 VARIANT_PRECISION = {
     "fp32": "FP32", "optimized": "FP32", "fp16": "FP16", "int8": "INT8",
     "openvino-fp32": "FP32", "openvino-bf16": "BF16", "openvino-int8": "INT8",
-    "int8-mixed": "INT8",  # gateway/build/mixed_precision.py: INT8 with its sensitive GEMMs in FP32
+    "int8-mixed": "INT8",  # gateway/models/optimize/mixed.py: INT8 with its sensitive GEMMs in FP32
 }  # fmt: skip
 assert tuple(VARIANT_PRECISION) == VARIANTS
 # OpenVINO variants that run model.onnx itself (the precision is a compile setting, not a file).

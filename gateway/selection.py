@@ -138,7 +138,7 @@ def select(model_dir: Path, version: str, repeats: int, candidates: list[str] | 
     """Run ``optimize --auto`` on one model version and record its choice for this host class; the
     entry. A candidate that passes the gate and is no slower than the original at any batch size
     wins; none: the original (fp32) is recorded, so the next start does not measure again."""
-    from batchgate.gateway.build.optimize import Options, optimize_auto
+    from batchgate.gateway.models.optimize import Options, optimize_auto
 
     t0 = time.perf_counter()
     cls = host_class()

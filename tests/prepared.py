@@ -13,7 +13,7 @@ import pytest
 import tritonclient.grpc as tc
 from tokenizers import Tokenizer
 
-from batchgate.gateway.build.hf_model import read_folder
+from batchgate.gateway.models.hf_model import read_folder
 from tests.conftest import start_server
 from tests.test_prepare_model import TINY, unigram, wordpiece
 

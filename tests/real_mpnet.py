@@ -12,7 +12,7 @@ suite never does):
    sentence-transformers/all-mpnet-base-v2`` with ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE=1``;
 3. ``batchgate serve`` on loopback ports, asked through OpenAI's own SDK (``/v1/embeddings``,
    32 texts a call, a latency budget of 10 minutes in the ``X-Latency-Budget-Ms`` header) for
-   every row of ``gateway/build/texts/heldout.txt`` and one 900-word text,
+   every row of ``gateway/models/texts/heldout.txt`` and one 900-word text,
    first without a ``truncate`` field; a call the server refuses is said and sent again with
    ``extra_body={"truncate": True}``;
 4. the reference: ``SentenceTransformer(folder).encode(texts, batch_size=32)`` run by another
@@ -118,7 +118,7 @@ def reference_python(venv: Path) -> Path:
 
 def rows() -> tuple[list[str], list[str]]:
     """heldout.txt's rows with their kinds, and one 900-word text made of its sentences."""
-    from batchgate.gateway.build.optimize import HELDOUT_TEXTS, read_kinded_texts
+    from batchgate.gateway.models.optimize import HELDOUT_TEXTS, read_kinded_texts
 
     texts, kinds = read_kinded_texts(HELDOUT_TEXTS)
     words = " ".join(t for t, k in zip(texts, kinds) if k == "sentences").split()

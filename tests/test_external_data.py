@@ -25,10 +25,10 @@ from onnx.external_data_helper import _get_all_tensors
 import pytest
 from safetensors.numpy import save_file
 
-from batchgate.gateway.build.hf_model import PrepareError
-from batchgate.gateway.build.prepare import prepare_model
-from batchgate.gateway.build.onnx_graph import EXTERNAL_BYTES_ENV, external_bytes
-from batchgate.gateway.build.optimize import OptimizeError, Options, optimize
+from batchgate.gateway.models.hf_model import PrepareError
+from batchgate.gateway.models.prepare import prepare_model
+from batchgate.gateway.models.onnx_graph import EXTERNAL_BYTES_ENV, external_bytes
+from batchgate.gateway.models.optimize import OptimizeError, Options, optimize
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
 from batchgate.workers import openvino_engine

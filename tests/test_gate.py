@@ -1,4 +1,4 @@
-"""The gate of ``batchgate optimize`` (gateway/build/optimize/gate.py), each test checked by breaking the
+"""The gate of ``batchgate optimize`` (gateway/models/optimize/gate.py), each test checked by breaking the
 code it guards by hand and seeing it fail: which GEMMs INT8 keeps in FP32 and why, a
 batch-dependent candidate refused through ``optimize()``, nearest-neighbour agreement on a case
 whose value is known, static percentile scales gated, and the encoder's row INT8 held to what it
@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 import pytest
 
-from batchgate.gateway.build.optimize import (
+from batchgate.gateway.models.optimize import (
     NN_TIE,
     Options,
     Thresholds,
@@ -25,7 +25,7 @@ from batchgate.gateway.build.optimize import (
     judge,
     optimize,
 )
-from batchgate.gateway.build.optimize.gate import _nn_agreement
+from batchgate.gateway.models.optimize.gate import _nn_agreement
 from batchgate.gateway.repository import ConfigError, load_model, report_path, variant_path
 from tests.conftest import REPO
 

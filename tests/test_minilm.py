@@ -27,7 +27,7 @@ import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tca
 from tritonclient.utils import InferenceServerException
 
-from batchgate.gateway.build.minilm import MODEL_NAME, build_onnx, load_source
+from batchgate.gateway.models.minilm import MODEL_NAME, build_onnx, load_source
 from batchgate.gateway.text import TextStage
 from batchgate.gateway.repository import ConfigError, load_model
 from tests.conftest import prepare_minilm_or_fail, start_server
@@ -502,7 +502,7 @@ def test_build_is_deterministic(minilm_repo):
     src = load_source(None)
     from safetensors.numpy import load
 
-    from batchgate.gateway.build.minilm import BertConfig
+    from batchgate.gateway.models.minilm import BertConfig
 
     built = build_onnx(load(src.weights), BertConfig.from_files(src.config, src.st_config))
     assert (

@@ -1,4 +1,4 @@
-"""``int8-mixed`` (gateway/build/mixed_precision.py): INT8 with the GEMMs measured sensitive on
+"""``int8-mixed`` (gateway/models/optimize/mixed.py): INT8 with the GEMMs measured sensitive on
 tuning rows (odd rows included, never the gate's) kept FP32, gated and served like every variant.
 
 The bundled encoder (tiny, real ONNX Runtime): everything INT8 is within ~2e-4 of it, so the
@@ -17,8 +17,8 @@ import numpy as np
 import onnx
 import pytest
 
-from batchgate.gateway.build import mixed_precision as mp
-from batchgate.gateway.build.optimize import (
+from batchgate.gateway.models.optimize import mixed as mp
+from batchgate.gateway.models.optimize import (
     HELDOUT_TEXTS,
     Options,
     model_rows,

@@ -242,7 +242,7 @@ def test_server_names_a_misspelled_parameter_and_serves_reshaped_models(tmp_path
 
 
 def test_serving_path_does_not_import_the_build_tools():
-    """gateway/build/ is offline preparation: only the CLI's build commands import it."""
+    """gateway/models/ is offline preparation: only the CLI's build commands import it."""
     import subprocess
     import sys
 
@@ -255,7 +255,7 @@ def test_serving_path_does_not_import_the_build_tools():
     )
     assert "batchgate.gateway.repository" in service
     code = f"import importlib, sys\nfor m in {service!r}: importlib.import_module(m)\n" + (
-        "print(sorted(m for m in sys.modules if m.startswith('batchgate.gateway.build')))"
+        "print(sorted(m for m in sys.modules if m.startswith('batchgate.gateway.models')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr

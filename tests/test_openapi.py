@@ -29,7 +29,7 @@ from batchgate.gateway.admission.tenants import hash_key
 from batchgate.gateway.transport import openapi
 from batchgate.gateway.transport.fields import LATENCY_BUDGET_HEADER
 from batchgate.gateway.transport import http
-from batchgate.gateway.build.prepare import prepare_model
+from batchgate.gateway.models.prepare import prepare_model
 from tests.conftest import REPO, start_server
 from tests.test_tei_surface import folders  # noqa: F401  (a module fixture)
 from tests.test_front_door import PeakRss

@@ -1,5 +1,5 @@
 """The OpenVINO engine (workers/openvino_engine.py) and `batchgate optimize`'s OpenVINO candidates
-and ``--auto`` (gateway/build/optimize/auto.py).
+and ``--auto`` (gateway/models/optimize/auto.py).
 
 Real parts: the bundled encoder (token ids in, pooled vector out) run by OpenVINO and by ONNX
 Runtime, a real server on loopback answering tritonclient, the real ``batchgate optimize`` CLI.
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as tc
 
-from batchgate.gateway.build.optimize import (
+from batchgate.gateway.models.optimize import (
     Options,
     Thresholds,
     auto_candidates,
@@ -219,7 +219,7 @@ def test_served_by_openvino_over_grpc_with_metrics_naming_the_engine(tmp_path):
 
 
 def test_heldout_rows_look_like_traffic_and_calibration_never_sees_them():
-    from batchgate.gateway.build.optimize import CALIBRATION_TEXTS, HELDOUT_TEXTS
+    from batchgate.gateway.models.optimize import CALIBRATION_TEXTS, HELDOUT_TEXTS
 
     texts, kinds = read_kinded_texts(HELDOUT_TEXTS)
     want = {
@@ -338,7 +338,7 @@ def test_auto_times_only_the_candidates_that_passed_the_gate(tmp_path):
 
 
 def test_never_slower_means_at_every_batch_size():
-    from batchgate.gateway.build.optimize import not_slower
+    from batchgate.gateway.models.optimize import not_slower
 
     def t(*rates):
         return {"batches": [{"batch": b, "rows_per_s": r} for b, r in zip((1, 8, 32), rates)]}

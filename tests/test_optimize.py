@@ -1,4 +1,4 @@
-"""``batchgate optimize``: variants built, gated, refused and served (gateway/build/optimize/).
+"""``batchgate optimize``: variants built, gated, refused and served (gateway/models/optimize/).
 
 Real models (the bundled encoder and ranker), real ONNX Runtime, a real server on loopback. The
 variants are built once per module with one timing repeat and no RSS child, to keep it quick.
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as tc
 
-from batchgate.gateway.build.optimize import (
+from batchgate.gateway.models.optimize import (
     Options,
     Thresholds,
     optimize,
@@ -196,7 +196,7 @@ def test_the_gate_judges_every_kind_of_held_out_row(minilm_dir):
     dims rotated): the same comparison as a variant wrong there, on any CPU."""
     from collections import Counter
 
-    from batchgate.gateway.build.optimize import (
+    from batchgate.gateway.models.optimize import (
         HELDOUT_TEXTS,
         by_kind,
         gate,
@@ -230,7 +230,7 @@ def test_the_gate_judges_every_kind_of_held_out_row(minilm_dir):
 
 def test_thresholds_are_settable_and_a_strict_one_refuses():
     acc = {"embedding": {"kind": "embedding", "min_cosine": 0.995, "mean_cosine": 0.999, "nn_agreement": 1.0}}
-    from batchgate.gateway.build.optimize import judge
+    from batchgate.gateway.models.optimize import judge
 
     assert judge(acc, Thresholds()) == []
     assert judge(acc, Thresholds(min_cosine=0.999)) == ["embedding min_cosine 0.995 (needs >= 0.999)"]
@@ -414,7 +414,7 @@ def test_dynamic_int8_depends_on_batch_mates_so_the_gate_would_refuse_it(built, 
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    from batchgate.gateway.build.optimize import batch_independence, model_rows, run_rows
+    from batchgate.gateway.models.optimize import batch_independence, model_rows, run_rows
 
     pre, dyn = tmp_path / "pre.onnx", tmp_path / "dynamic.onnx"
     quant_pre_process(str(REPO / "encoder" / "1" / "model.onnx"), str(pre), skip_symbolic_shape=True)
@@ -438,7 +438,7 @@ def _one_gemm(tmp_path: Path, weights: str) -> tuple[Path, np.ndarray]:
     from onnx import helper as h
     from onnx import numpy_helper
 
-    from batchgate.gateway.build.optimize import row_int8
+    from batchgate.gateway.models.optimize import row_int8
 
     w = np.full((64, 8), 0.5, np.float32)
     graph = h.make_graph(
@@ -483,7 +483,7 @@ def test_uint8_weights_are_exact_where_the_signed_kernel_saturates(tmp_path):
      ("aarch64", "Features\t: fp asimd asimddp", False)],
 )  # fmt: skip
 def test_which_cpus_saturate_and_what_auto_picks(monkeypatch, arch, flags, saturates):
-    from batchgate.gateway.build import optimize as opt
+    from batchgate.gateway.models import optimize as opt
     from batchgate.workers import devices
 
     assert devices.int8_saturates(flags, arch) is saturates

@@ -29,10 +29,10 @@ import onnxruntime as ort
 import pytest
 from tokenizers import Tokenizer
 
-from batchgate.gateway.build import bge_m3, sources
-from batchgate.gateway.build.hf_model import PrepareError
-from batchgate.gateway.build.prepare import prepare_model
-from batchgate.gateway.build.torch_file import TorchFileError, read_state_dict
+from batchgate.gateway.models import bge_m3, sources
+from batchgate.gateway.models.hf_model import PrepareError
+from batchgate.gateway.models.prepare import prepare_model
+from batchgate.gateway.models.torch_file import TorchFileError, read_state_dict
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
 from tests.test_prepare_model import MIN_COSINE, TEXTS, TINY, cosines, scramble, st_folder, unigram

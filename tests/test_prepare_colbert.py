@@ -24,8 +24,8 @@ import onnxruntime as ort
 import pytest
 from tokenizers import Tokenizer
 
-from batchgate.gateway.build.hf_model import PrepareError, read_folder
-from batchgate.gateway.build.prepare import prepare_model
+from batchgate.gateway.models.hf_model import PrepareError, read_folder
+from batchgate.gateway.models.prepare import prepare_model
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
 from tests.test_prepare_model import MIN_COSINE, TINY, cosines, scramble, wordpiece

@@ -2,7 +2,7 @@
 with bidirectional attention, its sliding/full layer pattern, query/key norms, (1 + w) RMSNorm,
 scaled embeddings, per-layer-type rotary bases, mean pooling, two Dense modules and Normalize,
 task prompts) and Mistral, Llama and Qwen2 embedders (causal attention, grouped-query attention,
-last-token pooling, left padding, instruction prompts), each built by gateway/build/decoder.py
+last-token pooling, left padding, instruction prompts), each built by gateway/models/decoder.py
 without PyTorch and checked against sentence-transformers loading the same folder.
 
 Each model is tiny (hidden 32, 2-3 layers), made with transformers' config and model classes,
@@ -24,9 +24,9 @@ import onnxruntime as ort
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 
-from batchgate.gateway.build import decoder
-from batchgate.gateway.build.hf_model import PrepareError, read_folder
-from batchgate.gateway.build.prepare import prepare_model
+from batchgate.gateway.models import decoder
+from batchgate.gateway.models.hf_model import PrepareError, read_folder
+from batchgate.gateway.models.prepare import prepare_model
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
 from tests.test_prepare_model import MIN_COSINE, TEXTS, WORDS, cosines
@@ -386,7 +386,7 @@ def test_qwen2_is_causal_false_attends_both_ways(folders, tmp_path):
 def test_external_data_path_covers_the_decoder_graph(folders, repo, tmp_path, monkeypatch):
     """Past 2 GiB the weights go beside the graph (model.onnx.data); sent down that path with a
     0-byte threshold, EmbeddingGemma's graph answers the same."""
-    from batchgate.gateway.build.onnx_graph import EXTERNAL_BYTES_ENV, external_data_path
+    from batchgate.gateway.models.onnx_graph import EXTERNAL_BYTES_ENV, external_data_path
 
     monkeypatch.setenv(EXTERNAL_BYTES_ENV, "0")
     out = prepare_model(folders["gemma"][0], "gemma", tmp_path / "repo", log=print)

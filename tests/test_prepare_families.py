@@ -22,9 +22,9 @@ import onnxruntime as ort
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 
-from batchgate.gateway.build import modernbert, mpnet, qwen3
-from batchgate.gateway.build.hf_model import PrepareError, read_folder
-from batchgate.gateway.build.prepare import prepare_model
+from batchgate.gateway.models import modernbert, mpnet, qwen3
+from batchgate.gateway.models.hf_model import PrepareError, read_folder
+from batchgate.gateway.models.prepare import prepare_model
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
 from tests.test_prepare_model import MIN_COSINE, TEXTS, WORDS, cosines, st_folder, st_pool, wordpiece
@@ -348,7 +348,7 @@ def test_prepare_runs_without_torch(folders, tmp_path):
     code = (
         "import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
         "from pathlib import Path\n"
-        "from batchgate.gateway.build.prepare import prepare_model\n"
+        "from batchgate.gateway.models.prepare import prepare_model\n"
         f"for name, folder in {[(n, str(f[0])) for n, f in folders.items()]!r}:\n"
         f"    prepare_model(Path(folder), name, Path({str(tmp_path)!r}), log=print)\n"
     )

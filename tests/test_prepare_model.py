@@ -28,8 +28,8 @@ import pytest
 import tritonclient.grpc as tc
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
 
-from batchgate.gateway.build.hf_model import PrepareError, read_folder
-from batchgate.gateway.build.prepare import prepare_model
+from batchgate.gateway.models.hf_model import PrepareError, read_folder
+from batchgate.gateway.models.prepare import prepare_model
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import PAIR_SEPARATOR, TextStage
 from tests.conftest import start_server

@@ -27,9 +27,9 @@ import tritonclient.grpc as tc
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer
 
-from batchgate.gateway.build.hf_model import PrepareError
-from batchgate.gateway.build.prepare import prepare_model
-from batchgate.gateway.build.onnx_export import P, read_export
+from batchgate.gateway.models.hf_model import PrepareError
+from batchgate.gateway.models.prepare import prepare_model
+from batchgate.gateway.models.onnx_export import P, read_export
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
 from tests.test_prepare_model import (

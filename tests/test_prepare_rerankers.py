@@ -23,9 +23,9 @@ import onnxruntime as ort
 import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from batchgate.gateway.build import deberta_v2, qwen3
-from batchgate.gateway.build.hf_model import PrepareError, read_folder
-from batchgate.gateway.build.prepare import prepare_model
+from batchgate.gateway.models import deberta_v2, qwen3
+from batchgate.gateway.models.hf_model import PrepareError, read_folder
+from batchgate.gateway.models.prepare import prepare_model
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import PAIR_SEPARATOR, TextStage
 from tests.test_prepare_families import mpnet_tokenizer, scramble

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from batchgate.gateway.build import sources
-from batchgate.gateway.build.hf_model import PrepareError
-from batchgate.gateway.build.prepare import prepare_model
+from batchgate.gateway.models import sources
+from batchgate.gateway.models.hf_model import PrepareError
+from batchgate.gateway.models.prepare import prepare_model
 from tests.conftest import free_ports
 from tests.test_prepare_model import TINY, prepare_cli, st_folder, wordpiece
 from tests.tiny_models import transformers_folder
@@ -173,7 +173,7 @@ def test_online_with_huggingface_hub_a_failed_download_falls_back_to_the_cache(c
     (port,) = free_ports(1)
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     env |= {"HF_HUB_CACHE": str(cache), "HF_ENDPOINT": f"http://127.0.0.1:{port}"}
-    code = "from batchgate.gateway.build.sources import resolve; print(resolve('acme/tiny-bert'))"
+    code = "from batchgate.gateway.models.sources import resolve; print(resolve('acme/tiny-bert'))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 0 and proc.stdout.strip().endswith(MAIN), proc.stderr
     proc = prepare_cli(

@@ -17,8 +17,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from batchgate.gateway.build.hf_model import PrepareError, read_folder
-from batchgate.gateway.build.prepare import prepare_model
+from batchgate.gateway.models.hf_model import PrepareError, read_folder
+from batchgate.gateway.models.prepare import prepare_model
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
 from tests.prepared import client, kserve_grpc, kserve_rest, server, tiny_configs, torch_feeds  # noqa: F401  (fixtures)

@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from batchgate.gateway.admission.tenants import hash_key
-from batchgate.gateway.build.prepare import prepare_model
+from batchgate.gateway.models.prepare import prepare_model
 from tests.conftest import ROOT, start_server
 from tests.prepared import tiny_configs
 from tests.test_classify import SENTIMENT

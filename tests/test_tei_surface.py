@@ -26,8 +26,8 @@ import pytest
 import tritonclient.grpc as tc
 from tokenizers import Tokenizer
 
-from batchgate.gateway.build.hf_model import read_folder
-from batchgate.gateway.build.prepare import prepare_model
+from batchgate.gateway.models.hf_model import read_folder
+from batchgate.gateway.models.prepare import prepare_model
 from batchgate.gateway.text import PAIR_SEPARATOR
 from tests.conftest import REPO, start_server
 from tests.test_classify import SENTIMENT, TOPICS

@@ -19,7 +19,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from batchgate.gateway.build.prepare import prepare_model
+from batchgate.gateway.models.prepare import prepare_model
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
 from batchgate.workers import EngineOptions, WorkerPool, discover

@@ -96,7 +96,7 @@ def st_quantize():
 
 def test_default_texts_are_the_shipped_held_out_rows():
     texts, source = vt.default_texts()
-    assert source["files"] == ["gateway/build/texts/calibration.txt", "gateway/build/texts/heldout.txt"]
+    assert source["files"] == ["gateway/models/texts/calibration.txt", "gateway/models/texts/heldout.txt"]
     assert len(texts) > 300 and not any(t.startswith("#") for t in texts)
     assert [t for t in texts if not t.strip()] == [" "] == texts[-1:]  # the one whitespace-only row
     # odd rows are among them, not only sentences

@@ -1,5 +1,5 @@
 """The tokenizer an XLM-R model is served with is the one its reference feeds it: transformers 5's
-``XLMRobertaTokenizer`` (gateway/build/xlm_roberta.py), not the folder's ``tokenizer.json`` as it
+``XLMRobertaTokenizer`` (gateway/models/xlm_roberta.py), not the folder's ``tokenizer.json`` as it
 stands, on the texts where the two differ (trailing newlines or spaces) and on
 those where the sentencepiece character map must still apply (a ligature, full-width letters)."""
 
@@ -10,7 +10,7 @@ import json
 import pytest
 from tokenizers import Tokenizer, processors
 
-from batchgate.gateway.build import xlm_roberta
+from batchgate.gateway.models import xlm_roberta
 from tests.test_prepare_model import CHARSMAP, unigram
 
 
