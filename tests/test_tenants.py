@@ -281,7 +281,11 @@ async def test_stock_triton_client_with_headers(tmp_path):
             x.set_data_from_numpy(np.ones((3, 64), np.float32))
             ids = tc.InferInput("sparse_ids", [3, 8], "INT64")
             ids.set_data_from_numpy(np.zeros((3, 8), np.int64))
-            out = await client.infer("ranker", [x, ids], headers={"authorization": f"Bearer {ALPHA}"})
+            # a deadline of its own: alpha's default class is realtime (25 ms), which a loaded
+            # machine's loop lag alone can use up on a server's first call (this test is about headers)
+            out = await client.infer(
+                "ranker", [x, ids], headers={"authorization": f"Bearer {ALPHA}"}, client_timeout=30
+            )
             assert out.as_numpy("score").shape == (3, 1)
             with pytest.raises(InferenceServerException) as e:
                 await client.infer("ranker", [x, ids])
