@@ -63,7 +63,7 @@ from pathlib import Path
 import numpy as np
 from google.protobuf import text_encoding
 
-from batchgate.gateway.models import bge_m3, colbert, decoder, xlm_roberta
+from batchgate.gateway.models import bge_m3, colbert, deberta_v2, decoder, xlm_roberta
 from batchgate.gateway.models.encoder import (
     ACTIVATIONS,
     POOLINGS,
@@ -99,6 +99,12 @@ FAMILIES = {
     "llama": "llama",
     "qwen2": "qwen2",
     "gemma3_text": "gemma3_text",
+}
+# The model types whose reference (transformers 5) builds its own tokenizer from the folder's
+# vocabulary instead of reading tokenizer.json as it stands: served as that reference builds it.
+SERVED_TOKENIZERS = {
+    "deberta-v2": deberta_v2.served_tokenizer,
+    "xlm-roberta": xlm_roberta.served_tokenizer,  # RoBERTa's graph, its own tokenizer
 }
 # The class-name stems Hugging Face gives each model_type, for the architectures check.
 _STEMS = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta"}
@@ -934,11 +940,7 @@ def prepare_weights(source: Path, name: str, repo: Path, *, pooling: str | None 
         raise PrepareError(f"{plan.model_dir / 'model.safetensors'} has no tensor {exc.args[0]}") from None
     out = Path(repo) / name
     write_model(out / VERSION / "model.onnx", model)  # past 2 GiB with its weights beside it
-    # A family whose reference builds its own tokenizer from the folder (deberta_v2.py,
-    # xlm_roberta.py) says how.
-    served = getattr(module, "served_tokenizer", None)
-    if plan.model_type == "xlm-roberta":  # RoBERTa's graph, its own tokenizer
-        served = xlm_roberta.served_tokenizer
+    served = SERVED_TOKENIZERS.get(plan.model_type)
     write_atomic(
         out / "tokenizer.json",
         served(plan.model_dir, plan.tokenizer) if served else plan.tokenizer.read_bytes(),
