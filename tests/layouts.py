@@ -45,7 +45,9 @@ def scrambled(shapes: dict, seed: int, std: float = SCRAMBLE_STD) -> dict[str, n
     """Random float32 tensors for ``{name: shape}``, LayerNorm weights around 1, the rest around 0."""
     rng = np.random.default_rng(seed)
     return {
-        name: ((1.0 if "LayerNorm.weight" in name else 0.0) + std * rng.standard_normal(shape)).astype(np.float32)
+        name: ((1.0 if "LayerNorm.weight" in name else 0.0) + std * rng.standard_normal(shape)).astype(
+            np.float32
+        )
         for name, shape in shapes.items()
     }
 
@@ -111,7 +113,10 @@ class _Tensor:
     def __reduce__(self):
         stride = tuple(int(np.prod(self.shape[i + 1 :])) for i in range(len(self.shape)))
         empty = _Reduce(_Global("collections", "OrderedDict"), ())
-        return (_Global("torch._utils", "_rebuild_tensor_v2"), (self.storage, 0, self.shape, stride, False, empty))
+        return (
+            _Global("torch._utils", "_rebuild_tensor_v2"),
+            (self.storage, 0, self.shape, stride, False, empty),
+        )
 
 
 class _Reduce:

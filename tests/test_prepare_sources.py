@@ -9,6 +9,7 @@ written entry is byte-identical to preparing the folder itself.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -181,3 +182,14 @@ def test_online_with_huggingface_hub_a_failed_download_falls_back_to_the_cache(c
     )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert f"the Hugging Face cache {cache} " in proc.stderr and "(the download failed: " in proc.stderr
+
+
+def test_special_tokens_read_as_strings_or_as_saved_added_tokens(tmp_path):
+    # transformers saves a special token either as its text or as an AddedToken's fields
+    added = {"content": "[CLS]", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"cls_token": added, "sep_token": "[SEP]"}))
+    config = sources.tokenizer_config(tmp_path)
+    assert sources.special_token(config, "cls_token", "<s>") == "[CLS]"
+    assert sources.special_token(config, "sep_token", "</s>") == "[SEP]"
+    assert sources.special_token(config, "pad_token", "[PAD]") == "[PAD]"
+    assert sources.tokenizer_config(tmp_path / "missing") == {}

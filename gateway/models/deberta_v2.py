@@ -24,7 +24,6 @@ DeBERTa-v2-xlarge's convolution after the first layer (``conv_kernel_size``) is 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from batchgate.gateway.models.encoder import Head, _Graph, finish_head, key_padd
 from batchgate.gateway.models.heads import classify
 from batchgate.gateway.models.onnx_graph import GraphBuilder, gelu
 from batchgate.gateway.models.rotary import layer_norm, linear
+from batchgate.gateway.models.sources import special_token, tokenizer_config
 
 STEM = "DebertaV2"
 ARCHS = ("Model", "ForMaskedLM", "ForSequenceClassification")
@@ -314,10 +314,7 @@ def served_tokenizer(model_dir: Path, tokenizer: Path) -> bytes:
     its reference feeds it."""
     from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 
-    config = {}
-    config_file = model_dir / "tokenizer_config.json"
-    if config_file.is_file():
-        config = json.loads(config_file.read_text())
+    config = tokenizer_config(model_dir)
     tok = Tokenizer.from_file(str(tokenizer))
     steps = [normalizers.Lowercase()] if config.get("do_lower_case", False) else []
     steps += [normalizers.Replace(Regex(r"\s{2,}|[\n\r\t]"), " "), normalizers.NFC(),
@@ -329,7 +326,7 @@ def served_tokenizer(model_dir: Path, tokenizer: Path) -> bytes:
         [*pre, pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme)]
     )
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=scheme)
-    cls, sep = str(config.get("cls_token", "[CLS]")), str(config.get("sep_token", "[SEP]"))
+    cls, sep = special_token(config, "cls_token", "[CLS]"), special_token(config, "sep_token", "[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
         special_tokens=[(cls, tok.token_to_id(cls) or 0), (sep, tok.token_to_id(sep) or 0)],

@@ -17,6 +17,7 @@ A path that exists wins over an ID, so a local folder named like ``org/model`` i
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Callable
@@ -144,3 +145,15 @@ def resolve(source: str | Path, revision: str | None = None, *, log: Log = print
         log(f"{text}: download failed ({exc}); using the cached snapshot {snapshot}")
         return snapshot
     return snapshot if snapshot is not None else from_cache(text, revision, cache)
+
+
+def tokenizer_config(model_dir: Path) -> dict:
+    """The folder's tokenizer_config.json, or {} where it has none."""
+    path = Path(model_dir) / "tokenizer_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def special_token(config: dict, key: str, default: str) -> str:
+    """A special token's text from tokenizer_config.json: a string, or an AddedToken as saved."""
+    value = config.get(key) or default
+    return str(value["content"] if isinstance(value, dict) else value)

@@ -16,14 +16,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from batchgate.gateway.models.sources import special_token, tokenizer_config
+
 
 def served_tokenizer(model_dir: Path, tokenizer: Path) -> bytes:
     from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
 
-    config = {}
-    config_file = model_dir / "tokenizer_config.json"
-    if config_file.is_file():
-        config = json.loads(config_file.read_text())
+    config = tokenizer_config(model_dir)
     raw = json.loads(tokenizer.read_text(encoding="utf-8"))
     tok = Tokenizer.from_str(json.dumps(raw))
     steps = raw.get("normalizer") or {}
@@ -42,15 +41,10 @@ def served_tokenizer(model_dir: Path, tokenizer: Path) -> bytes:
         [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme)]
     )
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=scheme)
-    bos, eos = _token(config, "bos_token", "<s>"), _token(config, "eos_token", "</s>")
+    bos, eos = special_token(config, "bos_token", "<s>"), special_token(config, "eos_token", "</s>")
     tok.post_processor = processors.TemplateProcessing(
         single=[bos, "$A", eos],
         pair=[bos, "$A", eos, eos, "$B", eos],
         special_tokens=[(bos, tok.token_to_id(bos) or 0), (eos, tok.token_to_id(eos) or 2)],
     )
     return tok.to_str().encode()
-
-
-def _token(config: dict, key: str, default: str) -> str:
-    value = config.get(key, default)
-    return str(value["content"] if isinstance(value, dict) else value)  # an AddedToken as saved
