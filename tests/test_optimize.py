@@ -199,7 +199,7 @@ def test_the_gate_judges_every_kind_of_held_out_row(minilm_dir):
     from batchgate.gateway.models.optimize import (
         HELDOUT_TEXTS,
         by_kind,
-        gate,
+        gate_variant,
         model_rows,
         read_kinded_texts,
         run_rows,
@@ -210,7 +210,7 @@ def test_the_gate_judges_every_kind_of_held_out_row(minilm_dir):
     held = model_rows(spec, "heldout")
     assert len(held) == len(kinds) and held.kinds == kinds
     ref = run_rows(session(spec.path), held.feeds)
-    acc, failures, _ = gate(ref, spec.path, "optimized", held, Options("optimized"))
+    acc, failures, _ = gate_variant(ref, spec.path, "optimized", held, Options("optimized"))
     assert failures == [] and acc["embedding"]["rows"] == len(kinds)
     assert {k: v["rows"] for k, v in by_kind(acc, held.kinds)["embedding"].items()} == Counter(kinds)
     odd = sorted(set(kinds) - {"sentences"})
@@ -219,7 +219,7 @@ def test_the_gate_judges_every_kind_of_held_out_row(minilm_dir):
         rows = [i for i, k in enumerate(kinds) if k == kind]
         wrong = {name: v.copy() for name, v in ref.items()}
         wrong["embedding"][rows] = np.roll(wrong["embedding"][rows], 1, axis=-1)
-        _, failures, _ = gate(wrong, spec.path, "optimized", held, Options("optimized"))
+        _, failures, _ = gate_variant(wrong, spec.path, "optimized", held, Options("optimized"))
         assert any(f.startswith("embedding min_cosine") for f in failures), (kind, failures)
     # Through a tokenizer (minilm keeps 256 tokens), the texts past its length stay, cut to it.
     mini = model_rows(load_model(minilm_dir, variant="fp32")[0], "heldout")

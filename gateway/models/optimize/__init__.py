@@ -75,7 +75,7 @@ from batchgate.gateway.models.optimize.gate import (  # noqa: F401
     batch_bound,
     batch_independence,
     by_kind,
-    gate,
+    gate_variant,
     judge,
     output_kind,
 )

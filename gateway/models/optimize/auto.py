@@ -13,7 +13,7 @@ from dataclasses import replace as dataclass_replace
 from pathlib import Path
 
 from batchgate.gateway.models.optimize.candidates import build_variant
-from batchgate.gateway.models.optimize.gate import gate
+from batchgate.gateway.models.optimize.gate import gate_variant
 from batchgate.gateway.models.optimize.options import Log, OptimizeError, Options, check_options, model_spec
 from batchgate.gateway.models.optimize.report import auto_report, publish, variant_report, write_auto_report
 from batchgate.gateway.models.optimize.rows import calibration_and_heldout
@@ -94,7 +94,7 @@ def optimize_auto(
                 skipped[v] = str(exc)
                 log(f"{v}: not built: {exc}")
                 continue
-            acc, failures, indep = gate(ref, file, v, held, o)
+            acc, failures, indep = gate_variant(ref, file, v, held, o)
             if build.get("nothing_quantised"):
                 failures.append("int8_nodes 0: no node stays INT8 within the targets (needs >= 1)")
             build["build_seconds"] = round(time.perf_counter() - t0, 1)

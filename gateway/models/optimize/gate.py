@@ -156,7 +156,7 @@ def by_kind(acc: dict[str, dict], kinds: list[str] | None) -> dict[str, dict[str
     return out
 
 
-def gate(
+def gate_variant(
     ref: dict[str, np.ndarray], file: Path, variant: str, held: Rows, opts: Options
 ) -> tuple[dict, list[str], dict]:
     """Accuracy against ``ref`` (the original's outputs) and batch independence of one candidate:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchgate.gateway.models.optimize.candidates import build_variant
-from batchgate.gateway.models.optimize.gate import gate
+from batchgate.gateway.models.optimize.gate import gate_variant
 from batchgate.gateway.models.optimize.options import Log, Options, check_options, model_spec
 from batchgate.gateway.models.optimize.report import publish, variant_report
 from batchgate.gateway.models.optimize.rows import calibration_and_heldout
@@ -44,7 +44,7 @@ def optimize(model_dir: Path, opts: Options, log: Log = print) -> Result:
         file, build = build_variant(src, variant, tmp_dst, calib, opts, log)
         log(f"evaluating on {len(held)} held-out rows ({held.source})")
         ref = run_rows(session(src), held.feeds)
-        acc, failures, indep = gate(ref, file, variant, held, opts)
+        acc, failures, indep = gate_variant(ref, file, variant, held, opts)
         if build.get("nothing_quantised"):
             failures.append("int8_nodes 0: no node stays INT8 within the targets (needs >= 1)")
         core = pin_core(opts.core)
