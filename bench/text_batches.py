@@ -8,6 +8,9 @@ loop (a caller sends its next call as soon as it has an answer or a refusal):
 
     1x32:bulk  8x32:bulk  4x32:standard  64x1:standard
 
+(class ``none``: the call states no class and no deadline, as client libraries send it; counted
+in time against the server's default for it, bulk for several texts and standard for one.)
+
 Printed per shape: texts/s answered, texts per server CPU-second and its ratio to the limit (ONNX
 Runtime's texts per CPU-second: CPU time, so a shared machine's other load does not count), the
 wall-clock ratio, calls answered, refusals by cause (gate: the overload gate at the door; estimate:
@@ -21,6 +24,10 @@ queued anyway, and how many of them were answered in time. Also one 32-text call
 long texts on an idle server, against the unpadded cost of its texts.
 
     .venv/bin/python -m batchgate.bench.text_batches [--seconds 20] [--shapes 1x32:bulk,...]
+        [--model-dir model_repository/minilm] [--variant openvino-bf16]
+
+Another model: ``--model-dir`` (any text embedder's folder in a repository; e.g. the base-size
+one ``python -m lab.base_embedder`` prepares), ``--variant`` one its ``optimize`` built.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import shutil
 import signal
 import struct
@@ -52,16 +60,38 @@ def texts() -> list[str]:
     return [line for line in TEXTS.read_text().splitlines() if line.strip()]
 
 
-def make_repo(src: Path, dst: Path) -> None:
-    """minilm as it ships, and a twin that does not shed at admission (the false-refusal check)."""
+def model_name(src: Path) -> str:
+    return re.search(r'^name: "([^"]+)"', (src / "config.pbtxt").read_text(), re.M).group(1)
+
+
+def max_tokens(src: Path) -> int:
+    found = re.search(r'key: "max_tokens" value \{ string_value: "(\d+)"', (src / "config.pbtxt").read_text())
+    return int(found.group(1)) if found else 256
+
+
+def make_repo(src: Path, dst: Path, variant: str | None) -> tuple[str, str]:
+    """The model as it ships (every file of its version folder, ``variant`` pinned where given),
+    and a twin that does not shed at admission (the false-refusal check): their names."""
+    name = model_name(src)
+    pin = f'parameters {{ key: "variant" value {{ string_value: "{variant}" }} }}\n' if variant else ""
     noshed = 'parameters { key: "shed_at_admission" value { string_value: "false" } }\n'
-    for name, extra in (("minilm", ""), ("minilm_noshed", noshed)):
-        d = dst / name
+    for twin, extra in ((name, pin), (f"{name}_noshed", pin + noshed)):
+        d = dst / twin
         (d / "1").mkdir(parents=True)
-        (d / "1" / "model.onnx").symlink_to((src / "1" / "model.onnx").resolve())
+        for f in (src / "1").iterdir():
+            (d / "1" / f.name).symlink_to(f.resolve())
         shutil.copy(src / "tokenizer.json", d / "tokenizer.json")
-        cfg = (src / "config.pbtxt").read_text().replace('name: "minilm"', f'name: "{name}"')
+        cfg = (src / "config.pbtxt").read_text().replace(f'name: "{name}"', f'name: "{twin}"')
         (d / "config.pbtxt").write_text(cfg + extra)
+    return name, f"{name}_noshed"
+
+
+def budget_s(cls: str, per_call: int) -> float:
+    """The budget a call of ``cls`` gets; ``none`` states no class and no deadline (as client
+    libraries call): the server's default, bulk for several texts and standard for one."""
+    if cls == "none":
+        return BUDGET_S["bulk" if per_call > 1 else "standard"]
+    return BUDGET_S[cls]
 
 
 def padded_feeds(encs, names) -> dict[str, np.ndarray]:
@@ -92,7 +122,7 @@ def ort_limit(src: Path, all_texts: list[str], rounds: int = 3) -> tuple[dict[st
     names = {i.name for i in session.get_inputs()}
     tok = Tokenizer.from_file(str(src / "tokenizer.json"))
     tok.no_padding()  # the file pads to a fixed length: each text at its own length here
-    tok.enable_truncation(256)
+    tok.enable_truncation(max_tokens(src))
 
     def feeds(encs) -> dict:
         return padded_feeds(encs, names)
@@ -135,7 +165,8 @@ def request(model: str, batch: list[str], cls: str) -> pb.ModelInferRequest:
     req.raw_input_contents.append(
         b"".join(struct.pack("<I", len(b)) + b for b in (t.encode() for t in batch))
     )
-    req.parameters["latency_class"].string_param = cls
+    if cls != "none":
+        req.parameters["latency_class"].string_param = cls
     return req
 
 
@@ -181,8 +212,9 @@ async def load(url: str, model: str, all_texts: list[str], callers: int, per_cal
         while time.perf_counter() < stop:
             t0 = time.perf_counter()
             try:
-                # The call's deadline is its class budget, as a caller with that budget would set it.
-                await stub.ModelInfer(reqs[j % n], timeout=BUDGET_S[cls])
+                # The call's deadline is its class budget, as a caller with that budget would set it;
+                # a call of no class states no deadline.
+                await stub.ModelInfer(reqs[j % n], timeout=None if cls == "none" else BUDGET_S[cls])
                 answered.append(time.perf_counter() - t0)
             except grpc.aio.AioRpcError as exc:
                 why = _outcome(exc)
@@ -195,7 +227,7 @@ async def load(url: str, model: str, all_texts: list[str], callers: int, per_cal
     for c in channels:
         await c.close()
     lat = sorted(answered)
-    in_time = sum(1 for x in lat if x <= BUDGET_S[cls])
+    in_time = sum(1 for x in lat if x <= budget_s(cls, per_call))
     return {
         "elapsed": elapsed,
         "texts": len(lat) * per_call,
@@ -231,6 +263,7 @@ def main() -> int:
     p.add_argument("--load-core", type=int, default=1)
     p.add_argument("--no-shed-check", action="store_true", help="skip the shedding-off runs")
     p.add_argument("--model-dir", type=Path, default=ROOT / "model_repository" / "minilm")
+    p.add_argument("--variant", help="serve this variant of the model (its report must have passed)")
     args = p.parse_args()
     src = args.model_dir
     if not (src / "1" / "model.onnx").is_file():
@@ -254,12 +287,15 @@ def main() -> int:
     )
 
     tmp = Path(tempfile.mkdtemp(prefix="text-batches-"))
-    make_repo(src, tmp)
+    name, noshed_name = make_repo(src, tmp, args.variant)
     grpc_port, http_port = free_ports(2)
     url = f"127.0.0.1:{grpc_port}"
     cmd = ["taskset", "-c", str(args.server_core), sys.executable, "-m", "batchgate", "serve",
            "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
-           "--model-repository", str(tmp), "--no-build-models", "--log-level", "WARNING"]  # fmt: skip
+           "--model-repository", str(tmp), "--no-build-models", "--log-level", "WARNING",
+           "--variant-selection", "off"]  # fmt: skip
+    # --variant-selection off: the engine measured is the one named, not one a background
+    # selection switches to mid-run.
     server = Started("batchgate", cmd, url)
     proc = server.proc
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the server is stopped below
@@ -270,7 +306,7 @@ def main() -> int:
         async def idle() -> float:
             async with grpc.aio.insecure_channel(url) as ch:
                 stub = pbg.GRPCInferenceServiceStub(ch)
-                req = request("minilm", idle_call(all_texts), "bulk")
+                req = request(name, idle_call(all_texts), "bulk")
                 for _ in range(2):
                     await stub.ModelInfer(req, timeout=60)
                 samples, cpu = [], []
@@ -293,25 +329,25 @@ def main() -> int:
         for callers, per_call, cls in shapes:
             label = f"{callers}x{per_call}:{cls}"
             rows = {}
-            for model in ("minilm",) + (() if args.no_shed_check else ("minilm_noshed",)):
+            for model in (name,) + (() if args.no_shed_check else (noshed_name,)):
                 asyncio.run(load(url, model, all_texts, callers, per_call, cls, args.warmup))
                 c0, s0 = cpu_s(proc.pid), shadow(http_port, model)
                 rows[model] = asyncio.run(load(url, model, all_texts, callers, per_call, cls, args.seconds))
                 used = cpu_s(proc.pid) - c0
                 rows[model]["per_cpu_s"] = rows[model]["texts"] / used if used else float("nan")
                 rows[model]["shadow"] = {k: v - s0[k] for k, v in shadow(http_port, model).items()}
-            r = rows["minilm"]
+            r = rows[name]
             n_ref = sum(r["refused"].values())
             false_ref = "-"
-            if "minilm_noshed" in rows:
-                off = rows["minilm_noshed"]
+            if noshed_name in rows:
+                off = rows[noshed_name]
                 # Calls answered in time without shedding that were not with it: each stands for
                 # (at least) one refusal that should not have been, over the calls it answered.
                 would = min(max(off["in_time"] - r["in_time"], 0), n_ref)  # no refusal, no false one
                 false_ref = f"{would / off['in_time']:.1%}" if off["in_time"] else "0.0%"
             print(_line(label, r, limit, false_ref))
-            if "minilm_noshed" in rows:
-                off = rows["minilm_noshed"]
+            if noshed_name in rows:
+                off = rows[noshed_name]
                 sh = off["shadow"]
                 print(_line("  shedding off", off, limit, ""))
                 # The estimate checked against what happened: of the calls it would have refused
