@@ -2,10 +2,12 @@
 ModernBERT and Qwen3 (a decoder embedder), each graph built from safetensors weights without
 PyTorch and checked against transformers.
 
-Each model is tiny (hidden 32, 2-3 layers), made here with transformers' own config and model
-classes, SCRAMBLED (random weights far from init: a wrong position, window, rotary base, pooled
-token or activation would not hide under near-uniform attention) and saved with
-``save_pretrained`` (safetensors), beside a tokenizer.json made with ``tokenizers``. The texts
+Each model is tiny (hidden 32, 2-3 layers; its config is ``make``'s, in transformers' own config
+classes), written by numpy in the layout transformers saved for it (``LAYOUTS``, recorded by
+``python -m tests.layouts``: tests/layouts.py) with SCRAMBLED weights (random, far from init: a
+wrong position, window, rotary base, pooled token or activation would not hide under near-uniform
+attention), beside a tokenizer.json made with ``tokenizers``. Only the tests that compare with
+transformers load its model of a folder (and skip without it); the others run without torch. The texts
 are of mixed lengths in one padded batch, past each model's limit, so padding masks, truncation,
 relative buckets past the exact range, ModernBERT's sliding window and the causal mask are all
 exercised. Per row cosine >= 0.999999 against transformers, pooled as sentence-transformers pools.
@@ -27,7 +29,9 @@ from batchgate.gateway.models.hf_model import PrepareError, read_folder
 from batchgate.gateway.models.prepare import prepare_model
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
+from tests.layouts import write_folder
 from tests.test_prepare_model import MIN_COSINE, TEXTS, WORDS, cosines, st_folder, st_pool, wordpiece
+from tests.tiny_models import TransformersModel
 
 HIDDEN = 32
 STD = 0.3
@@ -68,7 +72,9 @@ def qwen_tokenizer() -> Tokenizer:
 
 
 def scramble(model) -> None:
-    """Every weight random: norms' scales around 1, the rest around 0 (std 0.3, far from init)."""
+    """Every weight of a torch model random: norms' scales around 1, the rest around 0 (std 0.3).
+    Not used here any more (``scrambled_folder`` draws the same with numpy); kept for the modules
+    that import it (tests/test_prepare_rerankers.py)."""
     import torch
 
     with torch.no_grad():
@@ -77,6 +83,7 @@ def scramble(model) -> None:
 
 
 def make(kind: str, tok: Tokenizer):
+    """transformers' untrained model of ``kind`` (for ``LAYOUTS``: what its folder holds)."""
     import transformers as t
 
     vocab = tok.get_vocab_size()
@@ -113,27 +120,43 @@ CASES = {
     "qwen3_last": ("qwen3", qwen_tokenizer, "lasttoken", True),
     "qwen3_plain": ("qwen3_lm", qwen_tokenizer, None, True),
 }
+# The layouts of the folders (tests/data/layouts/families_KIND.json), recorded by transformers.
+LAYOUTS = {
+    f"families_{kind}": (lambda kind=kind, tokenizer=tokenizer: make(kind, tokenizer()))
+    for kind, tokenizer, _pooling, _normalize in CASES.values()
+}
+
+
+def scrambled_folder(folder: Path, kind: str, seed: int) -> Path:
+    """``kind``'s folder with every weight random: norms' scales around 1 (LayerNorm's and
+    DistilBERT's, ModernBERT's and Qwen3's norms alike), the rest around 0 (std 0.3, far from init)."""
+    from safetensors.numpy import load_file, save_file
+
+    write_folder(folder, f"families_{kind}", seed, std=STD)
+    # write_folder draws LayerNorm.weight around 1 and every other weight around 0, so a norm of
+    # another name (sa_layer_norm, mlp_norm, input_layernorm, q_norm, ...) is shifted to around 1.
+    path = str(folder / "model.safetensors")
+    tensors = load_file(path)
+    for name, t in tensors.items():
+        if "norm" in name.lower() and name.endswith("weight") and "LayerNorm.weight" not in name:
+            tensors[name] = (t + 1.0).astype(np.float32)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return folder
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """name -> (folder, the transformers model (bare encoder), pooling, normalize)."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
+    """name -> (folder, transformers' model of it (loaded when a reference test first touches it),
+    pooling, normalize). The folders are written by numpy; no torch is needed to make them."""
     root = tmp_path_factory.mktemp("family-folders")
     out = {}
-    for name, (kind, tokenizer, pooling, normalize) in CASES.items():
-        torch.manual_seed(len(out))
-        tok = tokenizer()
-        model = make(kind, tok)
-        scramble(model)
-        d = root / name
-        model.eval().save_pretrained(d)
-        tok.save(str(d / "tokenizer.json"))
+    for seed, (name, (kind, tokenizer, pooling, normalize)) in enumerate(CASES.items()):
+        d = scrambled_folder(root / name, kind, seed)
+        tokenizer().save(str(d / "tokenizer.json"))
         if pooling is not None:
             st_folder(d, pooling, normalize)
-        bare = model.base_model if kind in ("distilbert_mlm", "qwen3_lm") else model
-        out[name] = (d, bare, pooling or ("lasttoken" if kind.startswith("qwen3") else "mean"), normalize)
+        plain = "lasttoken" if kind.startswith("qwen3") else "mean"  # a plain folder's pooling
+        out[name] = (d, TransformersModel(d), pooling or plain, normalize)
     return out
 
 
@@ -150,12 +173,9 @@ def spec_of(model_dir: Path):
     return spec
 
 
-def reference(folder: Path, model, pooling: str, normalize: bool, texts: list[str], *,
-              left: bool = False) -> tuple[np.ndarray, dict]:  # fmt: skip
-    """transformers' pooled (and normalised) vectors for ``texts`` in one padded batch
-    (``left``: padded on the left, as Qwen3-Embedding's tokenizer pads), and the feeds."""
-    import torch
-
+def padded_feeds(folder: Path, texts: list[str], *, left: bool = False) -> dict:
+    """``texts`` tokenised by the folder's tokenizer in one padded batch (``left``: padded on the
+    left, as Qwen3-Embedding's tokenizer pads), cut at the folder's length: numpy feeds."""
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     pad = next(p for p in ("[PAD]", "<pad>", EOT) if tok.token_to_id(p) is not None)
     tok.enable_padding(pad_id=tok.token_to_id(pad), pad_token=pad, direction="left" if left else "right")
@@ -163,10 +183,22 @@ def reference(folder: Path, model, pooling: str, normalize: bool, texts: list[st
     enc = tok.encode_batch(texts)
     ids = np.array([e.ids for e in enc], np.int64)
     mask = np.array([e.attention_mask for e in enc], np.int64)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def reference(folder: Path, model, pooling: str, normalize: bool, texts: list[str], *,
+              left: bool = False) -> tuple[np.ndarray, dict]:  # fmt: skip
+    """transformers' pooled (and normalised) vectors for ``texts`` in one padded batch
+    (``left``: padded on the left, as Qwen3-Embedding's tokenizer pads), and the feeds. ``model``:
+    the folder's ``TransformersModel``; its bare encoder runs (a *ForMaskedLM/*ForCausalLM's base)."""
+    torch = pytest.importorskip("torch")  # a reference test's: it skips without the reference extra
+
+    feeds = padded_feeds(folder, texts, left=left)
+    ids, mask = torch.tensor(feeds["input_ids"]), torch.tensor(feeds["attention_mask"])
     with torch.no_grad():
-        states = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state
-    pooled = st_pool(states, torch.tensor(mask), pooling, normalize)
-    return pooled.numpy(), {"input_ids": ids, "attention_mask": mask}
+        states = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+    pooled = st_pool(states, mask, pooling, normalize)
+    return pooled.numpy(), feeds
 
 
 def run_graph(model_dir: Path, feeds: dict) -> np.ndarray:
@@ -193,15 +225,27 @@ def test_graph_matches_transformers(name, folders, repo):
         np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
 
 
-def test_qwen3_pools_the_end_of_text_token_with_left_or_right_padding(folders, repo):
+def test_qwen3_pools_the_end_of_text_token(folders, repo):
     """The tokenizer's post-processor appends <|endoftext|> (read from tokenizer.json, not added
-    by the graph) and that row's last real token is what is pooled, whichever side the padding is."""
-    folder, model, pooling, normalize = folders["qwen3_last"]
+    by the graph), and the graph pools each row's last real token whichever side the padding is:
+    a left-padded batch gives the vectors of the right-padded one."""
+    folder = folders["qwen3_last"][0]
     eot = Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id(EOT)
     feeds = TextStage(spec_of(repo / "qwen3_last"))({"text": np.array(TEXTS, dtype=object)})
     last = feeds["attention_mask"].sum(1) - 1  # right padded: the last real token's index
     assert (feeds["input_ids"][np.arange(len(TEXTS)), last] == eot).all()
-    # transformers on a LEFT-padded batch, as Qwen3-Embedding runs, against the same graph fed it.
+    left_feeds = padded_feeds(folder, TEXTS, left=True)
+    assert left_feeds["attention_mask"][:, 0].min() == 0  # padded on the left
+    right, left = run_graph(repo / "qwen3_last", feeds), run_graph(repo / "qwen3_last", left_feeds)
+    cos = cosines(left, right)
+    assert cos.min() >= MIN_COSINE, cos
+
+
+def test_qwen3_pools_the_end_of_text_token_with_left_or_right_padding(folders, repo):
+    """transformers on a LEFT-padded batch, as Qwen3-Embedding runs, against the graph fed the same
+    batch and fed batchgate's own right-padded one."""
+    folder, model, pooling, normalize = folders["qwen3_last"]
+    feeds = TextStage(spec_of(repo / "qwen3_last"))({"text": np.array(TEXTS, dtype=object)})
     expected, left_feeds = reference(folder, model, pooling, normalize, TEXTS, left=True)
     assert left_feeds["attention_mask"][:, 0].min() == 0  # padded on the left
     for got in (run_graph(repo / "qwen3_last", left_feeds), run_graph(repo / "qwen3_last", feeds)):
@@ -290,6 +334,7 @@ def test_served_qwen3_matches_transformers_on_every_route(folders, repo, tmp_pat
     from tests.conftest import start_server
 
     folder, model, pooling, normalize = folders["qwen3_plain"]
+    model.load()  # transformers first: without it the test skips before a server starts
     served = tmp_path / "repo"
     shutil.copytree(repo / "qwen3_plain", served / "qwen3_plain")
     srv = start_server(tmp_path, "--no-build-models", repo=served, ready_timeout=120)
