@@ -49,8 +49,10 @@ def md(model: str | None = None, key: tuple = ALL_MD) -> tuple:
 
 @pytest.fixture(scope="module")
 def tei(tmp_path_factory):
-    """(messages, stubs) generated from proto/tei/v1/tei.proto as a TEI user generates them, into
-    protobuf's default pool (the server's own modules live in a private one)."""
+    """(messages, stubs) generated from proto/tei/v1/tei.proto as a TEI user generates them. Their
+    descriptors go to a pool of their own, not protobuf's default: the stock tei-client (the TEI
+    surface tests, maybe in this same worker process) registers its own, older tei.proto there,
+    and one pool cannot hold two different files of one name, whichever comes second fails."""
     from grpc_tools import protoc
 
     out = tmp_path_factory.mktemp("tei-stubs")
@@ -62,6 +64,10 @@ def tei(tmp_path_factory):
         "tei.proto",
     ]
     assert protoc.main(args) == 0
+    messages = out / "tei_pb2.py"
+    source = messages.read_text()
+    assert source.count("_descriptor_pool.Default()") == 1, "protoc's output changed"
+    messages.write_text(source.replace("_descriptor_pool.Default()", "_descriptor_pool.DescriptorPool()"))
     sys.path.insert(0, str(out))
     try:
         yield importlib.import_module("tei_pb2"), importlib.import_module("tei_pb2_grpc")
