@@ -8,8 +8,15 @@ files written here. The prepared models are served by a real server and compared
 transformers' own ``last_hidden_state`` pooled, passed through the Dense modules (torch Linear
 and activation) and normalised as sentence-transformers does: cosine >= 0.999999 per row on a
 padded batch of mixed lengths. The weights route (BERT) is checked with Dense modules the same
-way. Refusals: an architecture neither route covers names the ONNX way forward; a Dense
-module's pytorch_model.bin is refused by name.
+way. Those are the reference tests (they skip without torch and transformers).
+
+Everything else (the served config follows the graph, --from-onnx and --onnx choose the export,
+the head's arithmetic, the refusals) runs without torch, on the same folders with an export that
+numpy writes (``electra_export``): ELECTRA's own forward pass spelled with ``onnx.helper`` from
+the weights of its transformers layout (``onnx_electra``), with the input and output names,
+dynamic axes and opset that ``torch.onnx.export`` gives the same model. Refusals: an architecture
+neither route covers names the ONNX way forward; a Dense module's pytorch_model.bin is refused by
+name; Dense modules that do not chain; an export without attention_mask.
 """
 
 from __future__ import annotations
@@ -18,20 +25,23 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 import tritonclient.grpc as tc
-from safetensors.numpy import save_file
+from onnx import TensorProto, helper, numpy_helper
+from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer
 
 from batchgate.gateway.models.hf_model import PrepareError
 from batchgate.gateway.models.prepare import prepare_model
-from batchgate.gateway.models.onnx_export import P, read_export
+from batchgate.gateway.models.onnx_export import P, find_onnx, read_export
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
+from tests.layouts import layout, save_torch_file, scrambled, write_folder
 from tests.test_prepare_model import (
     MIN_COSINE,
     ST,
@@ -149,68 +159,208 @@ def export(model, path: Path, inputs: tuple[str, ...], outputs: tuple[str, ...],
     )
 
 
-@pytest.fixture(scope="module")
-def electra(tmp_path_factory):
-    """name -> (folder, the transformers model, pooling, dense layers, normalize)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    root = tmp_path_factory.mktemp("onnx-folders")
+# -- the export without torch ------------------------------------------------------------------------
+
+
+def _electra_model():
+    """The ELECTRA of these tests, untrained (``python -m tests.layouts`` records its layout)."""
+    import transformers
+
+    model = transformers.ElectraModel(
+        transformers.ElectraConfig(**ELECTRA, vocab_size=wordpiece().get_vocab_size())
+    )
+    model.config.architectures = ["ElectraModel"]  # as save_pretrained records it
+    return model
+
+
+LAYOUTS = {"onnx_electra": _electra_model}
+# torch.onnx.export names a pipeline export's pooled width after the node that made it.
+POOLED_DIM = "Divsentence_embedding_dim_1"
+
+
+def electra_export(path: Path, inputs: tuple[str, ...], outputs: tuple[str, ...], opset: int = 17,
+                   seed: int = 0) -> None:  # fmt: skip
+    """What ``export`` writes for the ELECTRA of ``onnx_electra``, written without torch: the
+    same input names (INT64 [batch, seq]), output names ([batch, seq, hidden]; a second output is
+    sentence-transformers' CLS + Normalize, [batch, dim]), dynamic axes and opset, and ELECTRA's
+    forward pass (embeddings at embedding_size, LayerNorm, projected to the hidden size, post-norm
+    attention layers masked by attention_mask, GELU) in ``onnx.helper`` nodes over every tensor of
+    the layout, scrambled by numpy. An input it does not take is transformers' default (positions
+    0..seq-1, token type 0, no mask)."""
+    lay = layout("onnx_electra")
+    c = lay["config"]
+    weights = scrambled({n: t["shape"] for n, t in lay["tensors"].items() if "values" not in t}, seed)
+    hidden, heads, eps = c["hidden_size"], c["num_attention_heads"], c["layer_norm_eps"]
+    nodes: list[onnx.NodeProto] = []
+    inits: dict[str, np.ndarray] = {}
+
+    def const(value, dtype=np.float32) -> str:
+        name = f"c{len(inits)}"
+        inits[name] = np.asarray(value, dtype)
+        return name
+
+    def op(op_type: str, *args: str, **attrs) -> str:
+        out = f"{op_type.lower()}_{len(nodes)}"
+        nodes.append(helper.make_node(op_type, list(args), [out], name=out, **attrs))
+        return out
+
+    def weight(name: str, transpose: bool = False) -> str:
+        inits[name] = weights.pop(name).T.copy() if transpose else weights.pop(name)
+        return name
+
+    def linear(x: str, name: str) -> str:
+        return op("Add", op("MatMul", x, weight(f"{name}.weight", transpose=True)), weight(f"{name}.bias"))
+
+    def norm(x: str, name: str) -> str:
+        return op(
+            "LayerNormalization", x, weight(f"{name}.weight"), weight(f"{name}.bias"), axis=-1, epsilon=eps
+        )
+
+    def embed(table: str, ids: str) -> str:
+        return op("Gather", weight(f"embeddings.{table}.weight"), ids)
+
+    x = embed("word_embeddings", "input_ids")
+    if "position_ids" in inputs:
+        positions = "position_ids"
+    else:
+        seq = op("Gather", op("Shape", "input_ids"), const(1, np.int64), axis=0)
+        positions = op("Range", const(0, np.int64), seq, const(1, np.int64))
+    x = op("Add", x, embed("position_embeddings", positions))
+    types = "token_type_ids" if "token_type_ids" in inputs else const(0, np.int64)
+    x = op("Add", x, embed("token_type_embeddings", types))
+    x = linear(norm(x, "embeddings.LayerNorm"), "embeddings_project")
+    mask = None
+    if "attention_mask" in inputs:  # 0 where attended, float32's lowest on padding
+        keep = op("Cast", "attention_mask", to=TensorProto.FLOAT)
+        low = op("Mul", op("Sub", const(1.0), keep), const(np.finfo(np.float32).min))
+        mask = op("Unsqueeze", low, const([1, 2], np.int64))  # [batch, 1, 1, seq]
+    split = const([0, 0, heads, hidden // heads], np.int64)
+    for i in range(c["num_hidden_layers"]):
+        p = f"encoder.layer.{i}."
+        q, k, v = (
+            op("Reshape", linear(x, f"{p}attention.self.{n}"), split) for n in ("query", "key", "value")
+        )  # [batch, seq, heads, head size]
+        scores = op("MatMul", op("Transpose", q, perm=[0, 2, 1, 3]), op("Transpose", k, perm=[0, 2, 3, 1]))
+        scores = op("Mul", scores, const(1 / np.sqrt(hidden // heads)))
+        probs = op("Softmax", op("Add", scores, mask) if mask else scores, axis=-1)
+        ctx = op("Transpose", op("MatMul", probs, op("Transpose", v, perm=[0, 2, 1, 3])), perm=[0, 2, 1, 3])
+        ctx = op("Reshape", ctx, const([0, 0, hidden], np.int64))
+        x = norm(op("Add", linear(ctx, f"{p}attention.output.dense"), x), f"{p}attention.output.LayerNorm")
+        h = linear(x, f"{p}intermediate.dense")
+        gelu = op(
+            "Mul", op("Mul", h, const(0.5)), op("Add", op("Erf", op("Div", h, const(np.sqrt(2)))), const(1.0))
+        )
+        x = norm(op("Add", linear(gelu, f"{p}output.dense"), x), f"{p}output.LayerNorm")
+    assert not weights, f"the layout's tensors the graph left out: {sorted(weights)}"
+    nodes.append(helper.make_node("Identity", [x], [outputs[0]], name=outputs[0]))
+    graph_outputs = [helper.make_tensor_value_info(outputs[0], TensorProto.FLOAT, ["batch", "seq", hidden])]
+    if len(outputs) > 1:  # CLS, then x / max(|x|, 1e-12) as torch.nn.functional.normalize
+        cls = op("Gather", x, const(0, np.int64), axis=1)
+        size = op("Sqrt", op("ReduceSum", op("Mul", cls, cls), const([1], np.int64), keepdims=1))
+        nodes.append(
+            helper.make_node("Div", [cls, op("Max", size, const(1e-12))], [outputs[1]], name=outputs[1])
+        )
+        graph_outputs.append(
+            helper.make_tensor_value_info(outputs[1], TensorProto.FLOAT, ["batch", POOLED_DIM])
+        )
+    graph = helper.make_graph(
+        nodes,
+        "main_graph",
+        [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"]) for n in inputs],
+        graph_outputs,
+        [numpy_helper.from_array(a, n) for n, a in inits.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+
+
+Export = Callable[..., None]  # (path, inputs, outputs, opset=17)
+
+
+def electra_folders(root: Path, write_config: Callable[[Path], None], export_to: Export) -> dict:
+    """The ELECTRA folders, each with its export made by ``export_to``: name -> (folder,
+    pooling, dense layers, normalize)."""
     wp = wordpiece()
-    model = transformers.ElectraModel(transformers.ElectraConfig(**ELECTRA, vocab_size=wp.get_vocab_size()))
-    scramble(model)
-    model.eval().config.architectures = ["ElectraModel"]  # as save_pretrained records it
     out = {}
 
     def folder(name: str) -> Path:
         d = root / name
         d.mkdir()
-        model.config.save_pretrained(d)  # config.json only: the route needs no weights file
+        write_config(d)  # config.json only: the route needs no weights file
         wp.save(str(d / "tokenizer.json"))
         return d
 
     # The Hub layout: onnx/model.onnx, three inputs, last_hidden_state; mean, two Dense, Normalize.
     d = folder("electra_dense")
-    export(
-        model,
+    export_to(
         d / "onnx" / "model.onnx",
         ("input_ids", "attention_mask", "token_type_ids"),
         ("last_hidden_state",),
     )
     st_folder(d, "mean", True)
-    out["electra_dense"] = (d, model, "mean", add_dense(d), True)
+    out["electra_dense"] = (d, "mean", add_dense(d), True)
     # optimum's layout: model.onnx at the top, no token_type_ids, an output of another name, no
     # modules.json (mean pooling and unit vectors, as for a plain folder).
     d = folder("electra_plain")
-    export(model, d / "model.onnx", ("input_ids", "attention_mask"), ("hidden",))
-    out["electra_plain"] = (d, model, "mean", [], True)
+    export_to(d / "model.onnx", ("input_ids", "attention_mask"), ("hidden",))
+    out["electra_plain"] = (d, "mean", [], True)
     # position_ids as an input (decoder-style exports take it): computed in the graph, not fed.
     d = folder("electra_pos")
-    export(
-        model,
+    export_to(
         d / "onnx" / "model.onnx",
         ("input_ids", "attention_mask", "position_ids"),
         ("last_hidden_state",),
     )
     st_folder(d, "mean", False)
-    out["electra_pos"] = (d, model, "mean", [], False)
+    out["electra_pos"] = (d, "mean", [], False)
     # Opset 18 (ReduceMax takes its axes as an input there) and last-token pooling, not normalised.
     d = folder("electra_last")
-    export(
-        model, d / "onnx" / "model.onnx", ("input_ids", "attention_mask"), ("last_hidden_state",), opset=18
-    )
+    export_to(d / "onnx" / "model.onnx", ("input_ids", "attention_mask"), ("last_hidden_state",), opset=18)
     st_folder(d, "lasttoken", False)
-    out["electra_last"] = (d, model, "lasttoken", [], False)
+    out["electra_last"] = (d, "lasttoken", [], False)
     # An export of the whole pipeline: its sentence_embedding is served as it is.
     d = folder("electra_st")
-    export(
-        model,
+    export_to(
         d / "onnx" / "model.onnx",
         ("input_ids", "attention_mask"),
         ("token_embeddings", "sentence_embedding"),
     )
     st_folder(d, "cls", True)
-    out["electra_st"] = (d, model, "cls", [], True)
+    out["electra_st"] = (d, "cls", [], True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """The ELECTRA folders with the export numpy writes (``electra_export``): no torch."""
+    config = layout("onnx_electra")["config"]
+    return electra_folders(
+        tmp_path_factory.mktemp("onnx-numpy"),
+        lambda d: (d / "config.json").write_text(json.dumps(config, indent=2)),
+        electra_export,
+    )
+
+
+@pytest.fixture(scope="module")
+def electra(tmp_path_factory):
+    """The reference: the same folders exported from transformers' model by torch.onnx, and two
+    more architectures; name -> (folder, the transformers model, pooling, dense layers, normalize)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("onnx-folders")
+    wp = wordpiece()
+    model = _electra_model()
+    scramble(model)
+    model.eval()
+    made = electra_folders(
+        root,
+        model.config.save_pretrained,
+        lambda path, inputs, outputs, opset=17: export(model, path, inputs, outputs, opset),
+    )
+    out = {name: (d, model, *rest) for name, (d, *rest) in made.items()}
     # Two more architectures the builder does not know: ALBERT (one layer's weights shared by
     # all, factorised embeddings) and DeBERTa-v2 (relative-position attention), CLS-pooled.
     for name, cls, config in (
@@ -254,17 +404,28 @@ def bert_dense(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def repo(electra, bert_dense, tmp_path_factory):
+def repo(exports, bert_dense, tmp_path_factory):
+    """The numpy exports and bert_dense prepared; electra_dense through the command line, with the
+    route chosen by itself (ELECTRA is unknown to the builder)."""
     repo = tmp_path_factory.mktemp("onnx-repo")
-    # One through the command line, with the route chosen by itself (ELECTRA is unknown to the builder).
     proc = prepare_cli(
-        str(electra["electra_dense"][0]), "--name", "electra_dense", "--model-repository", str(repo)
+        str(exports["electra_dense"][0]), "--name", "electra_dense", "--model-repository", str(repo)
     )
     assert proc.returncode == 0, proc.stderr
     assert "ONNX export, embedding, mean pooling, 2 Dense, normalised, 16 dims" in proc.stdout, proc.stdout
-    for name, (folder, *_rest) in electra.items():
+    for name, (folder, *_rest) in exports.items():
         if name != "electra_dense":
             prepare_model(folder, name, repo, log=print)
+    prepare_model(bert_dense[0], "bert_dense", repo, log=print)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def reference_repo(electra, bert_dense, tmp_path_factory):
+    """The torch.onnx exports and bert_dense prepared, for the reference tests."""
+    repo = tmp_path_factory.mktemp("onnx-reference-repo")
+    for name, (folder, *_rest) in electra.items():
+        prepare_model(folder, name, repo, log=print)
     prepare_model(bert_dense[0], "bert_dense", repo, log=print)
     return repo
 
@@ -291,12 +452,14 @@ def _spec(model_dir: Path):
         "bert_dense",
     ],
 )
-def test_graph_matches_transformers(name, electra, bert_dense, repo):
+def test_graph_matches_transformers(name, electra, bert_dense, reference_repo):
     folder, model, pooling, dense, normalize = _cases(electra, bert_dense)[name]
-    spec = _spec(repo / name)
+    spec = _spec(reference_repo / name)
     expected = reference(model, folder / "tokenizer.json", spec.params.max_tokens, pooling, dense, normalize)
     feeds = TextStage(spec)({"text": np.array(TEXTS, dtype=object)})
-    sess = ort.InferenceSession(str(repo / name / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(
+        str(reference_repo / name / "1" / "model.onnx"), providers=["CPUExecutionProvider"]
+    )
     assert {i.name for i in sess.get_inputs()} == set(feeds)  # the graph's inputs are what is fed
     got = sess.run(None, feeds)[0]
     cos = cosines(got, expected)
@@ -304,6 +467,52 @@ def test_graph_matches_transformers(name, electra, bert_dense, repo):
     assert got.shape == expected.shape and cos.min() >= MIN_COSINE, cos
     if normalize:
         np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+def _np_head(states: np.ndarray, mask: np.ndarray, pooling: str, dense: list, normalize: bool) -> np.ndarray:
+    """sentence-transformers' Pooling, Dense and Normalize in numpy."""
+    if pooling == "cls":
+        x = states[:, 0]
+    elif pooling == "lasttoken":
+        last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
+        x = states[np.arange(len(states)), last]
+    else:
+        m = mask[..., None].astype(np.float32)
+        x = (states * m).sum(1) / np.maximum(m.sum(1), 1e-9)
+    for w, b, act in dense:
+        x = x @ w.T + (0 if b is None else b)
+        x = np.tanh(x) if act == "Tanh" else x
+    if normalize:
+        x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+    return x
+
+
+@pytest.mark.parametrize(
+    "name", ["electra_dense", "electra_plain", "electra_pos", "electra_last", "electra_st"]
+)
+def test_head_on_the_export_matches_numpy(name, exports, repo):
+    """The served graph is the export's own, then the head: its output is the export's run by
+    onnxruntime on the same feeds, pooled, through the Dense modules and normalised in numpy."""
+    folder, pooling, dense, normalize = exports[name]
+    spec = _spec(repo / name)
+    feeds = TextStage(spec)({"text": np.array(TEXTS, dtype=object)})
+    mask = feeds["attention_mask"]
+    assert mask.min() == 0  # mixed lengths: the batch was padded
+    sess = ort.InferenceSession(str(repo / name / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert {i.name for i in sess.get_inputs()} == set(feeds)
+    got = sess.run(None, feeds)[0]
+    source = ort.InferenceSession(str(find_onnx(folder)), providers=["CPUExecutionProvider"])
+    names = [i.name for i in source.get_inputs()]
+    positions = np.broadcast_to(np.arange(mask.shape[1], dtype=np.int64), mask.shape)
+    source_feeds = {n: positions if n == "position_ids" else feeds[n] for n in names}
+    if name == "electra_st":
+        expected = source.run(["sentence_embedding"], source_feeds)[0]
+    else:
+        states = source.run([source.get_outputs()[0].name], source_feeds)[0]
+        expected = _np_head(states, mask, pooling, dense, normalize)
+    cos = cosines(got, expected)
+    assert got.shape == expected.shape and cos.min() >= MIN_COSINE, cos
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_config_follows_the_graph(repo):
@@ -324,18 +533,18 @@ def test_config_follows_the_graph(repo):
 
 
 @pytest.fixture(scope="module")
-def client(repo, tmp_path_factory):
-    with served_client(repo, tmp_path_factory.mktemp("onnx-server")) as c:
+def client(reference_repo, tmp_path_factory):
+    with served_client(reference_repo, tmp_path_factory.mktemp("onnx-server")) as c:
         yield c
 
 
 @pytest.mark.parametrize("name", ["electra_dense", "electra_plain", "deberta_cls", "bert_dense"])
-def test_served_embeddings_match_transformers(name, electra, bert_dense, repo, client):
+def test_served_embeddings_match_transformers(name, electra, bert_dense, reference_repo, client):
     folder, model, pooling, dense, normalize = _cases(electra, bert_dense)[name]
     inp = tc.InferInput("text", [len(TEXTS), 1], "BYTES")
     inp.set_data_from_numpy(np.array([t.encode() for t in TEXTS], dtype=object).reshape(-1, 1))
     got = client.infer(name, [inp], client_timeout=60).as_numpy("embedding")
-    max_tokens = _spec(repo / name).params.max_tokens
+    max_tokens = _spec(reference_repo / name).params.max_tokens
     cos = cosines(got, reference(model, folder / "tokenizer.json", max_tokens, pooling, dense, normalize))
     print(f"{name} served: min cosine {cos.min():.8f}, dims {got.shape[1]}")
     assert cos.min() >= MIN_COSINE, cos
@@ -344,12 +553,12 @@ def test_served_embeddings_match_transformers(name, electra, bert_dense, repo, c
 # -- choosing the route, and refusals ---------------------------------------------------------------
 
 
-def test_from_onnx_forces_the_export_of_a_known_architecture(electra, bert_dense, tmp_path):
+def test_from_onnx_forces_the_export_of_a_known_architecture(exports, bert_dense, tmp_path):
     """A BERT folder that also ships an export: the weights are built unless --from-onnx."""
     folder = tmp_path / "both"
     shutil.copytree(bert_dense[0], folder)
     (folder / "onnx").mkdir()
-    shutil.copy(electra["electra_plain"][0] / "model.onnx", folder / "onnx" / "model.onnx")
+    shutil.copy(exports["electra_plain"][0] / "model.onnx", folder / "onnx" / "model.onnx")
     lines: list[str] = []
     prepare_model(folder, "built", tmp_path / "repo", log=lines.append)
     assert "ONNX export" not in lines[-1] and "(BertModel," in lines[-1]
@@ -359,12 +568,12 @@ def test_from_onnx_forces_the_export_of_a_known_architecture(electra, bert_dense
     assert any(n.name.startswith(P) for n in graph.node)
 
 
-def test_onnx_path_names_the_export_to_serve(electra, tmp_path):
+def test_onnx_path_names_the_export_to_serve(exports, tmp_path):
     """--onnx PATH (relative to the model folder) over the folder's own onnx/model.onnx."""
     folder = tmp_path / "two-exports"
-    shutil.copytree(electra["electra_dense"][0], folder)
+    shutil.copytree(exports["electra_dense"][0], folder)
     (folder / "exports").mkdir()
-    shutil.copy(electra["electra_last"][0] / "onnx" / "model.onnx", folder / "exports" / "last.onnx")
+    shutil.copy(exports["electra_last"][0] / "onnx" / "model.onnx", folder / "exports" / "last.onnx")
 
     def cli(*extra: str) -> subprocess.CompletedProcess:
         return prepare_cli(str(folder), "--name", "x", "--model-repository", str(tmp_path / "repo"), *extra)
@@ -379,9 +588,9 @@ def test_onnx_path_names_the_export_to_serve(electra, tmp_path):
     assert "--onnx exports/missing.onnx: no such file" in proc.stderr
 
 
-def test_an_architecture_neither_route_covers_names_the_onnx_way(electra, tmp_path):
+def test_an_architecture_neither_route_covers_names_the_onnx_way(exports, tmp_path):
     folder = tmp_path / "no-export"
-    shutil.copytree(electra["electra_plain"][0], folder)
+    shutil.copytree(exports["electra_plain"][0], folder)
     (folder / "model.onnx").unlink()
     proc = prepare_cli(str(folder), "--name", "x", "--model-repository", str(tmp_path / "repo"))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
@@ -392,7 +601,10 @@ def test_an_architecture_neither_route_covers_names_the_onnx_way(electra, tmp_pa
 def test_dense_weights_in_pytorch_bin_are_refused_by_name(bert_dense, tmp_path):
     folder = tmp_path / "bin"
     shutil.copytree(bert_dense[0], folder)
-    (folder / "2_Dense" / "model.safetensors").rename(folder / "2_Dense" / "pytorch_model.bin")
+    dense = folder / "2_Dense"
+    # The same weights as torch.save writes them (older sentence-transformers saved Dense so).
+    save_torch_file(dense / "pytorch_model.bin", load_file(str(dense / "model.safetensors")))
+    (dense / "model.safetensors").unlink()
     with pytest.raises(
         PrepareError, match=r"2_Dense/model.safetensors is missing \(pytorch_model.bin is not read"
     ):
@@ -410,11 +622,31 @@ def test_dense_that_does_not_chain_is_refused(bert_dense, tmp_path):
         prepare_model(folder, "x", tmp_path / "repo", log=print)
 
 
-def test_an_export_without_attention_mask_is_refused(electra, tmp_path):
+def test_an_export_without_attention_mask_is_refused(exports, tmp_path):
     folder = tmp_path / "ids-only"
-    shutil.copytree(electra["electra_plain"][0], folder)
-    export(electra["electra_plain"][1], folder / "model.onnx", ("input_ids",), ("hidden",))
+    shutil.copytree(exports["electra_plain"][0], folder)
+    electra_export(folder / "model.onnx", ("input_ids",), ("hidden",))
     with pytest.raises(
         PrepareError, match=r"model.onnx: inputs \['input_ids'\]; supported: input_ids and attention_mask"
     ):
         read_export(folder)
+
+
+def test_the_numpy_export_is_transformers_electra(exports, tmp_path):
+    """The export the tests above prepare without torch is ELECTRA's forward pass: given the
+    layout's weights (drawn from the same seed), transformers gives the same last_hidden_state on
+    a padded batch, and the pipeline export's sentence_embedding is its CLS row normalised."""
+    torch = pytest.importorskip("torch")
+    model = TransformersModel(write_folder(tmp_path / "electra", "onnx_electra", seed=0))
+    ids = np.array([[2, 5, 6, 7, 3, 0, 0], [2, 7, 8, 9, 10, 11, 3]])
+    feeds = {"input_ids": ids, "attention_mask": (ids != 0).astype(np.int64), "token_type_ids": (ids > 8) * 1}
+    with torch.no_grad():  # every tensor of the folder read, none left over (TransformersModel)
+        expected = model(**{n: torch.from_numpy(a) for n, a in feeds.items()}).last_hidden_state.numpy()
+    kept = feeds["attention_mask"][..., None] == 1  # the padding's states are not compared
+    (states,) = ort.InferenceSession(str(find_onnx(exports["electra_dense"][0]))).run(None, feeds)
+    np.testing.assert_allclose(np.where(kept, states, 0), np.where(kept, expected, 0), atol=1e-4)
+    del feeds["token_type_ids"]
+    expected = model(**{n: torch.from_numpy(a) for n, a in feeds.items()}).last_hidden_state.detach().numpy()
+    _, pooled = ort.InferenceSession(str(find_onnx(exports["electra_st"][0]))).run(None, feeds)
+    cls = expected[:, 0]
+    np.testing.assert_allclose(pooled, cls / np.linalg.norm(cls, axis=1, keepdims=True), atol=1e-5)
