@@ -4,18 +4,22 @@ of MPNet, DistilBERT, ModernBERT (cls and mean ``classifier_pooling``), DeBERTa-
 ``-seq-cls`` form), and Qwen3-Reranker's causal-LM form (logit("yes") - logit("no") under its
 card's chat template).
 
-Each model is tiny (hidden 32, 2 layers), made with transformers' own classes from the real
-checkpoints' config layouts, scrambled (tests/test_prepare_families.py ``scramble``) and saved
-with ``save_pretrained`` beside a tokenizer built here. Scores are compared per row with
-transformers (1e-5), one row alone and in padded batches of mixed lengths; the Qwen3-Reranker
-yes/no form against its model card's scoring code, re-stated below. BERT and XLM-R cross-encoders
-are tests/test_rerank.py's.
+Each model is tiny (hidden 32, 2 layers), of the real checkpoints' config layouts: the folder is
+what transformers' ``save_pretrained`` writes for it (a layout recorded by transformers from
+``LAYOUTS`` below, ``python -m tests.layouts``), its weights scrambled by numpy (norm scales around
+1, the rest around 0, std 0.3), beside a tokenizer built here. So preparing, serving, the configs
+and the refusals run without torch; the reference tests load each folder into transformers
+(``TransformersModel``: every weight read, none left over) and compare per row (1e-5), one row
+alone and in padded batches of mixed lengths; the Qwen3-Reranker yes/no form against its model
+card's scoring code, re-stated below. BERT and XLM-R cross-encoders are tests/test_rerank.py's.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -28,8 +32,10 @@ from batchgate.gateway.models.hf_model import PrepareError, read_folder
 from batchgate.gateway.models.prepare import prepare_model
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import PAIR_SEPARATOR, TextStage
-from tests.test_prepare_families import mpnet_tokenizer, scramble
+from tests.layouts import layout, write_folder
+from tests.test_prepare_families import mpnet_tokenizer
 from tests.test_prepare_model import WORDS, wordpiece
+from tests.tiny_models import TransformersModel
 
 ATOL = 1e-5
 QUERY = "what is the man eating"
@@ -115,6 +121,7 @@ TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermed
 
 
 def make(kind: str, vocab: int, pad: int):
+    """transformers' untrained model of ``kind`` (what a layout is recorded from)."""
     import transformers as t
 
     one = dict(num_labels=1)
@@ -146,8 +153,16 @@ def make(kind: str, vocab: int, pad: int):
                                 type_vocab_size=2, embedding_size=24, pooler_hidden_size=32, pooler_hidden_act="tanh",
                                 pad_token_id=0)  # fmt: skip
         return t.DebertaV2ForSequenceClassification(cfg)
+    if kind == "deberta_embedder":  # the bare encoder of deberta_v3's layout, mean-pooled by its ST files
+        cfg = t.DebertaV2Config(**TINY, vocab_size=vocab, max_position_embeddings=64, relative_attention=True,
+                                position_buckets=8, max_relative_positions=-1, norm_rel_ebd="layer_norm",
+                                share_att_key=True, pos_att_type=["p2c", "c2p"], position_biased_input=False,
+                                type_vocab_size=0)  # fmt: skip
+        return t.DebertaV2Model(cfg)
+    # 192 positions: the card's chat around each short document fits (162 to 172 tokens here), the
+    # long one (220) is cut before the suffix; at 144 every document was cut away, every row alike.
     qwen = dict(TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=vocab,
-                max_position_embeddings=144, rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+                max_position_embeddings=192, rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
                 pad_token_id=pad)  # fmt: skip
     if kind == "qwen3_seq_cls":
         return t.Qwen3ForSequenceClassification(t.Qwen3Config(**qwen, **one))
@@ -168,32 +183,66 @@ CASES = {
 
 
 CLASSIFIERS = ("modernbert_mean", "deberta_v2_cls")
+EMBEDDER = ("deberta_embedder", "deberta-embedder", deberta_tokenizer, "[PAD]")
+LAYOUT = "rerankers_"  # tests/data/layouts/rerankers_<name>.json
+
+
+def _untrained(kind: str, tokenizer, pad: str):
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer(Path(tmp))
+        tok = Tokenizer.from_file(str(Path(tmp) / "tokenizer.json"))
+        return make(kind, tok.get_vocab_size(), tok.token_to_id(pad))
+
+
+# Recorded by transformers (python -m tests.layouts): layout name -> the untrained model.
+LAYOUTS = {
+    LAYOUT + name: functools.partial(_untrained, kind, tokenizer, pad)
+    for name, (kind, _, tokenizer, pad) in {**CASES, "deberta_embedder": EMBEDDER}.items()
+}
+
+
+def scrambled_folder(d: Path, name: str, seed: int) -> Path:
+    """Case ``name``'s folder: its tokenizer, and its layout's weights scrambled from ``seed``,
+    every norm's scale around 1 (as tests/test_prepare_families.py's ``scramble`` draws them:
+    ``write_folder`` knows BERT's ``LayerNorm.weight``; DistilBERT's ``sa_layer_norm``,
+    ModernBERT's ``attn_norm`` and Qwen3's RMS norms are moved here)."""
+    from safetensors.numpy import load_file, save_file
+
+    _kind, _, tokenizer, pad = {**CASES, "deberta_embedder": EMBEDDER}[name]
+    d.mkdir(parents=True)
+    tokenizer(d)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    config = layout(LAYOUT + name)["config"]
+    fits = (config["vocab_size"], config["pad_token_id"]) == (tok.get_vocab_size(), tok.token_to_id(pad))
+    assert fits, f"the tokenizer built here no longer fits layout {LAYOUT + name}: python -m tests.layouts"
+    write_folder(d, LAYOUT + name, seed)
+    tensors = load_file(str(d / "model.safetensors"))
+    for n, t in tensors.items():
+        if "norm" in n.lower() and n.endswith("weight") and "LayerNorm.weight" not in n:
+            t += 1.0
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """name -> (folder, the transformers model)."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
+    """name -> its folder (written without torch)."""
     root = tmp_path_factory.mktemp("ce-folders")
-    out = {}
-    for i, (name, (kind, folder, tokenizer, pad)) in enumerate(CASES.items()):
-        torch.manual_seed(100 + i)
-        d = root / folder
-        d.mkdir()
-        tokenizer(d)
-        tok = Tokenizer.from_file(str(d / "tokenizer.json"))
-        model = make(kind, tok.get_vocab_size(), tok.token_to_id(pad))
-        scramble(model)
-        model.eval().save_pretrained(d)
-        out[name] = (d, model)
-    return out
+    return {
+        name: scrambled_folder(root / f, name, 100 + i) for i, (name, (_, f, *_)) in enumerate(CASES.items())
+    }
+
+
+@pytest.fixture(scope="module")
+def hf_models(folders):
+    """name -> transformers' model of its folder, loaded on first use (a reference test's)."""
+    return {name: TransformersModel(folder) for name, folder in folders.items()}
 
 
 @pytest.fixture(scope="module")
 def repo(folders, tmp_path_factory):
     repo = tmp_path_factory.mktemp("ce-repo")
-    for name, (folder, _model) in folders.items():
+    for name, folder in folders.items():
         # (a three-label classifier scores pairs when asked: --text-pair)
         prepare_model(folder, name, repo, log=print, text_pair=True if name in CLASSIFIERS else None)
     return repo
@@ -218,11 +267,11 @@ def graph_scores(repo: Path, name: str, pairs: list[tuple[str, str]]) -> np.ndar
 def hf_scores(folder: Path, model, pairs: list[tuple[str, str]]) -> np.ndarray:
     """transformers' logits for the pairs in one right-padded batch, tokenised by the reference's
     tokenizer: transformers' own class for DeBERTa (the issue's note), tokenizer.json for the rest."""
-    import torch
-    from transformers import AutoTokenizer
+    torch = pytest.importorskip("torch")
+    AutoTokenizer = pytest.importorskip("transformers").AutoTokenizer
 
     limit = read_folder(folder).max_tokens
-    if model.config.model_type == "deberta-v2":
+    if json.loads((folder / "config.json").read_text())["model_type"] == "deberta-v2":
         tok = AutoTokenizer.from_pretrained(folder)
         enc = tok([q for q, _ in pairs], [d for _, d in pairs], padding=True, truncation=True, max_length=limit,
                   return_tensors="pt")  # fmt: skip
@@ -242,7 +291,7 @@ def hf_scores(folder: Path, model, pairs: list[tuple[str, str]]) -> np.ndarray:
 def card_inputs(folder: Path, pairs: list[tuple[str, str]], max_length: int):
     """Qwen3-Reranker's card: prefix tokens + the instruction/query/document text (cut to fit) +
     suffix tokens, padded on the LEFT (re-stated from the card's process_inputs)."""
-    from transformers import AutoTokenizer
+    AutoTokenizer = pytest.importorskip("transformers").AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
     prefix = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
@@ -262,7 +311,7 @@ def card_inputs(folder: Path, pairs: list[tuple[str, str]], max_length: int):
 def card_yes_probability(folder: Path, model, pairs, max_length: int) -> tuple[np.ndarray, np.ndarray]:
     """The card's compute_logits: softmax over ("no", "yes") at the last position -> P(yes); and
     the two logits' difference."""
-    import torch
+    torch = pytest.importorskip("torch")
 
     tokenizer, inputs = card_inputs(folder, pairs, max_length)
     token_false_id, token_true_id = (
@@ -287,9 +336,8 @@ ENCODERS = [n for n in CASES if not n.startswith("qwen3")]
 
 
 @pytest.mark.parametrize("name", ENCODERS)
-def test_scores_equal_transformers_alone_and_in_padded_batches(name, folders, repo):
-    folder, model = folders[name]
-    want = hf_scores(folder, model, PAIRS)
+def test_scores_equal_transformers_alone_and_in_padded_batches(name, folders, hf_models, repo):
+    want = hf_scores(folders[name], hf_models[name], PAIRS)
     got = graph_scores(repo, name, PAIRS)
     print(f"{name}: max |diff| {np.abs(got - want).max():.2e}")
     assert got.shape == want.shape
@@ -301,16 +349,17 @@ def test_scores_equal_transformers_alone_and_in_padded_batches(name, folders, re
     assert np.ptp(got[:, 0]) > 0.05  # scrambled: the rows really differ
 
 
-def test_qwen3_reranker_equals_its_card(folders, repo):
+def test_qwen3_reranker_equals_its_card(folders, hf_models, repo):
     """The causal-LM form: sigmoid(score) is the card's P(yes); the score its logit difference.
     The card pads on the left; batchgate's stage pads on the right and reads the last real token."""
-    folder, model = folders["qwen3_reranker"]
+    folder, model = folders["qwen3_reranker"], hf_models["qwen3_reranker"]
     limit = read_folder(folder).max_tokens
     p_yes, diff = card_yes_probability(folder, model, PAIRS, limit)
     got = graph_scores(repo, "qwen3_reranker", PAIRS)[:, 0]
     print(f"qwen3 reranker: max |diff| {np.abs(got - diff).max():.2e}, P(yes) {np.round(p_yes, 4)}")
     np.testing.assert_allclose(got, diff, atol=ATOL, rtol=0)
     np.testing.assert_allclose(sigmoid(got), p_yes, atol=ATOL, rtol=0)
+    assert np.ptp(got) > 0.05  # the documents reach the score
     alone = graph_scores(repo, "qwen3_reranker", PAIRS[1:2])[:, 0]
     np.testing.assert_allclose(alone, diff[1:2], atol=ATOL, rtol=0)
     # The stage's tokens are the card's, row by row (the template, the cut before the suffix).
@@ -323,18 +372,19 @@ def test_qwen3_reranker_equals_its_card(folders, repo):
         assert feeds["input_ids"][i][feeds["attention_mask"][i] == 1].tolist() == card_row, i
 
 
-def test_qwen3_seq_cls_equals_transformers_on_the_card_inputs(folders, repo):
+def test_qwen3_seq_cls_equals_transformers_on_the_card_inputs(folders, hf_models, repo):
     """The converted -seq-cls form: Qwen3ForSequenceClassification's score of the last token, fed
     the same chat (its folder name says Qwen3-Reranker, so the card's template is recorded)."""
-    import torch
+    torch = pytest.importorskip("torch")
 
-    folder, model = folders["qwen3_seq_cls"]
+    folder, model = folders["qwen3_seq_cls"], hf_models["qwen3_seq_cls"]
     _, inputs = card_inputs(folder, PAIRS, read_folder(folder).max_tokens)
     with torch.no_grad():
         want = model(**inputs).logits.numpy()
     got = graph_scores(repo, "qwen3_seq_cls", PAIRS)
     print(f"qwen3 seq-cls: max |diff| {np.abs(got - want).max():.2e}")
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    assert np.ptp(got[:, 0]) > 0.05  # the documents reach the score
     np.testing.assert_allclose(graph_scores(repo, "qwen3_seq_cls", PAIRS[4:5]), want[4:5], atol=ATOL, rtol=0)
 
 
@@ -355,9 +405,9 @@ def test_deberta_buckets_equal_transformers():
 def test_deberta_is_fed_what_transformers_tokenises(folders, repo):
     """transformers 5's DebertaV2Tokenizer ignores tokenizer.json's normaliser; the served
     tokenizer tokenises as the reference does, on a text where the folder's file does not."""
-    from transformers import AutoTokenizer
+    AutoTokenizer = pytest.importorskip("transformers").AutoTokenizer
 
-    folder, _ = folders["deberta_v3_ce"]
+    folder = folders["deberta_v3_ce"]
     want = AutoTokenizer.from_pretrained(folder)(QUERY, ODD)["input_ids"]
     file_ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(QUERY, ODD).ids
     assert file_ids != want  # the text tells the two apart
@@ -381,13 +431,13 @@ def test_configs_record_kind_and_template(repo):
 def test_reranker_flag_and_name(folders, tmp_path):
     """A Qwen3ForCausalLM folder not named a reranker is an embedder; --reranker makes it one."""
     folder = tmp_path / "plain-qwen3"
-    shutil.copytree(folders["qwen3_reranker"][0], folder)
+    shutil.copytree(folders["qwen3_reranker"], folder)
     assert read_folder(folder).head.kind == "embedding"
     plan = read_folder(folder, reranker=True)
     assert plan.head.classifier == "qwen3_yes_no" and plan.pair_template == qwen3.RERANK_TEMPLATE
-    assert read_folder(folders["qwen3_reranker"][0], reranker=False).head.kind == "embedding"
+    assert read_folder(folders["qwen3_reranker"], reranker=False).head.kind == "embedding"
     with pytest.raises(PrepareError, match="--reranker is for Qwen3-Reranker"):
-        read_folder(folders["mpnet_ce"][0], reranker=True)
+        read_folder(folders["mpnet_ce"], reranker=True)
 
 
 def test_unsupported_family_is_refused_naming_it_and_the_supported(tmp_path):
@@ -414,10 +464,11 @@ def _post(base: str, path: str, body: dict):
         return json.loads(r.read())
 
 
-def test_served_by_every_rerank_route(folders, repo, tmp_path):
+def test_served_by_every_rerank_route(repo, tmp_path):
     """DeBERTa-v3 and Qwen3-Reranker through TEI /rerank and /predict, Cohere-style /v1/rerank and KServe gRPC;
-    the three-label DeBERTa-v2 classifier's pairs through TEI /predict: each equal to transformers
-    (the card's P(yes) for Qwen3-Reranker)."""
+    the three-label DeBERTa-v2 classifier's pairs through TEI /predict: each the prepared graph's
+    scores (which the tests above hold to transformers, and to the card's logit difference and
+    P(yes) for Qwen3-Reranker), ordered, cut and put through a sigmoid as each route states."""
     import tritonclient.grpc as tc
 
     from tests.conftest import start_server
@@ -430,11 +481,8 @@ def test_served_by_every_rerank_route(folders, repo, tmp_path):
         base = f"http://127.0.0.1:{srv.http_port}"
         client = tc.InferenceServerClient(srv.grpc_url)
         for name in ("deberta_v3_ce", "qwen3_reranker"):
-            folder, model = folders[name]
-            if name == "qwen3_reranker":
-                _, raw = card_yes_probability(folder, model, PAIRS, read_folder(folder).max_tokens)
-            else:
-                raw = hf_scores(folder, model, PAIRS)[:, 0]
+            raw = graph_scores(repo, name, PAIRS)[:, 0]
+            assert np.ptp(raw) > 0.05 and len(set(raw.round(3))) == len(raw), (name, raw)  # an order to keep
             tei = _post(base, "/rerank", {"model": name, "query": QUERY, "texts": DOCS, "raw_scores": True})
             assert [r["index"] for r in tei] == list(np.argsort(-raw, kind="stable")), name
             np.testing.assert_allclose([r["score"] for r in tei], np.sort(raw)[::-1], atol=ATOL, rtol=0)
@@ -454,8 +502,7 @@ def test_served_by_every_rerank_route(folders, repo, tmp_path):
             assert {r[0]["label"] for r in predicted} == {"LABEL_0"}, name
             np.testing.assert_allclose([r[0]["score"] for r in predicted], sigmoid(raw), atol=ATOL, rtol=0)
         client.close()
-        folder, model = folders["deberta_v2_cls"]
-        want = hf_scores(folder, model, PAIRS[:2])
+        want = graph_scores(repo, "deberta_v2_cls", PAIRS[:2])
         got = _post(base, "/predict", {"model": "deberta_v2_cls", "inputs": [[q, d] for q, d in PAIRS[:2]],
                                        "raw_scores": True})  # fmt: skip
         for row, logits in zip(got, want, strict=True):
@@ -476,7 +523,7 @@ def test_prepared_from_a_hub_id_offline_as_from_the_folder(folders, repo, tmp_pa
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)
-    for i, (name, (folder, _model)) in enumerate(folders.items()):
+    for i, (name, folder) in enumerate(folders.items()):
         repo_id = f"acme/{folder.name}" if not name.startswith("qwen3") else f"Qwen/{folder.name}"
         cache_layout(cache, repo_id, folder, f"{i:040x}", ("main",))
         out = prepare_model(
@@ -490,26 +537,15 @@ def test_deberta_embedder_equals_transformers(tmp_path):
     """The bare encoder (DebertaV2Model) mean-pooled as sentence-transformers pools it: the same
     graph without the classifier head."""
     torch = pytest.importorskip("torch")
-    import transformers as t
+    AutoTokenizer = pytest.importorskip("transformers").AutoTokenizer
 
     from tests.test_prepare_model import MIN_COSINE, cosines, st_folder, st_pool
 
-    torch.manual_seed(7)
-    d = tmp_path / "deberta-embedder"
-    d.mkdir()
-    deberta_tokenizer(d)
-    vocab = Tokenizer.from_file(str(d / "tokenizer.json")).get_vocab_size()
-    cfg = t.DebertaV2Config(**TINY, vocab_size=vocab, max_position_embeddings=64, relative_attention=True,
-                            position_buckets=8, max_relative_positions=-1, norm_rel_ebd="layer_norm", share_att_key=True,
-                            pos_att_type=["p2c", "c2p"], position_biased_input=False, type_vocab_size=0)  # fmt: skip
-    model = t.DebertaV2Model(cfg)
-    scramble(model)
-    model.eval().save_pretrained(d)
+    d = scrambled_folder(tmp_path / EMBEDDER[1], "deberta_embedder", 7)
+    model = TransformersModel(d)
     st_folder(d, "mean", True)
     out = prepare_model(d, "deberta_embed", tmp_path / "repo", log=print)
     texts = [d for d in DOCS] + [ODD]
-    from transformers import AutoTokenizer
-
     enc = AutoTokenizer.from_pretrained(d)(
         texts, padding=True, truncation=True, max_length=40, return_tensors="pt"
     )
