@@ -9,8 +9,8 @@ tests load each folder into transformers and assert that every weight was read a
 (``tests/tiny_models.py``'s ``TransformersModel``), so a layout that no longer matches transformers
 fails there.
 
-``write_folder`` fills a layout with scrambled weights drawn by numpy (as ``scramble`` in
-tests/test_prepare_model.py draws them: normal around 0, LayerNorm weights around 1, std 0.3).
+``write_folder`` fills a layout with scrambled weights drawn by numpy (normal around 0, std 0.3, far
+from transformers' init; every norm's scale around 1).
 ``save_torch_file`` writes a ``torch.save`` state dict (BGE-M3's head files) without torch.
 """
 
@@ -41,13 +41,17 @@ def layout(name: str) -> dict:
     return json.loads((LAYOUTS / f"{name}.json").read_text())
 
 
+def is_norm_scale(name: str) -> bool:
+    """A norm's scale (BERT's ``LayerNorm.weight``, DistilBERT's ``sa_layer_norm.weight``,
+    ModernBERT's ``attn_norm.weight``, the RMS norms of decoders), drawn around 1 not 0."""
+    return "norm" in name.lower() and name.endswith("weight")
+
+
 def scrambled(shapes: dict, seed: int, std: float = SCRAMBLE_STD) -> dict[str, np.ndarray]:
-    """Random float32 tensors for ``{name: shape}``, LayerNorm weights around 1, the rest around 0."""
+    """Random float32 tensors for ``{name: shape}``: norms' scales around 1, the rest around 0."""
     rng = np.random.default_rng(seed)
     return {
-        name: ((1.0 if "LayerNorm.weight" in name else 0.0) + std * rng.standard_normal(shape)).astype(
-            np.float32
-        )
+        name: ((1.0 if is_norm_scale(name) else 0.0) + std * rng.standard_normal(shape)).astype(np.float32)
         for name, shape in shapes.items()
     }
 

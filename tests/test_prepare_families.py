@@ -71,17 +71,6 @@ def qwen_tokenizer() -> Tokenizer:
 # -- models --------------------------------------------------------------------------------------
 
 
-def scramble(model) -> None:
-    """Every weight of a torch model random: norms' scales around 1, the rest around 0 (std 0.3).
-    Not used here any more (``scrambled_folder`` draws the same with numpy); kept for the modules
-    that import it (tests/test_prepare_rerankers.py)."""
-    import torch
-
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0 if "norm" in name.lower() and name.endswith("weight") else 0.0, STD)
-
-
 def make(kind: str, tok: Tokenizer):
     """transformers' untrained model of ``kind`` (for ``LAYOUTS``: what its folder holds)."""
     import transformers as t
@@ -127,23 +116,6 @@ LAYOUTS = {
 }
 
 
-def scrambled_folder(folder: Path, kind: str, seed: int) -> Path:
-    """``kind``'s folder with every weight random: norms' scales around 1 (LayerNorm's and
-    DistilBERT's, ModernBERT's and Qwen3's norms alike), the rest around 0 (std 0.3, far from init)."""
-    from safetensors.numpy import load_file, save_file
-
-    write_folder(folder, f"families_{kind}", seed, std=STD)
-    # write_folder draws LayerNorm.weight around 1 and every other weight around 0, so a norm of
-    # another name (sa_layer_norm, mlp_norm, input_layernorm, q_norm, ...) is shifted to around 1.
-    path = str(folder / "model.safetensors")
-    tensors = load_file(path)
-    for name, t in tensors.items():
-        if "norm" in name.lower() and name.endswith("weight") and "LayerNorm.weight" not in name:
-            tensors[name] = (t + 1.0).astype(np.float32)
-    save_file(tensors, path, metadata={"format": "pt"})
-    return folder
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """name -> (folder, transformers' model of it (loaded when a reference test first touches it),
@@ -151,7 +123,7 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("family-folders")
     out = {}
     for seed, (name, (kind, tokenizer, pooling, normalize)) in enumerate(CASES.items()):
-        d = scrambled_folder(root / name, kind, seed)
+        d = write_folder(root / name, f"families_{kind}", seed, std=STD)
         tokenizer().save(str(d / "tokenizer.json"))
         if pooling is not None:
             st_folder(d, pooling, normalize)
