@@ -13,8 +13,11 @@ cannot run here. The encoder is transformers' ``XLMRobertaModel``.
 
 The folder is tiny (hidden 32, 2 layers, scrambled), laid out as BAAI/bge-m3 is: a
 sentence-transformers folder (Transformer, CLS Pooling, Normalize) with the two head files
-beside the weights. Rows of mixed lengths in one padded batch, words repeated in a row (so the
-sparse weights' max per id is not a sum), per-row cosine >= 0.999999 for each output.
+beside the weights, all written with numpy (tests/layouts.py), so the tests that only prepare or
+read it run without torch; those that compare with FlagEmbedding's computation ask for the
+``flag`` fixture, which loads the folder into transformers and the heads with torch.load. Rows of
+mixed lengths in one padded batch, words repeated in a row (so the sparse weights' max per id is
+not a sum), per-row cosine >= 0.999999 for each output.
 """
 
 from __future__ import annotations
@@ -35,91 +38,130 @@ from batchgate.gateway.models.prepare import prepare_model
 from batchgate.gateway.models.torch_file import TorchFileError, read_state_dict
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
-from tests.test_prepare_model import MIN_COSINE, TEXTS, TINY, cosines, scramble, st_folder, unigram
+from tests.layouts import save_torch_file, write_folder
+from tests.test_prepare_model import MIN_COSINE, TEXTS, TINY, cosines, st_folder, unigram
 from tests.test_prepare_sources import cache_layout
 
 COLBERT_DIM = 24  # BGE-M3's is its hidden size; any size is read
 ROWS = TEXTS + ["the dog and the cat and the dog", "the the the the"]
 
 
-@pytest.fixture(scope="module")
-def m3(tmp_path_factory):
-    """(folder, XLMRobertaModel, colbert Linear, sparse Linear)."""
-    torch = pytest.importorskip("torch")
+def xlm_roberta():
+    """The encoder, as FlagEmbedding's folder holds it: an XLMRobertaModel without the pooler."""
     import transformers as t
 
-    torch.manual_seed(0)
-    tok = unigram()
-    cfg = t.XLMRobertaConfig(**TINY, vocab_size=tok.get_vocab_size(), max_position_embeddings=40, pad_token_id=1,
-                             bos_token_id=0, eos_token_id=2)  # fmt: skip
-    model = t.XLMRobertaModel(cfg, add_pooling_layer=False)
-    scramble(model)
-    colbert, sparse = (
-        torch.nn.Linear(TINY["hidden_size"], COLBERT_DIM),
-        torch.nn.Linear(TINY["hidden_size"], 1),
-    )
-    with torch.no_grad():
-        for p in (*colbert.parameters(), *sparse.parameters()):
-            p.normal_(0.0, 0.3)
-        # A bias that leaves about half of the rows' token weights positive: relu and the w > 0
-        # filter both matter (scrambled states share a direction that a random head reads one way).
-        tok.enable_truncation(38)
-        enc = tok.encode_batch(ROWS)
-        tok.no_truncation()
-        raw = torch.cat([(sparse(model.eval()(input_ids=torch.tensor([e.ids])).last_hidden_state) - sparse.bias)
-                         .flatten() for e in enc])  # fmt: skip
-        # Between the two middle values, so no token's weight sits at 0 (where float rounding
-        # would decide whether relu keeps it).
-        middle = raw.sort().values[raw.numel() // 2 - 1 : raw.numel() // 2 + 1]
-        sparse.bias.fill_(-float(middle.mean()))
-    d = tmp_path_factory.mktemp("bge-m3") / "bge-m3"
-    model.eval().save_pretrained(d)
-    tok.save(str(d / "tokenizer.json"))
-    special = {"bos_token": "<s>", "cls_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
-               "sep_token": "</s>", "mask_token": "<mask>"}  # fmt: skip
-    (d / "special_tokens_map.json").write_text(json.dumps(special))
+    cfg = t.XLMRobertaConfig(**TINY, vocab_size=unigram().get_vocab_size(), max_position_embeddings=40,
+                             pad_token_id=1, bos_token_id=0, eos_token_id=2)  # fmt: skip
+    return t.XLMRobertaModel(cfg, add_pooling_layer=False)
+
+
+LAYOUTS = {"bge_m3_xlm_roberta": xlm_roberta}
+SPECIAL = {"bos_token": "<s>", "cls_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
+           "sep_token": "</s>", "mask_token": "<mask>"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def m3(tmp_path_factory):
+    """A folder as BAAI/bge-m3 is laid out, written with numpy (no torch): the encoder in
+    transformers' layout, the tokenizer, sentence-transformers' files (CLS pooling, Normalize) and
+    the two head files as FlagEmbedding's save() writes them (torch.save of each Linear's state
+    dict)."""
+    root = tmp_path_factory.mktemp("bge-m3")
+    d = write_folder(root / "bge-m3", "bge_m3_xlm_roberta", seed=0)
+    unigram().save(str(d / "tokenizer.json"))
+    (d / "special_tokens_map.json").write_text(json.dumps(SPECIAL))
     st_folder(d, "cls", True)
-    # As FlagEmbedding's save() writes them: torch.save of each Linear's state dict.
-    torch.save(colbert.state_dict(), d / bge_m3.COLBERT_FILE)
-    torch.save(sparse.state_dict(), d / bge_m3.SPARSE_FILE)
-    return d, model, colbert, sparse
+    rng = np.random.default_rng(0)
+    hidden = TINY["hidden_size"]
+    colbert_w, colbert_b, sparse_w = (
+        (0.3 * rng.standard_normal(shape)).astype(np.float32)
+        for shape in ((COLBERT_DIM, hidden), (COLBERT_DIM,), (1, hidden))
+    )
+    sparse_b = sparse_bias(d, sparse_w, root / "probe")
+    save_torch_file(d / bge_m3.COLBERT_FILE, {"weight": colbert_w, "bias": colbert_b})
+    save_torch_file(d / bge_m3.SPARSE_FILE, {"weight": sparse_w, "bias": np.array([sparse_b], np.float32)})
+    return d
+
+
+def sparse_bias(folder: Path, weight: np.ndarray, probe: Path) -> float:
+    """A sparse bias that leaves about half of the rows' token weights positive, so relu and the
+    w > 0 filter both matter (scrambled states share a direction that a random head reads one way),
+    and none at 0 (where float rounding would decide whether relu keeps it): between the two
+    middle values of w . h over ROWS' tokens.
+
+    w . h per token read without torch from batchgate's own graph, through a probe ColBERT head
+    of two rows: (w, bias 0) and (0, bias 1). Its normalised vector is (x, 1) / |(x, 1)| with
+    x = w . h, so x is the ratio of the two (every token after CLS, special tokens included)."""
+    hidden = TINY["hidden_size"]
+    probe_w = np.stack([weight[0], np.zeros(hidden, np.float32)])
+    save_torch_file(
+        folder / bge_m3.COLBERT_FILE, {"weight": probe_w, "bias": np.array([0.0, 1.0], np.float32)}
+    )
+    save_torch_file(folder / bge_m3.SPARSE_FILE, {"weight": weight, "bias": np.zeros(1, np.float32)})
+    prepare_model(folder, "probe", probe, log=print)
+    out, _ = run(probe / "probe", ROWS)
+    vecs = out["token_embeddings"][out["token_mask"] == 1]
+    # Rows cut at the same 38 tokens (TEXTS' two longest) answer equal values: rounded, they are one.
+    raw = np.sort(np.round(vecs[:, 0] / vecs[:, 1], 4))
+    upper = raw[len(raw) // 2]
+    lower = raw[raw < upper].max()
+    assert upper - lower > 1e-3, (lower, upper)  # far from float rounding on either side
+    return -float(lower + upper) / 2
 
 
 @pytest.fixture(scope="module")
 def repo(m3, tmp_path_factory):
     repo = tmp_path_factory.mktemp("bge-m3-repo")
-    prepare_model(m3[0], "m3", repo, log=print)
+    prepare_model(m3, "m3", repo, log=print)
     return repo
 
 
-def flag_reference(m3, texts: list[str]) -> tuple[np.ndarray, list[dict[int, float]], list[np.ndarray]]:
-    """FlagEmbedding's dense_vecs, lexical_weights and colbert_vecs for ``texts`` (restated)."""
-    import torch
-
-    folder, model, colbert, sparse = m3
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+@pytest.fixture(scope="module")
+def flag(m3):
+    """FlagEmbedding's dense_vecs, lexical_weights and colbert_vecs of a list of texts (restated),
+    from transformers' XLMRobertaModel of the folder and the heads read by torch.load: only the
+    tests that compare with it ask for it (and skip without the reference extra)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model, info = transformers.XLMRobertaModel.from_pretrained(
+        m3, add_pooling_layer=False, output_loading_info=True
+    )
+    # every weight read from the folder, none left at transformers' random init
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    model.eval()
+    heads = []
+    for name, n_out in ((bge_m3.COLBERT_FILE, COLBERT_DIM), (bge_m3.SPARSE_FILE, 1)):
+        head = torch.nn.Linear(TINY["hidden_size"], n_out)
+        head.load_state_dict(torch.load(m3 / name, weights_only=True))
+        heads.append(head)
+    colbert, sparse = heads
+    tok = Tokenizer.from_file(str(m3 / "tokenizer.json"))
     tok.enable_truncation(38)  # max_position_embeddings 40 less XLM-R's padding_idx + 1
     tok.enable_padding(pad_id=1, pad_token="<pad>")
-    enc = tok.encode_batch(texts)
-    ids = torch.tensor([e.ids for e in enc])
-    mask = torch.tensor([e.attention_mask for e in enc])
-    with torch.no_grad():
-        h = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        dense = torch.nn.functional.normalize(h[:, 0], dim=-1)
-        token_weights = torch.relu(sparse(h)).squeeze(-1)
-        vecs = colbert(h[:, 1:]) * mask[:, 1:][:, :, None].float()
-        vecs = torch.nn.functional.normalize(vecs, dim=-1)
     # tokenizer.cls_token_id, eos_token_id, pad_token_id, unk_token_id
     unused = {tok.token_to_id(t) for t in ("<s>", "</s>", "<pad>", "<unk>")}
-    lexical = []
-    for weights, row in zip(token_weights.numpy(), ids.numpy()):
-        result: dict[int, float] = {}
-        for w, idx in zip(weights, row):
-            if idx not in unused and w > 0 and w > result.get(int(idx), 0):
-                result[int(idx)] = float(w)
-        lexical.append(result)
-    colbert_vecs = [v[: int(m.sum()) - 1] for v, m in zip(vecs.numpy(), mask.numpy())]
-    return dense.numpy(), lexical, colbert_vecs
+
+    def reference(texts: list[str]) -> tuple[np.ndarray, list[dict[int, float]], list[np.ndarray]]:
+        enc = tok.encode_batch(texts)
+        ids = torch.tensor([e.ids for e in enc])
+        mask = torch.tensor([e.attention_mask for e in enc])
+        with torch.no_grad():
+            h = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            dense = torch.nn.functional.normalize(h[:, 0], dim=-1)
+            token_weights = torch.relu(sparse(h)).squeeze(-1)
+            vecs = colbert(h[:, 1:]) * mask[:, 1:][:, :, None].float()
+            vecs = torch.nn.functional.normalize(vecs, dim=-1)
+        lexical = []
+        for weights, row in zip(token_weights.numpy(), ids.numpy()):
+            result: dict[int, float] = {}
+            for w, idx in zip(weights, row):
+                if idx not in unused and w > 0 and w > result.get(int(idx), 0):
+                    result[int(idx)] = float(w)
+            lexical.append(result)
+        colbert_vecs = [v[: int(m.sum()) - 1] for v, m in zip(vecs.numpy(), mask.numpy())]
+        return dense.numpy(), lexical, colbert_vecs
+
+    return reference
 
 
 def run(model_dir: Path, texts: list[str]) -> tuple[dict[str, np.ndarray], dict]:
@@ -134,17 +176,17 @@ def as_dict(row: np.ndarray) -> dict[int, float]:
     return {int(i): float(row[i]) for i in np.flatnonzero(row)}
 
 
-def test_one_pass_answers_flagembedding_three_outputs(m3, repo):
+def test_one_pass_answers_flagembedding_three_outputs(m3, flag, repo):
     out, feeds = run(repo / "m3", ROWS)
     assert feeds["attention_mask"].min() == 0  # mixed lengths: padded
-    dense, lexical, colbert = flag_reference(m3, ROWS)
+    dense, lexical, colbert = flag(ROWS)
     # dense: the CLS state, normalised
     cos = cosines(out["embedding"], dense)
     assert cos.min() >= MIN_COSINE, cos
     # sparse: the same ids, the same weights (max per id), special tokens and padding dropped
     assert out["sparse_embedding"].shape == (
         len(ROWS),
-        Tokenizer.from_file(str(m3[0] / "tokenizer.json")).get_vocab_size(),
+        Tokenizer.from_file(str(m3 / "tokenizer.json")).get_vocab_size(),
     )
     for got, want in zip(out["sparse_embedding"], lexical):
         got = as_dict(got)
@@ -154,7 +196,7 @@ def test_one_pass_answers_flagembedding_three_outputs(m3, repo):
     assert sum(bool(w) for w in lexical) >= len(ROWS) - 2 and sum(map(len, lexical)) < sum(
         len(r.split()) for r in ROWS
     )
-    ids = Tokenizer.from_file(str(m3[0] / "tokenizer.json")).encode("the dog and the cat and the dog").ids
+    ids = Tokenizer.from_file(str(m3 / "tokenizer.json")).encode("the dog and the cat and the dog").ids
     assert len(ids) - len(set(ids)) >= 3
     # ColBERT: the rows token_mask keeps, in order, are FlagEmbedding's colbert_vecs
     for vecs, keep, want in zip(out["token_embeddings"], out["token_mask"], colbert):
@@ -164,7 +206,7 @@ def test_one_pass_answers_flagembedding_three_outputs(m3, repo):
         np.testing.assert_allclose(vecs[keep == 0], 0.0)
 
 
-def test_card_scores_from_the_outputs(m3, repo):
+def test_card_scores_from_the_outputs(flag, repo):
     """The card's compute_score, per pair, from the served outputs equals FlagEmbedding's: dense
     dot product, lexical matching score, ColBERT MaxSim (mean over the query's vectors), and
     their weighted mean with the card's weights."""
@@ -174,7 +216,7 @@ def test_card_scores_from_the_outputs(m3, repo):
     )
     out_q, _ = run(repo / "m3", queries)
     out_d, _ = run(repo / "m3", docs)
-    ref_q, ref_d = flag_reference(m3, queries), flag_reference(m3, docs)
+    ref_q, ref_d = flag(queries), flag(docs)
     w = bge_m3.CARD_WEIGHTS
     for i in range(len(queries)):
         dense = float(out_q["embedding"][i] @ out_d["embedding"][i])
@@ -207,12 +249,12 @@ def test_prepare_from_a_hub_id_in_an_offline_cache(m3, tmp_path, monkeypatch):
     """BAAI/bge-m3's layout read from the hub cache with HF_HUB_OFFLINE=1: the heads' .pt files
     are among the files a build reads, and the entry equals the folder's."""
     cache = tmp_path / "hub"
-    cache_layout(cache, "acme/tiny-m3", m3[0], "c" * 40, ("main",))
+    cache_layout(cache, "acme/tiny-m3", m3, "c" * 40, ("main",))
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)
     out = prepare_model("acme/tiny-m3", "m3", tmp_path / "repo", log=print)
-    direct = prepare_model(m3[0], "m3", tmp_path / "direct", log=print)
+    direct = prepare_model(m3, "m3", tmp_path / "direct", log=print)
     for f in ("1/model.onnx", "tokenizer.json", "config.pbtxt"):
         assert (out / f).read_bytes() == (direct / f).read_bytes()
     # a download (online) fetches the heads too
@@ -225,7 +267,7 @@ def test_torch_file_reader_refuses_what_is_not_a_state_dict(m3, tmp_path):
     import pickle
     import zipfile
 
-    state = read_state_dict(m3[0] / bge_m3.SPARSE_FILE)
+    state = read_state_dict(m3 / bge_m3.SPARSE_FILE)
     assert state["weight"].shape == (1, TINY["hidden_size"]) and state["bias"].shape == (1,)
     # A pickle naming anything beyond a tensor's rebuild (here os.system) is refused by name.
     bad = tmp_path / "bad.pt"
@@ -239,16 +281,15 @@ def test_torch_file_reader_refuses_what_is_not_a_state_dict(m3, tmp_path):
 
 
 def test_a_head_of_the_wrong_size_is_refused(m3, tmp_path):
-    import torch
-
     folder = tmp_path / "m3"
-    shutil.copytree(m3[0], folder)
-    torch.save(torch.nn.Linear(TINY["hidden_size"] + 1, 1).state_dict(), folder / bge_m3.SPARSE_FILE)
+    shutil.copytree(m3, folder)
+    wrong = {"weight": np.ones((1, TINY["hidden_size"] + 1), np.float32), "bias": np.zeros(1, np.float32)}
+    save_torch_file(folder / bge_m3.SPARSE_FILE, wrong)  # a Linear(hidden + 1, 1)'s state dict
     with pytest.raises(PrepareError, match="sparse_linear.pt: expected a Linear's weight"):
         prepare_model(folder, "m3", tmp_path / "repo", log=print)
 
 
-def test_served_one_call_answers_all_three(m3, repo, tmp_path):
+def test_served_one_call_answers_all_three(flag, repo, tmp_path):
     """Served as is: one KServe call asks for all four outputs (one engine run), each equal to
     FlagEmbedding's; OpenAI /v1/embeddings answers the dense vector."""
     import urllib.request
@@ -277,7 +318,7 @@ def test_served_one_call_answers_all_three(m3, repo, tmp_path):
             oai = np.array([d["embedding"] for d in json.loads(r.read())["data"]], np.float32)
     finally:
         srv.stop()
-    dense, lexical, colbert = flag_reference(m3, ROWS)
+    dense, lexical, colbert = flag(ROWS)
     assert cosines(out["embedding"], dense).min() >= MIN_COSINE
     assert cosines(oai, dense[:3]).min() >= MIN_COSINE
     for row, want in zip(out["sparse_embedding"], lexical):
@@ -286,7 +327,7 @@ def test_served_one_call_answers_all_three(m3, repo, tmp_path):
         assert cosines(vecs[keep == 1], want).min() >= MIN_COSINE
 
 
-def test_served_text_routes_read_each_output_and_rerank_by_the_card(m3, repo, tmp_path):
+def test_served_text_routes_read_each_output_and_rerank_by_the_card(flag, repo, tmp_path):
     """TEI's /embed_sparse reads the sparse head, /embed_all the ColBERT vectors (token_mask's),
     and /rerank scores with the card's weighted mean of the three, each equal to FlagEmbedding's."""
     import urllib.request
@@ -310,12 +351,12 @@ def test_served_text_routes_read_each_output_and_rerank_by_the_card(m3, repo, tm
         ranked = post("/rerank", {"model": "m3", "query": query, "texts": docs, "raw_scores": True})
     finally:
         srv.stop()
-    dense, lexical, colbert = flag_reference(m3, ROWS[:3])
+    dense, lexical, colbert = flag(ROWS[:3])
     for got, want in zip(sparse, lexical, strict=True):
         assert {g["index"]: g["value"] for g in got} == pytest.approx(want, abs=1e-5)
     for got, want in zip(tokens, colbert, strict=True):
         assert np.shape(got) == want.shape and cosines(np.array(got), want).min() >= MIN_COSINE
-    ref_q, ref_d = flag_reference(m3, [query]), flag_reference(m3, docs)
+    ref_q, ref_d = flag([query]), flag(docs)
     w = bge_m3.CARD_WEIGHTS
     scores = {r["index"]: r["score"] for r in ranked}
     for j in range(len(docs)):

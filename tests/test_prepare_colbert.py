@@ -11,6 +11,11 @@ sentence-transformers 5.3, which the reference extra's transformers 5.24 and
 sentence-transformers 6.3 rule out, so it is not installed. The encoder is transformers'
 ``BertModel``; the tokenizer is the folder's, read by ``PreTrainedTokenizerFast`` as PyLate
 reads it.
+
+The folder is written with numpy and ``tokenizers`` (tests/layouts.py), so the tests that only
+prepare or read it run without torch; those that compare with PyLate's computation ask for the
+``pylate`` fixture, which loads the folder into transformers (and checks that the tokenizer files
+are the ones transformers writes for PyLate's tokenizer).
 """
 
 from __future__ import annotations
@@ -22,13 +27,14 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
 
 from batchgate.gateway.models.hf_model import PrepareError, read_folder
 from batchgate.gateway.models.prepare import prepare_model
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
-from tests.test_prepare_model import MIN_COSINE, TINY, cosines, scramble, wordpiece
+from tests.layouts import write_folder
+from tests.test_prepare_model import MIN_COSINE, TINY, cosines, wordpiece
 
 DIM = 16
 QUERY_LENGTH, DOCUMENT_LENGTH = 12, 24
@@ -41,27 +47,49 @@ PYLATE_CONFIG = {"prompts": {}, "default_prompt_name": None, "similarity_fn_name
                  "do_query_expansion": True}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def pylate(tmp_path_factory):
-    """(folder, BertModel, Dense weight): a folder as PyLate saves one."""
-    torch = pytest.importorskip("torch")
-    import transformers as t
-    from safetensors.torch import save_file
+MARKERS = ["[Q] ", "[D] "]  # PyLate's ColBERT.__init__ adds its prefixes to the tokenizer
+SPECIAL = {"pad_token": "[PAD]", "mask_token": "[MASK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
+           "unk_token": "[UNK]"}  # fmt: skip
+# What transformers 5's save_pretrained writes beside tokenizer.json (checked in ``pylate``).
+TOKENIZER_CONFIG = {"backend": "tokenizers", **SPECIAL, "model_max_length": int(1e30),
+                    "tokenizer_class": "TokenizersBackend"}  # fmt: skip
 
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("colbert") / "colbert"
-    fast = t.PreTrainedTokenizerFast(tokenizer_object=wordpiece(), pad_token="[PAD]", mask_token="[MASK]",
-                                     cls_token="[CLS]", sep_token="[SEP]", unk_token="[UNK]")  # fmt: skip
-    fast.add_tokens(["[Q] ", "[D] "])  # as PyLate's ColBERT.__init__ adds its prefixes
-    model = t.BertModel(
-        t.BertConfig(**TINY, vocab_size=len(fast), max_position_embeddings=40), add_pooling_layer=False
+
+def bert():
+    import transformers as t
+
+    config = t.BertConfig(
+        **TINY, vocab_size=wordpiece().get_vocab_size() + len(MARKERS), max_position_embeddings=40
     )
-    scramble(model)
-    model.eval().save_pretrained(d)
-    fast.save_pretrained(d)
-    weight = torch.randn(DIM, TINY["hidden_size"]) * 0.3
+    return t.BertModel(config, add_pooling_layer=False)
+
+
+LAYOUTS = {"colbert_bert": bert}
+
+
+def tokenizer() -> Tokenizer:
+    """The tokenizer as transformers' ``PreTrainedTokenizerFast(tokenizer_object=wordpiece(),
+    **SPECIAL)`` with ``add_tokens(MARKERS)`` holds it: the special tokens marked special and not
+    normalised, the markers added (normalised, not special) after the vocabulary."""
+    tok = wordpiece()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL.values()])
+    tok.add_tokens([AddedToken(t, special=False, normalized=True) for t in MARKERS])
+    return tok
+
+
+@pytest.fixture(scope="module")
+def colbert(tmp_path_factory):
+    """A folder as PyLate saves one, written with numpy (no torch): the BERT encoder in
+    transformers' layout, the tokenizer with the markers, the Dense projection as
+    sentence-transformers' Dense.save writes it (config.json, model.safetensors)."""
+    from safetensors.numpy import save_file
+
+    d = write_folder(tmp_path_factory.mktemp("colbert") / "colbert", "colbert_bert", seed=0)
+    tokenizer().save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2))
+    weight = (0.3 * np.random.default_rng(0).standard_normal((DIM, TINY["hidden_size"]))).astype(np.float32)
     (d / "1_Dense").mkdir()
-    save_file({"linear.weight": weight.contiguous()}, str(d / "1_Dense" / "model.safetensors"))
+    save_file({"linear.weight": weight}, str(d / "1_Dense" / "model.safetensors"))
     (d / "1_Dense" / "config.json").write_text(json.dumps({"in_features": TINY["hidden_size"], "out_features": DIM,
                                                            "bias": False, "activation_function":
                                                            "torch.nn.modules.linear.Identity"}))  # fmt: skip
@@ -70,44 +98,64 @@ def pylate(tmp_path_factory):
         {"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"}]))  # fmt: skip
     (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": DOCUMENT_LENGTH - 1}))
     (d / "config_sentence_transformers.json").write_text(json.dumps(PYLATE_CONFIG))
-    return d, model, weight
+    return d
 
 
 @pytest.fixture(scope="module")
-def repo(pylate, tmp_path_factory):
+def repo(colbert, tmp_path_factory):
     repo = tmp_path_factory.mktemp("colbert-repo")
-    prepare_model(pylate[0], "colbert", repo, log=print)
+    prepare_model(colbert, "colbert", repo, log=print)
     return repo
 
 
-def pylate_encode(pylate, texts: list[str], is_query: bool) -> list[np.ndarray]:
-    """PyLate's ColBERT.encode (restated): the kept, normalised token vectors of each text."""
-    import torch
-    from transformers import PreTrainedTokenizerFast
+@pytest.fixture(scope="module")
+def pylate(colbert, tmp_path_factory):
+    """PyLate's ColBERT.encode (restated) of the folder: ``encode(texts, is_query)`` answers the
+    kept, normalised token vectors of each text. Only the tests that compare with it ask for it
+    (they skip without the reference extra)."""
+    torch = pytest.importorskip("torch")
+    t = pytest.importorskip("transformers")
+    from safetensors.numpy import load_file
 
-    folder, model, weight = pylate
-    tok = PreTrainedTokenizerFast.from_pretrained(folder)
+    # The folder's tokenizer files are what transformers writes for PyLate's tokenizer.
+    fast = t.PreTrainedTokenizerFast(tokenizer_object=wordpiece(), **SPECIAL)
+    fast.add_tokens(MARKERS)
+    saved = tmp_path_factory.mktemp("colbert-tokenizer")
+    fast.save_pretrained(saved)
+    assert sorted(p.name for p in saved.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert json.loads((colbert / name).read_text()) == json.loads((saved / name).read_text()), name
+    model, info = t.BertModel.from_pretrained(colbert, add_pooling_layer=False, output_loading_info=True)
+    # every weight read from the folder, none left at transformers' random init
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    model.eval()
+    weight = torch.from_numpy(load_file(str(colbert / "1_Dense" / "model.safetensors"))["linear.weight"])
+    tok = t.PreTrainedTokenizerFast.from_pretrained(colbert)
     tok.pad_token_id = tok.mask_token_id  # PyLate pads with the mask token
-    prefix = tok.convert_tokens_to_ids(PYLATE_CONFIG["query_prefix" if is_query else "document_prefix"])
-    length = QUERY_LENGTH if is_query else DOCUMENT_LENGTH
-    enc = tok(texts, padding="max_length" if is_query else True, truncation=True, max_length=length - 1,
-              return_tensors="pt")  # fmt: skip
 
-    def insert(t, value):
-        return torch.cat([t[:, :1], torch.full((t.shape[0], 1), value), t[:, 1:]], dim=1)
+    def encode(texts: list[str], is_query: bool) -> list[np.ndarray]:
+        prefix = tok.convert_tokens_to_ids(PYLATE_CONFIG["query_prefix" if is_query else "document_prefix"])
+        length = QUERY_LENGTH if is_query else DOCUMENT_LENGTH
+        enc = tok(texts, padding="max_length" if is_query else True, truncation=True, max_length=length - 1,
+                  return_tensors="pt")  # fmt: skip
 
-    ids, mask = insert(enc["input_ids"], prefix), insert(enc["attention_mask"], 1)
-    with torch.no_grad():
-        states = model(
-            input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids)
-        ).last_hidden_state
-        vectors = states @ weight.T
-    if is_query:
-        keep = torch.ones_like(ids, dtype=torch.bool)  # expansion tokens included
-    else:
-        skip = [tok.convert_tokens_to_ids(w) for w in PYLATE_CONFIG["skiplist_words"]]
-        keep = mask.bool() & ~torch.isin(ids, torch.tensor(skip))
-    return [torch.nn.functional.normalize(v[k], p=2, dim=1).numpy() for v, k in zip(vectors, keep)]
+        def insert(t, value):
+            return torch.cat([t[:, :1], torch.full((t.shape[0], 1), value), t[:, 1:]], dim=1)
+
+        ids, mask = insert(enc["input_ids"], prefix), insert(enc["attention_mask"], 1)
+        with torch.no_grad():
+            states = model(
+                input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids)
+            ).last_hidden_state
+            vectors = states @ weight.T
+        if is_query:
+            keep = torch.ones_like(ids, dtype=torch.bool)  # expansion tokens included
+        else:
+            skip = [tok.convert_tokens_to_ids(w) for w in PYLATE_CONFIG["skiplist_words"]]
+            keep = mask.bool() & ~torch.isin(ids, torch.tensor(skip))
+        return [torch.nn.functional.normalize(v[k], p=2, dim=1).numpy() for v, k in zip(vectors, keep)]
+
+    return encode
 
 
 def maxsim(q: np.ndarray, d: np.ndarray) -> float:
@@ -143,17 +191,17 @@ def run(model_dir: Path, feeds: dict) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("is_query", [True, False], ids=["queries", "documents"])
-def test_token_vectors_equal_pylate(pylate, repo, is_query):
+def test_token_vectors_equal_pylate(colbert, pylate, repo, is_query):
     texts = QUERIES if is_query else DOCS
     got = run(repo / "colbert", served_feeds(repo / "colbert", texts, is_query))
-    want = pylate_encode(pylate, texts, is_query)
+    want = pylate(texts, is_query)
     for text, g, w in zip(texts, got, want):
         assert g.shape == w.shape, text
         assert cosines(g, w).min() >= MIN_COSINE, text
     if is_query:  # every query answers query_length vectors, expansion tokens included
         assert {len(g) for g in got} == {QUERY_LENGTH}
     else:  # punctuation left out of documents' vectors
-        period = Tokenizer.from_file(str(pylate[0] / "tokenizer.json")).token_to_id(".")
+        period = Tokenizer.from_file(str(colbert / "tokenizer.json")).token_to_id(".")
         feeds = served_feeds(repo / "colbert", DOCS, False)
         assert len(got[2]) == int(feeds["attention_mask"][2].sum()) - int(
             (feeds["input_ids"][2] == period).sum()
@@ -163,19 +211,19 @@ def test_token_vectors_equal_pylate(pylate, repo, is_query):
 def test_maxsim_equals_pylate(pylate, repo):
     q = run(repo / "colbert", served_feeds(repo / "colbert", QUERIES, True))
     d = run(repo / "colbert", served_feeds(repo / "colbert", DOCS, False))
-    want_q, want_d = pylate_encode(pylate, QUERIES, True), pylate_encode(pylate, DOCS, False)
+    want_q, want_d = pylate(QUERIES, True), pylate(DOCS, False)
     got = np.array([[maxsim(a, b) for b in d] for a in q])
     want = np.array([[maxsim(a, b) for b in want_d] for a in want_q])
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def test_prepared_from_a_hub_id_in_an_offline_cache(pylate, repo, tmp_path, monkeypatch):
+def test_prepared_from_a_hub_id_in_an_offline_cache(colbert, repo, tmp_path, monkeypatch):
     """A PyLate folder from its Hub ID in an offline Hugging Face cache (1_Dense beside the
     weights): the same files as from the folder."""
     from tests.test_prepare_sources import cache_layout
 
     cache = tmp_path / "hub"
-    cache_layout(cache, "acme/tiny-colbert", pylate[0], "e" * 40, ("main",))
+    cache_layout(cache, "acme/tiny-colbert", colbert, "e" * 40, ("main",))
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)
@@ -203,11 +251,11 @@ def test_config_records_markers_lengths_and_kind(repo):
         ({"document_prefix": ""}, "document_prefix is empty"),
     ],
 )
-def test_pylate_settings_the_graph_does_not_do_are_refused(pylate, tmp_path, change, named):
+def test_pylate_settings_the_graph_does_not_do_are_refused(colbert, tmp_path, change, named):
     import shutil
 
     folder = tmp_path / "cb"
-    shutil.copytree(pylate[0], folder)
+    shutil.copytree(colbert, folder)
     (folder / "config_sentence_transformers.json").write_text(json.dumps({**PYLATE_CONFIG, **change}))
     with pytest.raises(PrepareError, match=named):
         read_folder(folder)
@@ -242,7 +290,7 @@ def test_served_documents_equal_pylate(pylate, repo, tmp_path):
             assert "colbert" in r.read().decode()
     finally:
         srv.stop()
-    for text, v, m, want in zip(DOCS, vectors, mask, pylate_encode(pylate, DOCS, False)):
+    for text, v, m, want in zip(DOCS, vectors, mask, pylate(DOCS, False)):
         assert cosines(v[m == 1], want).min() >= MIN_COSINE, text
 
 
@@ -270,7 +318,7 @@ def test_served_queries_expand_and_rerank_is_maxsim(pylate, repo, tmp_path):
         ranked = post("/rerank", {"model": "colbert", "query": QUERIES[0], "texts": DOCS, "raw_scores": True})
     finally:
         srv.stop()
-    want_q, want_d = pylate_encode(pylate, QUERIES, True), pylate_encode(pylate, DOCS, False)
+    want_q, want_d = pylate(QUERIES, True), pylate(DOCS, False)
     for got, want in zip(queries, want_q, strict=True):
         assert np.shape(got) == want.shape and cosines(np.array(got), want).min() >= MIN_COSINE
     for got, want in zip(docs, want_d, strict=True):
