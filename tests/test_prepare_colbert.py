@@ -326,3 +326,51 @@ def test_served_queries_expand_and_rerank_is_maxsim(pylate, repo, tmp_path):
     scores = {r["index"]: r["score"] for r in ranked}
     for j, d in enumerate(want_d):
         assert scores[j] == pytest.approx(maxsim(want_q[0], d), abs=1e-4)
+
+
+# -- PyLate itself, in an interpreter of its own -----------------------------------------------------
+
+# Run by BATCHGATE_PYLATE_PYTHON: PyLate's ColBERT on the folder, the vectors of the queries and the
+# documents, and colbert_scores per pair, as JSON on stdout.
+PYLATE_CHILD = r"""
+import json, sys
+import numpy as np
+import torch
+from pylate import models
+from pylate.scores import colbert_scores
+
+folder, queries, docs = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+model = models.ColBERT(model_name_or_path=folder, device="cpu")
+q = model.encode(queries, is_query=True, batch_size=len(queries))
+d = model.encode(docs, is_query=False, batch_size=len(docs))
+scores = [[float(colbert_scores(torch.as_tensor(a)[None], torch.as_tensor(b)[None])[0][0]) for b in d] for a in q]
+print(json.dumps({"queries": [np.asarray(v).tolist() for v in q], "documents": [np.asarray(v).tolist() for v in d],
+                  "scores": scores}))
+"""
+
+
+def test_pylate_itself_answers_what_is_served(colbert, repo):
+    """PyLate's ``ColBERT`` itself, not its computation restated: PyLate 1.6 pins transformers <=
+    5.3, sentence-transformers 5.3 and (through fast-plaid) torch 2.7-2.10, so it runs in another
+    interpreter, named by ``BATCHGATE_PYLATE_PYTHON`` (docs/models.md, ColBERT); skipped where
+    none is named. Every query's and document's vectors, and MaxSim per pair, equal its answers."""
+    import os
+    import subprocess
+
+    python = os.environ.get("BATCHGATE_PYLATE_PYTHON")
+    if not python:
+        pytest.skip("BATCHGATE_PYLATE_PYTHON (an interpreter with PyLate) is not set")
+    child = subprocess.run([python, "-c", PYLATE_CHILD, str(colbert), json.dumps(QUERIES), json.dumps(DOCS)],
+                           capture_output=True, text=True, timeout=600, cwd=colbert.parent)  # fmt: skip
+    assert child.returncode == 0, child.stderr[-3000:]
+    ref = json.loads(child.stdout.strip().splitlines()[-1])
+    q = run(repo / "colbert", served_feeds(repo / "colbert", QUERIES, True))
+    d = run(repo / "colbert", served_feeds(repo / "colbert", DOCS, False))
+    for got, want, texts in ((q, ref["queries"], QUERIES), (d, ref["documents"], DOCS)):
+        for text, g, w in zip(texts, got, want):
+            w = np.array(w, np.float32)
+            assert g.shape == w.shape, text
+            assert cosines(g, w).min() >= MIN_COSINE, text
+    assert {len(v) for v in q} == {QUERY_LENGTH}  # expansion tokens kept, as PyLate keeps them
+    got = np.array([[maxsim(a, b) for b in d] for a in q])
+    np.testing.assert_allclose(got, np.array(ref["scores"]), atol=1e-5)
