@@ -5,12 +5,19 @@ task prompts) and Mistral, Llama and Qwen2 embedders (causal attention, grouped-
 last-token pooling, left padding, instruction prompts), each built by gateway/models/decoder.py
 without PyTorch and checked against sentence-transformers loading the same folder.
 
-Each model is tiny (hidden 32, 2-3 layers), made with transformers' config and model classes,
-scrambled (random weights far from init), saved as a sentence-transformers folder by
-sentence-transformers itself (its tokenizer padding on the left where the family's does), with a
-tokenizer.json made here. The texts are of mixed lengths in one padded batch (past the window of
-the sliding layers, past max_seq_length), encoded by sentence-transformers with the folder's
-prompts; per row cosine >= 0.999999.
+Each model is tiny (hidden 32, 2-3 layers; its config is ``make``'s, in transformers' own config
+classes), written by numpy in the layout transformers saved for it (``LAYOUTS``, recorded by
+``python -m tests.layouts``: tests/layouts.py) with SCRAMBLED weights (random, far from init),
+beside the files ``SentenceTransformer.save`` writes for it (modules.json, the prompts in
+config_sentence_transformers.json, Pooling, Dense, Normalize, its tokenizer_config.json padding on
+the left where the family's does) and a tokenizer.json made here (Qwen2's byte-level, as
+transformers rebuilds it). ``test_folders_are_what_sentence_transformers_saves`` checks that
+sentence-transformers loads and saves them as they are. Only the tests that compare with
+sentence-transformers or transformers load them (and skip without them): the folder as
+``SentenceTransformer(folder)`` (``SentenceTransformerModel``); the others run without torch. The
+texts are of mixed lengths in one padded batch (past the window of the sliding layers, past
+max_seq_length), encoded by sentence-transformers with the folder's prompts; per row cosine
+>= 0.999999.
 """
 
 from __future__ import annotations
@@ -22,34 +29,39 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from batchgate.gateway.models import decoder
 from batchgate.gateway.models.hf_model import PrepareError, read_folder
 from batchgate.gateway.models.prepare import prepare_model
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
+from tests.layouts import write_folder
 from tests.test_prepare_model import MIN_COSINE, TEXTS, WORDS, cosines
+from tests.tiny_models import TransformersModel
 
 HIDDEN = 32
 STD = 0.3
-BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+BOS, EOS, PAD, UNK = "<s>", "</s>", "<pad>", "<unk>"
 # EmbeddingGemma's prompts (config_sentence_transformers.json), shortened to the tiny vocabulary's words.
 GEMMA_PROMPTS = {"query": "task: search result | query: ", "document": "title: none | text: ",
                  "Clustering": "task: clustering | query: "}  # fmt: skip
 INSTRUCT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery: "
+EXTRA = ["task", "search", "result", "query", "title", "none", "text", "clustering", "|", ":", ".", "instruct",
+         "given", "web", "retrieve", "relevant", "passages", "that", "answer"]  # fmt: skip
+# Qwen2Tokenizer's pre-tokenizer split (transformers' tokenization_qwen2.PRETOKENIZE_REGEX).
+QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 
 def decoder_tokenizer(*, eos: bool) -> Tokenizer:
     """A Llama-like tokenizer: <s> first; </s> appended when ``eos`` (e5-mistral's and Linq's
-    tokenizers append it for last-token pooling; Gemma's does too)."""
-    extra = ["task", "search", "result", "query", "title", "none", "text", "clustering", "|", ":", ".", "instruct",
-             "given", "web", "retrieve", "relevant", "passages", "that", "answer"]  # fmt: skip
-    vocab = {t: i for i, t in enumerate([PAD, BOS, EOS, "<unk>"] + WORDS + extra)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizers append it for last-token pooling; Gemma's does too). <unk> is special, as
+    transformers saves it."""
+    vocab = {t: i for i, t in enumerate([PAD, BOS, EOS, UNK] + WORDS + EXTRA)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
-    tok.add_special_tokens([PAD, BOS, EOS])
+    tok.add_special_tokens([PAD, BOS, EOS, UNK])
     single = f"{BOS} $A" + (f" {EOS}" if eos else "")
     specials = [(BOS, vocab[BOS])] + ([(EOS, vocab[EOS])] if eos else [])
     tok.post_processor = processors.TemplateProcessing(
@@ -58,27 +70,60 @@ def decoder_tokenizer(*, eos: bool) -> Tokenizer:
     return tok
 
 
-def scramble(model) -> None:
-    """Every weight random around 0 (std 0.3); Llama-style norm scales around 1, Gemma's (whose
-    norm multiplies by 1 + w) around 0 as well."""
-    import torch
+def _qwen2_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )  # fmt: skip
 
-    gemma = "gemma" in type(model).__name__.lower()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            is_scale = "norm" in name.lower() and name.endswith("weight") and not gemma
-            p.normal_(1.0 if is_scale else 0.0, STD)
+
+def qwen2_tokenizer() -> Tokenizer:
+    """gte-Qwen2's kind: byte-level BPE, <s> first and nothing appended. transformers 5 loads a
+    qwen2 folder's tokenizer as Qwen2Tokenizer, which rebuilds it from the vocabulary and merges
+    with its own normalizer (NFC), split and byte-level pre-tokenizer; this one is built so
+    already (every byte; merges that make each vocabulary word, with and without its leading
+    space, and each piece of the instruction one token), so sentence-transformers reads the rows
+    the served tokenizer.json reads, and they are words. (A WordLevel tokenizer came back from that
+    rebuild with no merges: its rows were <s> and a few letters.)"""
+    vocab = {t: i for i, t in enumerate([PAD, BOS, EOS, UNK])}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    words = WORDS + EXTRA
+    pieces = [p for p, _ in _qwen2_pre_tokenizer().pre_tokenize_str(INSTRUCT)]
+    ranks: dict[tuple[str, str], int] = {}
+    for form in [*words, *pieces, *("\u0120" + w for w in words)]:  # \u0120 (Ġ): the byte-level space
+        parts = list(form)
+        while len(parts) > 1:  # the merges known so far, lowest rank first (as BPE applies them) ...
+            i = min(range(len(parts) - 1), key=lambda j: ranks.get((parts[j], parts[j + 1]), len(ranks)))
+            if (parts[i], parts[i + 1]) not in ranks:  # ... then a new one (last: the rest stay as they were)
+                ranks[(parts[i], parts[i + 1])] = len(ranks)
+                vocab.setdefault(parts[i] + parts[i + 1], len(vocab))
+            parts[i : i + 2] = [parts[i] + parts[i + 1]]
+    merges = sorted(ranks, key=ranks.get)
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token=None, continuing_subword_prefix="",
+                               end_of_word_suffix="", fuse_unk=False, byte_fallback=False))  # fmt: skip
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = _qwen2_pre_tokenizer()
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([PAD, BOS, EOS, UNK])
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B:1", special_tokens=[(BOS, vocab[BOS])]
+    )
+    return tok
 
 
 def make(kind: str, vocab: int):
+    """transformers' untrained model of ``kind``, as its sentence-transformers folder holds it
+    (the bare *Model: sentence-transformers saves its Transformer module's AutoModel, which sets
+    use_cache false). For ``LAYOUTS``."""
     import transformers as t
 
     tiny = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=64, vocab_size=vocab, max_position_embeddings=64, pad_token_id=0,
-                bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)  # fmt: skip
+                bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, use_cache=False)  # fmt: skip
     if kind == "gemma":
         # EmbeddingGemma's layout: sliding, sliding, full (pattern 3 here; 6 in the real one),
-        # a window saved as 4 (|q - k| < 3 both ways) on rows of 30+ tokens, head_dim 16 with query_pre_attn_scalar 16 of
+        # a window saved as 4 (|q - k| < 3 both ways) on rows of 30+ tokens, head_dim 16 with query_pre_attn_scalar 12 of
         # its own, per-type rotary bases, bidirectional attention.
         cfg = t.Gemma3TextConfig(**dict(tiny, num_hidden_layers=3), head_dim=16, query_pre_attn_scalar=12,
                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"],
@@ -96,57 +141,141 @@ def make(kind: str, vocab: int):
         rope = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
         cfg = t.LlamaConfig(**tiny, rope_parameters=rope, attention_bias=True, mlp_bias=True)
-        return t.LlamaForCausalLM(cfg)
+        return t.LlamaModel(cfg)
     cfg = t.Qwen2Config(**tiny, rope_parameters={"rope_type": "default", "rope_theta": 900.0})  # q/k/v biases
-    return t.Qwen2ForCausalLM(cfg)
+    return t.Qwen2Model(cfg)
 
 
-# name -> (model kind, the tokenizer appends </s>, pooling, Dense layers, prompts, default prompt)
+# name -> (tokenizer, pooling, Dense layers, prompts, default prompt)
 CASES = {
-    "gemma": ("gemma", True, "mean", ((HIDDEN, 48), (48, 24)), GEMMA_PROMPTS, None),
-    "mistral": ("mistral", True, "lasttoken", (), {"query": INSTRUCT, "document": ""}, None),
-    "llama": ("llama", True, "lasttoken", (), {"web_search_query": INSTRUCT}, "web_search_query"),
-    "qwen2": ("qwen2", False, "lasttoken", (), {"query": INSTRUCT, "document": ""}, None),
+    "gemma": (lambda: decoder_tokenizer(eos=True), "mean", ((HIDDEN, 48), (48, 24)), GEMMA_PROMPTS, None),
+    "mistral": (lambda: decoder_tokenizer(eos=True), "lasttoken", (), {"query": INSTRUCT, "document": ""}, None),
+    "llama": (lambda: decoder_tokenizer(eos=True), "lasttoken", (), {"web_search_query": INSTRUCT},
+              "web_search_query"),
+    "qwen2": (qwen2_tokenizer, "lasttoken", (), {"query": INSTRUCT, "document": ""}, None),
+}  # fmt: skip
+# The layouts of the folders' transformer (tests/data/layouts/decoders_NAME.json), recorded by transformers.
+LAYOUTS = {
+    f"decoders_{name}": (lambda name=name: make(name, CASES[name][0]().get_vocab_size())) for name in CASES
 }
 
+# -- sentence-transformers' files, as SentenceTransformer.save (sentence-transformers 6) writes them
 
-def st_save(kind: str, d: Path, seed: int):
-    """A sentence-transformers folder made by sentence-transformers: (folder, SentenceTransformer)."""
-    import torch
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Transformer
-    from transformers import PreTrainedTokenizerFast
+_ST_BASE = "sentence_transformers.base.modules."
+_ST_TYPES = {"Transformer": _ST_BASE + "transformer.Transformer", "Dense": _ST_BASE + "dense.Dense",
+             "Normalize": _ST_BASE + "normalize.Normalize",
+             "Pooling": "sentence_transformers.sentence_transformer.modules.pooling.Pooling"}  # fmt: skip
+# What the save records of the versions that wrote it (nothing reads it back).
+_ST_VERSIONS = {"pytorch": "2.13.0+cpu", "sentence_transformers": "6.3.0", "transformers": "5.24.0"}
+_IO = {"module_input_name": "sentence_embedding", "module_output_name": "sentence_embedding"}
 
-    _, eos, pooling, dense, prompts, default = CASES[kind]
-    torch.manual_seed(seed)
-    tok = decoder_tokenizer(eos=eos)
-    model = make(CASES[kind][0], tok.get_vocab_size())
-    scramble(model)
-    hf = d.parent / f"{d.name}-hf"
-    model.eval().save_pretrained(hf)
-    # Decoder embedders pad on the left (their tokenizer_config.json says so); Gemma's on the right.
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-                                   unk_token="<unk>", padding_side="right" if kind == "gemma" else "left")  # fmt: skip
-    fast.save_pretrained(hf)
-    modules = [Transformer(str(hf), max_seq_length=40), Pooling(HIDDEN, pooling_mode=pooling)]
+
+def _json4(path: Path, content: object) -> None:  # the modules' own configs: indent 4, no newline
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(content, indent=4))
+
+
+def st_files(d: Path, name: str, seed: int) -> None:
+    """What ``SentenceTransformer.save`` writes beside the transformer's config.json and weights:
+    modules.json, config_sentence_transformers.json (the prompts, "query" and "document" saved
+    empty where the model has none), sentence_bert_config.json, tokenizer_config.json (max length
+    40, padding side), Pooling, each Dense (weights scrambled, std 0.3) and Normalize."""
+    from safetensors.numpy import save_file
+
+    _, pooling, dense, prompts, default = CASES[name]
+    normalize = f"{2 + len(dense)}_Normalize"
+    modules = [("", "Transformer"), ("1_Pooling", "Pooling")]
+    modules += [*((f"{2 + i}_Dense", "Dense") for i in range(len(dense))), (normalize, "Normalize")]
+    (d / "modules.json").write_text(json.dumps(
+        [{"idx": i, "name": str(i), "path": path, "type": _ST_TYPES[kind]} for i, (path, kind) in enumerate(modules)],
+        indent=2))  # fmt: skip
+    config = {"__version__": _ST_VERSIONS, "default_prompt_name": default, "model_type": "SentenceTransformer",
+              "prompts": {"query": "", "document": "", **prompts}, "similarity_fn_name": "cosine"}  # fmt: skip
+    (d / "config_sentence_transformers.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    _json4(d / "sentence_bert_config.json", {
+        "transformer_task": "feature-extraction",
+        "modality_config": {"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
+        "module_output_name": "token_embeddings"})  # fmt: skip
+    tokenizer_config = {"backend": "tokenizers", "bos_token": BOS, "eos_token": EOS, "is_local": True,
+                        "local_files_only": False, "model_max_length": 40, "pad_token": PAD,
+                        "padding_side": "right" if name == "gemma" else "left",
+                        "tokenizer_class": "TokenizersBackend", "unk_token": UNK}  # fmt: skip
+    if name == "qwen2":  # loaded (and saved again) as transformers' Qwen2Tokenizer
+        tokenizer_config.update(add_prefix_space=None, tokenizer_class="Qwen2Tokenizer")
+    (d / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
+    _json4(d / "1_Pooling" / "config.json",
+           {"embedding_dimension": HIDDEN, "pooling_mode": pooling, "include_prompt": True})  # fmt: skip
+    rng = np.random.default_rng(1000 + seed)
     for i, (n_in, n_out) in enumerate(dense):
-        modules.append(Dense(n_in, n_out, bias=i == 0, activation_function=torch.nn.Identity()))
-    modules.append(Normalize())
-    st = SentenceTransformer(modules=modules, prompts=prompts, default_prompt_name=default, device="cpu")
-    with torch.no_grad():
-        for m in st.modules():
-            if isinstance(m, torch.nn.Linear) and not any(m is p for p in model.modules()):
-                m.weight.normal_(0.0, STD)
-    st.save(str(d))
-    shutil.rmtree(hf)
-    return d, SentenceTransformer(str(d), device="cpu")
+        folder = d / f"{2 + i}_Dense"
+        _json4(folder / "config.json", {"in_features": n_in, "out_features": n_out, "bias": i == 0,
+                                        "activation_function": "torch.nn.modules.linear.Identity", **_IO})  # fmt: skip
+        tensors = {"linear.weight": STD * rng.standard_normal((n_out, n_in))}
+        if i == 0:
+            tensors["linear.bias"] = STD * rng.standard_normal(n_out)
+        tensors = {key: t.astype(np.float32) for key, t in sorted(tensors.items())}
+        save_file(tensors, str(folder / "model.safetensors"))
+    _json4(d / normalize / "config.json", _IO)
+
+
+def st_folder(d: Path, name: str, seed: int) -> Path:
+    """``name``'s sentence-transformers folder, written by numpy: the transformer in its layout,
+    every weight random around 0 (std 0.3) but Mistral's, Llama's and Qwen2's norm scales around 1
+    (Gemma's norm multiplies by 1 + w: its scales around 0 as well), the tokenizer made here and
+    sentence-transformers' files (``st_files``)."""
+    from safetensors.numpy import load_file, save_file
+
+    write_folder(d, f"decoders_{name}", seed, std=STD)
+    if name != "gemma":
+        path = str(d / "model.safetensors")
+        tensors = load_file(path)
+        for key, t in tensors.items():
+            if "norm" in key.lower() and key.endswith("weight"):
+                tensors[key] = (t + 1.0).astype(np.float32)
+        save_file(tensors, path, metadata={"format": "pt"})
+    CASES[name][0]().save(str(d / "tokenizer.json"))
+    st_files(d, name, seed)
+    return d
+
+
+class SentenceTransformerModel:
+    """sentence-transformers' model of a folder, loaded on first use (``SentenceTransformer(folder)``):
+    only the tests that compare with it touch it (they skip without the reference extra), so the
+    module's other tests run without torch. First transformers loads the folder's transformer and
+    asserts it read every weight and none was left over (``TransformersModel``): the layout is
+    still transformers' own. Read as the model itself."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._model = None
+
+    def load(self):
+        if self._model is None:
+            pytest.importorskip("torch")
+            st = pytest.importorskip("sentence_transformers")
+            TransformersModel(self.folder).load()
+            self._model = st.SentenceTransformer(str(self.folder), device="cpu")
+        return self._model
+
+    def __getitem__(self, index: int):  # its modules: [0] the Transformer
+        return self.load()[index]
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "_model":  # copy/pickle probing a half-made instance
+            raise AttributeError(name)
+        return getattr(self.load(), name)
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    pytest.importorskip("sentence_transformers")
+    """name -> (folder, sentence-transformers' model of it, loaded when a reference test first
+    touches it). The folders are written by numpy; no torch is needed to make them."""
     root = tmp_path_factory.mktemp("decoder-folders")
-    return {name: st_save(name, root / name, seed) for seed, name in enumerate(CASES)}
+    out = {}
+    for seed, name in enumerate(CASES):
+        d = st_folder(root / name, name, seed)
+        out[name] = (d, SentenceTransformerModel(d))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +317,39 @@ def left_padded(folder: Path, rows: list[str], max_tokens: int) -> dict:
             "attention_mask": np.array([e.attention_mask for e in enc], np.int64)}  # fmt: skip
 
 
+# -- the folders ---------------------------------------------------------------------------------
+
+
+def _contents(folder: Path) -> dict[str, object]:
+    """Each file's content: JSON parsed (less the versions that wrote it), tensors as arrays."""
+    from safetensors.numpy import load_file
+
+    out: dict[str, object] = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != "README.md"):
+        if path.suffix == ".json":
+            content = json.loads(path.read_text())
+            if isinstance(content, dict):
+                content = {
+                    k: v for k, v in content.items() if k not in ("__version__", "transformers_version")
+                }
+        elif path.suffix == ".safetensors":
+            content = {k: v.tolist() for k, v in load_file(str(path)).items()}
+        else:
+            content = path.read_bytes()
+        out[str(path.relative_to(folder))] = content
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_folders_are_what_sentence_transformers_saves(name, folders, tmp_path):
+    """The folders numpy writes are sentence-transformers' own: loaded by it (every weight of the
+    transformer and of each Dense read, none left over) and saved again, every file holds what it
+    held (its model card aside), the tokenizer too (Qwen2's rebuilt by Qwen2Tokenizer)."""
+    folder, st = folders[name]
+    st.save(str(tmp_path / name))
+    assert _contents(tmp_path / name) == _contents(folder)
+
+
 # -- numerics --------------------------------------------------------------------------------------
 
 
@@ -199,7 +361,7 @@ def test_graph_matches_sentence_transformers_with_prompts(name, folders, repo):
     folder, st = folders[name]
     spec = spec_of(repo / name)
     assert st.tokenizer.padding_side == ("right" if name == "gemma" else "left")
-    for prompt_name in [None, *sorted(CASES[name][4])]:
+    for prompt_name in [None, *sorted(CASES[name][3])]:
         expected = st_encode(st, TEXTS, prompt_name)
         feeds = TextStage(spec)({"text": np.array(served_rows(spec, TEXTS, prompt_name), dtype=object)})
         assert feeds["attention_mask"].min() == 0  # mixed lengths: padded
@@ -222,19 +384,41 @@ def test_decoders_pool_the_last_real_token_of_a_left_padded_batch(name, folders,
     assert cos.min() >= MIN_COSINE, cos
 
 
-def test_gemma_is_bidirectional_with_its_window(folders, repo):
-    """EmbeddingGemma attends both ways: a word added at the END of a text changes its first
-    token's state (it would not under a causal mask). The sliding layers' window is what
+@pytest.mark.parametrize("name", ["mistral", "llama", "qwen2"])
+def test_decoders_left_padded_batch_answers_the_right_padded_vectors(name, repo):
+    """Without a reference: the graph fed a LEFT-padded batch answers what it answers for the text
+    stage's right-padded one (compared with sentence-transformers above), so last-token pooling
+    reads the last position whose mask is 1 whichever side the padding is on."""
+    spec = spec_of(repo / name)
+    rows = served_rows(spec, TEXTS, None)
+    left = left_padded(repo / name, rows, spec.params.max_tokens)
+    right = TextStage(spec)({"text": np.array(rows, dtype=object)})
+    assert left["attention_mask"][:, 0].min() == 0 and right["attention_mask"][:, -1].min() == 0
+    cos = cosines(run_graph(repo / name, left), run_graph(repo / name, right))
+    assert cos.min() >= MIN_COSINE, cos
+
+
+def test_gemma_is_bidirectional_with_its_window(folders):
+    """EmbeddingGemma's folder reads as bidirectional, its sliding layers' window what
     Gemma3TextConfig makes of the saved one (4: |q - k| < 3), covered by the rows above."""
-    _, st = folders["gemma"]
     cfg = read_folder(folders["gemma"][0]).cfg
     assert (cfg.causal, cfg.window, cfg.layer_types) == (
         False,
         3,
         ("sliding_attention",) * 2 + ("full_attention",),
     )
-    a, b = st_encode(st, ["the man is eating", "the man is eating bread"])
-    assert cosines(a[None], b[None]).max() < 0.999
+
+
+def test_gemma_reference_attends_both_ways(folders):
+    """The reference the rows above are checked against attends both ways: a word added at the END
+    of a text changes its first token's state (it would not under a causal mask)."""
+    _, st = folders["gemma"]
+    torch = pytest.importorskip("torch")
+    enc = st.tokenizer(["the man is eating", "the man is eating bread"], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        states = st[0].auto_model(**enc).last_hidden_state  # padded on the right: token 0 is <s>
+    a, b = states[0, :2].numpy(), states[1, :2].numpy()
+    assert cosines(a, b).max() < 0.999
 
 
 def test_config_records_prompts_pooling_and_dense(folders, repo):
@@ -247,7 +431,7 @@ def test_config_records_prompts_pooling_and_dense(folders, repo):
         assert list(spec.output("embedding").dims) == [dim], name
         # sentence-transformers 6 saves "query" and "document" (empty) beside the model's own prompts.
         saved = json.loads((folders[name][0] / "config_sentence_transformers.json").read_text())["prompts"]
-        assert saved.items() >= CASES[name][4].items()
+        assert saved.items() >= CASES[name][3].items()
         assert dict(p.prompts) == saved and p.default_prompt_name == default, name
     text = (repo / "gemma" / "config.pbtxt").read_text()
     assert "Dense modules after pooling (in the graph): 32->48 Identity, 48->24 Identity" in text
@@ -317,19 +501,39 @@ def _entry(path: Path) -> dict[str, bytes]:
     return {f: (path / f).read_bytes() for f in ("1/model.onnx", "tokenizer.json", "config.pbtxt")}
 
 
+def shard(folder: Path, max_bytes: int) -> None:
+    """``folder``'s model.safetensors as ``save_pretrained(max_shard_size=...)`` shards it: the
+    tensors in name order, a new shard where the next would pass ``max_bytes``, and the index
+    (model.safetensors.index.json) naming each tensor's shard."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    shards: list[dict] = [{}]
+    for key in sorted(tensors):
+        if shards[-1] and sum(t.nbytes for t in shards[-1].values()) + tensors[key].nbytes > max_bytes:
+            shards.append({})
+        shards[-1][key] = tensors[key]
+    weight_map = {}
+    for i, part in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(part, str(folder / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    index = {"metadata": {"total_parameters": sum(t.size for t in tensors.values()),
+                          "total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}  # fmt: skip
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
 def test_sharded_weights_build_the_same_model(folders, repo, tmp_path):
     """A 7B decoder ships its weights in shards named by model.safetensors.index.json
     (save_pretrained's max_shard_size): read through the index, the build is byte-identical."""
-    import transformers as t
-
     folder = tmp_path / "sharded"
     shutil.copytree(folders["mistral"][0], folder)
-    (folder / "model.safetensors").unlink()
-    model = t.AutoModel.from_pretrained(folders["mistral"][0])
-    model.save_pretrained(folder, max_shard_size="20KB")
+    shard(folder, 20_000)
     assert (
         len(list(folder.glob("model-*-of-*.safetensors"))) > 2
         and (folder / "model.safetensors.index.json").is_file()
+        and not (folder / "model.safetensors").exists()
     )
     out = prepare_model(folder, "mistral", tmp_path / "repo", log=print)
     assert _entry(out) == _entry(repo / "mistral")
@@ -354,22 +558,37 @@ def test_each_family_from_a_hub_id_in_an_offline_cache(name, folders, repo, tmp_
     assert _entry(out) == _entry(repo / name)
 
 
-def test_qwen2_is_causal_false_attends_both_ways(folders, tmp_path):
-    """gte-Qwen2's config.json says is_causal: false (its own modeling code attends both ways):
-    against transformers' Qwen2Model handed a padding-only mask for its layers, last token
-    pooled and normalised as its sentence-transformers config does."""
-    import torch
-    import transformers as t
-
+def gte_folder(folders, tmp_path: Path) -> Path:
+    """The Qwen2 folder with gte-Qwen2's is_causal: false in its config.json."""
     folder = tmp_path / "gte"
     shutil.copytree(folders["qwen2"][0], folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "is_causal": False}))
+    return folder
+
+
+def test_qwen2_is_causal_false_is_read(folders, repo, tmp_path):
+    """gte-Qwen2's config.json says is_causal: false: the folder reads as bidirectional and its
+    graph answers otherwise than the causal Qwen2's (checked against transformers below)."""
+    folder = gte_folder(folders, tmp_path)
+    assert (read_folder(folder).cfg.causal, read_folder(folders["qwen2"][0]).cfg.causal) == (False, True)
     out = prepare_model(folder, "gte", tmp_path / "repo", log=print)
+    feeds = TextStage(spec_of(out))({"text": np.array(TEXTS, dtype=object)})
+    assert cosines(run_graph(out, feeds), run_graph(repo / "qwen2", feeds)).min() < 0.99
+
+
+def test_qwen2_is_causal_false_attends_both_ways(folders, tmp_path):
+    """gte-Qwen2's config.json says is_causal: false (its own modeling code attends both ways):
+    against transformers' Qwen2Model handed a padding-only mask for its layers, last token
+    pooled and normalised as its sentence-transformers config does."""
+    model = TransformersModel(folders["qwen2"][0])
+    model.load()  # skips without the reference extra
+    import torch
+
+    out = prepare_model(gte_folder(folders, tmp_path), "gte", tmp_path / "repo", log=print)
     spec = spec_of(out)
     feeds = TextStage(spec)({"text": np.array(TEXTS, dtype=object)})
     got = run_graph(out, feeds)
-    model = t.Qwen2Model.from_pretrained(folders["qwen2"][0]).eval()
     ids, mask = torch.tensor(feeds["input_ids"]), torch.tensor(feeds["attention_mask"])
     keys = torch.where(mask[:, None, None, :].bool(), 0.0, torch.finfo(torch.float32).min)
     both_ways = keys.expand(-1, 1, ids.shape[1], -1)
