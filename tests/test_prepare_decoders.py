@@ -36,7 +36,7 @@ from batchgate.gateway.models.hf_model import PrepareError, read_folder
 from batchgate.gateway.models.prepare import prepare_model
 from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
-from tests.layouts import write_folder
+from tests.layouts import is_norm_scale, write_folder
 from tests.test_prepare_model import MIN_COSINE, TEXTS, WORDS, cosines
 from tests.tiny_models import TransformersModel
 
@@ -220,18 +220,18 @@ def st_files(d: Path, name: str, seed: int) -> None:
 
 def st_folder(d: Path, name: str, seed: int) -> Path:
     """``name``'s sentence-transformers folder, written by numpy: the transformer in its layout,
-    every weight random around 0 (std 0.3) but Mistral's, Llama's and Qwen2's norm scales around 1
-    (Gemma's norm multiplies by 1 + w: its scales around 0 as well), the tokenizer made here and
-    sentence-transformers' files (``st_files``)."""
+    every weight random around 0 (std 0.3) but the norm scales around 1 (``write_folder``; Gemma's
+    norm multiplies by 1 + w, so its scales are moved back to around 0), the tokenizer made here
+    and sentence-transformers' files (``st_files``)."""
     from safetensors.numpy import load_file, save_file
 
     write_folder(d, f"decoders_{name}", seed, std=STD)
-    if name != "gemma":
+    if name == "gemma":
         path = str(d / "model.safetensors")
         tensors = load_file(path)
         for key, t in tensors.items():
-            if "norm" in key.lower() and key.endswith("weight"):
-                tensors[key] = (t + 1.0).astype(np.float32)
+            if is_norm_scale(key):
+                tensors[key] = (t - 1.0).astype(np.float32)
         save_file(tensors, path, metadata={"format": "pt"})
     CASES[name][0]().save(str(d / "tokenizer.json"))
     st_files(d, name, seed)
