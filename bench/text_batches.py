@@ -69,7 +69,7 @@ def max_tokens(src: Path) -> int:
     return int(found.group(1)) if found else 256
 
 
-def make_repo(src: Path, dst: Path, variant: str | None) -> tuple[str, str]:
+def make_repo(src: Path, dst: Path, variant: str | None = None) -> tuple[str, str]:
     """The model as it ships (every file of its version folder, ``variant`` pinned where given),
     and a twin that does not shed at admission (the false-refusal check): their names."""
     name = model_name(src)
