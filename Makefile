@@ -9,8 +9,12 @@ BIN    := $(VENV)/bin
 # .venv, e.g. `make clean && make serve RUNTIME=gpu`.
 RUNTIME ?= cpu
 # OPENVINO=1 adds the OpenVINO engine to `make serve` (the openvino extra; a model served with
-# engine "openvino" or an openvino-* variant needs it). `make test` always installs it.
-OPENVINO ?= 0
+# engine "openvino" or an openvino-* variant needs it). `make test` always installs it. Its default
+# is 1 on a CPU that multiplies BF16 itself (AVX-512 BF16 or AMX): there OpenVINO's BF16 is the
+# fastest engine that passes the accuracy gate (docs/engines.md), and the background selection
+# can choose only what is installed.
+BF16_CPU := $(shell grep -qsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo 1)
+OPENVINO ?= $(if $(and $(BF16_CPU),$(filter cpu,$(RUNTIME))),1,0)
 comma := ,
 SERVE_EXTRAS := $(RUNTIME)$(if $(filter 1,$(OPENVINO)),$(comma)openvino)
 # One stamp per install, so `make serve` then `make test` in one checkout installs the rest, and
