@@ -38,7 +38,7 @@ from batchgate.gateway.repository import load_model
 from batchgate.gateway.text import TextStage
 from tests.layouts import is_norm_scale, write_folder
 from tests.test_prepare_model import MIN_COSINE, TEXTS, WORDS, cosines
-from tests.tiny_models import TransformersModel
+from tests.tiny_models import SentenceTransformerModel, TransformersModel
 
 HIDDEN = 32
 STD = 0.3
@@ -236,34 +236,6 @@ def st_folder(d: Path, name: str, seed: int) -> Path:
     CASES[name][0]().save(str(d / "tokenizer.json"))
     st_files(d, name, seed)
     return d
-
-
-class SentenceTransformerModel:
-    """sentence-transformers' model of a folder, loaded on first use (``SentenceTransformer(folder)``):
-    only the tests that compare with it touch it (they skip without the reference extra), so the
-    module's other tests run without torch. First transformers loads the folder's transformer and
-    asserts it read every weight and none was left over (``TransformersModel``): the layout is
-    still transformers' own. Read as the model itself."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self._model = None
-
-    def load(self):
-        if self._model is None:
-            pytest.importorskip("torch")
-            st = pytest.importorskip("sentence_transformers")
-            TransformersModel(self.folder).load()
-            self._model = st.SentenceTransformer(str(self.folder), device="cpu")
-        return self._model
-
-    def __getitem__(self, index: int):  # its modules: [0] the Transformer
-        return self.load()[index]
-
-    def __getattr__(self, name: str):
-        if name.startswith("__") or name == "_model":  # copy/pickle probing a half-made instance
-            raise AttributeError(name)
-        return getattr(self.load(), name)
 
 
 @pytest.fixture(scope="module")

@@ -194,34 +194,62 @@ def transformers_folder(
     return folder
 
 
-class TransformersModel:
-    """transformers' model of a ``transformers_folder``, loaded on first use: only the tests that
-    compare with transformers touch it (they skip where the reference extra is not installed), so
-    a module's other tests run without torch. Called and read as the model itself."""
+class LazyReference:
+    """A reference library's model of a folder, made on first use (``make``): only the tests that
+    compare with the reference touch it (they skip where the reference extra is not installed), so
+    a module's other tests run without torch. Read as the model itself."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self._model = None
 
+    def make(self):
+        raise NotImplementedError
+
     def load(self):
         if self._model is None:
-            import pytest
-
-            pytest.importorskip("torch")
-            transformers = pytest.importorskip("transformers")
-            architecture = json.loads((self.folder / "config.json").read_text())["architectures"][0]
-            model, info = getattr(transformers, architecture).from_pretrained(
-                self.folder, output_loading_info=True
-            )
-            # every weight read from the folder, none left at transformers' random init
-            assert not info["missing_keys"] and not info["unexpected_keys"], info
-            self._model = model.eval()
+            self._model = self.make()
         return self._model
-
-    def __call__(self, *args, **kwargs):
-        return self.load()(*args, **kwargs)
 
     def __getattr__(self, name: str):
         if name.startswith("__") or name == "_model":  # copy/pickle probing a half-made instance
             raise AttributeError(name)
         return getattr(self.load(), name)
+
+
+class TransformersModel(LazyReference):
+    """transformers' model of a ``transformers_folder`` (the class its config.json names), every
+    weight read from the folder and none left over. Called as the model itself."""
+
+    def make(self):
+        import pytest
+
+        pytest.importorskip("torch")
+        transformers = pytest.importorskip("transformers")
+        architecture = json.loads((self.folder / "config.json").read_text())["architectures"][0]
+        model, info = getattr(transformers, architecture).from_pretrained(
+            self.folder, output_loading_info=True
+        )
+        # every weight read from the folder, none left at transformers' random init
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
+        return model.eval()
+
+    def __call__(self, *args, **kwargs):
+        return self.load()(*args, **kwargs)
+
+
+class SentenceTransformerModel(LazyReference):
+    """sentence-transformers' model of a folder (``SentenceTransformer(folder)``), after transformers
+    has loaded the folder's transformer with every weight read and none left over
+    (``TransformersModel``): the layout is still transformers' own. Indexed as its modules."""
+
+    def make(self):
+        import pytest
+
+        pytest.importorskip("torch")
+        st = pytest.importorskip("sentence_transformers")
+        TransformersModel(self.folder).load()
+        return st.SentenceTransformer(str(self.folder), device="cpu")
+
+    def __getitem__(self, index: int):  # its modules: [0] the Transformer
+        return self.load()[index]
