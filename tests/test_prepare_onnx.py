@@ -598,17 +598,31 @@ def test_an_architecture_neither_route_covers_names_the_onnx_way(exports, tmp_pa
     assert "or provide an ONNX export (onnx/model.onnx)" in proc.stderr
 
 
-def test_dense_weights_in_pytorch_bin_are_refused_by_name(bert_dense, tmp_path):
+def test_dense_weights_in_pytorch_bin_are_read_without_torch(bert_dense, repo, tmp_path):
+    """Older sentence-transformers saved Dense with torch.save (LaBSE, distiluse-*): the same
+    weights read from pytorch_model.bin build the same graph, byte for byte; a file that is not
+    a torch.save zip archive is refused naming it."""
     folder = tmp_path / "bin"
     shutil.copytree(bert_dense[0], folder)
     dense = folder / "2_Dense"
-    # The same weights as torch.save writes them (older sentence-transformers saved Dense so).
     save_torch_file(dense / "pytorch_model.bin", load_file(str(dense / "model.safetensors")))
     (dense / "model.safetensors").unlink()
-    with pytest.raises(
-        PrepareError, match=r"2_Dense/model.safetensors is missing \(pytorch_model.bin is not read"
-    ):
-        prepare_model(folder, "x", tmp_path / "repo", log=print)
+    prepare_model(folder, "bert_dense", tmp_path / "repo", log=print)
+    built = (tmp_path / "repo" / "bert_dense" / "1" / "model.onnx").read_bytes()
+    assert built == (repo / "bert_dense" / "1" / "model.onnx").read_bytes()
+    (dense / "pytorch_model.bin").write_bytes(b"\x80\x02legacy torch.save, before torch 1.6")
+    with pytest.raises(PrepareError, match=r"2_Dense/pytorch_model.bin is not a torch.save zip archive"):
+        prepare_model(folder, "x", tmp_path / "repo2", log=print)
+    (dense / "pytorch_model.bin").unlink()
+    with pytest.raises(PrepareError, match=r"2_Dense/model.safetensors is missing"):
+        prepare_model(folder, "x", tmp_path / "repo3", log=print)
+    # a Hub download fetches a Dense module's pytorch_model.bin, and not the model's own
+    from fnmatch import fnmatch
+
+    from batchgate.gateway.models.sources import ALLOW_PATTERNS
+
+    assert any(fnmatch("2_Dense/pytorch_model.bin", p) for p in ALLOW_PATTERNS)
+    assert not any(fnmatch("pytorch_model.bin", p) for p in ALLOW_PATTERNS)
 
 
 def test_dense_that_does_not_chain_is_refused(bert_dense, tmp_path):

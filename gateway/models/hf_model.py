@@ -284,11 +284,20 @@ def _dense(folder: Path, in_features: int) -> Dense:
             f"has {in_features}"
         )
     weights_file = folder / "model.safetensors"
-    if not weights_file.is_file():
-        bins = sorted(p.name for p in folder.glob("*.bin"))
-        hint = f" ({bins[0]} is not read: it needs PyTorch; save the model with safetensors)" if bins else ""
-        raise PrepareError(f"{weights_file} is missing{hint}")
-    weights = _read_safetensors(weights_file)
+    if weights_file.is_file():
+        weights = _read_safetensors(weights_file)
+    elif (folder / "pytorch_model.bin").is_file():
+        # Older sentence-transformers saved Dense with torch.save (LaBSE, distiluse-*): read as
+        # BGE-M3's heads are, by torch_file.py's allow-list reader, without PyTorch or unpickling.
+        from batchgate.gateway.models.torch_file import TorchFileError, read_state_dict
+
+        weights_file = folder / "pytorch_model.bin"
+        try:
+            weights = read_state_dict(weights_file)
+        except TorchFileError as exc:
+            raise PrepareError(f"{exc}; save the Dense module with safetensors") from None
+    else:
+        raise PrepareError(f"{weights_file} is missing (and no pytorch_model.bin beside it)")
     weight, bias = weights.get("linear.weight"), weights.get("linear.bias")
     out = cfg.get("out_features")
     if weight is None or weight.shape != (out, in_features):

@@ -38,9 +38,11 @@ ALLOW_PATTERNS = (
     "model.onnx_data",
     "onnx/model.onnx",
     "onnx/model.onnx_data",
-    # BGE-M3's ColBERT and sparse heads (torch.save files, read without torch: torch_file.py)
+    # BGE-M3's ColBERT and sparse heads, and a Dense module saved by older sentence-transformers
+    # (torch.save files, read without torch: torch_file.py)
     "colbert_linear.pt",
     "sparse_linear.pt",
+    "*_Dense/pytorch_model.bin",
 )
 # huggingface_hub's repo ID rule, narrowed to ORG/NAME: a bare NAME is a local path's typo
 # far more often than one of the few legacy un-namespaced repos.
