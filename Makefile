@@ -13,7 +13,8 @@ RUNTIME ?= cpu
 # is 1 on a CPU that multiplies BF16 itself (AVX-512 BF16 or AMX): there OpenVINO's BF16 is the
 # fastest engine that passes the accuracy gate (docs/engines.md), and the background selection
 # can choose only what is installed.
-BF16_CPU := $(shell grep -qsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo 1)
+CPUINFO ?= /proc/cpuinfo
+BF16_CPU := $(shell grep -qsE 'avx512_bf16|amx_bf16' $(CPUINFO) && echo 1)
 OPENVINO ?= $(if $(and $(BF16_CPU),$(filter cpu,$(RUNTIME))),1,0)
 comma := ,
 SERVE_EXTRAS := $(RUNTIME)$(if $(filter 1,$(OPENVINO)),$(comma)openvino)

@@ -56,6 +56,10 @@ def _make(checkout: Path, *targets: str, env_extra: dict | None = None) -> list[
     env = {k: v for k, v in os.environ.items() if k not in outer | {"PYTHONDONTWRITEBYTECODE"}}
     env.update(env_extra or {})
     env = {**env, "CALLS": str(calls), "PATH": f"{checkout / 'path'}{os.pathsep}{os.environ['PATH']}"}
+    # The CPU the Makefile reads (its OpenVINO default): one without BF16 unless a test names one.
+    if "CPUINFO" not in env:
+        (checkout / "cpuinfo").write_text("flags\t\t: fpu sse4_2 avx2 avx512f avx512_vnni\n")
+        env["CPUINFO"] = str(checkout / "cpuinfo")
     out = subprocess.run(
         ["make", "--no-print-directory", *targets, "QUICK_BENCH=0"], cwd=checkout, env=env,
         capture_output=True, text=True, timeout=60,
@@ -98,6 +102,28 @@ def test_test_first_leaves_nothing_for_serve(checkout):
         "python -m pip install --no-compile -e .[cpu,test,reference]"
     ]
     assert _installs(_make(checkout, "serve")) == []
+
+
+@pytest.mark.parametrize("flag", ["avx512_bf16", "amx_bf16"])
+def test_serve_adds_openvino_where_the_cpu_multiplies_bf16(checkout, flag):
+    """There OpenVINO's BF16 is the fastest engine that passes the gate, and the background
+    selection chooses only among what is installed; OPENVINO=0 leaves it out, a GPU build never
+    has it by default."""
+    cpu = checkout / "cpuinfo-bf16"
+    cpu.write_text(f"flags\t\t: fpu avx2 avx512f {flag} avx512_vnni\n")
+    env = {"CPUINFO": str(cpu)}
+    assert _installs(_make(checkout, "serve", env_extra=env)) == [
+        "python -m pip install --no-compile -e .[cpu,openvino]"
+    ]
+    assert _installs(_make(checkout, "serve", env_extra=env)) == []
+    assert _installs(_make(checkout, "serve", "OPENVINO=0", env_extra=env)) == [
+        "python -m pip install --no-compile -e .[cpu]"
+    ]
+    (checkout / ".venv" / ".installed-cpu").unlink()
+    (checkout / ".venv" / ".installed-cpu-openvino").unlink()
+    assert _installs(_make(checkout, "serve", "RUNTIME=gpu", env_extra=env)) == [
+        "python -m pip install --no-compile -e .[gpu]"
+    ]
 
 
 def test_a_changed_pyproject_installs_again(checkout):
