@@ -1,4 +1,4 @@
-"""The gateway's CPU per text, by thread, at 64 callers x 1 text (KServe gRPC, minilm, the
+"""The gateway's CPU per text, by thread, at 64 callers x 1 text (or --callers x --per-call; KServe gRPC, minilm, the
 text-batches texts), against the engine alone on the batches the scheduler forms.
 
 The server is pinned to one core (``--server-core``), this load generator to the other. Per
@@ -110,7 +110,7 @@ def serve_window(label: str, pkg: Path, repo: Path, args, all_texts) -> dict:
     pid = server.proc.pid
     try:
         server.ready(180)
-        asyncio.run(load(url, "minilm", all_texts, args.callers, 1, args.cls, args.warmup))
+        asyncio.run(load(url, "minilm", all_texts, args.callers, args.per_call, args.cls, args.warmup))
         names = {}
         for tid in os.listdir(f"/proc/{pid}/task"):
             names[int(tid)] = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
@@ -125,7 +125,7 @@ def serve_window(label: str, pkg: Path, repo: Path, args, all_texts) -> dict:
             time.sleep(1.0)  # while it attaches
         lc0 = asyncio.run(read_loop_counts(pid, counts)) if counts else None
         th0 = thread_cpu(pid)
-        r = asyncio.run(load(url, "minilm", all_texts, args.callers, 1, args.cls, args.seconds))
+        r = asyncio.run(load(url, "minilm", all_texts, args.callers, args.per_call, args.cls, args.seconds))
         th1 = thread_cpu(pid)
         if lc0 is not None:
             lc1 = asyncio.run(read_loop_counts(pid, counts))
@@ -202,6 +202,9 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=15.0)
     p.add_argument("--warmup", type=float, default=4.0)
     p.add_argument("--callers", type=int, default=64)
+    p.add_argument(
+        "--per-call", type=int, default=1, help="texts per call (4 callers x 32: --callers 4 --per-call 32)"
+    )
     p.add_argument("--server-core", type=int, default=0)
     p.add_argument("--load-core", type=int, default=1)
     p.add_argument("--model-dir", type=Path, default=ROOT / "model_repository" / "minilm")
@@ -223,7 +226,7 @@ def main() -> int:
     try:
         for _ in range(args.rounds):
             os.sched_setaffinity(0, {args.server_core})
-            alone.append(engine_alone(args.model_dir, all_texts, args.callers, 2))
+            alone.append(engine_alone(args.model_dir, all_texts, args.callers * args.per_call, 2))
             os.sched_setaffinity(0, {args.load_core})
             for label, pkg in pkgs:
                 r = serve_window(label, pkg, repo, args, all_texts)
@@ -236,10 +239,10 @@ def main() -> int:
             if str(pkg) != ".":  # a copy made by pkg_root
                 shutil.rmtree(pkg, ignore_errors=True)
     a = float(np.median(alone))
-    print(f"ONNX Runtime FP32 alone on the batches of {args.callers} outstanding, core {args.server_core}: "
+    print(f"ONNX Runtime FP32 alone on the batches of {args.callers * args.per_call} outstanding, core {args.server_core}: "
           f"{a * 1e3:.2f} ms CPU a text ({', '.join(f'{x * 1e3:.2f}' for x in alone)}): {1 / a:.1f} texts per CPU-s")  # fmt: skip
     roles = sorted({g for rs in results.values() for r in rs for g in r["groups"]})
-    print(f"\nms of server CPU per answered text, {args.callers} x 1, each round:")
+    print(f"\nms of server CPU per answered text, {args.callers} x {args.per_call}, each round:")
     head = f"{'thread role':<34}" + "".join(f"{label:>22}" for label, _ in pkgs)
     print(head)
     for g in roles + ["all threads"]:
