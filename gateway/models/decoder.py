@@ -31,12 +31,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import TensorProto
 
-from batchgate.gateway.models.encoder import MASK_PENALTY, Head, _Graph, finish_head, key_padding_bias
+from batchgate.gateway.models.encoder import Head, _Graph, finish_head, key_padding_bias
 from batchgate.gateway.models.heads import classify
 from batchgate.gateway.models.onnx_graph import GraphBuilder, attend
-from batchgate.gateway.models.rotary import linear, positions, rms_norm
+from batchgate.gateway.models.rotary import blocked_bias, linear, positions, rms_norm
 
 PREFIXES = ("", "model.")
 WORD = "embed_tokens.weight"
@@ -274,16 +273,7 @@ def _mask_bias(
         limit = g.const(f"{name}.window", np.array(float(window), np.float32))
         outside = g.op("GreaterOrEqual", [far, limit], f"{name}.outside")
         blocked = outside if blocked is None else g.op("Or", [blocked, outside], f"{name}.blocked")
-    penalty = g.op(
-        "Mul",
-        [g.op("Cast", [blocked], f"{name}.blocked_f", to=TensorProto.FLOAT),
-         g.const(f"{name}.penalty", np.array(MASK_PENALTY, np.float32))],
-        f"{name}.penalty_f",
-    )  # fmt: skip
-    penalty = g.op(
-        "Unsqueeze", [penalty, g.const(f"{name}.head_axis", np.array([1], np.int64))], f"{name}.bias4d"
-    )
-    return g.op("Add", [penalty, key_bias], name)
+    return blocked_bias(g, name, blocked, key_bias)
 
 
 def _heads(g: GraphBuilder, name: str, x: str, count: int, cfg: DecoderConfig) -> str:

@@ -108,6 +108,11 @@ def position_bias(g: GraphBuilder, name: str, pos: str, key_bias: str, *, window
     else:
         limit = g.const(f"{name}.window", np.array(float(window), np.float32))
         blocked = g.op("Greater", [g.op("Abs", [dist], f"{name}.abs"), limit], f"{name}.far")
+    return blocked_bias(g, name, blocked, key_bias)
+
+
+def blocked_bias(g: GraphBuilder, name: str, blocked: str, key_bias: str) -> str:
+    """[batch, 1, seq, seq]: ``key_bias`` plus MASK_PENALTY where ``blocked`` [batch, seq, seq] is true."""
     penalty = g.op(
         "Mul",
         [g.op("Cast", [blocked], f"{name}.blocked_f", to=TensorProto.FLOAT),
