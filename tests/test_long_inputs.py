@@ -124,6 +124,19 @@ def test_chunk_and_pool_is_the_token_weighted_mean_of_the_chunks(base, tok, mode
     )
 
 
+def span_means(joined: str, chunks: list[str], enc, hidden: np.ndarray) -> list[np.ndarray]:
+    """Each chunk's tokens (by the encoding's offsets into ``joined``, special tokens left out) of
+    ``hidden`` mean-pooled and normalised: late chunking's vector per span."""
+    want, at = [], 0
+    for c in chunks:
+        start = joined.index(c, at)
+        span = [k for k, (a, b) in enumerate(enc.offsets) if not enc.special_tokens_mask[k] and a >= start and b <= start + len(c) and b > a]  # fmt: skip
+        v = hidden[span[0] : span[-1] + 1].mean(0)
+        want.append(v / np.linalg.norm(v))
+        at = start + len(c)
+    return want
+
+
 @pytest.mark.parametrize("model", ["tok", "minilm"])  # minilm: its token output, given on request
 def test_late_chunking_pools_each_chunk_from_one_pass(base, tok, model):
     chunks = ["The river rose after three days of rain.", "It flooded the low villages downstream.",
@@ -133,13 +146,7 @@ def test_late_chunking_pools_each_chunk_from_one_pass(base, tok, model):
     assert status == 200, tokens
     hidden = np.array(tokens[0], dtype=np.float64)  # the pass's token vectors, [CLS] first
     enc = tok.encode(joined)
-    want, at = [], 0
-    for c in chunks:
-        start = joined.index(c, at)
-        span = [k for k, (a, b) in enumerate(enc.offsets) if not enc.special_tokens_mask[k] and a >= start and b <= start + len(c) and b > a]  # fmt: skip
-        v = hidden[span[0] : span[-1] + 1].mean(0)
-        want.append(v / np.linalg.norm(v))
-        at = start + len(c)
+    want = span_means(joined, chunks, enc, hidden)
     got = embed(base, model, chunks, late_chunking=True)
     for g, w in zip(got, want, strict=True):
         assert cosine(g, w) >= 0.999999
@@ -162,13 +169,7 @@ def test_late_chunking_equals_transformers_last_hidden_state_pooled_per_span(bas
     with torch.no_grad():
         hidden = model(input_ids=torch.tensor([enc.ids]), token_type_ids=torch.tensor([enc.type_ids]),
                        attention_mask=torch.tensor([enc.attention_mask])).last_hidden_state[0].double().numpy()  # fmt: skip
-    want, at = [], 0
-    for c in chunks:
-        start = joined.index(c, at)
-        span = [k for k, (a, b) in enumerate(enc.offsets) if not enc.special_tokens_mask[k] and a >= start and b <= start + len(c) and b > a]  # fmt: skip
-        v = hidden[span[0] : span[-1] + 1].mean(0)
-        want.append(v / np.linalg.norm(v))
-        at = start + len(c)
+    want = span_means(joined, chunks, enc, hidden)
     got = embed(base, "tok", chunks, late_chunking=True)
     for g, w in zip(got, want, strict=True):
         assert cosine(g, w) >= 0.999999
