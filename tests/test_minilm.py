@@ -148,9 +148,9 @@ UNRELATED = [
 # -- fixtures -------------------------------------------------------------------------------------
 
 
-def _variant(repo: Path, name: str, **params: str | None) -> Path:
-    """Another model directory on minilm's files, with config parameters replaced (None: removed)."""
-    src = repo / MODEL_NAME
+def model_twin(repo: Path, src: Path, name: str, extra: str = "", **params: str | None) -> Path:
+    """Model ``name`` in ``repo`` on ``src``'s files (its model linked, its tokenizer copied): one
+    worker, config parameters ``params`` replaced (None: removed), ``extra`` appended."""
     d = repo / name
     (d / "1").mkdir(parents=True)
     (d / "1" / "model.onnx").symlink_to(src / "1" / "model.onnx")
@@ -170,8 +170,13 @@ def _variant(repo: Path, name: str, **params: str | None) -> Path:
         for k, v in params.items()
         if v is not None
     ]
-    (d / "config.pbtxt").write_text("\n".join(lines) + "\n")
+    (d / "config.pbtxt").write_text("\n".join(lines) + "\n" + extra)
     return d
+
+
+def _variant(repo: Path, name: str, **params: str | None) -> Path:
+    """Another model directory on minilm's files, with config parameters replaced (None: removed)."""
+    return model_twin(repo, repo / MODEL_NAME, name, **params)
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ from batchgate.gateway.scheduling import Scheduler
 from batchgate.gateway.scheduling.fifo import FifoQueue
 from batchgate.gateway.text import TextStage
 from batchgate.workers import EngineOptions, WorkerPool, discover
+from tests.test_minilm import model_twin
 
 MIN_COSINE = 0.9999
 TEXTS = [
@@ -44,21 +45,7 @@ TEXTS = [
 def _copy(repo: Path, src: Path, name: str, extra: str = "", drop: tuple[str, ...] = ()) -> Path:
     """A model directory on ``src``'s files named ``name``: one worker, ``extra`` appended to its
     config, the parameters ``drop`` removed."""
-    d = repo / name
-    (d / "1").mkdir(parents=True)
-    (d / "1" / "model.onnx").symlink_to(src / "1" / "model.onnx")
-    shutil.copy(src / "tokenizer.json", d / "tokenizer.json")
-    lines = []
-    for line in (src / "config.pbtxt").read_text().splitlines():
-        if line.startswith("name:"):
-            line = f'name: "{name}"'
-        if line.strip().startswith("count:"):
-            line = "    count: 1"
-        if line.startswith("parameters") and line.split('"')[1] in drop:
-            continue
-        lines.append(line)
-    (d / "config.pbtxt").write_text("\n".join(lines) + "\n" + extra)
-    return d
+    return model_twin(repo, src, name, extra, **dict.fromkeys(drop))
 
 
 @pytest.fixture(scope="module")
