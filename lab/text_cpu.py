@@ -40,12 +40,12 @@ import numpy as np
 
 from batchgate.bench.loadgen import Started, free_ports, thread_cpu
 from lab.profile import _pyspy, read_loop_counts
+from lab.text_ceiling import BUCKETS, scheduler_batches
 from batchgate.bench.text_batches import load, make_repo, padded_feeds, texts
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pbg
 
 ROOT = Path(__file__).resolve().parent.parent
-BUCKETS = (16, 24, 32, 48, 64, 96, 128, 192, 256)  # minilm's length_buckets
 
 
 def pkg_root(tree: Path) -> Path:
@@ -179,17 +179,13 @@ def engine_alone(model_dir: Path, all_texts: list[str], k: int, rounds: int) -> 
     spent, rows = 0.0, 0
     for _ in range(rounds):
         order = rng.sample(range(len(enc)), len(enc))
-        for start in range(0, len(order), k):
-            groups: dict[int, list] = {}
-            for i in order[start : start + k]:
-                groups.setdefault(next(b for b in BUCKETS if lengths[i] <= b), []).append(enc[i])
-            for g in groups.values():
-                f = padded_feeds(g, names)
-                session.run(None, f)  # a new shape's first run is not the steady state
-                t0 = time.thread_time()
-                session.run(None, f)
-                spent += time.thread_time() - t0
-                rows += len(g)
+        for batch in scheduler_batches(order, k, lengths):
+            f = padded_feeds([enc[i] for i in batch], names)
+            session.run(None, f)  # a new shape's first run is not the steady state
+            t0 = time.thread_time()
+            session.run(None, f)
+            spent += time.thread_time() - t0
+            rows += len(batch)
     return spent / rows
 
 
