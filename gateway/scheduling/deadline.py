@@ -131,8 +131,12 @@ class DeadlineQueue:
         return min(self.margin_s, self.MARGIN_SHARE * budget_s)
 
     def due(self, r: Request) -> float:
-        """The deadline the scheduler works to: the request's, less the fixed margin."""
-        return r.deadline - self._fixed_margin(r.deadline - r.arrival)
+        """The deadline the scheduler works to: the request's, less the fixed margin (kept on the
+        request: its deadline is set before it is queued and never moves after)."""
+        due = r.due
+        if due is None:
+            due = r.due = r.deadline - self._fixed_margin(r.deadline - r.arrival)
+        return due
 
     def lag_margin(self) -> float:
         """The loop's lag, paid on the way in and again on the way out: its high quantile, for
@@ -154,6 +158,7 @@ class DeadlineQueue:
             for req in reqs:
                 req.cls = self.default_class
                 req.deadline = min(req.deadline, req.arrival + req.cls.budget_s)
+                req.due = None
         cls = first.cls.name
         bound = first.cls.max_queue
         n = len(reqs)
@@ -203,22 +208,30 @@ class DeadlineQueue:
         first = reqs[0]
         if first.cls is None or first.deadline == math.inf:
             return None
-        if (alone := self._hopeless(reqs, now)) is not None:
-            return alone
-        if not self.latency.confident_model():
-            return None  # no estimate worth refusing work on yet: admit, the queue still expires it
         # Its requests run one after another on one slot at worst: their expected times add up.
         # A request of a bucket with work queued joins one of its batches and adds its rows' share
         # only (a 32-text call's six parts charged six batches of their own came out at twice its
         # real time). A bucket that has not run enough yet counts no compute of its own (never
         # over-refuse).
+        # One pass also finds a hopeless call: one of its requests would end past its due time
+        # even alone on an idle worker (its bucket's high estimate and the loop's expected lag),
+        # which ``take_expired`` would drop the moment the batcher looks. Refused here with no
+        # retry hint, so an impossible budget is told the same way on every route and under any
+        # load, before the model is confident as after, instead of being queued only to be
+        # dropped before compute (or, by the probe, let through).
         latency = self.latency
+        lag = self.lag_expected()
         own = spread = 0.0
         for r in reqs:
             if latency.confident(r.key):
+                hi = latency.estimate_hi(r.key, r.rows)
+                if now > self.due(r) - hi - lag:
+                    return Refusal(0.0, hi, 0.0, alone=True)
                 own += self._own_s(r)
-                spread = max(spread, latency.estimate_hi(r.key, r.rows) - latency.estimate(r.key, r.rows))
-        left = self.due(first) - now - self.lag_expected()
+                spread = max(spread, hi - latency.estimate(r.key, r.rows))
+        if not self.latency.confident_model():
+            return None  # no estimate worth refusing work on yet: admit, the queue still expires it
+        left = self.due(first) - now - lag
         per_slot = max(slots, 1)
         # Most calls are far from their deadline: a bound on the work ahead that costs a lookup
         # per bucket (every queued request a batch of its own) admits them without the exact
@@ -246,21 +259,6 @@ class DeadlineQueue:
                 self._probe_at = now
                 return None
         return Refusal(wait, own, max(wait, 0.001))
-
-    def _hopeless(self, reqs: list[Request], now: float) -> Refusal | None:
-        """A call one of whose requests ``take_expired`` would drop the moment the batcher looks,
-        by its own test: even alone on an idle worker it would end past its due time (its
-        bucket's high estimate and the loop's expected lag). Refused here, with no retry hint, so
-        an impossible budget is told the same way on every route and under any load, instead of
-        being queued only to be dropped before compute (or, by the probe, let through)."""
-        lag = self.lag_expected()
-        latency = self.latency
-        for r in reqs:
-            if latency.confident(r.key):
-                est = latency.estimate_hi(r.key, r.rows)
-                if now > self.due(r) - est - lag:
-                    return Refusal(0.0, est, 0.0, alone=True)
-        return None
 
     # Admission predictions checked against the calls' real times: enough samples before the
     # ratio moves the decision, and then the lowest of the last RATIO_WINDOW ratios. A refusal is

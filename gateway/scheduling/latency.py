@@ -70,9 +70,22 @@ class _Fit:
         return mean_y * 0.5, (mean_y * 0.5) / max(mean_x, 1.0)
 
 
-def _size_class(rows: int) -> int:
-    """Batch sizes grouped by powers of two: 1, 2, 3-4, 5-8, ..."""
-    return 1 << max(rows - 1, 0).bit_length()
+class _SizeClasses(dict):
+    """Batch sizes grouped by powers of two: ``SIZE_CLASS[rows]`` is 1, 2, 4 (3-4), 8 (5-8), ...
+    A dict filled on first use: the lookup runs several times per call on the event loop, and a
+    hit costs no Python frame (as a function it was a third of the latency model's calls per
+    KServe call, docs/benchmarks.md "Per-call cost"). Sizes past MEMO are computed, not kept."""
+
+    MEMO = 4096
+
+    def __missing__(self, rows: int) -> int:
+        c = 1 << max(rows - 1, 0).bit_length()
+        if 0 <= rows <= self.MEMO:
+            self[rows] = c
+        return c
+
+
+SIZE_CLASS = _SizeClasses()
 
 
 class LatencyModel:
@@ -134,7 +147,7 @@ class LatencyModel:
         fit.add(rows, seconds, self.decay)
         if not first:  # a bucket's first run pays one-off set-up; keep it out of the shared fit
             self._any.add(rows, seconds, self.decay)
-            c = _size_class(rows)
+            c = SIZE_CLASS[rows]
             size = self._sizes.get((key, c))
             if size is None:
                 self._sizes[(key, c)] = [seconds, 1, 0.0, float(rows), fit.batches]
@@ -156,7 +169,7 @@ class LatencyModel:
 
     def estimate(self, key: Hashable, rows: int) -> float:
         """Seconds one batch of ``rows`` rows of bucket ``key`` is expected to take."""
-        size = self._sizes.get((key, _size_class(rows)))
+        size = self._sizes.get((key, SIZE_CLASS[rows]))
         if size is not None and size[1] >= 2:
             return size[0]
         fit = self._fits.get(key)
@@ -170,7 +183,7 @@ class LatencyModel:
     def estimate_hi(self, key: Hashable, rows: int) -> float:
         """A high estimate (about p95) of one batch's time: the EWMA plus twice its deviation (the
         plain estimate for sizes not seen yet)."""
-        size = self._sizes.get((key, _size_class(rows)))
+        size = self._sizes.get((key, SIZE_CLASS[rows]))
         if size is not None and size[1] >= 2:
             return size[0] + 2.0 * size[2]
         return self.estimate(key, rows)
@@ -237,12 +250,12 @@ class LatencyModel:
 
     def _noise(self, key: Hashable, rows: int) -> float:
         """Mean deviation of a size class's batch times, relative to their mean."""
-        size = self._sizes.get((key, _size_class(rows)))
+        size = self._sizes.get((key, SIZE_CLASS[rows]))
         return size[2] / size[0] if size is not None and size[0] > 0 else 1.0
 
     def _rate(self, fit: _Fit, key: Hashable, rows: int) -> float | None:
         """Measured rows/s of bucket ``key``'s batches in ``rows``' size class, if seen lately."""
-        size = self._sizes.get((key, _size_class(rows)))
+        size = self._sizes.get((key, SIZE_CLASS[rows]))
         if size is None or size[1] < self.MEASURED or fit.batches - size[4] > self.STALE or size[0] <= 0:
             return None
         return size[3] / size[0]

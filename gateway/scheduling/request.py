@@ -209,7 +209,7 @@ class Request:
 
     __slots__ = (
         "inputs", "rows", "key", "arrival", "future", "deadline", "cls", "level", "queue_deadline", "delay", "call",
-        "trace", "compute_s", "outputs",
+        "trace", "compute_s", "outputs", "due",
     )  # fmt: skip
 
     def __init__(
@@ -243,6 +243,9 @@ class Request:
         # The outputs the call reads, when not the model's defaults (None): a batch fetches the
         # union of its requests', so an output computed on request is copied only when asked for.
         self.outputs: tuple[str, ...] | None = None
+        # The deadline the queue works to (DeadlineQueue.due), kept once computed: the queue asks
+        # for it several times per call and per batch.
+        self.due: float | None = None
 
     @property
     def class_name(self) -> str:
