@@ -571,6 +571,22 @@ def self_cpu() -> float:
 
 # -- servers started for a run ------------------------------------------------------------------
 
+# The interpreter of a started server. ``-P``: its ``batchgate`` comes from PYTHONPATH or the
+# install, never from its working directory: a checkout's root (the cwd below) holds a
+# ``batchgate`` folder, which ``python -m`` would otherwise import first, serving this tree where a
+# before/after run put another on PYTHONPATH.
+PYTHON = [sys.executable, "-P"]
+
+
+def served_from() -> Path:
+    """The folder the servers started now would import ``batchgate.gateway`` from (same
+    interpreter flags, environment and working directory): what a before/after run checks."""
+    out = subprocess.run(
+        [*PYTHON, "-c", "import batchgate.gateway as g; print(g.__file__)"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return Path(out.stdout.strip()).resolve().parent
+
 
 def free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
@@ -622,7 +638,7 @@ class Started:
 def start_batchgate(*extra: str) -> Started:
     grpc_port, http_port = free_ports(2)
     cmd = [
-        sys.executable, "-m", "batchgate", "serve", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
+        *PYTHON, "-m", "batchgate", "serve", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
         "--http-port", str(http_port), "--log-level", "WARNING", *extra,
     ]  # fmt: skip
     return Started("batchgate", cmd, f"127.0.0.1:{grpc_port}", f"127.0.0.1:{http_port}")
@@ -645,5 +661,5 @@ def start_target(target: str, *serve_args: str) -> Started:
 def start_noop(kind: str = "noop") -> Started:
     """bench/noop_server.py of one of its ``NOOPS`` kinds."""
     (port,) = free_ports(1)
-    cmd = [sys.executable, "-m", "batchgate.bench.noop_server", str(port), *NOOPS[kind]]
+    cmd = [*PYTHON, "-m", "batchgate.bench.noop_server", str(port), *NOOPS[kind]]
     return Started(kind, cmd, f"127.0.0.1:{port}")

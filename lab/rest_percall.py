@@ -16,11 +16,12 @@ import argparse
 import asyncio
 import json
 import os
+from pathlib import Path
 
 import aiohttp
 import numpy as np
 
-from batchgate.bench.loadgen import process_cpu, start_batchgate
+from batchgate.bench.loadgen import process_cpu, served_from, start_batchgate
 
 CONCURRENCY = 8
 RANKER = {
@@ -53,6 +54,13 @@ def measure(tree: str, calls: int) -> dict[str, float]:
     if tree:
         os.environ["PYTHONPATH"] = tree
     try:
+        want = (
+            Path(tree, "batchgate", "gateway").resolve()
+            if tree
+            else Path(__file__).resolve().parents[1] / "gateway"
+        )
+        if served_from() != want:
+            raise SystemExit(f"a server started now would import {served_from()}, not {want}")
         server = start_batchgate()
     finally:
         if tree:

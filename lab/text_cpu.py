@@ -38,7 +38,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from batchgate.bench.loadgen import Started, free_ports, thread_cpu
+from batchgate.bench.loadgen import PYTHON, Started, free_ports, served_from, thread_cpu
 from lab.profile import _pyspy, read_loop_counts
 from lab.text_ceiling import BUCKETS, scheduler_batches
 from batchgate.bench.text_batches import load, make_repo, padded_feeds, texts
@@ -59,6 +59,15 @@ def pkg_root(tree: Path) -> Path:
     for name in ("bench", "cache", "client", "gateway", "proto", "workers"):
         (pkg / name).symlink_to(tree / name)
     return root
+
+
+def check_tree(pkg: Path) -> None:
+    """Fails unless a server started now imports its code from ``pkg`` (``pkg_root``'s answer,
+    "." for this tree, already on PYTHONPATH)."""
+    want = (ROOT / "gateway" if str(pkg) == "." else pkg / "batchgate" / "gateway").resolve()
+    got = served_from()
+    if got != want:
+        raise SystemExit(f"a server started now would import {got}, not {want}")
 
 
 def role(tid: int, pid: int, comm: str) -> str:
@@ -99,7 +108,8 @@ def serve_window(label: str, pkg: Path, repo: Path, args, all_texts) -> dict:
         os.close(fd)
         os.unlink(counts)
     wrap = ["-m", "lab.loopcount", counts] if counts else []
-    cmd = ["taskset", "-c", str(args.server_core), sys.executable, *wrap, "-m", "batchgate", "serve",
+    check_tree(pkg)
+    cmd = ["taskset", "-c", str(args.server_core), *PYTHON, *wrap, "-m", "batchgate", "serve",
            "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
            "--model-repository", str(repo), "--no-build-models", "--log-level", "WARNING"]  # fmt: skip
     server = Started("batchgate", cmd, url)
