@@ -70,6 +70,22 @@ def check_tree(pkg: Path) -> None:
         raise SystemExit(f"a server started now would import {got}, not {want}")
 
 
+def own_repo(pkg: Path, repo: Path, model_dir: Path) -> Path:
+    """``repo`` holding the model ``pkg``'s code serves: ``model_dir`` for this tree or a model
+    of one's own, and for another tree the minilm its own ``prepare-minilm`` builds (an older
+    tree refuses a config parameter it does not know, and its minilm is what it shipped)."""
+    repo.mkdir(parents=True)
+    if str(pkg) == "." or model_dir.resolve() != (ROOT / "model_repository" / "minilm").resolve():
+        make_repo(model_dir, repo)
+        return repo
+    built = repo.with_name(repo.name + "-built")  # beside, not inside: the server reads every folder of repo
+    env = {**os.environ, "PYTHONPATH": str(pkg)}
+    subprocess.run([*PYTHON, "-m", "batchgate", "prepare-minilm", "--out", str(built)], env=env, cwd=ROOT,
+                   check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+    make_repo(built / "minilm", repo)
+    return repo
+
+
 def role(tid: int, pid: int, comm: str) -> str:
     if tid == pid:
         return "event loop (main thread)"
@@ -225,7 +241,7 @@ def main() -> int:
     pkgs = [(label, pkg_root(Path(d))) for label, d in trees]
     all_texts = texts()
     repo = Path(tempfile.mkdtemp(prefix="text-cpu-"))
-    make_repo(args.model_dir, repo)
+    repos = {label: own_repo(pkg, repo / label, args.model_dir) for label, pkg in pkgs}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results: dict[str, list[dict]] = defaultdict(list)
     alone = []
@@ -235,7 +251,7 @@ def main() -> int:
             alone.append(engine_alone(args.model_dir, all_texts, args.callers * args.per_call, 2))
             os.sched_setaffinity(0, {args.load_core})
             for label, pkg in pkgs:
-                r = serve_window(label, pkg, repo, args, all_texts)
+                r = serve_window(label, pkg, repos[label], args, all_texts)
                 results[label].append(r)
                 print(f"[{label}] {r['texts_per_s']:.1f} texts/s, {r['rows_per_batch']:.1f} rows/batch, "
                       f"refused {r['refused'] or 0}", file=sys.stderr, flush=True)  # fmt: skip
