@@ -5,9 +5,9 @@ answered: robust on a shared machine, where calls/s are not.
 
     .venv/bin/python -m lab.rest_percall --before /tmp/before [--calls 2000] [--rounds 2]
 
-``--before DIR``: a folder holding the other tree as ``DIR/batchgate`` (e.g. ``git archive REF |
-tar -x -C DIR/batchgate``, with ``model_repository/minilm`` linked in); its server runs with
-``PYTHONPATH=DIR``, which finds that ``batchgate`` before this tree's editable install.
+``--before DIR``: a checkout of the other tree, or a ``git archive REF`` of one, served from its
+own folders as ``lab.text_cpu --tree`` does (``PYTHONPATH``, checked); each tree serves the
+models it builds itself.
 """
 
 from __future__ import annotations
@@ -16,12 +16,16 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import aiohttp
 import numpy as np
 
-from batchgate.bench.loadgen import process_cpu, served_from, start_batchgate
+from batchgate.bench.loadgen import PYTHON, process_cpu, served_from, start_batchgate
+from lab.text_cpu import pkg_root
 
 CONCURRENCY = 8
 RANKER = {
@@ -61,7 +65,14 @@ def measure(tree: str, calls: int) -> dict[str, float]:
         )
         if served_from() != want:
             raise SystemExit(f"a server started now would import {served_from()}, not {want}")
-        server = start_batchgate()
+        # Each tree serves the models it builds itself (its bundled ranker, its prepare-minilm):
+        # an older tree refuses a config parameter it does not know.
+        repo = tempfile.mkdtemp(prefix="rest-percall-")
+        for build in ("build-models", "prepare-minilm"):
+            subprocess.run(
+                [*PYTHON, "-m", "batchgate", build, "--out", repo], check=True, stdout=subprocess.DEVNULL
+            )
+        server = start_batchgate("--model-repository", repo)
     finally:
         if tree:
             os.environ.pop("PYTHONPATH") if old is None else os.environ.__setitem__("PYTHONPATH", old)
@@ -84,6 +95,7 @@ def measure(tree: str, calls: int) -> dict[str, float]:
         return out
     finally:
         server.stop()
+        shutil.rmtree(repo, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,10 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
     runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
-    for _ in range(args.rounds):  # alternated: a burst of other load hits one round of each
-        for label, tree in (("before", args.before), ("after", "")):
-            runs[label].append(measure(tree, args.calls))
-            print(label, {k: round(v) for k, v in runs[label][-1].items()}, flush=True)
+    pkg = pkg_root(Path(args.before))
+    try:
+        for _ in range(args.rounds):  # alternated: a burst of other load hits one round of each
+            for label, tree in (("before", str(pkg)), ("after", "")):
+                runs[label].append(measure(tree, args.calls))
+                print(label, {k: round(v) for k, v in runs[label][-1].items()}, flush=True)
+    finally:
+        shutil.rmtree(pkg, ignore_errors=True)
     for route in runs["before"][0]:
         b = min(r[route] for r in runs["before"])
         a = min(r[route] for r in runs["after"])
