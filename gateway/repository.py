@@ -13,6 +13,8 @@ import hashlib
 import json
 import logging
 import math
+import os
+import socket
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -456,6 +458,39 @@ def variant_path(model_file: Path, variant: str) -> Path:
     if variant == "fp32" or variant in SAME_FILE_VARIANTS:
         return model_file
     return model_file.with_name(f"{model_file.stem}.{variant}{model_file.suffix}")
+
+
+def build_path(variant_file: Path) -> Path:
+    """Where a variant is built before it is gated and published: beside it, hidden, named for
+    this host and process, so ``remove_builds`` can tell a build killed half-way (a server stopped
+    while it selected) from one still running."""
+    return variant_file.with_name(f".{variant_file.name}.{socket.gethostname()}.{os.getpid()}.build")
+
+
+def remove_builds(folder: Path, pid: int | None = None) -> list[Path]:
+    """Remove the builds (``build_path``) in ``folder`` that processes of this host left: those of
+    ``pid``, or with None those whose process no longer runs. A build of another host sharing
+    the repository is never touched (its process cannot be seen from here)."""
+    removed = []
+    for f in folder.glob(f".*.{socket.gethostname()}.*.build"):
+        try:
+            owner = int(f.name.rsplit(".", 2)[-2])
+        except ValueError:
+            continue
+        if owner == pid or (pid is None and not _running(owner)):
+            f.unlink(missing_ok=True)
+            removed.append(f)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def report_path(model_file: Path, variant: str) -> Path:

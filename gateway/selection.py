@@ -32,6 +32,7 @@ import fcntl
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from batchgate.gateway.repository import (
     ConfigError,
     ModelSpec,
     check_variant,
+    remove_builds,
     sha256_file,
 )
 from batchgate.workers.devices import host_class
@@ -182,9 +184,9 @@ def _bound(memory_mb: int) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
-def _exit_with_parent() -> None:
+def _exit_with_parent(builds: Path) -> None:
     """End this process when the server that started it ends (however it ends): a selection nobody
-    will switch to is only load on the host."""
+    will switch to is only load on the host. Its half-written builds in ``builds`` go with it."""
     import threading
 
     parent = os.getppid()
@@ -192,6 +194,7 @@ def _exit_with_parent() -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(1.0)
+        remove_builds(builds, os.getpid())
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
@@ -206,7 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-mb", type=int, default=0, help="address-space bound (0: none)")
     ap.add_argument("--candidates", default="", help="comma-separated --auto candidates (default: all)")
     args = ap.parse_args(argv)
-    _exit_with_parent()
+    builds = args.model_dir / args.version
+    _exit_with_parent(builds)
+    # SIGTERM (the server stopping, Selector.close) unwinds like an exception: the builds' own
+    # clean-up runs (signal.SIG_DFL would end the process with their files left behind).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     _bound(args.memory_mb)
 
     def say(line: str) -> None:
@@ -220,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             say("another process is selecting this model's variant")
             return BUSY
         say(f"selecting on {host_class()} (nice {os.nice(0)}, pid {os.getpid()})")
+        if builds.is_dir() and (left := remove_builds(builds)):  # of selections killed on this host
+            say(
+                f"removed {len(left)} half-written build(s) of stopped selections: {', '.join(f.name for f in left)}"
+            )
         entry = select(args.model_dir, args.version, args.repeats, candidates, say)
     say(f"chosen: {entry['variant']} ({entry['why']}; x{entry['x_original']:.2f} the original) "
         f"in {entry['seconds']:.0f} s")  # fmt: skip
@@ -328,7 +339,10 @@ class Selector:
     states: dict[str, Selection] = field(default_factory=dict)
     _task: asyncio.Task | None = None
     _proc: asyncio.subprocess.Process | None = None
+    _builds: Path | None = None  # the version folder the running child builds its variants in
     _cls: str = ""
+    # Seconds a stopping server waits for the child to end on SIGTERM before killing it.
+    STOP_S = 5.0
 
     def note(self, spec: ModelSpec, cpu: bool = True) -> Selection:
         """The selection of the model ``spec`` serves, as its runtime starts (a start, a reload);
@@ -420,6 +434,7 @@ class Selector:
         if self.candidates:
             cmd += ["--candidates", self.candidates]
         t0 = time.perf_counter()
+        self._builds = model_dir / sel.version
         proc = self._proc = await asyncio.create_subprocess_exec(
             *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env
         )
@@ -474,11 +489,21 @@ class Selector:
             )
 
     async def close(self) -> None:
-        """Stop a selection under way (its child killed; nothing recorded) and the task."""
+        """Stop a selection under way (nothing recorded) and the task: the child is asked to end
+        (SIGTERM: its builds remove their files), killed after STOP_S, and whatever build it
+        left is removed here."""
         proc = self._proc
         if proc is not None and proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                proc.kill()
+                proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), self.STOP_S)
+            except asyncio.TimeoutError:  # inside a long native call (a quantiser's pass)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+            if self._builds is not None and self._builds.is_dir():
+                await asyncio.to_thread(remove_builds, self._builds, proc.pid)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(BaseException):

@@ -16,6 +16,9 @@ import asyncio
 import json
 import os
 import shutil
+import signal
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,9 +26,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from batchgate.gateway.repository import report_path, sha256_file, variant_path
+from batchgate.gateway.repository import build_path, remove_builds, report_path, sha256_file, variant_path
 from batchgate.gateway.selection import RECORD_FILE, read_record, recorded, write_entry
 from batchgate.workers.devices import host_class
+from tests.conftest import start_server
 from tests.harness import REPO, serving
 from tests.helpers import encoder_request
 
@@ -271,3 +275,83 @@ async def test_a_read_only_model_directory_is_not_selected_in_the_background(tmp
             assert gw.server.plane.selector._task is None
     finally:
         model_dir.chmod(0o755)
+
+
+def test_remove_builds_takes_only_what_this_hosts_ended_processes_left(tmp_path):
+    ended = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead = int(ended.stdout)  # a process of this host that has ended
+    model = tmp_path / "model.onnx"
+    host = socket.gethostname()
+    mine = build_path(variant_path(model, "int8"))  # this process's own, still building
+    assert mine.name == f".model.int8.onnx.{host}.{os.getpid()}.build"
+    left = tmp_path / f".model.int8.onnx.{host}.{dead}.build"
+    other_host = tmp_path / f".model.int8.onnx.{host}x.{dead}.build"  # a replica elsewhere: not ours to judge
+    for f in (mine, left, other_host):
+        f.write_bytes(b"half")
+    assert remove_builds(tmp_path) == [left]
+    assert mine.exists() and other_host.exists()
+    assert remove_builds(tmp_path, os.getpid()) == [mine]  # a stopped child's, by its pid
+    assert other_host.exists()
+
+
+@pytest.mark.serial  # a real optimize --auto child: seconds of one core
+@pytest.mark.parametrize("stop_s", [5.0, 0.0], ids=["ends-on-sigterm", "killed"])
+async def test_a_server_stopping_mid_selection_leaves_no_half_written_build(tmp_path, monkeypatch, stop_s):
+    """Each server stopped while its selection was building used to leave the candidate's file
+    behind (``.model.int8.onnx.PID.build``, the model's size each): the child was killed."""
+    from batchgate.gateway.selection import Selector
+
+    monkeypatch.setattr(Selector, "STOP_S", stop_s)
+    repo = _repo(tmp_path)
+    version = repo / "encoder" / "1"
+    settings = {
+        "variant_selection": "auto",
+        "variant_selection_candidates": "int8",
+        "variant_selection_repeats": 3,
+    }
+    async with serving(repo, **settings) as gw:
+        end = time.monotonic() + 120
+        while not list(version.glob(".*.build")):
+            assert _state(gw)["state"] in ("pending", "selecting"), _state(gw)
+            assert time.monotonic() < end, "no build started"
+            await asyncio.sleep(0.02)
+        child = gw.server.plane.selector._proc
+    assert child.returncode is not None  # ended, not left running
+    assert child.returncode == (-signal.SIGKILL if stop_s == 0.0 else 143)
+    assert not list(version.glob(".*.build")), sorted(p.name for p in version.iterdir())
+
+
+@pytest.mark.serial
+def test_a_killed_servers_selection_removes_its_build_and_the_next_sweeps_the_rest(tmp_path):
+    """The server SIGKILLed (an OOM kill, a node drained hard): its child notices and ends with its
+    build removed; a build some earlier kill left is removed by the next selection, which says so."""
+    repo = _repo(tmp_path)
+    version = repo / "encoder" / "1"
+    ended = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    stale = version / f".model.openvino-fp32.onnx.{socket.gethostname()}.{int(ended.stdout)}.build"
+    env = {"BATCHGATE_VARIANT_SELECTION": "auto", "BATCHGATE_VARIANT_SELECTION_CANDIDATES": "int8",
+           "BATCHGATE_VARIANT_SELECTION_REPEATS": "3", "BATCHGATE_LOG_LEVEL": "INFO"}  # fmt: skip
+    stale.write_bytes(b"half")
+    server = start_server(tmp_path, repo=repo, env=env)
+    try:
+        end = time.monotonic() + 120
+        while not _child_builds(version, stale):  # the child is building (it swept first)
+            assert time.monotonic() < end, server.log()
+            time.sleep(0.02)
+        assert not stale.exists()
+        assert "removed 1 half-written build(s) of stopped selections" in server.log()
+    finally:
+        server.proc.kill()
+        server.proc.wait()
+    end = time.monotonic() + 10
+    while _child_builds(version, stale) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not _child_builds(version, stale), sorted(p.name for p in version.iterdir())
+
+
+def _child_builds(version: Path, stale: Path) -> list[Path]:
+    return [p for p in version.glob(".*.build") if p != stale]

@@ -6,7 +6,6 @@ what serves now at any batch size."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import time
 from dataclasses import dataclass
 from dataclasses import replace as dataclass_replace
@@ -21,7 +20,7 @@ from batchgate.gateway.models.optimize.serving import serving_variant
 from batchgate.gateway.models.optimize.sessions import run_rows, session
 from batchgate.gateway.models.optimize.single import Result
 from batchgate.gateway.models.optimize.timing import engine_rss, pin_core, speed
-from batchgate.gateway.repository import ConfigError, check_variant, report_path, variant_path
+from batchgate.gateway.repository import ConfigError, build_path, check_variant, report_path, variant_path
 
 
 # What `--auto` builds and measures on a host, in this order (the original, ONNX Runtime FP32, is
@@ -86,7 +85,7 @@ def optimize_auto(
         for v in take:
             o = dataclass_replace(opts, variant=v)
             check_options(o)
-            tmp[v] = variant_path(src, v).with_name(f".{variant_path(src, v).name}.{os.getpid()}.build")
+            tmp[v] = build_path(variant_path(src, v))
             t0 = time.perf_counter()
             try:
                 file, build = build_variant(src, v, tmp[v], calib, o, log)

@@ -4,7 +4,6 @@ when it passed."""
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ from batchgate.gateway.models.optimize.report import publish, variant_report
 from batchgate.gateway.models.optimize.rows import calibration_and_heldout
 from batchgate.gateway.models.optimize.sessions import run_rows, session
 from batchgate.gateway.models.optimize.timing import engine_rss, pin_core, speed
-from batchgate.gateway.repository import report_path, variant_path
+from batchgate.gateway.repository import build_path, report_path, variant_path
 
 
 @dataclass(slots=True)
@@ -39,7 +38,7 @@ def optimize(model_dir: Path, opts: Options, log: Log = print) -> Result:
     started = time.perf_counter()
     log(f"{spec.name} v{spec.version}: building {variant} from {src}")
     calib, held = calibration_and_heldout(spec, opts)
-    tmp_dst = dst.with_name(f".{dst.name}.{os.getpid()}.build")
+    tmp_dst = build_path(dst)
     try:
         file, build = build_variant(src, variant, tmp_dst, calib, opts, log)
         log(f"evaluating on {len(held)} held-out rows ({held.source})")
