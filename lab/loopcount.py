@@ -46,6 +46,15 @@ def _dump(path: str) -> None:
     os.replace(tmp, path)  # the reader never sees half a file
 
 
+def wrap(cmd: list[str], out: str) -> list[str]:
+    """``cmd`` (a server's command line, ``python [flags] -m MODULE ...``) run under this counter,
+    writing to ``out``. The counter runs as a file, not ``-m lab.loopcount``: servers start with
+    ``python -P`` (bench/loadgen.py ``PYTHON``), which keeps the checkout's root, and with it
+    ``lab``, off sys.path."""
+    at = cmd.index("-m")
+    return [*cmd[:at], __file__, out, *cmd[at:]]
+
+
 def main() -> None:
     if len(sys.argv) < 4 or sys.argv[2] != "-m":
         raise SystemExit(__doc__)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from lab import loopcount
 from batchgate.bench.loadgen import (
     Started,
     Workload,
@@ -207,7 +208,7 @@ def start_server(target: str, serve_args: list[str], loop_counts: str | None) ->
     server.proc.kill()  # only its command line was wanted: start it again under the counter
     server.proc.wait()
     cmd = server.proc.args
-    return Started(server.name, [cmd[0], "-m", "lab.loopcount", loop_counts, *cmd[1:]], server.url)
+    return Started(server.name, loopcount.wrap(list(cmd), loop_counts), server.url)
 
 
 def _pyspy() -> str | None:

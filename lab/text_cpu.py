@@ -39,6 +39,7 @@ import grpc
 import numpy as np
 
 from batchgate.bench.loadgen import PYTHON, Started, free_ports, served_from, thread_cpu
+from lab import loopcount
 from lab.profile import _pyspy, read_loop_counts
 from lab.text_ceiling import BUCKETS, scheduler_batches
 from batchgate.bench.text_batches import load, make_repo, padded_feeds, texts
@@ -123,7 +124,7 @@ def serve_window(label: str, pkg: Path, repo: Path, args, all_texts) -> dict:
         fd, counts = tempfile.mkstemp(suffix=".json", prefix="text-cpu-loop-")
         os.close(fd)
         os.unlink(counts)
-    wrap = ["-m", "lab.loopcount", counts] if counts else []
+    wrap = [loopcount.__file__, counts] if counts else []  # (a file: see loopcount.wrap)
     check_tree(pkg)
     cmd = ["taskset", "-c", str(args.server_core), *PYTHON, *wrap, "-m", "batchgate", "serve",
            "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
