@@ -184,3 +184,37 @@ tenants:
             md = (("x-api-key", keys[who]),)
             await gw.stub.ModelInfer(encoder_request(rng, 4, 16, {}), metadata=md, timeout=None)
         assert _by_class(gw, "encoder") == {"standard": 1, "bulk": 1}  # named: its class; else bulk
+
+
+def test_the_batch_class_deadline_is_soft_a_stated_one_firm():
+    """The batch class's budget is the server's target, not the caller's: the call stated none. It
+    orders the queue; the call is answered late rather than refused or dropped (on a host where 4
+    callers x 32 texts of a base-size model take ~10 s a call, a bulk budget of 10 s dropped a third
+    of the calls part-computed, and in a 20 s run at warm-up all of them)."""
+    assert resolve({}, None, 0.0, CLASSES, "standard", _schedule(), 32, "bulk").soft
+    assert not resolve({}, None, 0.0, CLASSES, "standard", _schedule(), 1, "bulk").soft  # one text
+    assert not resolve({}, 5.0, 0.0, CLASSES, "standard", _schedule(), 32, "bulk").soft  # a gRPC deadline
+    assert not resolve(
+        {"latency_budget_ms": 9000}, None, 0.0, CLASSES, "standard", _schedule(), 32, "bulk"
+    ).soft
+    assert not resolve(
+        {"latency_class": "bulk"}, None, 0.0, CLASSES, "standard", _schedule(), 32, "bulk"
+    ).soft
+
+
+def test_a_soft_deadline_is_never_refused_nor_dropped_and_still_orders_the_queue():
+    from tests.test_deadlines import make_req, names, queue, trained
+
+    q = queue(max_bs=8, latency=trained(a=0.020, b=0.0))  # every batch takes 20 ms
+    firm, soft = make_req("firm", "bulk", 0.0, budget_s=0.030), make_req("soft", "bulk", 0.0, budget_s=0.030)
+    soft.soft = True
+    assert q.refuse([soft], 0.015, 1.0, 1) is None  # a second of work running: the firm one is refused
+    assert q.refuse([firm], 0.015, 1.0, 1) is not None
+    q.push([firm])
+    q.push([soft])
+    expired, wake = q.take_expired(0.020)  # 10 ms left, 20 ms of compute: hopeless by its deadline
+    assert names(expired) == ["firm"] and wake is None  # the soft one stays, with no timer for it
+    assert q.wake_at([soft]) is None
+    late = make_req("later", "bulk", 0.0, budget_s=5.0)
+    q.push([late])
+    assert names(q.pop_batch(0.040)[0])[0] == "soft"  # its deadline still puts it first

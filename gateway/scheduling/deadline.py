@@ -206,8 +206,8 @@ class DeadlineQueue:
         behind is still dropped before compute (``take_expired``)."""
         self.prediction = None
         first = reqs[0]
-        if first.cls is None or first.deadline == math.inf:
-            return None
+        if first.cls is None or first.deadline == math.inf or first.soft:
+            return None  # (a soft deadline is the class's, not the caller's: late beats refused)
         # Its requests run one after another on one slot at worst: their expected times add up.
         # A request of a bucket with work queued joins one of its batches and adds its rows' share
         # only (a 32-text call's six parts charged six batches of their own came out at twice its
@@ -337,6 +337,9 @@ class DeadlineQueue:
         lag = self.lag_expected()
         at = math.inf
         for r in reqs:
+            if r.soft:  # never hopeless: only its queue timeout, if any, ends it
+                at = min(at, r.queue_deadline)
+                continue
             est = self.latency.estimate_hi(r.key, r.rows) if self.latency.confident(r.key) else 0.0
             at = min(at, self.due(r) - est - lag, r.queue_deadline)
         return None if at == math.inf else at
@@ -450,8 +453,11 @@ class DeadlineQueue:
                 # lazily: pop from the top while the top is hopeless.
                 while lane.heap:
                     level, start_by, _, r = lane.heap[0]
-                    est = self.latency.estimate_hi(key, r.rows) if confident else 0.0
-                    hopeless_at = self.due(r) - est - lag
+                    if r.soft:  # a soft deadline orders the request, it never drops it
+                        hopeless_at = math.inf
+                    else:
+                        est = self.latency.estimate_hi(key, r.rows) if confident else 0.0
+                        hopeless_at = self.due(r) - est - lag
                     late = now > hopeless_at
                     timed_out = now >= r.queue_deadline
                     if not (late or timed_out):

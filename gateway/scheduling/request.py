@@ -9,7 +9,9 @@ Resolution, first that applies:
 Client libraries (OpenAI, TEI, Cohere) send documents in batches and cannot state a budget, so a
 call of several rows that states none (no deadline, no ``latency_budget_ms``) is bulk work: it goes
 to the batch class (``batch_latency_class``, by default ``bulk``) unless its tenant names a class;
-a single row, or a call that states a budget, keeps the default class.
+a single row, or a call that states a budget, keeps the default class. The batch class's deadline
+is soft (``Budget.soft``): the caller stated none, so it orders the queue but never refuses or
+drops the call (answered late rather than not at all).
 Triton's schedule-policy parameters are honoured too: ``priority`` (1 = highest level) and
 ``timeout`` (µs, a queue timeout; only lowers the model's default when allow_timeout_override).
 """
@@ -128,6 +130,9 @@ class Budget:
     level: int  # Triton priority level (0 when the model has none); lower runs first
     queue_deadline: float  # Triton queue timeout (absolute); INF when none
     delay: bool  # on queue timeout: DELAY (deprioritise) instead of REJECT
+    # The deadline is the batch class's, not the caller's: a call of several rows that stated no
+    # budget. It orders the queue but never refuses or drops the call (see ``resolve``).
+    soft: bool = False
 
 
 def _param_number(value) -> float | None:
@@ -161,6 +166,7 @@ def resolve(
     ``rows``: the call's rows (texts); ``batch_class``: the class of a call of several rows that
     states no budget (None: the tenant names a class, or the server has none)."""
     name = default_class
+    soft = False
     stated = time_remaining is not None and time_remaining < 1e6  # grpc.aio reports "no deadline" as huge
     if "latency_class" in params:
         name = params["latency_class"]
@@ -168,6 +174,7 @@ def resolve(
             raise invalid(f"parameter 'latency_class' is '{name}'; expected one of {sorted(classes)}")
     elif batch_class is not None and rows > 1 and not stated and "latency_budget_ms" not in params:
         name = batch_class
+        soft = True
     cls = classes[name]
     budget = cls.budget_s
     if "latency_budget_ms" in params:
@@ -198,7 +205,7 @@ def resolve(
         if value and (timeout == 0 or (policy.allow_override and value / 1e6 < timeout)):
             timeout = value / 1e6
     queue_deadline = now + timeout if timeout else INF
-    return Budget(cls, now + budget, level, queue_deadline, policy.delay)
+    return Budget(cls, now + budget, level, queue_deadline, policy.delay, soft)
 
 
 class Request:
@@ -209,7 +216,7 @@ class Request:
 
     __slots__ = (
         "inputs", "rows", "key", "arrival", "future", "deadline", "cls", "level", "queue_deadline", "delay", "call",
-        "trace", "compute_s", "outputs", "due",
+        "trace", "compute_s", "outputs", "due", "soft",
     )  # fmt: skip
 
     def __init__(
@@ -246,6 +253,7 @@ class Request:
         # The deadline the queue works to (DeadlineQueue.due), kept once computed: the queue asks
         # for it several times per call and per batch.
         self.due: float | None = None
+        self.soft = False  # Budget.soft: the deadline orders the request, never drops it
 
     @property
     def class_name(self) -> str:

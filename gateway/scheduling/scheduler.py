@@ -159,6 +159,9 @@ class Scheduler:
                 )  # fmt: skip
                 for inputs, rows, key in parts
             ]
+            if budget.soft:
+                for r in reqs:
+                    r.soft = True
         if outputs is not None:
             for r in reqs:
                 r.outputs = outputs
@@ -430,7 +433,7 @@ class Scheduler:
         for r in batch:
             if r.future.done():  # the caller left while its batch was failing
                 continue
-            if now >= r.deadline:
+            if now >= r.deadline and not r.soft:
                 self._expire(r, now)
             else:
                 live.append(r)
