@@ -58,7 +58,7 @@ def served(path):
     config = BucketConfig.build(32, batch_buckets=(1, 4, 8, 16, 32), seq_buckets=(16, 32, 64, 128, 256),
                                 max_batch_tokens=128)
     engine = Engine(path, Device("cpu"), EngineOptions(), ShapePlan(*read_model_io(path), config))
-    # (no warm_up(): its 25 shapes under valgrind took ~15 s; the run before "ready" warms the two counted)
+    # (no warm_up(): its 25 shapes are slow under valgrind; the run before "ready" warms the two counted)
     parts = []
     for n in range(9, 31, 4):  # 6 rows: a run of 4 and one of 2 (padded to the 4 bucket)
         ids = (np.arange(n, dtype=np.int64).reshape(1, n) * 7) % 997 + 1

@@ -8,8 +8,8 @@ the asyncio loop, grpc.aio's handlers, admission, the scheduler), one caller sen
 calls of one row one after another (each call its own batch, so every tree does the same work
 per call), and the count of ``--calls`` minus that of ``--calls // 4`` over the difference is
 the calls a KServe call adds, start-up and shut-down cancelled. A change that adds Python work to
-the call's path shows as more calls here in every run (2026-12-07: 790 at 5b551e9, 820 before
-4e23777, 782 after). The functions whose counts changed most are listed beside.
+the call's path shows as more calls here in every run (figures: docs/benchmarks.md, 2026-12-07
+"from 10:12 UTC"). The functions whose counts changed most are listed beside.
 
     .venv/bin/python -m lab.loop_calls [--tree before=/tmp/before --tree after=.] [--calls 1200]
         [--takers 0] [--top 15]
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from batchgate.bench.loadgen import PYTHON, Started, free_ports
 from batchgate.bench.takers import _INFER, _ranker_request, drive
-from lab.text_cpu import ROOT, check_tree, pkg_root
+from lab.text_cpu import ROOT, pkg_root, serving_tree
 
 
 def _name(key: tuple[str, int, str]) -> str:
@@ -49,19 +49,12 @@ def profile(tree: Path, calls: int, takers: int) -> tuple[int, Counter]:
     grpc_port, http_port = free_ports(2)
     fd, out = tempfile.mkstemp(suffix=".prof", prefix="loop-calls-")
     os.close(fd)
-    env_before = os.environ.get("PYTHONPATH")
     root = pkg_root(tree)
-    if str(root) != ".":
-        os.environ["PYTHONPATH"] = str(root)
     os.environ["BATCHGATE_GRPC_TAKERS"] = str(takers)
-    check_tree(root)
     cmd = [*PYTHON, "-m", "cProfile", "-o", out, "-m", "batchgate", "serve", "--host", "127.0.0.1",
            "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--log-level", "WARNING"]  # fmt: skip
-    server = Started("batchgate", cmd, f"127.0.0.1:{grpc_port}")
-    if env_before is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = env_before
+    with serving_tree(root):
+        server = Started("batchgate", cmd, f"127.0.0.1:{grpc_port}")
     try:
         server.ready(180)
         seen = asyncio.run(drive(server.url, _INFER, _ranker_request(), calls, 1))

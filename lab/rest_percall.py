@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import subprocess
 import tempfile
@@ -24,8 +23,8 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from batchgate.bench.loadgen import PYTHON, process_cpu, served_from, start_batchgate
-from lab.text_cpu import pkg_root
+from batchgate.bench.loadgen import PYTHON, process_cpu, start_batchgate
+from lab.text_cpu import pkg_root, serving_tree
 
 CONCURRENCY = 8
 RANKER = {
@@ -52,19 +51,10 @@ async def _calls(url: str, body: bytes, calls: int) -> int:
     return ok
 
 
-def measure(tree: str, calls: int) -> dict[str, float]:
-    """µs of server CPU per call, per route, for one server of ``tree`` ("" this one)."""
-    old = os.environ.get("PYTHONPATH")
-    if tree:
-        os.environ["PYTHONPATH"] = tree
-    try:
-        want = (
-            Path(tree, "batchgate", "gateway").resolve()
-            if tree
-            else Path(__file__).resolve().parents[1] / "gateway"
-        )
-        if served_from() != want:
-            raise SystemExit(f"a server started now would import {served_from()}, not {want}")
+def measure(pkg: Path, calls: int) -> dict[str, float]:
+    """µs of server CPU per call, per route, for one server of ``pkg`` (``pkg_root``'s answer;
+    "." this tree)."""
+    with serving_tree(pkg):
         # Each tree serves the models it builds itself (its bundled ranker, its prepare-minilm):
         # an older tree refuses a config parameter it does not know.
         repo = tempfile.mkdtemp(prefix="rest-percall-")
@@ -73,9 +63,6 @@ def measure(tree: str, calls: int) -> dict[str, float]:
                 [*PYTHON, "-m", "batchgate", build, "--out", repo], check=True, stdout=subprocess.DEVNULL
             )
         server = start_batchgate("--model-repository", repo)
-    finally:
-        if tree:
-            os.environ.pop("PYTHONPATH") if old is None else os.environ.__setitem__("PYTHONPATH", old)
     try:
         server.ready(120)
         out = {}
@@ -108,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     pkg = pkg_root(Path(args.before))
     try:
         for _ in range(args.rounds):  # alternated: a burst of other load hits one round of each
-            for label, tree in (("before", str(pkg)), ("after", "")):
+            for label, tree in (("before", pkg), ("after", Path("."))):
                 runs[label].append(measure(tree, args.calls))
                 print(label, {k: round(v) for k, v in runs[label][-1].items()}, flush=True)
     finally:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import shutil
@@ -62,13 +63,24 @@ def pkg_root(tree: Path) -> Path:
     return root
 
 
-def check_tree(pkg: Path) -> None:
-    """Fails unless a server started now imports its code from ``pkg`` (``pkg_root``'s answer,
-    "." for this tree, already on PYTHONPATH)."""
-    want = (ROOT / "gateway" if str(pkg) == "." else pkg / "batchgate" / "gateway").resolve()
-    got = served_from()
-    if got != want:
-        raise SystemExit(f"a server started now would import {got}, not {want}")
+@contextlib.contextmanager
+def serving_tree(pkg: Path):
+    """While inside, servers started import their code from ``pkg`` (``pkg_root``'s answer; "."
+    for this tree): it is put on PYTHONPATH, and where they would import from is checked."""
+    before = os.environ.get("PYTHONPATH")
+    if str(pkg) != ".":
+        os.environ["PYTHONPATH"] = str(pkg)
+    try:
+        want = (ROOT / "gateway" if str(pkg) == "." else pkg / "batchgate" / "gateway").resolve()
+        got = served_from()
+        if got != want:
+            raise SystemExit(f"a server started now would import {got}, not {want}")
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 def own_repo(pkg: Path, repo: Path, model_dir: Path) -> Path:
@@ -114,9 +126,6 @@ def batch_stats(url: str, model: str) -> tuple[int, int]:
 
 
 def serve_window(label: str, pkg: Path, repo: Path, args, all_texts) -> dict:
-    env_before = os.environ.get("PYTHONPATH")
-    if str(pkg) != ".":
-        os.environ["PYTHONPATH"] = str(pkg)
     grpc_port, http_port = free_ports(2)
     url = f"127.0.0.1:{grpc_port}"
     counts = None
@@ -125,15 +134,11 @@ def serve_window(label: str, pkg: Path, repo: Path, args, all_texts) -> dict:
         os.close(fd)
         os.unlink(counts)
     wrap = [loopcount.__file__, counts] if counts else []  # (a file: see loopcount.wrap)
-    check_tree(pkg)
     cmd = ["taskset", "-c", str(args.server_core), *PYTHON, *wrap, "-m", "batchgate", "serve",
            "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
            "--model-repository", str(repo), "--no-build-models", "--log-level", "WARNING"]  # fmt: skip
-    server = Started("batchgate", cmd, url)
-    if env_before is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = env_before
+    with serving_tree(pkg):
+        server = Started("batchgate", cmd, url)
     pid = server.proc.pid
     try:
         server.ready(180)

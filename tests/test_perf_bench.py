@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as tgrpc
 from batchgate.bench import quick
-from batchgate.bench.loadgen import Workload, model_statistics, start_noop
+from batchgate.bench.loadgen import Workload, model_statistics, served_from, start_noop
 from batchgate.proto.inference.v2 import grpc_service_pb2 as pb
 from batchgate.proto.inference.v2 import grpc_service_pb2_grpc as pb_grpc
 from lab import handoff, perf_analyzer, profile, reuseport
@@ -300,3 +300,26 @@ def test_batching_noop_answers_with_the_rankers_own_scores_in_batches():
         got = np.frombuffer(a.raw_output_contents[0], np.float32).reshape(list(a.outputs[0].shape))
         np.testing.assert_allclose(got, expected(r), rtol=1e-5)
     assert stats["requests"] == 2 * len(reqs)
+
+
+def test_a_before_after_run_serves_the_tree_it_names(tmp_path):
+    """lab.text_cpu --tree, lab.rest_percall --before and lab.loop_calls start servers in this
+    checkout's root with another tree on PYTHONPATH. ``python -m`` puts the working directory
+    first on sys.path, and the root's batchgate/ folder then shadowed the other tree: both sides of
+    a before/after run were this checkout."""
+    from lab.text_cpu import ROOT, pkg_root, serving_tree
+
+    tree = tmp_path / "other"
+    (tree / "batchgate").mkdir(parents=True)
+    (tree / "batchgate" / "__init__.py").write_text("")
+    for name in ("bench", "cache", "client", "gateway", "proto", "workers"):
+        (tree / name).mkdir()
+    (tree / "gateway" / "__init__.py").write_text("")
+    pkg = pkg_root(tree)
+    try:
+        with serving_tree(pkg):
+            assert served_from() == (tree / "gateway").resolve()
+        with serving_tree(pkg_root(ROOT)):
+            assert served_from() == (ROOT / "gateway").resolve()
+    finally:
+        shutil.rmtree(pkg)

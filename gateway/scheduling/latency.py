@@ -73,8 +73,8 @@ class _Fit:
 class _SizeClasses(dict):
     """Batch sizes grouped by powers of two: ``SIZE_CLASS[rows]`` is 1, 2, 4 (3-4), 8 (5-8), ...
     A dict filled on first use: the lookup runs several times per call on the event loop, and a
-    hit costs no Python frame (as a function it was a third of the latency model's calls per
-    KServe call, docs/benchmarks.md "Per-call cost"). Sizes past MEMO are computed, not kept."""
+    hit costs no Python frame (lab/loop_calls.py counts them). Sizes past MEMO are computed, not
+    kept."""
 
     MEMO = 4096
 
