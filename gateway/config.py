@@ -237,6 +237,11 @@ class Engines(BaseModel):
         description="runs before a model is ready: all buckets, each length bucket once, or none; "
         "auto: all on GPU and static engines, lengths on the shared CPU session",
     )
+    engine_length_runs: bool = Field(
+        True,
+        description="a text batch of mixed lengths runs as runs of similar length where the engine's "
+        "measured cost of a run is less than the padding it saves (dynamic shapes only)",
+    )
     engine_cache: bool = Field(
         True, description="cache optimised models on disk (keyed by model, ORT, provider, shapes)"
     )

@@ -353,7 +353,7 @@ async def build_runtime(
     count = workers_per_device(spec, s, devices)
     text = await asyncio.to_thread(TextStage, spec) if tokenized(spec.config) else None
     options = EngineOptions(intra_op_threads=s.intra_op_threads, inter_op_threads=s.inter_op_threads,
-                            preprocess=text, mode=s.engine_mode, warmup=s.engine_warmup,
+                            preprocess=text, mode=s.engine_mode, warmup=s.engine_warmup, length_runs=s.engine_length_runs,
                             cache_dir=(s.engine_cache_dir or default_cache_dir()) if s.engine_cache else None,
                             cuda_graphs=s.cuda_graphs, engine=spec.engine, precision=spec.compute,
                             on_request=spec.params.on_request_outputs)  # fmt: skip

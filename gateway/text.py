@@ -339,6 +339,12 @@ class TextStage:
                 "(parameter text_pair)", listed,
             )  # fmt: skip
 
+    @property
+    def pad_id(self) -> int:
+        """The id rows are padded with, always on the right (``input_ids``): what the engine may
+        leave off a row when it cuts a batch into runs of similar length (workers/runs.py)."""
+        return self._pad["pad_id"]
+
     def row_keys(self, arrays: dict[str, np.ndarray]) -> list[int]:
         """Each row's length bucket for texts ``check`` already passed (the rows the result cache
         did not answer)."""

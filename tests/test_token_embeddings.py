@@ -101,14 +101,16 @@ def test_graph_matches_transformers(name, folders, repo):
     check_rows(got, *reference(folder, model, TEXTS), name)
 
 
-def test_a_request_batched_with_longer_rows_gets_its_own_length(folders, repo):
-    """Two callers' rows in one engine run: the batch is tokenised and padded to its longest row,
-    and each request's token vectors come back at its own longest row (the shape of an answer
-    never depends on whose rows shared its batch), equal to the request run alone."""
+@pytest.mark.parametrize("length_runs", [False, True], ids=["one-padded-run", "runs-by-length"])
+def test_a_request_batched_with_longer_rows_gets_its_own_length(folders, repo, length_runs):
+    """Two callers' rows in one batch: tokenised and run padded to its longest row, or cut into
+    runs of similar length (``length_runs``, workers/runs.py); either way each request's token
+    vectors come back at its own longest row (the shape of an answer never depends on whose rows
+    shared its batch), equal to the request run alone."""
     folder, model, *_ = folders["bert_tokens"]
     spec = load_model(repo / "bert_tokens")[0]
-    pool = WorkerPool("tokens", spec.path, discover("cpu")[:1], 1, EngineOptions(preprocess=TextStage(spec)),
-                      spec.buckets)  # fmt: skip
+    options = EngineOptions(preprocess=TextStage(spec), length_runs=length_runs)
+    pool = WorkerPool("tokens", spec.path, discover("cpu")[:1], 1, options, spec.buckets)
     pool.start()
     try:
         short, long = [TEXTS[0], TEXTS[4]], [TEXTS[5]]
@@ -117,12 +119,46 @@ def test_a_request_batched_with_longer_rows_gets_its_own_length(folders, repo):
         alone = pool.submit(parts[:1], [2], True).result(timeout=60)[0][0]
     finally:
         pool.close()
-    assert timing.runs == 1  # one run: the short rows were padded to the long one's length
+    counts = reference(folder, model, short)[1] + reference(folder, model, long)[1]
+    assert timing.tokens == sum(counts)  # the rows' own tokens, whatever ran
+    if length_runs:  # the long row alone, the short ones at their own width
+        assert timing.runs == 2 and timing.padded_tokens == 2 * max(counts[:2]) + counts[2]
+    else:
+        assert timing.runs == 1 and timing.padded_tokens == 3 * max(counts)
     states, counts = reference(folder, model, short)
     check_rows(a["token_embeddings"], states, counts, "short rows batched with a long one")
     np.testing.assert_array_equal(a["token_embeddings"].shape, alone["token_embeddings"].shape)
     np.testing.assert_allclose(a["token_embeddings"], alone["token_embeddings"], atol=1e-5, rtol=0)
     check_rows(b["token_embeddings"], *reference(folder, model, long), "the long row")
+
+
+def test_rows_cut_into_runs_by_length_come_back_in_their_order(repo):
+    """A batch whose rows' lengths interleave (long, short, middle, short, ...) runs as several
+    runs of similar length; every row's embedding and token vectors are what it gets run alone,
+    in the batch's order, and its token vectors are zero past its own tokens."""
+    spec = load_model(repo / "bert_tokens")[0]
+    pool = WorkerPool("tokens", spec.path, discover("cpu")[:1], 1, EngineOptions(preprocess=TextStage(spec)),
+                      spec.buckets)  # fmt: skip
+    rows = [TEXTS[6], TEXTS[0], TEXTS[2], TEXTS[7], TEXTS[5], TEXTS[1], TEXTS[0], TEXTS[3]]
+
+    def part(texts):
+        return {"text": np.array([[t.encode()] for t in texts], dtype=object)}
+
+    pool.start()
+    try:
+        (got,), timing = pool.submit([part(rows)], [len(rows)], True).result(timeout=60)
+        alone = [pool.submit([part([t])], [1], True).result(timeout=60)[0][0] for t in rows]
+    finally:
+        pool.close()
+    assert timing.runs >= 3 and timing.padded_tokens < len(rows) * got["token_embeddings"].shape[1]
+    assert got["token_embeddings"].shape[1] == max(a["token_embeddings"].shape[1] for a in alone)
+    for i, a in enumerate(alone):
+        n = a["token_embeddings"].shape[1]
+        np.testing.assert_allclose(got["embedding"][i], a["embedding"][0], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(
+            got["token_embeddings"][i, :n], a["token_embeddings"][0], atol=1e-5, rtol=0
+        )
+        assert not got["token_embeddings"][i, n:].any(), f"row {i}: past its tokens is not zero"
 
 
 @pytest.mark.parametrize("name", ["bert_tokens", "xlmr_tokens"])

@@ -45,9 +45,12 @@ from batchgate.workers import openvino_engine, ort_capi
 from batchgate.workers.buckets import ShapePlan
 from batchgate.workers.buffers import CudaBuffers, HostBuffers, Slot
 from batchgate.workers.devices import Device
+from batchgate.workers.runs import RunCost, partition
 from batchgate.workers.sessions import SessionFactory
 
 log = logging.getLogger(__name__)
+
+CPU_RUN_TOKENS = 8.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +68,9 @@ class EngineOptions:
     # (measured: a shape's first run costs what later ones do, so running every batch bucket of
     # every length would only add minutes of start-up for a large model).
     warmup: str = "auto"
+    # A preprocessed batch of mixed lengths runs as runs of similar length where that is cheaper
+    # than padding it whole (workers/runs.py); False: one run padded to its longest row.
+    length_runs: bool = True
     # Runs in the worker on the merged batch before the model (e.g. texts -> token inputs); its
     # output goes through the buckets and pools like any batch.
     preprocess: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
@@ -127,6 +133,10 @@ class Engine:
         self.options = options
         self.plan = plan
         self.mode = options.resolved_mode(device)
+        # A run's overhead in tokens before this engine has measured its own: on the CPU ~4.5
+        # (a base-size encoder) to ~8.5 (minilm) on a Zen 4 core; a GPU's run costs far more than
+        # a token, so there nothing is cut until measured (workers/runs.py).
+        self._run_cost = RunCost(CPU_RUN_TOKENS if device.kind == "cpu" else None)
         if device.kind == "gpu":
             import cupy
 
@@ -396,7 +406,16 @@ class Engine:
         feeds = self.options.preprocess(merged)
         pre_ns = time.perf_counter_ns() - t0
         total = sum(rows) if batched else 1
-        outputs, timing = self._run([feeds], [total], batched, names)
+        real = self._real_lengths(feeds) if batched else None
+        runs = self._cut(feeds, real) if real is not None and self.options.length_runs else None
+        if runs is not None:
+            outputs, timing = self._run_cut(feeds, runs, names)
+        else:
+            outputs, timing = self._run([feeds], [total], batched, names)
+            if timing.runs == 1 and timing.bucket is None:
+                self._run_cost.observe(timing.padded_tokens, timing.infer_ns * 1e-9)
+        if real is not None:
+            timing.tokens = int(real.sum())  # what the rows hold; padded_tokens what ran
         timing.input_ns += pre_ns
         if not batched or len(parts) == 1:
             return outputs, timing
@@ -413,6 +432,76 @@ class Engine:
             split.append(out)
             start += n
         return split, timing
+
+    def _real_lengths(self, feeds: dict[str, np.ndarray]) -> np.ndarray | None:
+        """Each row's width up to its last position that is not the preprocess stage's right
+        padding (a masked position whose id is not the pad id counts: ColBERT's query expansion is
+        masked [MASK] tokens whose vectors are answered); None where the stage does not say what
+        its padding is, or the batch is not one masked sequence dim."""
+        plan = self.plan
+        pad = getattr(self.options.preprocess, "pad_id", None)
+        if pad is None or plan is None or len(plan.groups) != 1 or plan.mask_input is None:
+            return None
+        mask, ids = feeds.get(plan.mask_input), feeds.get("input_ids")
+        if mask is None or ids is None or mask.ndim != 2 or ids.shape != mask.shape or not mask.shape[0]:
+            return None
+        kept = (mask != 0) | (ids != pad)
+        width = kept.shape[1]
+        return np.where(kept.any(1), width - np.argmax(kept[:, ::-1], axis=1), 0)
+
+    def _cut(self, feeds: dict[str, np.ndarray], real: np.ndarray) -> list[tuple[np.ndarray, int]] | None:
+        """The batch as runs of similar length (rows, their width), where padding it whole would
+        cost more than the extra runs (workers/runs.py); None: one run."""
+        rows, width = len(real), self.plan.lengths(feeds)[0]
+        if rows < 2 or (self.pooled and self.plan.seq_buckets_for((width,)) is not None):
+            return None  # (static buckets pad every run to a bucket anyway)
+        overhead = self._run_cost.overhead_tokens()
+        if overhead is None or rows * width - int(real.sum()) <= overhead:
+            return None
+        groups = partition(real, overhead)
+        if len(groups) == 1:
+            return None
+        return [(g, int(real[g[-1]])) for g in groups]  # (each group ascending: its last is its longest)
+
+    def _run_cut(self, feeds, runs, names) -> tuple[list[dict[str, np.ndarray]], BatchTiming]:
+        """Run each group of ``runs`` at its own width and put the rows back in the batch's order,
+        per-token outputs zero past a row's group width, as one padded run leaves them masked."""
+        plan = self.plan
+        total, width = len(next(iter(feeds.values()))), plan.lengths(feeds)[0]
+        whole: dict[str, np.ndarray] = {}
+        timing = BatchTiming()
+        for sel, w in runs:
+            sub = {}
+            for name, arr in feeds.items():
+                part = arr[sel]
+                for axis, _ in plan.input_axes(name):
+                    part = part[(slice(None),) * axis + (slice(0, w),)]
+                sub[name] = part
+            out, t = self._run([sub], [len(sel)], True, names)
+            if t.runs == 1 and t.bucket is None:
+                self._run_cost.observe(t.padded_tokens, t.infer_ns * 1e-9)
+            t0 = time.perf_counter_ns()
+            for name, arr in out[0].items():
+                axes = plan.output_axes(name)
+                dst = whole.get(name)
+                if dst is None:
+                    shape = [total, *arr.shape[1:]]
+                    for axis, _ in axes:
+                        shape[axis] = width
+                    dst = whole[name] = np.zeros(shape, arr.dtype) if axes else np.empty(shape, arr.dtype)
+                index = [sel] + [slice(None)] * (arr.ndim - 1)
+                for axis, _ in axes:
+                    index[axis] = slice(0, arr.shape[axis])
+                dst[tuple(index)] = arr
+            timing.input_ns += t.input_ns
+            timing.infer_ns += t.infer_ns
+            timing.output_ns += t.output_ns + time.perf_counter_ns() - t0
+            timing.rows += t.rows
+            timing.padded_rows += t.padded_rows
+            timing.padded_tokens += t.padded_tokens
+            timing.runs += t.runs
+            timing.bucket = t.bucket
+        return [whole], timing
 
     def _own_lengths(self, feeds: dict[str, np.ndarray], rows: list[int]) -> list[tuple[int, ...]] | None:
         """Each request's longest real row, read from the mask, where an output has a per-token
