@@ -412,8 +412,7 @@ class Engine:
             outputs, timing = self._run_cut(feeds, runs, names)
         else:
             outputs, timing = self._run([feeds], [total], batched, names)
-            if timing.runs == 1 and timing.bucket is None:
-                self._run_cost.observe(timing.padded_tokens, timing.infer_ns * 1e-9)
+            self._observe_run(timing)
         if real is not None:
             timing.tokens = int(real.sum())  # what the rows hold; padded_tokens what ran
         timing.input_ns += pre_ns
@@ -471,15 +470,11 @@ class Engine:
         whole: dict[str, np.ndarray] = {}
         timing = BatchTiming()
         for sel, w in runs:
-            sub = {}
-            for name, arr in feeds.items():
-                part = arr[sel]
-                for axis, _ in plan.input_axes(name):
-                    part = part[(slice(None),) * axis + (slice(0, w),)]
-                sub[name] = part
+            sub = {
+                name: arr[sel][_trim(arr.ndim, plan.input_axes(name), (w,))] for name, arr in feeds.items()
+            }
             out, t = self._run([sub], [len(sel)], True, names)
-            if t.runs == 1 and t.bucket is None:
-                self._run_cost.observe(t.padded_tokens, t.infer_ns * 1e-9)
+            self._observe_run(t)
             t0 = time.perf_counter_ns()
             for name, arr in out[0].items():
                 axes = plan.output_axes(name)
@@ -502,6 +497,11 @@ class Engine:
             timing.runs += t.runs
             timing.bucket = t.bucket
         return [whole], timing
+
+    def _observe_run(self, t: BatchTiming) -> None:
+        """One dynamic-shape run's time into the run cost (a bucketed run's padding is the bucket's)."""
+        if t.runs == 1 and t.bucket is None:
+            self._run_cost.observe(t.padded_tokens, t.infer_ns * 1e-9)
 
     def _own_lengths(self, feeds: dict[str, np.ndarray], rows: list[int]) -> list[tuple[int, ...]] | None:
         """Each request's longest real row, read from the mask, where an output has a per-token
